@@ -1,0 +1,61 @@
+# Two entry points, each doing the whole set-up on a fresh Debian 12 / Ubuntu
+# machine as root: `make demo` and `make test`. Set-up is idempotent and
+# quick once done (stamps under .venv/).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+APT_PACKAGES := iproute2 clang llvm libbpf-dev tcpdump iperf3 ethtool python3-venv python3-pip
+# Packaged on Debian; on Ubuntu bpftool ships in linux-tools and is optional.
+APT_OPTIONAL := bpftool
+BENCH_APT_PACKAGES := mininet
+
+.PHONY: setup system-deps demo test test-unit lint bench clean
+
+setup: $(VENV)/.installed
+
+system-deps: $(VENV)/.apt-done
+
+$(VENV)/.apt-done:
+	@if [ "$$(id -u)" != 0 ]; then echo "make: run as root (apt packages, namespaces)"; exit 1; fi
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	 optional=$$(for p in $(APT_OPTIONAL); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	 if [ -n "$$missing$$optional" ]; then \
+	   echo "installing system packages: $$missing $$optional"; \
+	   apt-get update -qq && \
+	   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing && \
+	   for p in $$optional; do \
+	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$p \
+	       || echo "note: optional package $$p is not available here"; \
+	   done; \
+	 fi
+	@mkdir -p $(VENV) && touch $@
+
+$(VENV)/.installed: $(VENV)/.apt-done pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip >/dev/null
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+demo: setup
+	$(VENV)/bin/testbed smoke configs/default.yaml
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+test-unit: setup
+	$(VENV)/bin/pytest -q -m "not root"
+
+lint: setup
+	$(VENV)/bin/ruff check testbed agents tests bench
+
+bench: setup
+	@missing=$$(for p in $(BENCH_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	 if [ -n "$$missing" ]; then apt-get update -qq && \
+	   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+	$(PY) bench/bringup.py
+
+clean:
+	-$(VENV)/bin/testbed down --all
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Wire formats shared by agents and tests."""

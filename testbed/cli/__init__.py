@@ -1,0 +1,40 @@
+"""Command-line entry point: wires one module per verb (see STYLE.md).
+
+Each verb module has `add_parser(sub)` and `run(args) -> int`. Exit codes:
+0 success, 1 operational failure, 2 bad input (config or arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+VERBS = ["validate", "phy", "plan", "probe", "up", "down", "status", "smoke"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="testbed",
+        description="Emulate a lossless RoCEv2 fabric on Linux namespaces.",
+    )
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for name in VERBS:
+        module = importlib.import_module(f"testbed.cli.{name}")
+        p = module.add_parser(sub)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args._run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Helpers shared by verb modules: load + plan with user-facing errors, root checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from rich.console import Console
+
+from testbed.config import ConfigError, LoadedConfig, load_config
+from testbed.plan import Plan, compile_plan
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class CliError(Exception):
+    """A failure to report as one line and an exit code, without a traceback."""
+
+    def __init__(self, message: str, code: int = EXIT_FAIL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def load_and_plan(path: str) -> tuple[LoadedConfig, Plan]:
+    try:
+        loaded = load_config(path)
+        return loaded, compile_plan(loaded)
+    except ConfigError as exc:
+        for line in exc.lines():
+            print(line, file=sys.stderr)
+        raise CliError(f"{len(exc.problems)} problem(s) in {path}", EXIT_USAGE) from None
+
+
+def require_root(verb: str) -> None:
+    if os.geteuid() != 0:
+        raise CliError(f"`testbed {verb}` builds network namespaces and needs root "
+                       "(run it with sudo)")
+
+
+def wide_console() -> Console:
+    """A rich console that does not squeeze tables to 80 columns when piped."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    return console
+
+
+def print_json(data: object) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+def add_format(parser, choices=("table", "json"), default="table") -> None:
+    parser.add_argument("--format", choices=choices, default=default,
+                        help=f"output format (default {default})")

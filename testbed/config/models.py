@@ -1,0 +1,184 @@
+"""The fabric config as validated pydantic models.
+
+Every model forbids unknown fields, so a typo is an error rather than a
+silently ignored setting. Quantities are written as strings with units
+(`100Gbps`, `2us`, `512KB`) and parsed once, here, into integers whose field
+names carry the unit. Cross-field checks that need the whole fabric (names
+that links refer to, thresholds against buffers) live in `checks.py` so each
+problem is reported with its own location.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+from testbed.units import parse_duration_ns, parse_length_m, parse_rate_bps, parse_size_bytes
+
+FORMAT_VERSION = 1
+
+RateBps = Annotated[int, BeforeValidator(parse_rate_bps), Field(gt=0)]
+SizeBytes = Annotated[int, BeforeValidator(parse_size_bytes), Field(ge=0)]
+DurationNs = Annotated[int, BeforeValidator(parse_duration_ns), Field(ge=0)]
+LengthM = Annotated[float, BeforeValidator(parse_length_m), Field(gt=0)]
+
+NAME_RE = r"^[a-z][a-z0-9_]*$"
+LAB_NAME_RE = r"^[a-z][a-z0-9]{0,15}$"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TrafficClass(Strict):
+    """One of the eight 802.1p priorities, selected by DSCP."""
+
+    tc: int = Field(ge=0, le=7, description="traffic class = 802.1p priority (0..7)")
+    name: str = Field(pattern=NAME_RE)
+    dscp: list[Annotated[int, Field(ge=0, le=63)]] = Field(default_factory=list)
+    lossless: bool = Field(False, description="PFC protects this class")
+    ecn: bool = Field(False, description="ECN marking (DCQCN CP) on this class")
+    strict: bool = Field(False, description="strict priority over the weighted classes")
+    weight: int = Field(1, ge=1, le=100, description="ETS weight among non-strict classes")
+    default: bool = Field(False, description="class for packets whose DSCP no class names")
+
+
+def default_traffic_classes() -> list[TrafficClass]:
+    # The usual RoCE class plan (FACTS.md): data DSCP 26 -> TC3 lossless + ECN,
+    # CNP DSCP 48 -> TC6 strict, everything else TC0 lossy.
+    return [
+        TrafficClass(tc=3, name="roce", dscp=[26], lossless=True, ecn=True, weight=1),
+        TrafficClass(tc=6, name="cnp", dscp=[48], strict=True),
+        TrafficClass(tc=0, name="default", dscp=[], weight=1, default=True),
+    ]
+
+
+EcnPresetName = Literal["hpcc-ns3", "dcqcn-paper", "ns3-rdma"]
+
+
+class EcnConfig(Strict):
+    """DCQCN CP marking curve. A preset, or kmin/kmax/pmax, or a step at k."""
+
+    preset: EcnPresetName | None = None
+    kmin_bytes: SizeBytes | None = Field(None, alias="kmin")
+    kmax_bytes: SizeBytes | None = Field(None, alias="kmax")
+    pmax: float | None = Field(None, gt=0, le=1)
+    k_bytes: SizeBytes | None = Field(None, alias="k", description="step marking at K")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class PfcConfig(Strict):
+    """802.1Qbb priority flow control on a port class."""
+
+    enabled: bool = True
+    priorities: list[Annotated[int, Field(ge=0, le=7)]] | None = Field(
+        None, description="paused priorities; default: every lossless class")
+    xoff_bytes: SizeBytes | None = Field(None, alias="xoff")
+    xon_bytes: SizeBytes | None = Field(None, alias="xon")
+    headroom_bytes: SizeBytes | None = Field(None, alias="headroom")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class PortClass(Strict):
+    """Queueing settings shared by every port that names this class."""
+
+    buffer: dict[Annotated[int, Field(ge=0, le=7)], SizeBytes] = Field(
+        default_factory=dict, description="per traffic class byte limit; missing ones default")
+    # HPCC's ns-3 figures for 25G, unscaled: marks start well below the
+    # default PFC XOFF at every port speed, so DCQCN acts before PFC.
+    ecn: EcnConfig = Field(
+        default_factory=lambda: EcnConfig(kmin="100KB", kmax="400KB", pmax=0.2))
+    pfc: PfcConfig = Field(default_factory=PfcConfig)
+
+
+class LinkSpec(Strict):
+    """The physical layer of a link: a port type from the PHY catalogue and a length."""
+
+    port: str = Field(description="IEEE 802.3 port type, e.g. 400GBASE-DR4")
+    length_m: LengthM = Field(alias="length")
+    qos: str = Field("default", description="port class (key of `qos`) for both ends")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class LeafSpine(Strict):
+    kind: Literal["leaf_spine"]
+    spines: int = Field(ge=1, le=64)
+    leaves: int = Field(ge=1, le=128)
+    hosts_per_leaf: int = Field(ge=1, le=64)
+    host_link: LinkSpec
+    fabric_link: LinkSpec
+
+
+class SingleSwitch(Strict):
+    kind: Literal["single_switch"]
+    hosts: int = Field(ge=1, le=256)
+    host_link: LinkSpec
+
+
+class Ring(Strict):
+    kind: Literal["ring"]
+    switches: int = Field(ge=3, le=64)
+    hosts_per_switch: int = Field(ge=1, le=64)
+    host_link: LinkSpec
+    fabric_link: LinkSpec
+
+
+Topology = Annotated[LeafSpine | SingleSwitch | Ring, Field(discriminator="kind")]
+
+
+class Node(Strict):
+    name: str = Field(pattern=NAME_RE, max_length=15)
+    role: Literal["host", "switch"]
+
+
+class Link(Strict):
+    a: str = Field(description="node name of one end")
+    b: str = Field(description="node name of the other end")
+    port: str
+    length_m: LengthM = Field(alias="length")
+    qos: str = "default"
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Fabric(Strict):
+    """A whole fabric: what `testbed validate/plan/up` read."""
+
+    name: str = Field(pattern=LAB_NAME_RE, description="lab name: lower-case, <= 16 characters")
+    dilation: int | Literal["auto"] = Field("auto", description="time dilation D, or auto")
+    max_wall_port_rate_bps: RateBps | None = Field(
+        None, alias="max_wall_port_rate",
+        description="wall-rate budget per port for dilation: auto (default: calibrated or 200Mbps)")
+    address_pool: ipaddress.IPv4Network = ipaddress.IPv4Network("198.18.0.0/15")
+    mtu_bytes: int = Field(9000, alias="mtu", ge=1280, le=9216)
+    roce_mtu_bytes: Literal[256, 512, 1024, 2048, 4096] = Field(4096, alias="roce_mtu")
+    traffic_classes: list[TrafficClass] = Field(default_factory=default_traffic_classes)
+    qos: dict[str, PortClass] = Field(default_factory=lambda: {"default": PortClass()})
+    topology: Topology | None = None
+    nodes: list[Node] = Field(default_factory=list)
+    links: list[Link] = Field(default_factory=list)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("dilation", mode="before")
+    @classmethod
+    def _dilation(cls, value: object) -> object:
+        if isinstance(value, bool) or (isinstance(value, int) and value < 1):
+            raise ValueError("dilation must be an integer >= 1 or 'auto'")
+        return value
+
+    @field_validator("qos")
+    @classmethod
+    def _qos_names(cls, value: dict[str, PortClass]) -> dict[str, PortClass]:
+        for key in value:
+            if not re.match(NAME_RE, key):
+                raise ValueError(f"port class name {key!r} must match {NAME_RE}")
+        if "default" not in value:
+            value = {"default": PortClass(), **value}
+        return value

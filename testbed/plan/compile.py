@@ -1,0 +1,340 @@
+"""Stage 3: compile a validated config and its PHY into a plan. Pure.
+
+Address plan: the host links of each switch share one aligned block, so
+every other switch needs one route per switch (to the block), not one per
+host; multi-homed hosts get per-link /31 routes. Switch-to-switch links take
+/31s after the blocks. Switches route with ECMP over every equal-cost
+neighbour (shortest paths over the switch graph) and hash on L4 ports.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+from agents.timebase import Dilation
+from testbed.config import LoadedConfig
+from testbed.config.errors import ConfigError, Problem
+from testbed.phy import PhyResult, evaluate
+from testbed.plan.model import (
+    ClassPlan,
+    DilationPlan,
+    EcnPlan,
+    EgressPlan,
+    InterfacePlan,
+    LinkEndPlan,
+    LinkPlan,
+    NextHopPlan,
+    NodePlan,
+    PeerPlan,
+    PfcPlan,
+    Plan,
+    RoutePlan,
+    TrafficClassPlan,
+)
+from testbed.plan.qos import ETH_WIRE_OVERHEAD_BYTES, resolve_port_qos
+
+# A conservative wall-rate budget per port for `dilation: auto` when the
+# config says none and `testbed calibrate` has not measured this machine.
+DEFAULT_MAX_WALL_PORT_RATE_BPS = 200_000_000
+NETNS_PREFIX = "tb-"
+# HTB sees skb->len, which includes the 14-byte Ethernet header but not the
+# FCS (4), preamble (8) and inter-frame gap (12) that occupy the wire.
+HTB_OVERHEAD_BYTES = 4 + 8 + 12
+# Floor of a strict class's guaranteed share; it borrows the rest first (prio 0).
+STRICT_SHARE = 0.01
+
+SWITCH_SYSCTLS = {
+    "net.ipv4.ip_forward": "1",
+    "net.ipv4.fib_multipath_hash_policy": "1",   # L4 hash: ECMP spreads by ports
+    "net.ipv4.conf.all.rp_filter": "0",            # ECMP paths are asymmetric
+    "net.ipv4.conf.default.rp_filter": "0",
+    "net.ipv6.conf.all.disable_ipv6": "1",        # no ND/MLD chatter in counters
+    "net.ipv6.conf.default.disable_ipv6": "1",
+}
+HOST_SYSCTLS = {
+    "net.ipv4.fib_multipath_hash_policy": "1",
+    "net.ipv4.conf.all.rp_filter": "0",
+    "net.ipv4.conf.default.rp_filter": "0",
+    "net.ipv6.conf.all.disable_ipv6": "1",
+    "net.ipv6.conf.default.disable_ipv6": "1",
+}
+
+
+def netns_name(lab: str, node: str) -> str:
+    return f"{NETNS_PREFIX}{lab}-{node}"
+
+
+def nice_ceiling(value: float) -> int:
+    """Smallest of 1, 2, 5 x 10^k that is >= value (dilation factors people can read)."""
+    if value <= 1:
+        return 1
+    exp = 10 ** math.floor(math.log10(value))
+    for step in (1, 2, 5, 10):
+        if step * exp >= value - 1e-9:
+            return int(step * exp)
+    raise AssertionError("unreachable")
+
+
+def choose_dilation(configured: int | str, busiest_bps: int, budget_bps: int) -> DilationPlan:
+    if configured == "auto":
+        factor = nice_ceiling(busiest_bps / budget_bps)
+        mode = "auto"
+    else:
+        factor = int(configured)
+        mode = "fixed"
+    d = Dilation(factor)
+    return DilationPlan(factor=factor, mode=mode, max_wall_port_rate_bps=budget_bps,
+                        busiest_port_bps=busiest_bps,
+                        busiest_wall_port_bps=d.to_wall_bps(busiest_bps))
+
+
+def mac_for(link_index: int, end: int) -> str:
+    # Locally administered, deterministic: pcaps and neighbour tables repeat run to run.
+    b = link_index.to_bytes(3, "big")
+    return f"02:54:{b[0]:02x}:{b[1]:02x}:{b[2]:02x}:{end:02x}"
+
+
+@dataclass
+class _End:
+    node: str
+    ifname: str
+    address: ipaddress.IPv4Address
+
+
+class _Allocator:
+    def __init__(self, pool: ipaddress.IPv4Network) -> None:
+        self.pool = pool
+        self.cursor = int(pool.network_address)
+        self.end = int(pool.broadcast_address) + 1
+
+    def block(self, n_addresses: int) -> ipaddress.IPv4Network:
+        size = 1 << max(1, math.ceil(math.log2(n_addresses)))
+        start = -(-self.cursor // size) * size
+        if start + size > self.end:
+            raise OverflowError(f"address pool {self.pool} is exhausted")
+        self.cursor = start + size
+        return ipaddress.IPv4Network((start, 32 - int(math.log2(size))))
+
+
+def _egress(rate_bps: int, dilation: Dilation, classes_qos, tclasses, mtu_bytes: int) -> EgressPlan:
+    wall = dilation.to_wall_bps(rate_bps)
+    frame = mtu_bytes + ETH_WIRE_OVERHEAD_BYTES
+    strict = [t for t in tclasses if t.strict]
+    weighted = [t for t in tclasses if not t.strict]
+    strict_wall = max(8_000, int(wall * STRICT_SHARE))
+    left = max(8_000, wall - strict_wall * len(strict))
+    total_weight = sum(t.weight for t in weighted) or 1
+    by_tc = {q.tc: q for q in classes_qos}
+    classes = []
+    default_classid = ""
+    for tclass in sorted(tclasses, key=lambda t: t.tc):
+        q = by_tc[tclass.tc]
+        classid = f"1:{0x10 + tclass.tc:x}"
+        if tclass.default:
+            default_classid = classid
+        share = strict_wall if tclass.strict else max(8_000, left * tclass.weight // total_weight)
+        classes.append(ClassPlan(
+            tc=tclass.tc, name=tclass.name, dscp=sorted(tclass.dscp), classid=classid,
+            leaf_handle=f"{0x100 + tclass.tc:x}:", prio=0 if tclass.strict else 1,
+            wall_rate_bps=share, wall_ceil_bps=wall, limit_bytes=q.limit_bytes,
+            lossless=tclass.lossless,
+            ecn=EcnPlan(**vars(q.ecn)) if q.ecn else None,
+            pfc=PfcPlan(**vars(q.pfc)) if q.pfc else None,
+        ))
+    # A burst of two frames, or 100 us of wall time at low rates' timer granularity.
+    burst = max(2 * frame, wall // 8 // 10_000)
+    return EgressPlan(rate_bps=rate_bps, wall_rate_bps=wall, overhead_bytes=HTB_OVERHEAD_BYTES,
+                      burst_bytes=burst, quantum_bytes=frame, default_classid=default_classid,
+                      classes=classes)
+
+
+def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None) -> Plan:
+    """Config + PHY + dilation -> plan. Raises ConfigError for problems only the plan finds."""
+    fabric = loaded.fabric
+    nodes = loaded.expanded.nodes
+    links = loaded.expanded.links
+    role = {n.name: n.role for n in nodes}
+    budget = (fabric.max_wall_port_rate_bps or max_wall_port_rate_bps
+              or DEFAULT_MAX_WALL_PORT_RATE_BPS)
+    problems: list[Problem] = []
+
+    phys: list[PhyResult] = [evaluate(link.port, link.length_m, fabric.mtu_bytes)
+                             for link in links]
+    busiest = max((p.mac_rate_bps for p in phys), default=1)
+    dplan = choose_dilation(fabric.dilation, busiest, budget)
+    dilation = Dilation(dplan.factor)
+    warnings: list[str] = []
+    if dplan.busiest_wall_port_bps > budget:
+        warnings.append(f"dilation D={dplan.factor} puts the busiest port at "
+                        f"{dplan.busiest_wall_port_bps / 1e6:g} Mb/s wall, above this machine's "
+                        f"{budget / 1e6:g} Mb/s budget: ports may fall behind their rate; "
+                        "raise D or use dilation: auto")
+
+    # Interface names: hosts eth0.., switches swp1.. in link order.
+    ifnames: dict[tuple[int, str], str] = {}
+    count: dict[str, int] = defaultdict(int)
+    for i, link in enumerate(links):
+        for end in ("a", "b"):
+            node = getattr(link, end)
+            n = count[node]
+            count[node] += 1
+            ifnames[(i, end)] = f"eth{n}" if role[node] == "host" else f"swp{n + 1}"
+
+    # Host links: which are single-homed host <-> switch links, grouped by switch.
+    host_links_of_host: dict[str, list[int]] = defaultdict(list)
+    for i, link in enumerate(links):
+        for end, other in (("a", "b"), ("b", "a")):
+            if role[getattr(link, end)] == "host" and role[getattr(link, other)] == "switch":
+                host_links_of_host[getattr(link, end)].append(i)
+    aggregated: dict[str, list[int]] = defaultdict(list)   # switch -> host link indices
+    for idxs in host_links_of_host.values():
+        if len(idxs) == 1:
+            link = links[idxs[0]]
+            switch = link.b if role[link.b] == "switch" else link.a
+            aggregated[switch].append(idxs[0])
+
+    alloc = _Allocator(fabric.address_pool)
+    subnets: dict[int, ipaddress.IPv4Network] = {}
+    blocks: dict[str, ipaddress.IPv4Network] = {}
+    try:
+        for switch in [n.name for n in nodes if n.name in aggregated]:
+            idxs = aggregated[switch]
+            block = alloc.block(2 * len(idxs))
+            blocks[switch] = block
+            base = int(block.network_address)
+            for k, i in enumerate(idxs):
+                subnets[i] = ipaddress.IPv4Network((base + 2 * k, 31))
+        for i in range(len(links)):
+            if i not in subnets:
+                subnets[i] = alloc.block(2)
+    except OverflowError as exc:
+        problems.append(Problem(loaded.lines.line_for(("address_pool",)), ("address_pool",),
+                                f"{exc}: {len(links)} links need more addresses; "
+                                "give a larger pool"))
+        raise ConfigError(loaded.path, problems) from None
+
+    # The switch end is the lower (gateway) address; otherwise the a end.
+    ends: dict[tuple[int, str], _End] = {}
+    for i, link in enumerate(links):
+        low, high = subnets[i].network_address, subnets[i].network_address + 1
+        a_low = not (role[link.a] == "host" and role[link.b] == "switch")
+        ends[(i, "a")] = _End(link.a, ifnames[(i, "a")], low if a_low else high)
+        ends[(i, "b")] = _End(link.b, ifnames[(i, "b")], high if a_low else low)
+
+    # Per-port QoS, both ends of every link.
+    link_plans: list[LinkPlan] = []
+    egress: dict[tuple[int, str], EgressPlan] = {}
+    tclasses = list(fabric.traffic_classes)
+    for i, (link, phy) in enumerate(zip(links, phys, strict=True)):
+        port_class = fabric.qos[link.qos]
+        classes_qos, qos_problems = resolve_port_qos(
+            port_class, tclasses, phy.mac_rate_bps, round(phy.delay_ns), fabric.mtu_bytes)
+        for qp in qos_problems:
+            loc = ("qos", link.qos, *qp.field.split("."))
+            msg = f"{qp.message} (link {link.a}-{link.b}, {link.port})"
+            if not any(p.loc == loc for p in problems):
+                problems.append(Problem(loaded.lines.line_for(loc), loc, msg))
+        for end in ("a", "b"):
+            egress[(i, end)] = _egress(phy.mac_rate_bps, dilation, classes_qos, tclasses,
+                                       fabric.mtu_bytes)
+        link_plans.append(LinkPlan(
+            index=i, a=LinkEndPlan(node=link.a, ifname=ifnames[(i, "a")]),
+            b=LinkEndPlan(node=link.b, ifname=ifnames[(i, "b")]), subnet=str(subnets[i]),
+            port_type=link.port, length_m=link.length_m, qos=link.qos,
+            rate_bps=phy.mac_rate_bps, wall_rate_bps=dilation.to_wall_bps(phy.mac_rate_bps),
+            delay_ns=round(phy.delay_ns), wall_delay_ns=dilation.to_wall_ns(round(phy.delay_ns)),
+            frame_loss_ratio=phy.frame_loss_ratio, phy_warnings=list(phy.warnings)))
+    if problems:
+        raise ConfigError(loaded.path, problems)
+
+    routes = _routes(nodes, links, role, ends, subnets, blocks, aggregated, fabric.address_pool)
+
+    node_plans = []
+    for node in nodes:
+        interfaces = []
+        for i in range(len(links)):
+            for end, other in (("a", "b"), ("b", "a")):
+                if ends[(i, end)].node != node.name:
+                    continue
+                me, peer = ends[(i, end)], ends[(i, other)]
+                interfaces.append(InterfacePlan(
+                    ifname=me.ifname, mac=mac_for(i, 0 if end == "a" else 1),
+                    address=f"{me.address}/31", mtu_bytes=fabric.mtu_bytes, link=i,
+                    peer=PeerPlan(node=peer.node, ifname=peer.ifname, address=str(peer.address)),
+                    egress=egress[(i, end)]))
+        node_plans.append(NodePlan(
+            name=node.name, role=node.role, netns=netns_name(fabric.name, node.name),
+            sysctls=dict(SWITCH_SYSCTLS if node.role == "switch" else HOST_SYSCTLS),
+            interfaces=interfaces, routes=routes.get(node.name, [])))
+
+    for link in link_plans:
+        warnings += [f"link {link.index} {link.a.node}-{link.b.node}: {w}"
+                     for w in link.phy_warnings]
+    return Plan(
+        lab=fabric.name, netns_prefix=netns_name(fabric.name, ""),
+        address_pool=str(fabric.address_pool), mtu_bytes=fabric.mtu_bytes,
+        roce_mtu_bytes=fabric.roce_mtu_bytes, dilation=dplan,
+        traffic_classes=[TrafficClassPlan(**t.model_dump()) for t in tclasses],
+        nodes=node_plans, links=link_plans, warnings=warnings)
+
+
+def _routes(nodes, links, role, ends, subnets, blocks, aggregated,
+            pool) -> dict[str, list[RoutePlan]]:
+    switches = [n.name for n in nodes if n.role == "switch"]
+    # Switch adjacency with the (link, end) of each hop, in link order.
+    adj: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
+    for i, link in enumerate(links):
+        if role[link.a] == "switch" and role[link.b] == "switch":
+            adj[link.a].append((link.b, i, "a"))
+            adj[link.b].append((link.a, i, "b"))
+
+    def distances(target: str) -> dict[str, int]:
+        dist = {target: 0}
+        queue = deque([target])
+        while queue:
+            cur = queue.popleft()
+            for nbr, _, _ in adj[cur]:
+                if nbr not in dist:
+                    dist[nbr] = dist[cur] + 1
+                    queue.append(nbr)
+        return dist
+
+    # Destinations: (prefix, switch that owns it).
+    dests: list[tuple[ipaddress.IPv4Network, str]] = [(blocks[s], s) for s in switches
+                                                       if s in blocks]
+    aggregated_links = {i for idxs in aggregated.values() for i in idxs}
+    for i, link in enumerate(links):
+        if i in aggregated_links:
+            continue
+        is_host_link = (role[link.a] == "host") != (role[link.b] == "host")
+        if is_host_link:
+            switch = link.a if role[link.a] == "switch" else link.b
+            dests.append((subnets[i], switch))
+
+    out: dict[str, list[RoutePlan]] = defaultdict(list)
+    for prefix, owner in dests:
+        dist = distances(owner)
+        for sw in switches:
+            if sw == owner or sw not in dist:
+                continue
+            hops = [NextHopPlan(gateway=str(ends[(i, "b" if end == "a" else "a")].address),
+                                ifname=ends[(i, end)].ifname)
+                    for nbr, i, end in adj[sw] if dist.get(nbr, math.inf) == dist[sw] - 1]
+            out[sw].append(RoutePlan(dst=str(prefix), nexthops=hops))
+    for node in nodes:
+        if node.role != "host":
+            continue
+        hops = []
+        for i, link in enumerate(links):
+            for end, other in (("a", "b"), ("b", "a")):
+                if getattr(link, end) == node.name and role[getattr(link, other)] == "switch":
+                    hops.append(NextHopPlan(gateway=str(ends[(i, other)].address),
+                                            ifname=ends[(i, end)].ifname))
+        if hops:
+            out[node.name].append(RoutePlan(dst=str(pool), nexthops=hops))
+    for name in out:
+        out[name].sort(key=lambda r: ipaddress.IPv4Network(r.dst))
+    return out

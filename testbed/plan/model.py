@@ -1,0 +1,158 @@
+"""The plan: everything `testbed/net` needs to build a fabric, as plain data.
+
+Wall units appear here for the first time (rates the kernel is told, delays
+netem would apply); fabric units are kept beside them so reports can speak
+fabric. The plan serialises to deterministic JSON and is golden-tested.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+PLAN_FORMAT_VERSION = 1
+
+
+class PlanModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EcnPlan(PlanModel):
+    kmin_bytes: int
+    kmax_bytes: int
+    pmax: float
+
+
+class PfcPlan(PlanModel):
+    priority: int
+    xoff_bytes: int
+    xon_bytes: int
+    headroom_bytes: int
+
+
+class ClassPlan(PlanModel):
+    tc: int
+    name: str
+    dscp: list[int]
+    classid: str          # HTB class, "1:13"
+    leaf_handle: str      # leaf qdisc handle, "113:"
+    prio: int             # HTB priority: strict classes 0, weighted classes 1
+    wall_rate_bps: int    # guaranteed share
+    wall_ceil_bps: int    # may borrow up to the port rate
+    limit_bytes: int      # buffer of this class on this port
+    lossless: bool
+    ecn: EcnPlan | None
+    pfc: PfcPlan | None
+
+
+class EgressPlan(PlanModel):
+    rate_bps: int              # fabric MAC rate
+    wall_rate_bps: int
+    overhead_bytes: int        # per-packet bytes HTB adds to skb length (FCS, preamble, IFG)
+    burst_bytes: int
+    quantum_bytes: int
+    default_classid: str
+    classes: list[ClassPlan]
+
+
+class PeerPlan(PlanModel):
+    node: str
+    ifname: str
+    address: str
+
+
+class InterfacePlan(PlanModel):
+    ifname: str
+    mac: str
+    address: str          # "198.18.0.1/31"
+    mtu_bytes: int
+    link: int             # index into Plan.links
+    peer: PeerPlan
+    egress: EgressPlan
+
+
+class NextHopPlan(PlanModel):
+    gateway: str
+    ifname: str
+
+
+class RoutePlan(PlanModel):
+    dst: str
+    nexthops: list[NextHopPlan]
+
+
+class NodePlan(PlanModel):
+    name: str
+    role: str
+    netns: str
+    sysctls: dict[str, str]
+    interfaces: list[InterfacePlan]
+    routes: list[RoutePlan]
+
+
+class LinkEndPlan(PlanModel):
+    node: str
+    ifname: str
+
+
+class LinkPlan(PlanModel):
+    index: int
+    a: LinkEndPlan
+    b: LinkEndPlan
+    subnet: str
+    port_type: str
+    length_m: float
+    qos: str
+    rate_bps: int
+    wall_rate_bps: int
+    delay_ns: int          # one way: propagation + FEC/DSP, fabric time
+    wall_delay_ns: int
+    frame_loss_ratio: float
+    phy_warnings: list[str]
+
+
+class DilationPlan(PlanModel):
+    factor: int
+    mode: str                       # "fixed" or "auto"
+    max_wall_port_rate_bps: int     # budget a port's wall rate must stay under (auto)
+    busiest_port_bps: int           # fabric rate of the fastest port
+    busiest_wall_port_bps: int
+
+
+class TrafficClassPlan(PlanModel):
+    tc: int
+    name: str
+    dscp: list[int]
+    lossless: bool
+    ecn: bool
+    strict: bool
+    weight: int
+    default: bool
+
+
+class Plan(PlanModel):
+    format_version: int = PLAN_FORMAT_VERSION
+    lab: str
+    netns_prefix: str
+    address_pool: str
+    mtu_bytes: int
+    roce_mtu_bytes: int
+    dilation: DilationPlan
+    traffic_classes: list[TrafficClassPlan]
+    nodes: list[NodePlan]
+    links: list[LinkPlan]
+    warnings: list[str]     # fidelity risks known before anything runs
+
+    def node(self, name: str) -> NodePlan:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"no node {name!r} in plan of lab {self.lab!r}")
+
+    def hosts(self) -> list[NodePlan]:
+        return [n for n in self.nodes if n.role == "host"]
+
+    def switches(self) -> list[NodePlan]:
+        return [n for n in self.nodes if n.role == "switch"]
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"

@@ -1,0 +1,134 @@
+"""Resolve a port class into concrete per-class queue, ECN and PFC settings.
+
+Pure. Inputs are fabric units (the port's MAC rate, the link's one-way
+delay); outputs are bytes and probabilities, which time dilation leaves
+unchanged. Presets come from shared/FACTS.md and live in one table here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from testbed.config.models import PortClass, TrafficClass
+
+# Per traffic-class buffer when the port class does not say (bytes).
+DEFAULT_BUFFER_BYTES = {"lossless": 2_000_000, "strict": 256_000, "lossy": 1_000_000}
+
+# DCQCN CP presets (FACTS.md). `per_25g` presets scale with the port rate
+# the way HPCC's ns-3 scripts do (25G 100/400 KB, 100G 400/1600 KB).
+ECN_PRESETS = {
+    "hpcc-ns3": {"kmin_bytes": 100_000, "kmax_bytes": 400_000, "pmax": 0.2, "per_25g": True},
+    "dcqcn-paper": {"kmin_bytes": 5_000, "kmax_bytes": 200_000, "pmax": 0.01, "per_25g": False},
+    "ns3-rdma": {"kmin_bytes": 40_000, "kmax_bytes": 1_000_000, "pmax": 1.0, "per_25g": False},
+}
+
+# 802.1Qbb response time the Cisco headroom formula allows: 60 pause quanta
+# of 512 bit times each.
+PFC_RESPONSE_BYTES = 60 * 512 // 8
+# Ethernet header + FCS + preamble/IFG that a full-MTU frame occupies on the wire.
+ETH_WIRE_OVERHEAD_BYTES = 14 + 4 + 20
+
+
+@dataclass(frozen=True)
+class EcnSettings:
+    kmin_bytes: int
+    kmax_bytes: int
+    pmax: float
+
+
+@dataclass(frozen=True)
+class PfcSettings:
+    priority: int
+    xoff_bytes: int
+    xon_bytes: int
+    headroom_bytes: int
+
+
+@dataclass(frozen=True)
+class ClassQos:
+    tc: int
+    name: str
+    limit_bytes: int
+    ecn: EcnSettings | None
+    pfc: PfcSettings | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class QosProblem:
+    field: str      # dotted path below the port class, e.g. "pfc.xoff"
+    message: str
+
+
+def headroom_bytes(rate_bps: int, one_way_delay_ns: int, mtu_bytes: int) -> int:
+    """Cisco's PFC headroom: MTU_rx + 2 x cable delay x rate + response time + MTU_tx."""
+    frame = mtu_bytes + ETH_WIRE_OVERHEAD_BYTES
+    in_flight = 2 * one_way_delay_ns * rate_bps // 8_000_000_000
+    return frame + in_flight + PFC_RESPONSE_BYTES + frame
+
+
+def resolve_ecn(port_class: PortClass, rate_bps: int) -> EcnSettings:
+    ecn = port_class.ecn
+    if ecn.k_bytes is not None:
+        return EcnSettings(ecn.k_bytes, ecn.k_bytes, 1.0)
+    if ecn.kmin_bytes is not None and ecn.kmax_bytes is not None:
+        return EcnSettings(ecn.kmin_bytes, ecn.kmax_bytes, ecn.pmax if ecn.pmax else 1.0)
+    preset = ECN_PRESETS[ecn.preset or "dcqcn-paper"]
+    scale = rate_bps / 25e9 if preset["per_25g"] else 1.0
+    return EcnSettings(round(preset["kmin_bytes"] * scale), round(preset["kmax_bytes"] * scale),
+                       preset["pmax"])
+
+
+def _default_buffer(tclass: TrafficClass) -> int:
+    if tclass.lossless:
+        return DEFAULT_BUFFER_BYTES["lossless"]
+    if tclass.strict:
+        return DEFAULT_BUFFER_BYTES["strict"]
+    return DEFAULT_BUFFER_BYTES["lossy"]
+
+
+def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_bps: int,
+                     one_way_delay_ns: int, mtu_bytes: int
+                     ) -> tuple[list[ClassQos], list[QosProblem]]:
+    """Concrete settings for every traffic class on one port, and any problems found."""
+    problems: list[QosProblem] = []
+    pfc_cfg = port_class.pfc
+    lossless_tcs = [t.tc for t in tclasses if t.lossless]
+    pfc_tcs = set(lossless_tcs if pfc_cfg.priorities is None else pfc_cfg.priorities)
+    ecn = resolve_ecn(port_class, rate_bps)
+    out: list[ClassQos] = []
+    for tclass in tclasses:
+        limit = port_class.buffer.get(tclass.tc, _default_buffer(tclass))
+        ecn_here = ecn if tclass.ecn else None
+        pfc_here = None
+        if pfc_cfg.enabled and tclass.tc in pfc_tcs:
+            headroom = pfc_cfg.headroom_bytes
+            if headroom is None:
+                headroom = headroom_bytes(rate_bps, one_way_delay_ns, mtu_bytes)
+            xoff = pfc_cfg.xoff_bytes if pfc_cfg.xoff_bytes is not None else limit // 2
+            xon = pfc_cfg.xon_bytes
+            if xon is None:
+                xon = max(0, xoff - 2 * (mtu_bytes + ETH_WIRE_OVERHEAD_BYTES))
+            if xoff + headroom > limit:
+                problems.append(QosProblem(
+                    f"buffer.{tclass.tc}",
+                    f"TC{tclass.tc} buffer {limit} B cannot hold XOFF {xoff} B plus PFC headroom "
+                    f"{headroom} B at {rate_bps / 1e9:g} Gb/s; raise the buffer to at least "
+                    f"{xoff + headroom} B or lower pfc.xoff"))
+            if xon > xoff:
+                problems.append(QosProblem(
+                    "pfc.xon", f"XON {xon} B is above XOFF {xoff} B; XON must be lower"))
+            if ecn_here is not None and ecn_here.kmin_bytes >= xoff:
+                problems.append(QosProblem(
+                    "ecn.kmin",
+                    f"{ecn_here.kmin_bytes} B is not below pfc.xoff {xoff} B on TC{tclass.tc} at "
+                    f"{rate_bps / 1e9:g} Gb/s, so PFC will fire before ECN marks"))
+            pfc_here = PfcSettings(tclass.tc, xoff, xon, headroom)
+        if ecn_here is not None and ecn_here.kmin_bytes > limit:
+            problems.append(QosProblem(
+                "ecn.kmin", f"{ecn_here.kmin_bytes} B is above the TC{tclass.tc} buffer "
+                f"{limit} B at {rate_bps / 1e9:g} Gb/s, so the class drops before it marks"))
+        out.append(ClassQos(tclass.tc, tclass.name, limit, ecn_here, pfc_here))
+    return out, problems

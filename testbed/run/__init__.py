@@ -1,0 +1,1 @@
+"""Stage 5: the lifecycle of work on a built fabric - agents, traffic, checks."""

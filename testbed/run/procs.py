@@ -1,0 +1,81 @@
+"""Start data-plane agents inside a lab's namespaces and stop them by pid.
+
+An agent runs as `ip netns exec NS python -m agents.NAME ...` from an argv
+list (no shell). `ip netns exec` execs the command, so the pid we hold is
+the agent's own; it is recorded in the lab state with its start time, so
+`testbed down` can end it even if this process dies, and never ends a
+stranger that reused the pid.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from testbed.net.state import LabState, ProcessRecord, process_start_time
+
+
+@dataclass
+class AgentProcess:
+    name: str
+    netns: str
+    popen: subprocess.Popen
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+    def result(self, timeout_s: float | None = None) -> dict:
+        """Wait for exit and return the JSON counters the agent printed last."""
+        try:
+            out, err = self.popen.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            out, err = self.popen.communicate()
+        for line in reversed(out.splitlines()):
+            line = line.strip()
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"agent {self.name} in {self.netns} exited {self.popen.returncode} "
+                           f"without counters: {err.strip()[-500:]}")
+
+
+def start_agent(lab: str, netns: str, module: str, argv: list[str], name: str) -> AgentProcess:
+    cmd = ["ip", "netns", "exec", netns, sys.executable, "-m", module, *argv]
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.DEVNULL)
+    # Record it at once: a run killed right now must still be able to end it.
+    for _ in range(50):
+        start = process_start_time(popen.pid)
+        if start is not None:
+            break
+        time.sleep(0.001)
+    state = LabState.load(lab)
+    if state is not None and start is not None:
+        state.processes.append(ProcessRecord(pid=popen.pid, netns=netns, name=name,
+                                             start_time=start))
+        state.save()
+    return AgentProcess(name=name, netns=netns, popen=popen)
+
+
+def forget_exited(lab: str) -> None:
+    """Drop records of agents that have exited, so the state stays short."""
+    state = LabState.load(lab)
+    if state is None:
+        return
+    state.processes = [p for p in state.processes
+                       if process_start_time(p.pid) == p.start_time]
+    state.save()

@@ -1,0 +1,136 @@
+"""Checks that a built fabric forwards: reachability, line rate, ECMP spread.
+
+`testbed smoke` runs them and prints what it saw; the integration tests call
+the same functions and assert on what they return. Durations are chosen in
+wall seconds (what a person waits) and handed to agents in fabric units.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from agents.timebase import Dilation
+from testbed.net.counters import read_counters
+from testbed.plan.model import Plan
+from testbed.run.procs import AgentProcess, forget_exited, start_agent
+
+ECHO_PORT = 7000
+STREAM_PORT = 5001
+# Bytes per packet the agents count beyond the UDP payload: UDP 8 + IPv4 20 +
+# Ethernet 14 + FCS/preamble/IFG 24 - the same bytes HTB charges (skb->len
+# plus the plan's 24-byte overhead).
+WIRE_OVERHEAD_BYTES = 66
+
+
+def host_address(plan: Plan, host: str) -> str:
+    return plan.node(host).interfaces[0].address.split("/")[0]
+
+
+def _ready(path: str, timeout_s: float = 10.0) -> None:
+    import os
+
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"agent did not become ready ({path})")
+        time.sleep(0.01)
+
+
+def reachability(plan: Plan, tmpdir: str, count: int = 2,
+                 timeout_wall_s: float = 1.0) -> dict[tuple[str, str], dict]:
+    """UDP echo between every ordered pair of hosts; result per (src, dst)."""
+    d = Dilation(plan.dilation.factor)
+    hosts = [h.name for h in plan.hosts()]
+    echoes: list[AgentProcess] = []
+    results: dict[tuple[str, str], dict] = {}
+    try:
+        for h in hosts:
+            ready = f"{tmpdir}/echo-{h}.ready"
+            echoes.append(start_agent(plan.lab, plan.node(h).netns, "agents.udp",
+                                      ["echo", "--port", str(ECHO_PORT), "--ready-file", ready,
+                                       "--dilation", str(d.factor)], f"echo-{h}"))
+        for h in hosts:
+            _ready(f"{tmpdir}/echo-{h}.ready")
+        # One batch of pings per destination offset, so at most len(hosts) run at once.
+        for offset in range(1, len(hosts)):
+            batch = []
+            for i, src in enumerate(hosts):
+                dst = hosts[(i + offset) % len(hosts)]
+                timeout_ns = round(d.to_fabric_ns_from_wall_s(timeout_wall_s))
+                batch.append(((src, dst), start_agent(
+                    plan.lab, plan.node(src).netns, "agents.udp",
+                    ["ping", "--dst", host_address(plan, dst), "--dport", str(ECHO_PORT),
+                     "--count", str(count), "--timeout-ns", str(timeout_ns),
+                     "--dilation", str(d.factor)], f"ping-{src}-{dst}")))
+            for pair, proc in batch:
+                results[pair] = proc.result(timeout_s=timeout_wall_s * count + 10)
+    finally:
+        for echo in echoes:
+            echo.stop()
+        forget_exited(plan.lab)
+    return results
+
+
+@dataclass
+class StreamResult:
+    src: str
+    dst: str
+    expected_wall_bps: int
+    expected_fabric_bps: int
+    sender: dict
+    receiver: dict
+
+    @property
+    def ratio(self) -> float:
+        return self.receiver.get("wall_bps", 0) / self.expected_wall_bps
+
+
+def stream(plan: Plan, src: str, dst: str, tmpdir: str, wall_seconds: float = 3.0,
+           overdrive: float = 1.1, flows: int = 1, payload_bytes: int | None = None,
+           dscp: int = 0) -> StreamResult:
+    """Send at `overdrive` x the source NIC's line rate; measure what arrives."""
+    d = Dilation(plan.dilation.factor)
+    nic = plan.node(src).interfaces[0]
+    line_bps = nic.egress.rate_bps
+    size = payload_bytes or plan.mtu_bytes - 28
+    duration_ns = round(d.to_fabric_ns_from_wall_s(wall_seconds))
+    ready = f"{tmpdir}/recv-{dst}.ready"
+    receiver = start_agent(plan.lab, plan.node(dst).netns, "agents.udp",
+                           ["recv", "--port", str(STREAM_PORT), "--ready-file", ready,
+                            "--idle-exit-ns", str(round(d.to_fabric_ns_from_wall_s(1.0))),
+                            "--dilation", str(d.factor)], f"recv-{dst}")
+    try:
+        _ready(ready)
+        sender = start_agent(plan.lab, plan.node(src).netns, "agents.udp",
+                             ["send", "--dst", host_address(plan, dst),
+                              "--dport", str(STREAM_PORT), "--sport", "40000",
+                              "--flows", str(flows),
+                              "--rate-bps", str(round(line_bps * overdrive)),
+                              "--size", str(size), "--duration-ns", str(duration_ns),
+                              "--dscp", str(dscp), "--dilation", str(d.factor)],
+                             f"send-{src}")
+        sent = sender.result(timeout_s=wall_seconds * 3 + 10)
+        received = receiver.result(timeout_s=15)
+    finally:
+        receiver.stop()
+        forget_exited(plan.lab)
+    return StreamResult(src, dst, nic.egress.wall_rate_bps, line_bps, sent, received)
+
+
+def link_tx_bytes(plan: Plan) -> dict[tuple[str, str], int]:
+    ifaces, _ = read_counters(plan)
+    return {(c.node, c.ifname): c.tx_bytes for c in ifaces}
+
+
+def uplink_spread(plan: Plan, before: dict, after: dict, switch: str) -> dict[str, int]:
+    """Bytes each switch-facing port of `switch` sent between two snapshots."""
+    node = plan.node(switch)
+    roles = {n.name: n.role for n in plan.nodes}
+    return {i.ifname: after[(switch, i.ifname)] - before[(switch, i.ifname)]
+            for i in node.interfaces if roles[i.peer.node] == "switch"}
+
+
+def all_pairs(hosts: list[str]) -> list[tuple[str, str]]:
+    return list(itertools.permutations(hosts, 2))
