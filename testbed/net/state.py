@@ -19,7 +19,8 @@ STATE_FORMAT_VERSION = 1
 
 
 def state_dir() -> Path:
-    # /run is a tmpfs, like /run/netns: both vanish together on reboot.
+    # One directory per lab. /run is a tmpfs, like /run/netns: both vanish
+    # together on reboot.
     return Path(os.environ.get("TESTBED_STATE_DIR", "/run/testbed/labs"))
 
 
@@ -44,12 +45,17 @@ class LabState:
     format_version: int = STATE_FORMAT_VERSION
 
     @property
+    def directory(self) -> Path:
+        return state_dir() / self.lab
+
+    @property
     def path(self) -> Path:
-        return state_dir() / f"{self.lab}.json"
+        return self.directory / "state.json"
 
     def save(self) -> None:
         path = self.path
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        state_dir().mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.parent.mkdir(exist_ok=True, mode=0o700)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
         os.chmod(tmp, 0o600)
@@ -57,15 +63,19 @@ class LabState:
 
     @property
     def plan_path(self) -> Path:
-        return state_dir() / f"{self.lab}.plan.json"
+        return self.directory / "plan.json"
 
     def remove(self) -> None:
         self.plan_path.unlink(missing_ok=True)
         self.path.unlink(missing_ok=True)
+        try:
+            self.directory.rmdir()
+        except OSError:
+            pass   # something else was put there; leave it for a person to see
 
     @classmethod
     def load(cls, lab: str) -> LabState | None:
-        path = state_dir() / f"{lab}.json"
+        path = state_dir() / lab / "state.json"
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -77,7 +87,8 @@ class LabState:
             raise RuntimeError(f"{path}: written by a newer testbed (format "
                                f"{data['format_version']}); use that version to tear it down")
         data["processes"] = [ProcessRecord(**p) for p in data.get("processes", [])]
-        return cls(**data)
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def list_states() -> list[LabState]:
@@ -85,8 +96,8 @@ def list_states() -> list[LabState]:
     directory = state_dir()
     if not directory.is_dir():
         return out
-    for path in sorted(directory.glob("*.json")):
-        state = LabState.load(path.stem)
+    for path in sorted(directory.glob("*/state.json")):
+        state = LabState.load(path.parent.name)
         if state is not None:
             out.append(state)
     return out

@@ -1,0 +1,63 @@
+"""Fixtures that build real labs and always tear them down."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import REPO, unique_lab
+from testbed.config import load_config_text
+from testbed.net import apply_plan, destroy_lab
+from testbed.plan import Plan, compile_plan
+
+
+def plan_from_file(path: str, stem: str) -> Plan:
+    text = (REPO / path).read_text()
+    lab = unique_lab(stem)
+    lines = [f"name: {lab}" if line.startswith("name:") else line for line in text.splitlines()]
+    return compile_plan(load_config_text("\n".join(lines) + "\n", path))
+
+
+def initial_namespace_snapshot() -> dict:
+    """What must never change: links, addresses and routes of the initial namespace."""
+    out = {}
+    for what in ("link", "addr", "route"):
+        res = subprocess.run(["ip", "-j", what], capture_output=True, text=True, check=True)
+        data = json.loads(res.stdout)
+        # Counters and timers move on their own; compare configuration only.
+        for item in data:
+            for volatile in ("stats64", "stats", "linkinfo"):
+                item.pop(volatile, None)
+            for info in item.get("addr_info", []):
+                info.pop("valid_life_time", None)
+                info.pop("preferred_life_time", None)
+        out[what] = data
+    return out
+
+
+@pytest.fixture
+def build():
+    """Call build(plan) to bring a lab up; every lab made is torn down afterwards."""
+    made: list[str] = []
+
+    def _build(plan: Plan):
+        made.append(plan.lab)
+        apply_plan(plan)
+        return plan
+
+    yield _build
+    for lab in made:
+        destroy_lab(lab)
+
+
+@pytest.fixture(scope="module")
+def default_fabric() -> Iterator[Plan]:
+    plan = plan_from_file("configs/default.yaml", "dflt")
+    try:
+        apply_plan(plan)
+        yield plan
+    finally:
+        destroy_lab(plan.lab)
