@@ -12,7 +12,7 @@ through `agents.timebase.Dilation`, the only place that does)::
     python -m agents.udp echo --port PORT [--duration-ns FABRIC_NS] [--dscp N] [--ecn E]
     python -m agents.udp ping --dst IP --dport PORT [--count N] [--timeout-ns FABRIC_NS]
         [--interval-ns FABRIC_NS] [--size BYTES] [--sport PORT] [--dscp N] [--ecn E]
-    common: [--dilation D] [--bind IP] [--out FILE] [--ready-file FILE]
+    common: [--dilation D] [--bind IP] [--out FILE] [--ready-file FILE] [--control-sock PATH]
 
 Every mode prints its final counters as ONE line of JSON on stdout when it
 exits (and writes them to `--out` FILE, atomically, if given). Keys common to
@@ -81,6 +81,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from agents.control import SnapshotServer
 from agents.timebase import Dilation
 from agents.udp_logic import (
     DEFAULT_MAX_BURST_BYTES,
@@ -155,6 +156,23 @@ class Lifecycle:
 
 
 # --- helpers -----------------------------------------------------------------------------
+
+
+class Live:
+    """Counters the send/recv loops update per packet, for live snapshots."""
+
+    __slots__ = ("mode", "packets", "bytes", "wire_bytes", "ce_packets", "ect_packets")
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.packets = self.bytes = self.wire_bytes = 0
+        self.ce_packets = self.ect_packets = 0
+
+    def snapshot(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+LIVE = Live("none")
 
 
 def _timeval(ns: int) -> bytes:
@@ -288,6 +306,11 @@ def run_send(args, life: Lifecycle) -> tuple[dict, int]:
         first_mono = last_mono = None
         first_real = last_real = None
         clock = time.monotonic_ns
+        if args.start_at_mono_ns:
+            # Every sender of a workload is started early and released together
+            # at an agreed CLOCK_MONOTONIC time (one clock for all namespaces).
+            while not life.should_stop(clock()) and clock() < args.start_at_mono_ns:
+                pause_step(args.start_at_mono_ns - clock(), clock(), clock, time.sleep)
         start = clock()
         end = start + dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
         pacer = Pacer(set_wall_bps, frame_bytes, start, args.max_burst_bytes)
@@ -317,6 +340,9 @@ def run_send(args, life: Lifecycle) -> tuple[dict, int]:
             seqs[flow] += 1
             flow_bytes[flow] += args.size
             packets += 1
+            LIVE.packets = packets
+            LIVE.bytes += args.size
+            LIVE.wire_bytes += frame_bytes
             pacer.sent()
 
         counters = {
@@ -434,6 +460,9 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
                     socket_drops = drops
                 packets += 1
                 nbytes += n
+                LIVE.packets = packets
+                LIVE.bytes = nbytes
+                LIVE.wire_bytes += n + overhead
                 if first_ns is None:
                     first_ns, first_bytes = ts_ns, n
                 last_ns = ts_ns
@@ -442,8 +471,10 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
                     tos_counts[tos] = tos_counts.get(tos, 0) + 1
                     if tos & 3 == 3:
                         ce += 1
+                        LIVE.ce_packets = ce
                     elif tos & 3:
                         ect += 1
+                        LIVE.ect_packets = ect
                 hdr = unpack_header(buf, n)
                 if hdr is None:
                     foreign += 1
@@ -535,6 +566,9 @@ def run_echo(args, life: Lifecycle) -> tuple[dict, int]:
                 ts = time.time_ns()
                 packets += 1
                 nbytes += n
+                LIVE.packets = packets
+                LIVE.bytes = nbytes
+                LIVE.wire_bytes += n + overhead
                 if first_ns is None:
                     first_ns, first_bytes = ts, n
                 last_ns = ts
@@ -706,6 +740,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="time-dilation factor D: the fabric runs D times slower (default 1)")
     common.add_argument("--bind", metavar="IP", default=None, help="local address to bind")
     common.add_argument("--out", metavar="FILE", help="also write the final counters JSON here")
+    common.add_argument("--control-sock", metavar="PATH",
+                        help="serve a live counter snapshot (one JSON line) on this UNIX socket")
     common.add_argument("--ready-file", metavar="FILE",
                         help="touch FILE once the socket(s) are bound")
     common.add_argument("--wire-overhead-bytes", type=_nonneg_int,
@@ -736,6 +772,8 @@ def build_parser() -> argparse.ArgumentParser:
     stop = p.add_mutually_exclusive_group(required=True)
     stop.add_argument("--duration-ns", type=_positive_int, metavar="FABRIC_NS")
     stop.add_argument("--count", type=_positive_int, metavar="N", help="total packets")
+    p.add_argument("--start-at-mono-ns", type=_nonneg_int, default=0, metavar="MONO_NS",
+                   help="wait until CLOCK_MONOTONIC reaches this (wall ns) before sending")
     p.add_argument("--flows", type=_positive_int, default=1, metavar="K",
                    help="K sockets, round-robin, consecutive source ports (default 1)")
     p.add_argument("--max-burst-bytes", type=_positive_int, default=DEFAULT_MAX_BURST_BYTES,
@@ -787,11 +825,16 @@ def main(argv: list[str] | None = None) -> int:
 
     life = Lifecycle()
     life.install_signal_handlers()
+    LIVE.mode = args.mode
+    server = SnapshotServer(args.control_sock, LIVE.snapshot) if args.control_sock else None
     try:
         counters, rc = MODES[args.mode](args, life)
     except OSError as e:  # e.g. the address cannot be bound: say so on both channels
         print(f"agents.udp {args.mode}: {e}", file=sys.stderr)
         counters, rc = {"mode": args.mode, "error": str(e), "stopped_by": "error"}, 1
+    finally:
+        if server is not None:
+            server.close()
     _write_out(args.out, counters)
     print(json.dumps(counters, sort_keys=True, separators=(",", ":")), flush=True)
     return rc

@@ -9,10 +9,14 @@ which one it means.
 
 from __future__ import annotations
 
+import math
 import re
 
-_NUMBER = r"(?P<num>[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*(?P<unit>[A-Za-z/]*)"
-_RE = re.compile(rf"^\s*{_NUMBER}\s*$")
+_NUMBER_RE = r"[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?"
+_UNIT_RE = r"[A-Za-z\u00b5\u03bc/]*"   # letters, '/', and the micro sign (both code points)
+_RE = re.compile(rf"^\s*(?P<num>{_NUMBER_RE})\s*(?P<unit>{_UNIT_RE})\s*$")
+# The same shape as a plain (ECMA-262 compatible) pattern, for the JSON Schema.
+QUANTITY_PATTERN = rf"^\s*{_NUMBER_RE}\s*{_UNIT_RE}\s*$"
 
 RATE_UNITS_BPS = {
     "bps": 1, "b/s": 1,
@@ -21,7 +25,7 @@ RATE_UNITS_BPS = {
     "gbps": 10**9, "gb/s": 10**9, "g": 10**9,
     "tbps": 10**12, "tb/s": 10**12, "t": 10**12,
 }
-TIME_UNITS_NS = {"ns": 1, "us": 10**3, "µs": 10**3, "ms": 10**6, "s": 10**9}
+TIME_UNITS_NS = {"ns": 1, "us": 10**3, "\u00b5s": 10**3, "\u03bcs": 10**3, "ms": 10**6, "s": 10**9}
 SIZE_UNITS_BYTES = {
     "b": 1, "": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -38,11 +42,15 @@ def _split(text: str | int | float, what: str, examples: str) -> tuple[float, st
     if isinstance(text, bool):
         raise UnitError(f"expected a {what} such as {examples}, got {text!r}")
     if isinstance(text, int | float):
-        return float(text), ""
-    m = _RE.match(str(text))
-    if not m:
-        raise UnitError(f"cannot read {text!r} as a {what}; write it like {examples}")
-    return float(m.group("num")), m.group("unit")
+        num, unit = float(text), ""
+    else:
+        m = _RE.match(str(text))
+        if not m:
+            raise UnitError(f"cannot read {text!r} as a {what}; write it like {examples}")
+        num, unit = float(m.group("num")), m.group("unit")
+    if not math.isfinite(num):
+        raise UnitError(f"{text!r} is not a finite {what}; write it like {examples}")
+    return num, unit
 
 
 def _lookup(unit: str, table: dict, text: object, what: str, examples: str,
@@ -59,8 +67,8 @@ def parse_rate_bps(text: str | int | float) -> int:
     num, unit = _split(text, "rate", examples)
     if unit == "":
         return int(round(num))
-    # 'GB/s' would be bytes; refuse it rather than guess.
-    if "B" in unit and unit.lower() not in ("bps",):
+    # 'GB/s' and 'Bps' would be bytes; refuse them rather than guess.
+    if "B" in unit:
         raise UnitError(f"{text!r} looks like bytes per second; "
                         f"write rates in bits, e.g. {examples}")
     return int(round(num * _lookup(unit, RATE_UNITS_BPS, text, "rate", examples)))
@@ -79,8 +87,8 @@ def parse_size_bytes(text: str | int | float) -> int:
     """'512KB' -> 512_000, '512KiB' -> 524_288. A bare number is bytes."""
     examples = "'9000', '512KB', '4MiB'"
     num, unit = _split(text, "size", examples)
-    if unit.lower() in ("kb", "mb", "gb", "kib", "mib", "gib", "b", ""):
-        if unit not in ("", "B", "b") and unit[-1] == "b":
+    if unit.lower() in ("kb", "mb", "gb", "kib", "mib", "gib", "b"):
+        if unit[-1] == "b":
             raise UnitError(f"{text!r}: lower-case 'b' means bits; "
                             f"sizes are bytes, e.g. {examples}")
     return int(round(num * _lookup(unit, SIZE_UNITS_BYTES, text, "size", examples)))

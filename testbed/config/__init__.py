@@ -8,12 +8,21 @@ listing every problem as `FILE:LINE: path.to.field: message`.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import UnionType
+from typing import Annotated, Union, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from testbed.config.checks import check_fabric, check_qos, check_topology, check_traffic_classes
+from testbed.config.checks import (
+    check_fabric,
+    check_qos,
+    check_topology,
+    check_traffic_classes,
+    check_workload,
+)
 from testbed.config.errors import ConfigError, Problem, format_loc
 from testbed.config.loader import LineMap, YamlProblem, parse_yaml_with_lines
 from testbed.config.models import FORMAT_VERSION, LAB_NAME_RE, NAME_RE, Fabric
@@ -22,7 +31,7 @@ from testbed.config.topology import Expanded, expand
 __all__ = ["ConfigError", "Fabric", "LoadedConfig", "Problem", "format_loc", "load_config",
            "load_config_text", "FORMAT_VERSION"]
 
-_TOPOLOGY_KINDS = {"leaf_spine", "single_switch", "ring"}
+_TOPOLOGY_KINDS = ("leaf_spine", "single_switch", "ring")
 
 
 @dataclass(frozen=True)
@@ -35,8 +44,6 @@ class LoadedConfig:
 
 
 def _all_field_names() -> list[str]:
-    from pydantic import BaseModel
-
     import testbed.config.models as models
 
     names: set[str] = set()
@@ -47,57 +54,191 @@ def _all_field_names() -> list[str]:
     return sorted(names)
 
 
+def _models_in(annotation: object, value: object) -> list[type[BaseModel]]:
+    """The model classes `annotation` stands for; `value` picks a tagged-union member."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if get_origin(annotation) in (Union, UnionType):
+        found = [m for arg in get_args(annotation) for m in _models_in(arg, value)]
+        kind = value.get("kind") if isinstance(value, dict) else None
+        tagged = [m for m in found if "kind" in m.model_fields
+                  and get_args(m.model_fields["kind"].annotation) == (kind,)]
+        return tagged or found
+    return []
+
+
+def _fields_of_parent(loc: tuple, data: object) -> list[str] | None:
+    """Field names allowed beside `loc[-1]`, by walking the models along `loc`; None if unsure."""
+    annotation: object = Fabric
+    value = data
+    for part in loc[:-1]:
+        models = _models_in(annotation, value)
+        if len(models) == 1:
+            fields = {f.alias or n: f for n, f in models[0].model_fields.items()}
+            if part not in fields:
+                return None
+            annotation = fields[part].annotation
+        else:
+            while get_origin(annotation) in (Annotated, Union, UnionType):
+                args = [a for a in get_args(annotation) if a is not type(None)]
+                annotation = args[0]
+            if get_origin(annotation) is list:
+                annotation = get_args(annotation)[0]
+            elif get_origin(annotation) is dict:
+                annotation = get_args(annotation)[1]
+            else:
+                return None
+        try:
+            value = value[part]  # type: ignore[index]
+        except (KeyError, IndexError, TypeError):
+            value = None
+    models = _models_in(annotation, value)
+    if len(models) != 1:
+        return None
+    return sorted(f.alias or n for n, f in models[0].model_fields.items())
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str | None:
+    close = difflib.get_close_matches(word, choices, n=1)
+    return close[0] if close else None
+
+
+def _unknown_field(loc: tuple, data: object) -> tuple[str, str | None]:
+    """Message for a field no model knows, and the field it most likely meant."""
+    field = str(loc[-1])
+    allowed = _fields_of_parent(loc, data)
+    guess = _did_you_mean(field, allowed if allowed is not None else _all_field_names())
+    if guess:
+        return f"unknown field {field!r}; did you mean {guess!r}?", guess
+    if allowed:
+        return f"unknown field {field!r}; fields here: {', '.join(allowed)}", None
+    return f"unknown field {field!r}; remove it", None
+
+
+def _fmt_input(value: object) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return repr(value)
+
+
 def _message(err: dict) -> str:
     msg = err["msg"]
     kind = err["type"]
+    ctx = err.get("ctx", {})
+    got = _fmt_input(err.get("input"))
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    if kind == "extra_forbidden":
-        field = err["loc"][-1]
-        close = difflib.get_close_matches(str(field), _all_field_names(), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        return f"unknown field {field!r}{hint}"
+        return msg[len("Value error, "):]
+    if "[key]" in err["loc"]:
+        if "buffer" in err["loc"]:
+            return f"buffer keys are traffic classes 0..7, got {got}"
     if kind == "string_pattern_mismatch":
-        pattern = err.get("ctx", {}).get("pattern")
+        pattern = ctx.get("pattern")
         if pattern == LAB_NAME_RE:
-            return (f"{err['input']!r} is not a valid lab name: use lower-case letters and "
+            return (f"{got} is not a valid lab name: use lower-case letters and "
                     "digits, starting with a letter, at most 16 characters")
         if pattern == NAME_RE:
-            return (f"{err['input']!r} is not a valid name: use lower-case letters, digits "
+            return (f"{got} is not a valid name: use lower-case letters, digits "
                     "and _, starting with a letter")
     if kind == "missing":
-        return "required field is missing"
+        return "required field is missing; add it"
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return f"expected a whole number, got {got}"
+    if kind in ("float_parsing", "float_type"):
+        return f"expected a number, got {got}"
+    if kind in ("bool_parsing", "bool_type"):
+        return f"expected true or false, got {got}"
+    if kind == "string_type":
+        return f"expected a text value, got {got}"
+    if kind == "string_too_long":
+        return f"{got} is too long: use at most {ctx['max_length']} characters"
+    if kind == "list_type":
+        return f"expected a list (lines starting with '- ', or [a, b]), got {got}"
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return f"expected a mapping (key: value lines, or {{key: value}}), got {got}"
+    if kind == "greater_than_equal":
+        return f"{got} is too small; use a value >= {ctx['ge']}"
+    if kind == "greater_than":
+        return f"{got} is too small; use a value > {ctx['gt']}"
+    if kind == "less_than_equal":
+        return f"{got} is too large; use a value <= {ctx['le']}"
+    if kind == "less_than":
+        return f"{got} is too large; use a value < {ctx['lt']}"
+    if kind == "literal_error":
+        allowed = re.findall(r"'([^']*)'", ctx.get("expected", ""))
+        guess = _did_you_mean(str(err.get("input")), allowed) if allowed else None
+        hint = f"; did you mean {guess!r}?" if guess else ""
+        return f"must be {ctx.get('expected', 'one of the listed values')}, got {got}{hint}"
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        kinds = re.findall(r"'([^']*)'", ctx.get("expected_tags", "")) or list(_TOPOLOGY_KINDS)
+        if kind == "union_tag_not_found":
+            return f"required field is missing; add kind: with one of {', '.join(kinds)}"
+        guess = _did_you_mean(str(ctx.get("tag")), kinds)
+        if guess:
+            return f"unknown topology kind {ctx.get('tag')!r}; did you mean {guess!r}?"
+        return f"unknown topology kind {ctx.get('tag')!r}; use one of {', '.join(kinds)}"
+    if kind == "ip_v4_network":
+        return (f"{got} is not an IPv4 network; write it like 198.18.0.0/15, "
+                "with the host bits zero")
     return msg
 
 
-def _clean_loc(loc: tuple) -> tuple:
-    # Drop the discriminator tag pydantic inserts for tagged unions.
+def _clean_loc(err: dict) -> tuple:
+    """The location a user wrote: no union tags, no '[key]' marker; tag errors on `kind`."""
+    loc = tuple(err["loc"])
     out = []
     for i, part in enumerate(loc):
         if i > 0 and loc[i - 1] == "topology" and part in _TOPOLOGY_KINDS:
             continue
+        if part == "[key]":
+            continue
         out.append(part)
+    if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        out.append("kind")
     return tuple(out)
+
+
+def _pydantic_problems(exc: ValidationError, data: object, lines: LineMap) -> list[Problem]:
+    problems: list[tuple[tuple, str]] = []
+    meant: set[tuple] = set()    # fields an unknown field probably was a typo of
+    for err in exc.errors():
+        loc = _clean_loc(err)
+        if err["type"] == "extra_forbidden":
+            message, guess = _unknown_field(loc, data)
+            if guess:
+                meant.add((*loc[:-1], guess))
+        else:
+            message = _message(err)
+        problems.append((loc, message))
+    # A misspelt required field also shows up as missing; the did-you-mean says it all.
+    return [Problem(lines.line_for(loc), loc, message) for loc, message in problems
+            if not (message.startswith("required field is missing") and loc in meant)]
 
 
 def validate_data(data: object, lines: LineMap, file: str, text: str = "") -> LoadedConfig:
     """Validate already-parsed YAML data; raises ConfigError with every problem."""
     from testbed.phy import PORT_TYPES
 
+    if data is None:
+        raise ConfigError(file, [Problem(1, (), "the file is empty; a fabric config needs at "
+                                                "least name: and topology: (see configs/)")])
     if not isinstance(data, dict):
-        raise ConfigError(file, [Problem(1, (), "a fabric config is a mapping of fields "
-                                               "(name:, topology: ...)")])
+        raise ConfigError(file, [Problem(1, (), f"the file holds {_fmt_input(data)}, but a fabric "
+                                                "config is a mapping of fields (name:, "
+                                                "topology: ...)")])
     try:
         fabric = Fabric.model_validate(data)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc = _clean_loc(tuple(err["loc"]))
-            problems.append(Problem(lines.line_for(loc), loc, _message(err)))
-        raise ConfigError(file, problems) from None
+        raise ConfigError(file, _pydantic_problems(exc, data, lines)) from None
     expanded = expand(fabric)
     found = [*check_fabric(fabric), *check_traffic_classes(fabric), *check_qos(fabric),
-             *check_topology(fabric, expanded, sorted(PORT_TYPES))]
+             *check_topology(fabric, expanded, sorted(PORT_TYPES)),
+             *check_workload(fabric, expanded)]
     if found:
         raise ConfigError(file, [Problem(lines.line_for(loc), loc, msg) for loc, msg in found])
     return LoadedConfig(path=file, text=text, fabric=fabric, expanded=expanded, lines=lines)
@@ -107,7 +248,7 @@ def load_config_text(text: str, file: str = "<string>") -> LoadedConfig:
     try:
         data, lines = parse_yaml_with_lines(text)
     except YamlProblem as exc:
-        raise ConfigError(file, [Problem(exc.line, (), exc.message)]) from None
+        raise ConfigError(file, [Problem(exc.line, exc.loc, exc.message)]) from None
     return validate_data(data, lines, file, text)
 
 

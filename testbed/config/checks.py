@@ -9,13 +9,19 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 
+from testbed.config.errors import format_loc
 from testbed.config.models import Fabric
 from testbed.config.topology import Expanded
+from testbed.units import format_size
 
 
 def _suggest(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _tc_list(tcs) -> str:
+    return ", ".join(str(tc) for tc in sorted(tcs))
 
 
 def check_traffic_classes(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
@@ -27,24 +33,29 @@ def check_traffic_classes(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
         loc = ("traffic_classes", i)
         if tclass.tc in seen_tc:
             yield (loc + ("tc",), f"TC{tclass.tc} is defined twice "
-                   f"(also traffic_classes[{seen_tc[tclass.tc]}])")
+                   f"(also traffic_classes[{seen_tc[tclass.tc]}]); give each class its own tc")
         seen_tc.setdefault(tclass.tc, i)
         if tclass.name in seen_name:
-            yield loc + ("name",), f"class name {tclass.name!r} is used twice"
+            yield (loc + ("name",), f"class name {tclass.name!r} is used twice (also "
+                   f"traffic_classes[{seen_name[tclass.name]}]); give each class its own name")
         seen_name.setdefault(tclass.name, i)
         for dscp in tclass.dscp:
             if dscp in seen_dscp:
                 yield (loc + ("dscp",), f"DSCP {dscp} already selects "
-                       f"traffic_classes[{seen_dscp[dscp]}]; a DSCP maps to one class")
+                       f"traffic_classes[{seen_dscp[dscp]}]; a DSCP maps to one class, "
+                       "remove it from one of them")
             seen_dscp.setdefault(dscp, i)
         if tclass.default:
             defaults.append(i)
         if tclass.strict and tclass.lossless:
             yield (loc + ("strict",), "a strict-priority class cannot also be lossless here; "
-                   "use a weighted class for lossless traffic")
-    if len(defaults) != 1:
-        yield (("traffic_classes",), f"exactly one class must have default: true "
-               f"(found {len(defaults)}); it takes packets whose DSCP no class names")
+                   "remove strict: true (lossless traffic uses a weighted class) or lossless: true")
+    if not defaults and fabric.traffic_classes:
+        yield (("traffic_classes",), "no class has default: true; mark exactly one (usually "
+               "TC0), it takes the packets whose DSCP no class names")
+    for i in defaults[1:]:
+        yield (("traffic_classes", i, "default"), f"traffic_classes[{defaults[0]}] is already "
+               "the default class; exactly one class may have default: true")
 
 
 def check_qos(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
@@ -54,31 +65,38 @@ def check_qos(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
         for tc in port_class.buffer:
             if tc not in tcs:
                 yield (loc + ("buffer", tc), f"TC{tc} is not a defined traffic class "
-                       f"(defined: {sorted(tcs)})")
+                       f"(defined: {_tc_list(tcs)}); remove it or define the class")
         ecn = port_class.ecn
         forms = [ecn.preset is not None, ecn.kmin_bytes is not None or ecn.kmax_bytes is not None,
                  ecn.k_bytes is not None]
         if sum(forms) > 1:
-            yield loc + ("ecn",), "give one of preset, kmin/kmax/pmax, or k (step marking)"
+            given = " and ".join(form for form, on in zip(("preset", "kmin/kmax", "k"), forms,
+                                                          strict=True) if on)
+            yield (loc + ("ecn",), f"{given} are given together; give only one of preset, "
+                   "kmin/kmax/pmax, or k (step marking)")
         elif forms[1] and (ecn.kmin_bytes is None or ecn.kmax_bytes is None):
-            yield loc + ("ecn",), "kmin and kmax go together (write k: for step marking)"
+            missing = "kmax" if ecn.kmax_bytes is None else "kmin"
+            yield (loc + ("ecn",), f"{missing} is missing: kmin and kmax go together "
+                   "(write k: for step marking)")
         elif forms[1] and ecn.kmin_bytes > ecn.kmax_bytes:
             yield (loc + ("ecn", "kmin"),
-                   f"{ecn.kmin_bytes} B is above kmax {ecn.kmax_bytes} B; kmin must be <= kmax")
+                   f"{format_size(ecn.kmin_bytes)} is above kmax {format_size(ecn.kmax_bytes)}; "
+                   "kmin must be <= kmax (equal values mark as a step)")
         elif ecn.pmax is not None and not forms[1]:
-            yield loc + ("ecn", "pmax"), "pmax goes with kmin/kmax"
+            yield loc + ("ecn", "pmax"), "pmax goes with kmin/kmax; add them or remove pmax"
         pfc = port_class.pfc
         for i, prio in enumerate(pfc.priorities or []):
             if prio not in tcs:
-                yield (loc + ("pfc", "priorities", i),
-                       f"priority {prio} is not a defined traffic class")
+                yield (loc + ("pfc", "priorities", i), f"priority {prio} is not a defined "
+                       f"traffic class (defined: {_tc_list(tcs)})")
             elif not tcs[prio].lossless:
                 yield (loc + ("pfc", "priorities", i), f"TC{prio} ({tcs[prio].name}) is not "
                        "lossless; mark the class lossless: true or drop it from priorities")
         if (pfc.xoff_bytes is not None and pfc.xon_bytes is not None
                 and pfc.xon_bytes > pfc.xoff_bytes):
             yield (loc + ("pfc", "xon"),
-                   f"{pfc.xon_bytes} B is above xoff {pfc.xoff_bytes} B; XON must be lower")
+                   f"{format_size(pfc.xon_bytes)} is above xoff {format_size(pfc.xoff_bytes)}; "
+                   "set xon below xoff")
 
 
 def check_topology(fabric: Fabric, expanded: Expanded,
@@ -86,9 +104,10 @@ def check_topology(fabric: Fabric, expanded: Expanded,
     names: dict[str, tuple] = {}
     for node, loc in zip(expanded.nodes, expanded.node_locs, strict=True):
         if node.name in names:
-            where = "the generated topology" if names[node.name] == ("topology",) else "earlier"
+            first = names[node.name]
+            where = "made by topology:" if first == ("topology",) else format_loc(first)
             yield loc + ("name",) if loc != ("topology",) else loc, (
-                f"node {node.name!r} is defined twice (also {where})")
+                f"node {node.name!r} is defined twice (also {where}); rename one of them")
         names.setdefault(node.name, loc)
     if not expanded.nodes:
         yield (), "the fabric has no nodes: give topology: or nodes: and links:"
@@ -98,10 +117,11 @@ def check_topology(fabric: Fabric, expanded: Expanded,
         for end in ("a", "b"):
             name = getattr(link, end)
             if name not in names:
-                yield loc + (end,), f"unknown node {name!r}{_suggest(name, list(names))}"
+                hint = _suggest(name, list(names)) or "; define it under nodes:"
+                yield loc + (end,), f"unknown node {name!r}{hint}"
             linked.add(name)
         if link.a == link.b:
-            yield loc + ("b",), f"a link from {link.a!r} to itself"
+            yield loc + ("b",), f"a link from {link.a!r} to itself; connect two different nodes"
         pair = frozenset((link.a, link.b))
         if pair in pair_seen and loc[0] == "links":
             yield loc, (f"a second link between {link.a!r} and {link.b!r}; parallel links "
@@ -111,18 +131,73 @@ def check_topology(fabric: Fabric, expanded: Expanded,
             yield (loc + ("port",), f"unknown port type {link.port!r}"
                    f"{_suggest(link.port, known_ports)} (list them: testbed phy --list)")
         if link.qos not in fabric.qos:
-            yield (loc + ("qos",), f"unknown port class {link.qos!r}; defined: "
-                   f"{sorted(fabric.qos)}")
+            hint = _suggest(link.qos, list(fabric.qos)) or (
+                f"; define it under qos: (defined: {', '.join(sorted(fabric.qos))})")
+            yield loc + ("qos",), f"unknown port class {link.qos!r}{hint}"
     for node, loc in zip(expanded.nodes, expanded.node_locs, strict=True):
         if node.name not in linked and node.name in names:
             where = loc if loc == ("topology",) else loc + ("name",)
-            yield where, f"node {node.name!r} has no link"
+            yield where, f"node {node.name!r} has no link; link it or remove it"
 
 
 def check_fabric(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
     if fabric.roce_mtu_bytes + 80 > fabric.mtu_bytes:
         yield (("roce_mtu",), f"RoCE MTU {fabric.roce_mtu_bytes} needs an interface MTU of at "
-               f"least {fabric.roce_mtu_bytes + 80} (headers take 80 B); mtu is {fabric.mtu_bytes}")
+               f"least {fabric.roce_mtu_bytes + 80} (headers take 80 B) but mtu is "
+               f"{fabric.mtu_bytes}; raise mtu or lower roce_mtu")
     if fabric.address_pool.prefixlen > 30:
         yield (("address_pool",), f"{fabric.address_pool} is too small for a fabric; "
                "use /30 or larger (default 198.18.0.0/15)")
+
+
+def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:
+    if fabric.workload is None:
+        return
+    hosts = [n.name for n in expanded.nodes if n.role == "host"]
+    classes = {t.name: t for t in fabric.traffic_classes} | {
+        t.tc: t for t in fabric.traffic_classes}
+    names: set[str] = set()
+
+    def host_ok(loc: tuple, name: str) -> Iterator[tuple[tuple, str]]:
+        if name not in hosts:
+            yield loc, f"{name!r} is not a host of this fabric{_suggest(name, hosts)}"
+
+    for i, t in enumerate(fabric.workload.traffic):
+        loc = ("workload", "traffic", i)
+        if t.name in names:
+            yield loc + ("name",), f"traffic name {t.name!r} is used twice"
+        names.add(t.name)
+        if t.tclass not in classes:
+            yield (loc + ("tclass",), f"unknown traffic class {t.tclass!r}; defined: "
+                   f"{sorted(str(k) for k in classes)}")
+        if t.duration_ns <= 0:
+            yield loc + ("duration",), "duration must be above 0"
+        if t.kind == "udp_incast":
+            if not t.senders or not t.receiver:
+                yield loc, "udp_incast needs senders: [...] and receiver:"
+                continue
+            for j, s in enumerate(t.senders):
+                yield from host_ok(loc + ("senders", j), s)
+                if s == t.receiver:
+                    yield loc + ("senders", j), f"{s!r} is also the receiver"
+            yield from host_ok(loc + ("receiver",), t.receiver)
+        elif t.kind == "udp_all_to_all":
+            for j, h in enumerate(t.hosts or []):
+                yield from host_ok(loc + ("hosts", j), h)
+            if t.hosts is not None and len(t.hosts) < 2:
+                yield loc + ("hosts",), "all-to-all needs at least two hosts"
+        else:
+            if not t.pairs:
+                yield loc, "udp_pairs needs pairs: [[src, dst], ...]"
+                continue
+            for j, (src, dst) in enumerate(t.pairs):
+                yield from host_ok(loc + ("pairs", j), src)
+                yield from host_ok(loc + ("pairs", j), dst)
+                if src == dst:
+                    yield loc + ("pairs", j), f"a pair from {src!r} to itself"
+        for field, value in (("senders", t.senders), ("receiver", t.receiver),
+                             ("hosts", t.hosts), ("pairs", t.pairs)):
+            wanted = {"udp_incast": ("senders", "receiver"), "udp_all_to_all": ("hosts",),
+                      "udp_pairs": ("pairs",)}[t.kind]
+            if value is not None and field not in wanted:
+                yield loc + (field,), f"{field} does not apply to {t.kind}"

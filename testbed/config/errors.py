@@ -6,10 +6,13 @@ from dataclasses import dataclass
 
 
 def format_loc(loc: tuple) -> str:
-    """('links', 3, 'port') -> 'links[3].port'."""
+    """('links', 3, 'port') -> 'links[3].port'; ('qos', 'x', 'buffer', '3') -> 'qos.x.buffer[3]'.
+
+    Numbers, list indices and numeric mapping keys alike, are written in brackets.
+    """
     out = ""
     for part in loc:
-        if isinstance(part, int):
+        if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
             out += f"[{part}]"
         else:
             out += f".{part}" if out else str(part)

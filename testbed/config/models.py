@@ -11,19 +11,50 @@ problem is reported with its own location.
 from __future__ import annotations
 
 import ipaddress
-import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+)
 
-from testbed.units import parse_duration_ns, parse_length_m, parse_rate_bps, parse_size_bytes
+from testbed.units import (
+    QUANTITY_PATTERN,
+    parse_duration_ns,
+    parse_length_m,
+    parse_rate_bps,
+    parse_size_bytes,
+)
 
 FORMAT_VERSION = 1
 
-RateBps = Annotated[int, BeforeValidator(parse_rate_bps), Field(gt=0)]
-SizeBytes = Annotated[int, BeforeValidator(parse_size_bytes), Field(ge=0)]
-DurationNs = Annotated[int, BeforeValidator(parse_duration_ns), Field(ge=0)]
-LengthM = Annotated[float, BeforeValidator(parse_length_m), Field(gt=0)]
+
+def _quantity_schema(number: dict, what: str, examples: list[str]) -> WithJsonSchema:
+    # What the YAML may hold, not what the parser returns: a string with a unit,
+    # or a bare number in the base unit. The units themselves are checked on load.
+    return WithJsonSchema({
+        "anyOf": [{"type": "string", "pattern": QUANTITY_PATTERN}, number],
+        "description": f"{what}, e.g. {', '.join(examples)}",
+        "examples": examples,
+    })
+
+
+RateBps = Annotated[int, BeforeValidator(parse_rate_bps), Field(gt=0), _quantity_schema(
+    {"type": "integer", "exclusiveMinimum": 0},
+    "a rate in bits per second (bare number: bit/s)", ["100Gbps", "25Gb/s", "400Mbps"])]
+SizeBytes = Annotated[int, BeforeValidator(parse_size_bytes), Field(ge=0), _quantity_schema(
+    {"type": "integer", "minimum": 0},
+    "a size in bytes, KB = 1000 B, KiB = 1024 B (bare number: bytes)", ["9000", "512KB", "4MiB"])]
+DurationNs = Annotated[int, BeforeValidator(parse_duration_ns), Field(ge=0), _quantity_schema(
+    {"type": "integer", "minimum": 0},
+    "a duration (bare number: nanoseconds)", ["500ns", "2us", "1.5ms"])]
+LengthM = Annotated[float, BeforeValidator(parse_length_m), Field(gt=0), _quantity_schema(
+    {"type": "number", "exclusiveMinimum": 0},
+    "a cable length (bare number: metres)", ["2m", "100m", "2km"])]
 
 NAME_RE = r"^[a-z][a-z0-9_]*$"
 LAB_NAME_RE = r"^[a-z][a-z0-9]{0,15}$"
@@ -88,7 +119,8 @@ class PortClass(Strict):
     """Queueing settings shared by every port that names this class."""
 
     buffer: dict[Annotated[int, Field(ge=0, le=7)], SizeBytes] = Field(
-        default_factory=dict, description="per traffic class byte limit; missing ones default")
+        default_factory=dict, description="per traffic class byte limit; missing ones default",
+        json_schema_extra={"propertyNames": {"pattern": "^[0-7]$"}})
     # HPCC's ns-3 figures for 25G, unscaled: marks start well below the
     # default PFC XOFF at every port speed, so DCQCN acts before PFC.
     ecn: EcnConfig = Field(
@@ -147,11 +179,55 @@ class Link(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+EcnCodepoint = Literal["notect", "ect0", "ect1", "ce"]
+
+
+class UdpTraffic(Strict):
+    """Paced UDP flows: N:1 incast, all-to-all among hosts, or explicit pairs.
+
+    Rates, start times and durations are fabric units. A flow's rate defaults
+    to the sender's NIC line rate shared by the sender's flows of this entry.
+    """
+
+    name: str = Field(pattern=NAME_RE)
+    kind: Literal["udp_incast", "udp_all_to_all", "udp_pairs"]
+    senders: list[str] | None = Field(None, description="udp_incast: sending hosts")
+    receiver: str | None = Field(None, description="udp_incast: the receiving host")
+    hosts: list[str] | None = Field(None, description="udp_all_to_all: hosts (default all)")
+    pairs: list[tuple[str, str]] | None = Field(None, description="udp_pairs: [src, dst] lists")
+    rate_bps: RateBps | None = Field(
+        None, alias="rate",
+        description="per sender->receiver stream, fabric (default: line rate over its streams)")
+    size_bytes: SizeBytes | None = Field(None, alias="size",
+                                         description="UDP payload (default: MTU - 28)")
+    start_ns: DurationNs = Field(0, alias="start")
+    duration_ns: DurationNs = Field(alias="duration")
+    tclass: str | int = Field("default", description="traffic class name or number")
+    ecn: EcnCodepoint = "notect"
+    flows: int = Field(1, ge=1, le=64, description="flows (source ports) per sender-receiver pair")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Workload(Strict):
+    """What `testbed run` drives on the fabric, and how it samples."""
+
+    sample_period_ns: DurationNs | None = Field(
+        None, alias="sample_period",
+        description="fabric time between counter samples (default: 100 ms of wall time)")
+    drain_ns: DurationNs | None = Field(
+        None, alias="drain", description="fabric time to let queues drain after traffic stops")
+    traffic: list[UdpTraffic] = Field(default_factory=list)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
 class Fabric(Strict):
     """A whole fabric: what `testbed validate/plan/up` read."""
 
     name: str = Field(pattern=LAB_NAME_RE, description="lab name: lower-case, <= 16 characters")
-    dilation: int | Literal["auto"] = Field("auto", description="time dilation D, or auto")
+    dilation: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="time dilation D (the fabric runs D times slower), or auto")
     max_wall_port_rate_bps: RateBps | None = Field(
         None, alias="max_wall_port_rate",
         description="wall-rate budget per port for dilation: auto (default: calibrated or 200Mbps)")
@@ -159,26 +235,30 @@ class Fabric(Strict):
     mtu_bytes: int = Field(9000, alias="mtu", ge=1280, le=9216)
     roce_mtu_bytes: Literal[256, 512, 1024, 2048, 4096] = Field(4096, alias="roce_mtu")
     traffic_classes: list[TrafficClass] = Field(default_factory=default_traffic_classes)
-    qos: dict[str, PortClass] = Field(default_factory=lambda: {"default": PortClass()})
+    qos: dict[Annotated[str, Field(pattern=NAME_RE)], PortClass] = Field(
+        default_factory=lambda: {"default": PortClass()},
+        description="port classes by name; links pick one with qos:, `default` always exists",
+        json_schema_extra={"propertyNames": {"pattern": NAME_RE}})
     topology: Topology | None = None
     nodes: list[Node] = Field(default_factory=list)
     links: list[Link] = Field(default_factory=list)
+    workload: Workload | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     @field_validator("dilation", mode="before")
     @classmethod
     def _dilation(cls, value: object) -> object:
-        if isinstance(value, bool) or (isinstance(value, int) and value < 1):
-            raise ValueError("dilation must be an integer >= 1 or 'auto'")
-        return value
+        # One clear message instead of one per member of the int | 'auto' union.
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)
+                               and value >= 1):
+            return value
+        raise ValueError(f"expected a whole number >= 1 (the fabric runs that many times "
+                         f"slower than real time) or 'auto', got {value!r}")
 
     @field_validator("qos")
     @classmethod
-    def _qos_names(cls, value: dict[str, PortClass]) -> dict[str, PortClass]:
-        for key in value:
-            if not re.match(NAME_RE, key):
-                raise ValueError(f"port class name {key!r} must match {NAME_RE}")
+    def _qos_default(cls, value: dict[str, PortClass]) -> dict[str, PortClass]:
         if "default" not in value:
             value = {"default": PortClass(), **value}
         return value

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from testbed.config.models import PortClass, TrafficClass
+from testbed.units import format_size
 
 # Per traffic-class buffer when the port class does not say (bytes).
 DEFAULT_BUFFER_BYTES = {"lossless": 2_000_000, "strict": 256_000, "lossy": 1_000_000}
@@ -114,21 +115,25 @@ def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_b
             if xoff + headroom > limit:
                 problems.append(QosProblem(
                     f"buffer.{tclass.tc}",
-                    f"TC{tclass.tc} buffer {limit} B cannot hold XOFF {xoff} B plus PFC headroom "
-                    f"{headroom} B at {rate_bps / 1e9:g} Gb/s; raise the buffer to at least "
-                    f"{xoff + headroom} B or lower pfc.xoff"))
+                    f"TC{tclass.tc} buffer {format_size(limit)} cannot hold XOFF "
+                    f"{format_size(xoff)} plus PFC headroom {format_size(headroom)} at "
+                    f"{rate_bps / 1e9:g} Gb/s; raise the buffer to at least "
+                    f"{format_size(xoff + headroom)} or lower pfc.xoff"))
             if xon > xoff:
                 problems.append(QosProblem(
-                    "pfc.xon", f"XON {xon} B is above XOFF {xoff} B; XON must be lower"))
+                    "pfc.xon", f"{format_size(xon)} is above XOFF {format_size(xoff)}; "
+                    "set xon below xoff"))
             if ecn_here is not None and ecn_here.kmin_bytes >= xoff:
                 problems.append(QosProblem(
                     "ecn.kmin",
-                    f"{ecn_here.kmin_bytes} B is not below pfc.xoff {xoff} B on TC{tclass.tc} at "
-                    f"{rate_bps / 1e9:g} Gb/s, so PFC will fire before ECN marks"))
+                    f"{format_size(ecn_here.kmin_bytes)} is not below pfc.xoff "
+                    f"{format_size(xoff)} on TC{tclass.tc} at {rate_bps / 1e9:g} Gb/s, so PFC "
+                    "will fire before ECN marks; lower ecn.kmin or raise pfc.xoff"))
             pfc_here = PfcSettings(tclass.tc, xoff, xon, headroom)
         if ecn_here is not None and ecn_here.kmin_bytes > limit:
             problems.append(QosProblem(
-                "ecn.kmin", f"{ecn_here.kmin_bytes} B is above the TC{tclass.tc} buffer "
-                f"{limit} B at {rate_bps / 1e9:g} Gb/s, so the class drops before it marks"))
+                "ecn.kmin", f"{format_size(ecn_here.kmin_bytes)} is above the TC{tclass.tc} "
+                f"buffer {format_size(limit)} at {rate_bps / 1e9:g} Gb/s, so the class drops "
+                "before it marks; lower ecn.kmin or raise the buffer"))
         out.append(ClassQos(tclass.tc, tclass.name, limit, ecn_here, pfc_here))
     return out, problems

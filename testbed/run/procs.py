@@ -54,10 +54,18 @@ class AgentProcess:
 
 
 def start_agent(lab: str, netns: str, module: str, argv: list[str], name: str) -> AgentProcess:
-    cmd = ["ip", "netns", "exec", netns, sys.executable, "-m", module, *argv]
-    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    """Start `python -m MODULE ARGV` inside `netns`, recorded in the lab's state."""
+    return start_process(lab, netns, [sys.executable, "-m", module, *argv], name)
+
+
+def start_process(lab: str, netns: str, argv: list[str], name: str,
+                  stdout=subprocess.PIPE) -> AgentProcess:
+    """Start ARGV inside `netns` (no shell), recorded in the lab's state by pid."""
+    cmd = ["ip", "netns", "exec", netns, *argv]
+    popen = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
                              stdin=subprocess.DEVNULL)
     # Record it at once: a run killed right now must still be able to end it.
+    start = None
     for _ in range(50):
         start = process_start_time(popen.pid)
         if start is not None:

@@ -1,0 +1,147 @@
+"""`testbed run [FILE]`: run a fabric's workload (or a suite of runs) and write a run directory."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from rich.live import Live
+from rich.table import Table
+
+from testbed.cli.common import EXIT_OK, CliError, load_and_plan, require_root, wide_console
+from testbed.units import format_rate, format_size
+
+DEFAULT_CONFIG = "configs/default.yaml"
+
+
+def add_parser(sub):
+    p = sub.add_parser("run", help="up, workload, sample, down, report; prints the run directory")
+    p.add_argument("file", nargs="?", default=DEFAULT_CONFIG,
+                   help=f"fabric with a workload, or a suite (default {DEFAULT_CONFIG})")
+    p.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")
+    p.add_argument("--capture", action="store_true", help="write pcap files of every host NIC")
+    p.add_argument("--keep", action="store_true", help="leave the fabric up afterwards")
+    p.add_argument("--quiet", action="store_true", help="print only the run directory")
+    return p
+
+
+def suite_runs(path: str) -> list[str] | None:
+    """A suite is a YAML mapping with `runs:` (config paths, relative to the suite file)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    if isinstance(data, dict) and "runs" in data and "topology" not in data:
+        base = Path(path).parent
+        return [str((base / r).resolve()) if not Path(r).is_absolute() else r
+                for r in data["runs"]]
+    return None
+
+
+def _progress_table(name: str, phase: str, totals, elapsed_wall_s: float) -> Table:
+    table = Table(title=f"run {name}", show_header=False)
+    starting = totals.last_sample_fabric_ns < 0
+    table.add_row("phase", "starting agents" if starting else phase)
+    table.add_row("elapsed", f"{max(0, totals.last_sample_fabric_ns) / 1e3:,.1f} us fabric, "
+                  f"{elapsed_wall_s:.1f} s wall")
+    table.add_row("delivered", f"{format_size(totals.delivered_bytes)} "
+                  f"({format_rate(totals.delivered_fabric_bps)} fabric now)")
+    table.add_row("drops", str(totals.drops))
+    table.add_row("max queue", format_size(totals.max_backlog_bytes))
+    return table
+
+
+def run_one(path: str, args) -> int:
+    from testbed.run.calibration import load_budget_bps
+    from testbed.run.runner import RunOptions, run_config
+
+    console = wide_console()
+    budget, _ = load_budget_bps()
+    try:
+        loaded, plan = load_and_plan(path)
+    except CliError as exc:
+        print(exc, file=sys.stderr)
+        return exc.code
+    if loaded.fabric.workload is None or not loaded.fabric.workload.traffic:
+        print(f"run: {path} has no workload: section with traffic; add one "
+              "(see configs/examples/) or use `testbed smoke` to check the fabric",
+              file=sys.stderr)
+        return 2
+    quiet = args.quiet
+    live_ui = console.is_terminal and not quiet
+    last_line = [0.0]
+
+    def say(msg: str) -> None:
+        if not quiet:
+            console.print(msg)
+
+    def on_sample(phase, totals, elapsed):
+        if live_ui:
+            live.update(_progress_table(loaded.fabric.name, phase, totals, elapsed))
+        elif not quiet and time.monotonic() - last_line[0] >= 2.0:
+            last_line[0] = time.monotonic()
+            shown = "starting agents" if totals.last_sample_fabric_ns < 0 else phase
+            print(f"run: {shown} t={max(0, totals.last_sample_fabric_ns) / 1e3:,.0f}us fabric "
+                  f"({elapsed:.1f}s wall) delivered={format_size(totals.delivered_bytes)} "
+                  f"drops={totals.drops} max_queue={format_size(totals.max_backlog_bytes)}",
+                  flush=True)
+
+    options = RunOptions(runs_root=Path(args.runs_dir), capture=args.capture, keep_up=args.keep,
+                         budget_bps=budget, say=say, on_sample=on_sample)
+    live = Live(console=console, auto_refresh=False, transient=True) if live_ui else None
+    if live is not None:
+        live.start()
+    try:
+        result = run_config(loaded, plan, options)
+    finally:
+        if live is not None:
+            live.stop()
+    summary = result.summary
+    if not quiet:
+        _print_summary(console, summary)
+    print(result.run_dir)
+    return 130 if result.interrupted else EXIT_OK
+
+
+def _print_summary(console, summary: dict) -> None:
+    table = Table(title=f"{summary['name']}: D={summary['dilation']}, "
+                  f"{summary['duration_fabric_ns'] / 1e3:,.0f} us fabric, "
+                  f"{summary['duration_wall_s']:.1f} s wall"
+                  + (" [INTERRUPTED]" if summary["interrupted"] else ""))
+    for col in ("workload", "src", "dst", "sent", "received", "lost", "rx rate (fabric)"):
+        table.add_column(col, justify="left" if col in ("workload", "src", "dst") else "right")
+    for w in summary["workloads"]:
+        for r in w["results"]:
+            table.add_row(w["name"], r["src"], r["dst"], f"{r['tx_packets']:,}",
+                          f"{r['rx_packets']:,}", f"{r['lost']:,}", format_rate(r["rx_fabric_bps"]))
+    console.print(table)
+    worst = sorted(summary["ports"], key=lambda p: -p["max_queue_bytes"])[:5]
+    if worst and worst[0]["max_queue_bytes"]:
+        console.print("deepest queues: " + ", ".join(
+            f"{p['node']}:{p['port']} TC{p['tclass']} {format_size(p['max_queue_bytes'])}"
+            for p in worst if p["max_queue_bytes"]))
+    t = summary["totals"]
+    console.print(f"drops {t['drops']:,}, ECN marks {t['ecn_marks']:,}, "
+                  f"pause frames {t['pause_frames']:,}")
+    for note in summary["fidelity"]:
+        console.print(f"[yellow]fidelity[/]: {note}")
+
+
+def run(args) -> int:
+    try:
+        require_root("run")
+    except CliError as exc:
+        print(exc, file=sys.stderr)
+        return exc.code
+    runs = suite_runs(args.file)
+    if runs is None:
+        return run_one(args.file, args)
+    worst = EXIT_OK
+    for path in runs:
+        code = run_one(path, args)
+        worst = max(worst, code)
+        if code == 130:
+            break
+    return worst

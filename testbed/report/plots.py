@@ -1,0 +1,345 @@
+"""Plots for the report, returned as inline SVG markup.
+
+matplotlib is used through `Figure` objects only (no pyplot, so no GUI
+backend and no global figure state); SVG is rendered by the same non-
+interactive machinery the Agg backend uses. Text stays text
+(`svg.fonttype: none`), so the page is small and its numbers searchable, and
+the SVG prolog and namespace URLs are stripped so the page references no
+URL at all. Every axis speaks fabric units.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from testbed.plan.model import Plan
+
+_RC = {
+    "svg.fonttype": "none",
+    "svg.hashsalt": "testbed-report",        # deterministic ids
+    "font.family": "sans-serif",
+    "font.size": 11,
+    "axes.titlesize": 13,
+    "axes.titleweight": "bold",
+    "axes.labelsize": 11,
+    "legend.fontsize": 9.5,
+    "xtick.labelsize": 10,
+    "ytick.labelsize": 10,
+    "axes.grid": True,
+    "grid.alpha": 0.35,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "lines.linewidth": 1.6,
+}
+_SVG_METADATA = {"Date": None, "Creator": None, "Format": None, "Type": None}
+SERIES_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+                 "#17becf"]
+MAX_POINTS = 800     # per series; more samples are reduced to per-bucket min and max
+
+
+@dataclass(frozen=True)
+class Series:
+    label: str
+    points: Sequence[tuple[int, float]]     # (ts_fabric_ns, value)
+
+
+def time_unit(max_ns: float) -> tuple[float, str]:
+    """Divisor and name of the unit a fabric-time axis is drawn in."""
+    if max_ns < 20e6:
+        return 1e3, "us"
+    if max_ns < 20e9:
+        return 1e6, "ms"
+    return 1e9, "s"
+
+
+def short_rate(bps: float) -> str:
+    """400e9 -> '400G', 2.5e9 -> '2.5G' (fabric rates on the drawing)."""
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g}{unit}"
+    return f"{bps:g}"
+
+
+def natural_key(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def reduce_points(points: Sequence[tuple[int, float]], limit: int = MAX_POINTS
+                  ) -> list[tuple[int, float]]:
+    """At most ~limit points that keep every bucket's minimum and maximum (peaks survive)."""
+    if len(points) <= limit:
+        return list(points)
+    per = math.ceil(len(points) / (limit // 2))
+    out: list[tuple[int, float]] = []
+    for i in range(0, len(points), per):
+        bucket = points[i:i + per]
+        lo = min(bucket, key=lambda p: p[1])
+        hi = max(bucket, key=lambda p: p[1])
+        out.extend(sorted({lo, hi}))
+    return out
+
+
+def _svg(fig: Figure, prefix: str, label: str) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata=_SVG_METADATA, bbox_inches="tight", pad_inches=0.1)
+    text = buf.getvalue()
+    text = text[text.index("<svg"):]
+    # An inline <svg> in HTML needs neither the XML namespaces nor the DTD;
+    # dropping them leaves no URL in the page.
+    text = re.sub(r'\s+xmlns(:xlink)?="[^"]*"', "", text, count=2)
+    # Several figures share one document: make their ids unique.
+    text = re.sub(r'\bid="([^"]+)"', rf'id="{prefix}-\1"', text)
+    text = re.sub(r"url\(#([^)]+)\)", rf"url(#{prefix}-\1)", text)
+    text = re.sub(r'xlink:href="#([^"]+)"', rf'xlink:href="#{prefix}-\1"', text)
+    label = label.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;")
+    return text.replace("<svg", f'<svg role="img" aria-label="{label}"', 1)
+
+
+def line_plot(series: Sequence[Series], prefix: str, title: str, ylabel: str, y_divisor: float,
+              x_max_ns: float, hlines: Sequence[tuple[float, str]] = (), step: bool = False,
+              ymin_zero: bool = True) -> str:
+    """One axes, up to 8 series over fabric time; hlines = (value before y_divisor, label)."""
+    with matplotlib.rc_context(_RC):
+        fig = Figure(figsize=(10.5, 3.8))
+        ax = fig.add_subplot()
+        scale, unit = time_unit(x_max_ns)
+        for i, s in enumerate(series):
+            pts = reduce_points(s.points)
+            xs = [t / scale for t, _ in pts]
+            ys = [v / y_divisor for _, v in pts]
+            color = SERIES_COLORS[i % len(SERIES_COLORS)]
+            if step:
+                ax.step(xs, ys, where="post", label=s.label, color=color)
+            else:
+                ax.plot(xs, ys, label=s.label, color=color)
+        for j, (value, text) in enumerate(hlines):
+            ax.axhline(value / y_divisor, color="#555555", linestyle=(0, (4, 3)), linewidth=1)
+            ax.annotate(text, xy=(0.0, value / y_divisor), xycoords=("axes fraction", "data"),
+                        xytext=(4, 3 if j % 2 == 0 else -12), textcoords="offset points",
+                        fontsize=9, color="#333333")
+        ax.set_title(title, loc="left")
+        ax.set_xlabel(f"fabric time ({unit})")
+        ax.set_ylabel(ylabel)
+        ax.set_xlim(0, max(x_max_ns / scale, 1e-9))
+        if ymin_zero:
+            ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        return _svg(fig, prefix, title)
+
+
+def timeline_plot(rows: Sequence[tuple[str, Sequence[tuple[int, int]]]], prefix: str,
+                  title: str, x_max_ns: float) -> str:
+    """Broken-bar timeline: one row per label, bars = (start_ns, duration_ns)."""
+    with matplotlib.rc_context(_RC):
+        height = 1.2 + 0.38 * len(rows)
+        fig = Figure(figsize=(10.5, height))
+        ax = fig.add_subplot()
+        scale, unit = time_unit(x_max_ns)
+        for i, (_, bars) in enumerate(rows):
+            spans = [(s / scale, max(d / scale, x_max_ns / scale / 800)) for s, d in bars]
+            ax.broken_barh(spans, (i - 0.35, 0.7), facecolors=SERIES_COLORS[1], alpha=0.85)
+        ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        ax.set_xlim(0, max(x_max_ns / scale, 1e-9))
+        ax.set_xlabel(f"fabric time ({unit})")
+        ax.set_title(title, loc="left")
+        ax.grid(axis="y", visible=False)
+        return _svg(fig, prefix, title)
+
+
+# --- the fabric drawing -------------------------------------------------------------------
+
+_TIER_NAMES = {0: "hosts", 1: "leaves", 2: "spines", 3: "super-spines"}
+_NODE_COLORS = {0: ("#fde0c5", "#c9753d"), 1: ("#d3ecd5", "#3f8f4a"), 2: ("#d6e4f5", "#3a6ea5")}
+_OTHER_COLORS = ("#e8def3", "#6b4f96")
+_RATE_COLORS = ["#8fb3d9", "#3a6ea5", "#163d6b", "#5b2a86", "#000000"]
+_MARGINAL_COLOR = "#d62728"
+
+
+def fabric_layers(plan: Plan) -> dict[str, int] | None:
+    """Tier of each node (hosts 0, leaves 1, spines 2, ...), or None when not layered.
+
+    Switches attached to a host are leaves, switches one hop above them spines,
+    and so on. A link between two switches of the same tier (a ring, a mesh)
+    means there are no clean layers: the caller draws a circle instead.
+    """
+    adjacency: dict[str, set[str]] = {n.name: set() for n in plan.nodes}
+    for link in plan.links:
+        adjacency.setdefault(link.a.node, set()).add(link.b.node)
+        adjacency.setdefault(link.b.node, set()).add(link.a.node)
+    frontier = sorted(n.name for n in plan.hosts())
+    if not frontier:
+        return None
+    layer = {name: 0 for name in frontier}
+    while frontier:
+        following = []
+        for u in frontier:
+            for v in sorted(adjacency[u]):
+                if v not in layer:
+                    layer[v] = layer[u] + 1
+                    following.append(v)
+        frontier = following
+    top = max(layer.values())
+    for name in adjacency:
+        layer.setdefault(name, top + 1)
+    for link in plan.links:
+        if layer[link.a.node] == layer[link.b.node]:
+            return None
+    return layer
+
+
+def _layered_positions(plan: Plan, layer: dict[str, int]) -> dict[str, tuple[float, float]]:
+    adjacency: dict[str, list[str]] = {n.name: [] for n in plan.nodes}
+    for link in plan.links:
+        adjacency[link.a.node].append(link.b.node)
+        adjacency[link.b.node].append(link.a.node)
+    pos: dict[str, tuple[float, float]] = {}
+    leaves = sorted((n for n, t in layer.items() if t == 1), key=natural_key)
+    hosts_in_order: list[str] = []
+    for leaf in leaves:
+        for h in sorted(adjacency[leaf], key=natural_key):
+            if layer[h] == 0 and h not in hosts_in_order:
+                hosts_in_order.append(h)
+    hosts_in_order += sorted((n for n, t in layer.items() if t == 0 and n not in hosts_in_order),
+                             key=natural_key)
+    for i, h in enumerate(hosts_in_order):
+        pos[h] = (float(i), 0.0)
+    lo, hi = 0.0, float(max(len(hosts_in_order) - 1, 1))
+    for tier in range(1, max(layer.values()) + 1):
+        names = [n for n, t in layer.items() if t == tier]
+
+        def below(n: str, tier: int = tier) -> list[float]:
+            return [pos[m][0] for m in adjacency[n] if layer[m] == tier - 1 and m in pos]
+
+        if tier == 1:
+            for n in names:
+                xs = below(n)
+                pos[n] = (sum(xs) / len(xs) if xs else hi, float(tier))
+            continue
+        names.sort(key=lambda n: (sum(below(n)) / max(len(below(n)), 1), natural_key(n)))
+        for i, n in enumerate(names):
+            x = (lo + hi) / 2 if len(names) == 1 else lo + (hi - lo) * i / (len(names) - 1)
+            pos[n] = (x, float(tier))
+    return pos
+
+
+def _circle_positions(plan: Plan) -> dict[str, tuple[float, float]]:
+    """Switches on a circle in walk order (a ring stays a ring), hosts outside their switch."""
+    switches = sorted((n.name for n in plan.switches()), key=natural_key)
+    hosts = {n.name for n in plan.hosts()}
+    neighbours: dict[str, list[str]] = {n.name: [] for n in plan.nodes}
+    for link in plan.links:
+        neighbours[link.a.node].append(link.b.node)
+        neighbours[link.b.node].append(link.a.node)
+    order: list[str] = []
+    for start in switches:
+        stack = [start]
+        while stack:
+            u = stack.pop()
+            if u in order:
+                continue
+            order.append(u)
+            nxt = sorted((v for v in neighbours[u] if v not in hosts and v not in order),
+                         key=natural_key, reverse=True)
+            stack.extend(nxt)
+    if not order:                       # hosts only (back to back)
+        order = sorted(hosts, key=natural_key)
+        hosts = set()
+    pos: dict[str, tuple[float, float]] = {}
+    angle: dict[str, float] = {}
+    for i, name in enumerate(order):
+        a = math.pi / 2 - 2 * math.pi * i / len(order)
+        angle[name] = a
+        pos[name] = (math.cos(a), math.sin(a))
+    for sw in order:
+        mine = sorted((h for h in neighbours[sw] if h in hosts and h not in pos), key=natural_key)
+        for j, h in enumerate(mine):
+            a = angle[sw] + (j - (len(mine) - 1) / 2) * 0.3
+            pos[h] = (1.6 * math.cos(a), 1.6 * math.sin(a))
+    for j, h in enumerate(sorted(hosts - set(pos), key=natural_key)):
+        pos[h] = (-2.2, 1.0 - 0.3 * j)
+    return pos
+
+
+def fabric_plot(plan: Plan, prefix: str = "fabric") -> str:
+    """Nodes and links, link rates in fabric units; leaf-spine layers or a circle."""
+    layer = fabric_layers(plan)
+    layered = layer is not None
+    pos = _layered_positions(plan, layer) if layered else _circle_positions(plan)
+    roles = {n.name: n.role for n in plan.nodes}
+    tiers = layer if layered else {n: 0 if r == "host" else 1 for n, r in roles.items()}
+    rates = sorted({link.rate_bps for link in plan.links})
+    color_of = {r: _RATE_COLORS[min(i, len(_RATE_COLORS) - 1)] for i, r in enumerate(rates)}
+    width_of = {r: 1.3 + 1.1 * i for i, r in enumerate(rates)}
+    n_hosts = sum(1 for r in roles.values() if r == "host")
+    with matplotlib.rc_context(_RC):
+        if layered:
+            n_tiers = max(tiers.values()) + 1
+            fig = Figure(figsize=(10.5, 1.5 * n_tiers + 1.0))
+        else:
+            fig = Figure(figsize=(8.0, 7.0))
+        ax = fig.add_subplot()
+        ax.set_axis_off()
+        label_links = len(plan.links) <= 48
+        for link in plan.links:
+            (xa, ya), (xb, yb) = pos[link.a.node], pos[link.b.node]
+            if layered and ya > yb:
+                (xa, ya), (xb, yb) = (xb, yb), (xa, ya)
+            marginal = bool(link.phy_warnings)
+            color = _MARGINAL_COLOR if marginal else color_of[link.rate_bps]
+            ax.plot([xa, xb], [ya, yb], color=color, linewidth=width_of[link.rate_bps],
+                    linestyle=(0, (5, 3)) if marginal else "-", zorder=1, solid_capstyle="round")
+            if label_links:
+                host_link = tiers[link.a.node] == 0 or tiers[link.b.node] == 0
+                t = 0.5 if host_link or not layered else 0.3
+                ax.text(xa + t * (xb - xa), ya + t * (yb - ya), short_rate(link.rate_bps),
+                        fontsize=8.5, ha="center", va="center", color=color, zorder=2,
+                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none",
+                              "alpha": 0.9})
+        small = n_hosts > 16
+        for name, (x, y) in pos.items():
+            tier = tiers[name]
+            fc, ec = _NODE_COLORS.get(tier, _OTHER_COLORS) if layered else (
+                _NODE_COLORS[0] if tier == 0 else _NODE_COLORS[1])
+            is_host = roles.get(name) == "host"
+            ax.text(x, y, name, ha="center", va="center", zorder=3,
+                    fontsize=8.5 if (small and is_host) else 10.5,
+                    rotation=90 if (is_host and n_hosts > 24 and layered) else 0,
+                    fontweight="normal" if is_host else "bold",
+                    bbox={"boxstyle": "round,pad=0.4", "fc": fc, "ec": ec, "lw": 1.2})
+        xs = [p[0] for p in pos.values()]
+        ys = [p[1] for p in pos.values()]
+        if layered:
+            left = min(xs) - 0.9
+            for tier in sorted(set(tiers.values())):
+                ax.text(left, tier, _TIER_NAMES.get(tier, f"tier {tier}"), ha="right",
+                        va="center", fontsize=10, color="#555555", style="italic")
+            ax.set_xlim(left - 1.2, max(xs) + 0.8)
+            ax.set_ylim(min(ys) - 0.45, max(ys) + 0.45)
+        else:
+            ax.set_xlim(min(xs) - 0.5, max(xs) + 0.5)
+            ax.set_ylim(min(ys) - 0.4, max(ys) + 0.4)
+            ax.set_aspect("equal")
+        handles = []
+        for r in rates:
+            links = [link for link in plan.links if link.rate_bps == r]
+            types = ", ".join(sorted({link.port_type for link in links}))
+            handles.append(Line2D([], [], color=color_of[r], linewidth=width_of[r],
+                                  label=f"{short_rate(r)}b/s x {len(links)} ({types})"))
+        if any(link.phy_warnings for link in plan.links):
+            handles.append(Line2D([], [], color=_MARGINAL_COLOR, linestyle=(0, (5, 3)),
+                                  linewidth=2, label="link with PHY warnings"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False,
+                  title="link rate (fabric)")
+        n_sw = len(roles) - n_hosts
+        ax.set_title(f"fabric {plan.lab}: {n_hosts} hosts, {n_sw} switches, "
+                     f"{len(plan.links)} links", loc="left")
+        return _svg(fig, prefix, f"fabric drawing of lab {plan.lab}")

@@ -1,0 +1,265 @@
+"""Read a run directory: summary, plan, metadata and the counters database.
+
+Every file is optional except that a run directory must hold a summary or a
+counters database. A run killed before it wrote `summary.json` (SIGKILL, a
+power cut) still has `counters.sqlite`, which is written sample by sample;
+the summary is then rebuilt from it (and the plan) and marked incomplete.
+Every reader checks `format_version` and refuses a newer one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from testbed.plan import PLAN_FORMAT_VERSION, Plan
+from testbed.run.store import STORE_FORMAT_VERSION, Store, StoreVersionError
+
+# Format of summary.json and metadata.json (docs/run-format.md).
+RUN_FORMAT_VERSION = 1
+
+SUMMARY, PLAN, METADATA, COUNTERS = "summary.json", "plan.json", "metadata.json", "counters.sqlite"
+_RUN_DIR_NAME_RE = re.compile(r"^(?P<ts>\d{8}T\d{6}Z)-(?P<name>.+)$")
+
+
+class RunDirError(Exception):
+    """The directory is not a run directory, or one of its files cannot be read."""
+
+
+class RunFormatError(RunDirError):
+    """A file of the run directory was written by a newer testbed."""
+
+
+def _newer(path: Path, version: int, known: int) -> RunFormatError:
+    return RunFormatError(f"{path}: run dir written by a newer testbed (format {version}); "
+                          f"upgrade to read it (this testbed reads format {known})")
+
+
+def _check_version(path: Path, data: dict, known: int) -> None:
+    try:
+        version = int(data.get("format_version", 0))
+    except (TypeError, ValueError):
+        raise RunDirError(f"{path}: format_version {data.get('format_version')!r} "
+                          "is not a number") from None
+    if version > known:
+        raise _newer(path, version, known)
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunDirError(f"{path}: cannot read: {exc}") from None
+    if not isinstance(data, dict):
+        raise RunDirError(f"{path}: expected a JSON object")
+    return data
+
+
+def _open_store(path: Path) -> Store | None:
+    if not path.exists():
+        return None
+    try:
+        return Store(path)
+    except StoreVersionError:
+        try:
+            with sqlite3.connect(path) as db:
+                row = db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()
+            version = int(row[0])
+        except (sqlite3.Error, TypeError, ValueError):
+            version = STORE_FORMAT_VERSION + 1
+        raise _newer(path, version, STORE_FORMAT_VERSION) from None
+    except sqlite3.Error as exc:
+        raise RunDirError(f"{path}: not a readable counters database: {exc}") from None
+
+
+@dataclass
+class RunData:
+    """Everything a report is made from. `store` is None when counters.sqlite is absent."""
+
+    run_dir: Path
+    summary: dict
+    metadata: dict
+    plan: Plan | None
+    store: Store | None
+    rebuilt: bool                  # summary.json was missing; summary rebuilt from counters
+    notes: list[str] = field(default_factory=list)   # files that were missing, and so on
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> RunData:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def dilation(self) -> int:
+        return int(self.summary.get("dilation") or 1)
+
+
+def load_run(run_dir: Path) -> RunData:
+    """Open a run directory; raises RunDirError (RunFormatError for a newer format)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: not a directory")
+    if not (run_dir / SUMMARY).exists() and not (run_dir / COUNTERS).exists():
+        raise RunDirError(f"{run_dir}: not a run directory (no {SUMMARY} and no {COUNTERS})")
+    notes: list[str] = []
+    summary = _read_json(run_dir / SUMMARY)
+    if summary is not None:
+        _check_version(run_dir / SUMMARY, summary, RUN_FORMAT_VERSION)
+    metadata = _read_json(run_dir / METADATA)
+    if metadata is None:
+        notes.append(f"{METADATA} is missing: kernel and versions unknown")
+        metadata = {}
+    else:
+        _check_version(run_dir / METADATA, metadata, RUN_FORMAT_VERSION)
+    plan = _load_plan(run_dir / PLAN, notes)
+    store = _open_store(run_dir / COUNTERS)
+    try:
+        if store is None:
+            notes.append(f"{COUNTERS} is missing: no time series")
+        rebuilt = summary is None
+        if rebuilt:
+            summary = rebuild_summary(run_dir, plan, store, metadata)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    return RunData(run_dir, summary, metadata, plan, store, rebuilt, notes)
+
+
+def _load_plan(path: Path, notes: list[str]) -> Plan | None:
+    data = _read_json(path)
+    if data is None:
+        notes.append(f"{PLAN} is missing: no fabric drawing")
+        return None
+    _check_version(path, data, PLAN_FORMAT_VERSION)
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        raise RunDirError(f"{path}: not a valid plan: {exc.error_count()} problem(s), first: "
+                          f"{exc.errors()[0]['msg']}") from None
+
+
+def metadata_dilation(metadata: dict) -> int | None:
+    """`dilation` in metadata.json: a factor, or an object with `factor`."""
+    value = metadata.get("dilation")
+    if isinstance(value, dict):
+        value = value.get("factor")
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def run_name_and_time(run_dir: Path) -> tuple[str, str | None]:
+    """('default', '20261129T120501Z') from runs/20261129T120501Z-default."""
+    m = _RUN_DIR_NAME_RE.match(run_dir.name)
+    if m:
+        return m.group("name"), m.group("ts")
+    return run_dir.name, None
+
+
+def rebuild_summary(run_dir: Path, plan: Plan | None, store: Store | None,
+                    metadata: dict) -> dict:
+    """A summary.json built from the counters database, for a run that did not write one.
+
+    Ports come from the last values of `class_bytes`, `class_packets`,
+    `class_drops` (and `ecn_marks`, `pause_tx`, `pause_rx`, `paused_ns` where
+    sampled) and the largest sampled `backlog_bytes`; every egress port and
+    class of the plan is listed, zero where nothing was sampled. A run that
+    did not write its summary did not finish, so it counts as interrupted.
+    """
+    meta = store.meta() if store is not None else {}
+    name, _ = run_name_and_time(run_dir)
+    dilation = (_int(meta.get("dilation")) or metadata_dilation(metadata)
+                or (plan.dilation.factor if plan else None) or 1)
+    lab = meta.get("lab") or (plan.lab if plan else "") or name
+
+    def last(counter: str) -> dict[tuple[str, str, int], float]:
+        return store.last_values(counter) if store is not None else {}
+
+    fields = {"tx_bytes": last("class_bytes"), "tx_packets": last("class_packets"),
+              "drops": last("class_drops"), "ecn_marks": last("ecn_marks"),
+              "pause_tx": last("pause_tx"), "pause_rx": last("pause_rx"),
+              "paused_ns": last("paused_ns")}
+    max_queue: dict[tuple[str, str, int], float] = {}
+    if store is not None:
+        for key, points in store.series("backlog_bytes").items():
+            max_queue[key] = max(v for _, v in points)
+    keys: set[tuple[str, str, int]] = set(max_queue)
+    for values in fields.values():
+        keys.update(k for k in values if k[2] >= 0)
+    if plan is not None:
+        for node in plan.nodes:
+            for iface in node.interfaces:
+                keys.update((node.name, iface.ifname, c.tc) for c in iface.egress.classes)
+    ports = []
+    for key in sorted(keys):
+        row = {"node": key[0], "port": key[1], "tclass": key[2]}
+        row.update({f: int(values.get(key, 0)) for f, values in fields.items()})
+        row["max_queue_bytes"] = int(max_queue.get(key, 0))
+        ports.append(row)
+
+    workloads: dict[str, dict] = {}
+    for result in store.results() if store is not None else []:
+        row = dict(result)
+        wname, kind = row.pop("workload"), row.pop("kind")
+        workloads.setdefault(wname, {"name": wname, "kind": kind, "results": []})
+        workloads[wname]["results"].append(row)
+
+    rows = [r for w in workloads.values() for r in w["results"]]
+    if any("rx_bytes" in r for r in rows):
+        delivered = sum(int(r.get("rx_bytes") or 0) for r in rows)
+    else:
+        delivered = int(sum(v for k, v in last("recv.bytes").items()))
+
+    duration_fabric_ns, duration_wall_s = 0, 0.0
+    fidelity: list[str] = []
+    if store is not None:
+        lo_wall, hi_wall, hi_fabric = store.db.execute(
+            "SELECT MIN(ts_wall_ns), MAX(ts_wall_ns), MAX(ts_fabric_ns) FROM samples").fetchone()
+        if hi_fabric is not None:
+            duration_fabric_ns = max(0, int(hi_fabric))
+            duration_wall_s = (hi_wall - lo_wall) / 1e9
+        fidelity = [str(e.get("message", e)) for e in store.events("fidelity")]
+    return {
+        "format_version": RUN_FORMAT_VERSION,
+        "name": name,
+        "lab": lab,
+        "run_dir": str(run_dir),
+        "dilation": dilation,
+        "duration_fabric_ns": duration_fabric_ns,
+        "duration_wall_s": round(duration_wall_s, 3),
+        "interrupted": True,
+        "ports": ports,
+        "workloads": list(workloads.values()),
+        "totals": {
+            "tx_bytes": sum(p["tx_bytes"] for p in ports),
+            "drops": sum(p["drops"] for p in ports),
+            "ecn_marks": sum(p["ecn_marks"] for p in ports),
+            "pause_frames": sum(p["pause_tx"] for p in ports),
+            "delivered_bytes": delivered,
+        },
+        "fidelity": fidelity,
+        "verdict": None,
+        "rebuilt_from_counters": True,
+    }
+
+
+def _int(value: object) -> int | None:
+    try:
+        return int(float(value)) if value not in (None, "") else None
+    except (TypeError, ValueError):
+        return None
+

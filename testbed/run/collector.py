@@ -1,0 +1,137 @@
+"""Sample kernel counters and agent snapshots into the run's store, at a period.
+
+Runs in a thread of the run process. Each tick reads every namespace's link
+and class counters (testbed/net/sampler) and every live agent's snapshot,
+writes them as one transaction, and feeds the fidelity watchdog. Its own CPU
+time is measured (thread CPU clock) so the run can state what sampling cost.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from agents.control import read_snapshot
+from agents.timebase import Dilation
+from testbed.net.sampler import KernelSampler
+from testbed.plan.model import Plan
+from testbed.run.fidelity import PortWatchdog
+from testbed.run.store import Sample, Store
+
+
+@dataclass
+class AgentEndpoint:
+    name: str
+    node: str
+    sock_path: str
+
+
+@dataclass
+class LiveTotals:
+    """What the progress display shows; updated every sample."""
+
+    samples: int = 0
+    delivered_bytes: int = 0
+    delivered_fabric_bps: float = 0.0
+    drops: int = 0
+    max_backlog_bytes: int = 0
+    last_sample_fabric_ns: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Collector:
+    def __init__(self, plan: Plan, store: Store, period_wall_ns: int, t0_mono_ns: int,
+                 agents: list[AgentEndpoint] | None = None) -> None:
+        self.plan = plan
+        self.store = store
+        self.period_wall_ns = period_wall_ns
+        self.t0_mono_ns = t0_mono_ns
+        self.dilation = Dilation(plan.dilation.factor)
+        self.agents = list(agents or [])
+        self.sampler = KernelSampler(plan)
+        self.watchdog = PortWatchdog(plan)
+        self.totals = LiveTotals()
+        self.cpu_ns = 0
+        self.wall_active_ns = 0
+        self.late_ticks = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._prev_delivered: tuple[int, int] | None = None
+        self.on_sample: Callable[[LiveTotals], None] | None = None
+
+    def fabric_now_ns(self, mono_ns: int | None = None) -> int:
+        mono = time.monotonic_ns() if mono_ns is None else mono_ns
+        return round(self.dilation.to_fabric_ns(mono - self.t0_mono_ns))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="collector", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sample_once()      # the final state, after everything stopped
+        self.sampler.close()
+
+    def _loop(self) -> None:
+        started = time.monotonic_ns()
+        next_tick = started
+        while not self._stop.is_set():
+            self.sample_once()
+            next_tick += self.period_wall_ns
+            now = time.monotonic_ns()
+            if now > next_tick:
+                # Fell behind: skip missed ticks rather than sampling back to back.
+                self.late_ticks += 1
+                next_tick = now
+            self._stop.wait(max(0.0, (next_tick - now) / 1e9))
+        self.wall_active_ns = time.monotonic_ns() - started
+
+    def sample_once(self) -> None:
+        with self._lock:
+            cpu0 = time.thread_time_ns()
+            mono = time.monotonic_ns()
+            samples = self.sampler.sample()
+            for agent in self.agents:
+                samples.extend(self._agent_samples(agent))
+            ts_fabric = self.fabric_now_ns(mono)
+            self.store.add_samples(ts_fabric, mono, samples)
+            self.watchdog.observe(mono, samples)
+            self._update_totals(ts_fabric, samples)
+            self.cpu_ns += time.thread_time_ns() - cpu0
+        if self.on_sample is not None:
+            self.on_sample(self.totals)
+
+    def _agent_samples(self, agent: AgentEndpoint) -> list[Sample]:
+        if not os.path.exists(agent.sock_path):
+            return []
+        try:
+            snap = read_snapshot(agent.sock_path, timeout_s=0.2)
+        except (OSError, ValueError):
+            return []
+        mode = snap.get("mode", "agent")
+        return [Sample(agent.node, agent.name, -1, f"{mode}.{k}", float(v))
+                for k, v in snap.items() if isinstance(v, int | float) and not isinstance(v, bool)]
+
+    def _update_totals(self, ts_fabric: int, samples: list[Sample]) -> None:
+        t = self.totals
+        t.samples += 1
+        t.last_sample_fabric_ns = ts_fabric
+        delivered = sum(int(s.value) for s in samples if s.counter == "recv.bytes")
+        t.drops = sum(int(s.value) for s in samples if s.counter == "class_drops")
+        backlog = max((int(s.value) for s in samples if s.counter == "backlog_bytes"), default=0)
+        t.max_backlog_bytes = max(t.max_backlog_bytes, backlog)
+        if self._prev_delivered is not None and ts_fabric > self._prev_delivered[0]:
+            dt = ts_fabric - self._prev_delivered[0]
+            t.delivered_fabric_bps = (delivered - self._prev_delivered[1]) * 8 / dt * 1e9
+        self._prev_delivered = (ts_fabric, delivered)
+        t.delivered_bytes = delivered
+
+    def overhead_fraction(self) -> float:
+        """Collector CPU time over its active wall time (fraction of one core)."""
+        return self.cpu_ns / self.wall_active_ns if self.wall_active_ns else 0.0

@@ -1,0 +1,125 @@
+"""The fidelity watchdog: did each port deliver its configured rate when it had work?
+
+A port is backlogged over an interval when its class queues held packets at
+both ends of the interval. Over such an interval an HTB port that keeps up
+sends at its wall rate; the watchdog measures the wire bytes it sent (link
+tx bytes plus the per-packet overhead HTB charges) and reports ports whose
+delivered rate fell below `MIN_RATIO` of the plan. Agents' late timers and
+missing kernel features are added by the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from testbed.plan.model import Plan
+from testbed.run.store import Sample
+
+MIN_RATIO = 0.95
+MIN_INTERVALS = 3      # fewer backlogged intervals say too little to judge
+
+
+@dataclass
+class PortRecord:
+    node: str
+    port: str
+    wall_rate_bps: int
+    overhead_bytes: int
+    intervals: int = 0
+    bits: float = 0.0
+    seconds: float = 0.0
+    worst_ratio: float = 1.0
+    prev: tuple[int, int, int, int] | None = None   # mono_ns, tx_bytes, tx_packets, backlog
+    ratios: list[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        if self.seconds <= 0:
+            return 1.0
+        return self.bits / self.seconds / self.wall_rate_bps
+
+
+class PortWatchdog:
+    def __init__(self, plan: Plan) -> None:
+        self.ports: dict[tuple[str, str], PortRecord] = {}
+        for node in plan.nodes:
+            for iface in node.interfaces:
+                self.ports[(node.name, iface.ifname)] = PortRecord(
+                    node.name, iface.ifname, iface.egress.wall_rate_bps,
+                    iface.egress.overhead_bytes)
+
+    def observe(self, mono_ns: int, samples: list[Sample]) -> None:
+        now: dict[tuple[str, str], list[int]] = {}
+        for s in samples:
+            key = (s.node, s.port)
+            if key not in self.ports:
+                continue
+            entry = now.setdefault(key, [0, 0, 0])
+            if s.counter == "tx_bytes":
+                entry[0] = int(s.value)
+            elif s.counter == "tx_packets":
+                entry[1] = int(s.value)
+            elif s.counter == "backlog_bytes":
+                entry[2] += int(s.value)
+        for key, (tx_bytes, tx_packets, backlog) in now.items():
+            rec = self.ports[key]
+            if rec.prev is not None:
+                p_mono, p_bytes, p_packets, p_backlog = rec.prev
+                dt = (mono_ns - p_mono) / 1e9
+                if p_backlog > 0 and backlog > 0 and dt > 0:
+                    wire = (tx_bytes - p_bytes) + rec.overhead_bytes * (tx_packets - p_packets)
+                    rec.intervals += 1
+                    rec.bits += wire * 8
+                    rec.seconds += dt
+                    ratio = wire * 8 / dt / rec.wall_rate_bps
+                    rec.worst_ratio = min(rec.worst_ratio, ratio)
+            rec.prev = (mono_ns, tx_bytes, tx_packets, backlog)
+
+    def notes(self, dilation: int) -> list[str]:
+        out = []
+        for rec in self.ports.values():
+            if rec.intervals >= MIN_INTERVALS and rec.ratio < MIN_RATIO:
+                out.append(
+                    f"port {rec.node}:{rec.port} delivered {100 * rec.ratio:.1f} % of its rate "
+                    f"while backlogged ({rec.bits / rec.seconds * dilation / 1e9:.2f} of "
+                    f"{rec.wall_rate_bps * dilation / 1e9:g} Gb/s fabric, over "
+                    f"{rec.intervals} sample intervals; worst interval "
+                    f"{100 * rec.worst_ratio:.0f} %): the machine did not keep up; raise D")
+        return out
+
+    def table(self) -> list[dict]:
+        return [{"node": r.node, "port": r.port, "backlogged_intervals": r.intervals,
+                 "delivered_ratio": round(r.ratio, 4), "worst_ratio": round(r.worst_ratio, 4)}
+                for r in self.ports.values() if r.intervals]
+
+
+def base_rtt_shortfall_ns(plan: Plan) -> int:
+    """Round-trip delay the PHY model gives the longest host-to-host shortest path.
+
+    This is what a run without netem leaves out: every link's propagation and
+    FEC delay, there and back.
+    """
+    import heapq
+
+    adj: dict[str, list[tuple[str, int]]] = {}
+    for link in plan.links:
+        adj.setdefault(link.a.node, []).append((link.b.node, link.delay_ns))
+        adj.setdefault(link.b.node, []).append((link.a.node, link.delay_ns))
+    roles = {n.name: n.role for n in plan.nodes}
+    worst = 0
+    for host in (n.name for n in plan.nodes if n.role == "host"):
+        dist = {host: 0}
+        heap = [(0, host)]
+        while heap:
+            d, cur = heapq.heappop(heap)
+            if d > dist.get(cur, d):
+                continue
+            # Hosts do not forward: only the source may be a host on the way.
+            if cur != host and roles[cur] == "host":
+                continue
+            for nbr, delay in adj.get(cur, []):
+                if d + delay < dist.get(nbr, 1 << 62):
+                    dist[nbr] = d + delay
+                    heapq.heappush(heap, (d + delay, nbr))
+        worst = max([worst] + [v for k, v in dist.items() if roles[k] == "host" and k != host])
+    return 2 * worst

@@ -1,0 +1,331 @@
+"""One run: up -> agents -> workload -> sample -> stop -> down -> summary -> report.
+
+Ctrl-C or SIGTERM at any point stops cleanly: agents are stopped, the fabric
+goes down, what was sampled is kept and the report is written from it, marked
+interrupted. Samples go to the store as they are taken, so even a SIGKILL
+leaves a database that `testbed report` can read (and `testbed down --all`
+cleans the fabric).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agents.timebase import Dilation
+from testbed.config import LoadedConfig
+from testbed.net import apply_plan, destroy_lab
+from testbed.net.probe import probe_report
+from testbed.net.state import LabState
+from testbed.plan.model import Plan
+from testbed.run.collector import AgentEndpoint, Collector, LiveTotals
+from testbed.run.fidelity import base_rtt_shortfall_ns
+from testbed.run.procs import AgentProcess, start_agent, start_process
+from testbed.run.rundir import create_run_dir, machine_metadata, write_json, write_private
+from testbed.run.store import Store
+from testbed.run.summary import build_summary
+from testbed.run.workload import (
+    DEFAULT_DRAIN_WALL_NS,
+    DEFAULT_SAMPLE_PERIOD_WALL_NS,
+    WIRE_OVERHEAD_BYTES,
+    AgentSpec,
+    expand_workload,
+    workload_span_ns,
+)
+
+# Wall time allowed for agents to start before the common start time t0.
+STARTUP_BASE_S = 0.8
+STARTUP_PER_AGENT_S = 0.03
+MAX_UNIX_PATH = 100
+
+
+@dataclass
+class RunOptions:
+    runs_root: Path = Path("runs")
+    capture: bool = False
+    keep_up: bool = False
+    budget_bps: int | None = None
+    argv: list[str] = field(default_factory=lambda: list(sys.argv))
+    say: Callable[[str], None] = print
+    on_sample: Callable[[str, LiveTotals, float], None] | None = None
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict
+    interrupted: bool
+    collector_overhead: float
+
+
+class _Interrupt:
+    """SIGINT/SIGTERM set a flag; the run finishes its clean-up instead of dying."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal_name = ""
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> _Interrupt:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+        self.event.set()
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def _sock_path(run_dir: Path, name: str, lab: str) -> str:
+    path = run_dir / "agents" / f"{name}.sock"
+    if len(str(path)) <= MAX_UNIX_PATH:
+        return str(path)
+    # UNIX socket paths are limited to 108 bytes; a deep run directory falls
+    # back to the lab's private state directory.
+    state = LabState.load(lab)
+    short = (state.directory if state else Path("/run/testbed")) / f"{name}.sock"
+    return str(short)
+
+
+def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResult:
+    say = options.say
+    dilation = Dilation(plan.dilation.factor)
+    fabric = loaded.fabric
+    run_dir = create_run_dir(options.runs_root, fabric.name)
+    (run_dir / "agents").mkdir(mode=0o700)
+    write_private(run_dir / "config.yaml", loaded.text)
+    write_private(run_dir / "plan.json", plan.to_json())
+    probe = probe_report()
+    write_json(run_dir / "metadata.json", machine_metadata(
+        probe, plan.dilation.factor, plan.dilation.max_wall_port_rate_bps, options.argv))
+    store = Store(run_dir / "counters.sqlite", create=True)
+    store.set_meta("lab", plan.lab)
+    store.set_meta("dilation", str(plan.dilation.factor))
+
+    workload = fabric.workload
+    period_ns = (workload.sample_period_ns if workload and workload.sample_period_ns
+                 else round(dilation.to_fabric_ns(DEFAULT_SAMPLE_PERIOD_WALL_NS)))
+    drain_ns = (workload.drain_ns if workload and workload.drain_ns
+                else round(dilation.to_fabric_ns(DEFAULT_DRAIN_WALL_NS)))
+    store.set_meta("sample_period_fabric_ns", str(period_ns))
+    specs = expand_workload(fabric, plan)
+    span_ns = workload_span_ns(fabric)
+
+    fidelity: list[str] = list(plan.warnings)
+    missing = set(probe.get("missing", []))
+    if "netem" in missing:
+        short_ns = base_rtt_shortfall_ns(plan)
+        fidelity.append(
+            f"sch_netem is missing in kernel {probe.get('kernel')}: link propagation and FEC "
+            f"delay are not emulated, so the longest host-to-host base RTT is short by "
+            f"{short_ns / 1e3:.2f} us fabric; PHY frame loss is not applied")
+
+    interrupted = False
+    collector: Collector | None = None
+    agents: list[tuple[AgentSpec, AgentProcess]] = []
+    captures: list[AgentProcess] = []
+    t_start = time.monotonic()
+    t0 = time.monotonic_ns()
+    results_written = False
+    with _Interrupt() as stop:
+        try:
+            store.add_event(0, time.monotonic_ns(), "phase", phase="up")
+            report = apply_plan(plan, progress=lambda m: say(f"up: {m}"))
+            state = LabState.load(plan.lab)
+            if state is not None:
+                state.run_dir = str(run_dir)
+                state.save()
+            say(f"up: lab {plan.lab!r} in {sum(report.seconds.values()):.2f}s, "
+                f"D={plan.dilation.factor}")
+            if options.capture:
+                captures = _start_captures(plan, run_dir)
+
+            startup_s = STARTUP_BASE_S + STARTUP_PER_AGENT_S * len(specs)
+            t0 = time.monotonic_ns() + int(startup_s * 1e9)
+            endpoints = []
+            for spec in specs:
+                argv = list(spec.argv)
+                sock = _sock_path(run_dir, spec.name, plan.lab)
+                argv += ["--control-sock", sock]
+                if spec.role == "sender":
+                    argv += ["--start-at-mono-ns",
+                             str(t0 + dilation.to_wall_ns(spec.start_ns))]
+                proc = start_agent(plan.lab, plan.node(spec.node).netns, "agents.udp", argv,
+                                   spec.name)
+                agents.append((spec, proc))
+                endpoints.append(AgentEndpoint(spec.name, spec.node, sock))
+            collector = Collector(plan, store, dilation.to_wall_ns(period_ns), t0, endpoints)
+            if options.on_sample is not None:
+                collector.on_sample = lambda totals: options.on_sample(
+                    phase, totals, time.monotonic() - t_start)
+            phase = "workload"
+            store.add_event(collector.fabric_now_ns(), time.monotonic_ns(), "phase",
+                            phase="workload", agents=len(specs))
+            collector.start()
+
+            senders = [p for s, p in agents if s.role == "sender"]
+            end_wall = t0 + dilation.to_wall_ns(span_ns)
+            # Senders stop by themselves; wait for them (plus slack), or an interrupt.
+            while not stop.event.is_set():
+                if senders and all(p.popen.poll() is not None for p in senders):
+                    break
+                if not senders and time.monotonic_ns() >= end_wall:
+                    break
+                if time.monotonic_ns() > end_wall + 30e9:
+                    fidelity.append("senders did not finish 30 s of wall time after their "
+                                    "scheduled end; they were stopped")
+                    break
+                stop.event.wait(0.05)
+            if not stop.event.is_set():
+                phase = "drain"
+                store.add_event(collector.fabric_now_ns(), time.monotonic_ns(), "phase",
+                                phase="drain")
+                drain_end = time.monotonic_ns() + dilation.to_wall_ns(drain_ns)
+                while time.monotonic_ns() < drain_end and not stop.event.is_set():
+                    stop.event.wait(0.05)
+        except BaseException as exc:
+            fidelity.append(f"run failed: {exc!r}")
+            say(f"run: failed: {exc}")
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            interrupted = stop.event.is_set()
+            if interrupted:
+                say(f"run: interrupted by {stop.signal_name}; stopping agents, taking the "
+                    "fabric down, writing the report")
+                store.add_event(collector.fabric_now_ns() if collector else 0,
+                                time.monotonic_ns(), "interrupted", signal=stop.signal_name)
+            results = {}
+            for spec, proc in agents:
+                proc.stop()
+                try:
+                    results[spec.name] = proc.result(timeout_s=5)
+                except RuntimeError as exc:
+                    fidelity.append(f"agent {spec.name} on {spec.node}: {exc}")
+            for proc in captures:
+                proc.stop()
+            if collector is not None:
+                collector.stop()
+            try:
+                _write_results(store, plan, agents, results, dilation)
+                results_written = True
+                fidelity += _agent_fidelity(agents, results, dilation)
+            except Exception as exc:   # results are best effort on an interrupted run
+                fidelity.append(f"could not collect agent results: {exc!r}")
+            if collector is not None:
+                fidelity += collector.watchdog.notes(plan.dilation.factor)
+                if collector.late_ticks:
+                    fidelity.append(f"the collector fell behind its period "
+                                    f"{collector.late_ticks} times (samples are sparser there)")
+            if not options.keep_up:
+                removed = destroy_lab(plan.lab)
+                say(f"down: removed {len(removed)} namespaces")
+            store.add_event(collector.fabric_now_ns() if collector else 0, time.monotonic_ns(),
+                            "phase", phase="down")
+
+    duration_wall = time.monotonic() - t_start
+    duration_fabric = collector.fabric_now_ns() if collector else 0
+    overhead = collector.overhead_fraction() if collector else 0.0
+    summary = build_summary(
+        name=fabric.name, plan=plan, store=store, run_dir=str(run_dir),
+        duration_fabric_ns=max(0, duration_fabric), duration_wall_s=duration_wall,
+        interrupted=interrupted, fidelity=fidelity,
+        extra={"collector": {"samples": collector.totals.samples if collector else 0,
+                             "period_fabric_ns": period_ns,
+                             "cpu_fraction_of_one_core": round(overhead, 4)},
+               "results_complete": results_written})
+    write_json(run_dir / "summary.json", summary)
+    store.close()
+    _build_report(run_dir, say)
+    return RunResult(run_dir, summary, interrupted, overhead)
+
+
+def _start_captures(plan: Plan, run_dir: Path) -> list[AgentProcess]:
+    pcap = run_dir / "pcap"
+    pcap.mkdir(mode=0o700)
+    procs = []
+    for host in plan.hosts():
+        for iface in host.interfaces:
+            out = pcap / f"{host.name}-{iface.ifname}.pcap"
+            procs.append(start_process(plan.lab, host.netns,
+                                       ["tcpdump", "-q", "-i", iface.ifname, "-s", "256", "-U",
+                                        "-w", str(out)], f"tcpdump-{host.name}-{iface.ifname}"))
+    time.sleep(0.5)   # tcpdump needs a moment before it sees packets
+    return procs
+
+
+def _write_results(store: Store, plan: Plan, agents, results: dict, dilation: Dilation) -> None:
+    by_ip = {n.interfaces[0].address.split("/")[0]: n.name for n in plan.hosts()}
+    received: dict[tuple[str, str, str], list[int]] = {}   # (traffic, src, dst) -> [pk, bytes]
+    window_ns: dict[tuple[str, str], float] = {}            # (traffic, dst) -> fabric ns
+    for spec, _ in agents:
+        res = results.get(spec.name)
+        if spec.role != "receiver" or res is None:
+            continue
+        if res.get("start_wall_ns") and res.get("end_wall_ns"):
+            window_ns[(spec.traffic, spec.dst)] = dilation.to_fabric_ns(
+                res["end_wall_ns"] - res["start_wall_ns"])
+        for key, flow in res.get("flows", {}).items():
+            src = by_ip.get(key.split(":")[0], key.split(":")[0])
+            entry = received.setdefault((spec.traffic, src, spec.dst), [0, 0])
+            entry[0] += flow.get("received", 0)
+            entry[1] += flow.get("bytes", 0)
+    for spec, _ in agents:
+        if spec.role != "sender":
+            continue
+        sent = results.get(spec.name, {})
+        rx_packets, rx_bytes = received.get((spec.traffic, spec.src, spec.dst), [0, 0])
+        tx_packets = sent.get("packets", 0)
+        # A stream's received rate is over its receiver's whole active window
+        # (first to last arrival of any stream), so the streams into one
+        # receiver add up to what that receiver got.
+        window = window_ns.get((spec.traffic, spec.dst), 0)
+        rx_wire_bits = (rx_bytes + rx_packets * WIRE_OVERHEAD_BYTES) * 8
+        store.add_result(spec.traffic, spec.kind, {
+            "src": spec.src, "dst": spec.dst,
+            "tx_packets": tx_packets, "tx_bytes": sent.get("bytes", 0),
+            "rx_packets": rx_packets, "rx_bytes": rx_bytes,
+            "lost": max(0, tx_packets - rx_packets),
+            "set_fabric_bps": sent.get("set_fabric_bps", 0),
+            "tx_fabric_bps": round(sent.get("fabric_bps", 0)),
+            "rx_fabric_bps": round(rx_wire_bits / window * 1e9) if window else 0,
+        })
+
+
+def _agent_fidelity(agents, results: dict, dilation: Dilation) -> list[str]:
+    notes = []
+    for spec, _ in agents:
+        res = results.get(spec.name, {})
+        forgiven = res.get("forgiven_ns", 0)
+        if spec.role == "sender" and forgiven:
+            late_us = dilation.to_fabric_ns(res.get("max_late_ns", 0)) / 1e3
+            notes.append(f"sender {spec.name} fell behind its schedule and skipped "
+                         f"{dilation.to_fabric_ns(forgiven) / 1e3:.1f} us fabric of sending "
+                         f"(max lateness {late_us:.1f} us fabric): the host CPU did not keep up")
+        if res.get("socket_drops"):
+            notes.append(f"receiver {spec.name} dropped {res['socket_drops']} packets in its own "
+                         "socket buffer (it fell behind, not the fabric)")
+    return notes
+
+
+def _build_report(run_dir: Path, say: Callable[[str], None]) -> None:
+    try:
+        from testbed.report import build_report
+    except ImportError:
+        say("report: the report module is not available; summary.json is written")
+        return
+    try:
+        paths = build_report(run_dir)
+        say(f"report: {paths.html}")
+    except Exception as exc:   # the run's data is safe; say why the report is missing
+        say(f"report: could not be built ({exc}); rebuild with `testbed report {run_dir}`")
