@@ -52,9 +52,9 @@ def run(args) -> int:
             pairs = smoke.reachability(plan, tmp)
             bad = [p for p, r in pairs.items() if r.get("replies", 0) != r.get("count", -1)]
             rtts = [r["rtt_fabric_ns"]["avg"] for r in pairs.values() if r.get("replies")]
+            mean_rtt_us = sum(rtts) / max(1, len(rtts)) / 1e3
             console.print(f"[bold]reachability[/]: {len(pairs) - len(bad)}/{len(pairs)} ordered "
-                          f"host pairs answer UDP echo; mean RTT {sum(rtts) / max(1, len(rtts)) / 1e3:.1f}"
-                          " us fabric")
+                          f"host pairs answer UDP echo; mean RTT {mean_rtt_us:.1f} us fabric")
             if bad:
                 failures.append(f"no echo for {len(bad)} pairs, e.g. {bad[:3]}")
 

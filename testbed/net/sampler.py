@@ -34,7 +34,8 @@ RTA = struct.Struct("=HH")
 IFLA_STATS_LINK_64 = 1
 TCA_STATS2 = 7
 TCA_STATS_BASIC, TCA_STATS_QUEUE = 1, 3
-STATS64 = struct.Struct("=8Q")               # rx/tx packets, rx/tx bytes, rx/tx errors, rx/tx dropped
+# rx/tx packets, rx/tx bytes, rx/tx errors, rx/tx dropped (first 8 of rtnl_link_stats64)
+STATS64 = struct.Struct("=8Q")
 BASIC = struct.Struct("=QI")                 # bytes, packets
 QUEUE = struct.Struct("=5I")                 # qlen, backlog, drops, requeues, overlimits
 
