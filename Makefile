@@ -9,9 +9,11 @@ PY := $(VENV)/bin/python
 APT_PACKAGES := iproute2 clang llvm libbpf-dev tcpdump iperf3 ethtool python3-venv python3-pip
 # Packaged on Debian; on Ubuntu bpftool ships in linux-tools and is optional.
 APT_OPTIONAL := bpftool
+# Tests open the HTML report in a headless browser.
+TEST_APT_PACKAGES := chromium
 BENCH_APT_PACKAGES := mininet
 
-.PHONY: setup system-deps demo test test-unit lint bench clean
+.PHONY: setup system-deps test-deps demo test test-unit lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -39,10 +41,21 @@ $(VENV)/.installed: $(VENV)/.apt-done pyproject.toml
 	@touch $@
 
 demo: setup
-	$(VENV)/bin/testbed smoke configs/default.yaml
+	$(VENV)/bin/testbed run configs/default.yaml
 
-test: setup
+test: setup test-deps
 	$(VENV)/bin/pytest -q
+
+test-deps: $(VENV)/.apt-test-done
+
+$(VENV)/.apt-test-done: $(VENV)/.apt-done
+	@missing=$$(for p in $(TEST_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	 if [ -n "$$missing" ]; then \
+	   echo "installing test packages: $$missing"; \
+	   apt-get update -qq && \
+	   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	 fi
+	@touch $@
 
 test-unit: setup
 	$(VENV)/bin/pytest -q -m "not root"

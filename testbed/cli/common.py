@@ -23,9 +23,13 @@ class CliError(Exception):
 
 
 def load_and_plan(path: str) -> tuple[LoadedConfig, Plan]:
+    """Load and compile; `dilation: auto` uses this machine's calibrated budget if any."""
+    from testbed.run.calibration import load_budget_bps
+
+    budget, _source = load_budget_bps()
     try:
         loaded = load_config(path)
-        return loaded, compile_plan(loaded)
+        return loaded, compile_plan(loaded, max_wall_port_rate_bps=budget)
     except ConfigError as exc:
         for line in exc.lines():
             print(line, file=sys.stderr)

@@ -208,7 +208,7 @@ def _pydantic_problems(exc: ValidationError, data: object, lines: LineMap) -> li
     meant: set[tuple] = set()    # fields an unknown field probably was a typo of
     for err in exc.errors():
         loc = _clean_loc(err)
-        if err["type"] == "extra_forbidden":
+        if err["type"] in ("extra_forbidden", "invalid_key"):   # invalid_key: `5: x`
             message, guess = _unknown_field(loc, data)
             if guess:
                 meant.add((*loc[:-1], guess))

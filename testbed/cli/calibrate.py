@@ -1,0 +1,44 @@
+"""`testbed calibrate`: measure this machine's per-port wall-rate budget for `dilation: auto`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+
+from testbed.cli.common import EXIT_OK, CliError, require_root
+
+
+def add_parser(sub):
+    p = sub.add_parser("calibrate", help="measure the wall rate this machine sustains with "
+                       "fidelity; store it as the budget dilation: auto uses")
+    p.add_argument("--hosts", type=int, default=4, help="hosts in the trial fabric (even)")
+    p.add_argument("--seconds", type=float, default=2.0, help="wall seconds per trial")
+    p.add_argument("--dry-run", action="store_true", help="measure, do not store")
+    return p
+
+
+def run(args) -> int:
+    from testbed.run.calibrate import calibrate
+    from testbed.run.calibration import save_budget
+
+    try:
+        require_root("calibrate")
+    except CliError as exc:
+        print(exc, file=sys.stderr)
+        return exc.code
+    if args.hosts < 2 or args.hosts % 2:
+        print("calibrate: --hosts must be an even number >= 2", file=sys.stderr)
+        return 2
+    budget, trials = calibrate(args.hosts, args.seconds)
+    loaded_ports = args.hosts * 2        # every host NIC and every switch port carry a stream
+    data = {"max_wall_port_rate_bps": budget,
+            "aggregate_wall_bps": budget * loaded_ports,
+            "measured_unix": time.time(), "hosts": args.hosts,
+            "trials": [asdict(t) for t in trials]}
+    print(f"calibrate: budget {budget / 1e6:g} Mb/s per port "
+          f"({budget * loaded_ports / 1e9:.2f} Gb/s aggregate over {loaded_ports} ports)")
+    if not args.dry_run:
+        path = save_budget(data)
+        print(f"calibrate: stored in {path}; `dilation: auto` now uses it")
+    return EXIT_OK

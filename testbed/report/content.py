@@ -1,0 +1,571 @@
+"""What a report says: its sections as plain data (tables of strings, SVG plots).
+
+Both templates (HTML and Markdown) render the same context, so the two
+formats cannot drift apart. A section that has nothing to show is None (or
+an empty list) and the templates leave it out.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from testbed.plan.model import InterfacePlan, Plan
+from testbed.report import plots
+from testbed.report.plots import Series, natural_key
+from testbed.report.rundir import RunData, metadata_dilation, run_name_and_time
+
+SERIES_PER_PLOT = 8
+MAX_PLOTS = 3                 # per section; the tables below the plots list the rest
+TOP_PORTS = 20
+MAX_TABLE_ROWS = 200
+
+
+@dataclass
+class Table:
+    columns: list[str]
+    rows: list[list[str]]
+    numeric: list[bool] = field(default_factory=list)   # right-aligned columns
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.numeric:
+            self.numeric = [False] * len(self.columns)
+
+
+# --- formatting (fabric units throughout) -------------------------------------------------
+
+def fmt_int(n: float) -> str:
+    return f"{int(round(n)):,}"
+
+
+def fmt_bytes(n: float) -> str:
+    """Human size, SI like the config: 1.234 MB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_rate(bps: float) -> str:
+    for unit, scale in (("Tb/s", 1e12), ("Gb/s", 1e9), ("Mb/s", 1e6), ("kb/s", 1e3)):
+        if abs(bps) >= scale:
+            return f"{bps / scale:.4g} {unit}"
+    return f"{bps:.4g} b/s"
+
+
+def fmt_duration(ns: float) -> str:
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
+        if abs(ns) >= scale:
+            return f"{ns / scale:.4g} {unit}"
+    return f"{ns:.4g} ns"
+
+
+def fmt_value(key: str, value: object) -> str:
+    """A workload result cell; the key's unit suffix decides the format."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float) and math.isfinite(value):
+        if key.endswith("_bps"):
+            return fmt_rate(value)
+        if key.endswith("_ns"):
+            return fmt_duration(value)
+        if isinstance(value, int) or float(value).is_integer():
+            return fmt_int(value)
+        return f"{value:.4g}"
+    if isinstance(value, list | dict):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return str(value)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def generic_table(rows: list[dict], skip: Iterable[str] = ()) -> Table:
+    """Columns = union of the rows' keys in first-seen order."""
+    skip = set(skip)
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns and k not in skip]
+    numeric = [all(_is_number(r.get(c)) for r in rows if r.get(c) is not None) for c in columns]
+    shown = rows[:MAX_TABLE_ROWS]
+    note = f"first {MAX_TABLE_ROWS} of {len(rows)} rows" if len(rows) > MAX_TABLE_ROWS else ""
+    return Table(columns, [[fmt_value(c, r.get(c)) for c in columns] for r in shown], numeric,
+                 note)
+
+
+# --- helpers over the plan ----------------------------------------------------------------
+
+class PlanIndex:
+    """Lookups the sections need; all of them tolerate a missing plan."""
+
+    def __init__(self, plan: Plan | None) -> None:
+        self.plan = plan
+        self.class_names = {c.tc: c.name for c in plan.traffic_classes} if plan else {}
+        self.ifaces: dict[tuple[str, str], InterfacePlan] = {}
+        if plan:
+            for node in plan.nodes:
+                for iface in node.interfaces:
+                    self.ifaces[(node.name, iface.ifname)] = iface
+
+    def tclass(self, tc: int) -> str:
+        name = self.class_names.get(tc)
+        return f"TC{tc} {name}" if name else f"TC{tc}"
+
+    def port_label(self, node: str, port: str, tc: int | None = None) -> str:
+        label = f"{node}:{port}"
+        return label if tc is None or tc < 0 else f"{label} {self.tclass(tc)}"
+
+    def peer(self, node: str, port: str) -> str | None:
+        iface = self.ifaces.get((node, port))
+        return f"{iface.peer.node}:{iface.peer.ifname}" if iface else None
+
+    def class_plan(self, node: str, port: str, tc: int):
+        iface = self.ifaces.get((node, port))
+        if iface is None:
+            return None
+        return next((c for c in iface.egress.classes if c.tc == tc), None)
+
+
+# --- sections -----------------------------------------------------------------------------
+
+def _created(run: RunData) -> str:
+    created = run.metadata.get("created_utc")
+    if not created:
+        _, stamp = run_name_and_time(run.run_dir)
+        if stamp:
+            created = stamp
+    if not created:
+        return "unknown"
+    try:
+        when = dt.datetime.strptime(str(created), "%Y%m%dT%H%M%SZ")
+        return when.strftime("%Y-%m-%d %H:%M:%S UTC")
+    except ValueError:
+        return str(created)
+
+
+def header(run: RunData) -> dict:
+    s, m = run.summary, run.metadata
+    probe = m.get("probe") if isinstance(m.get("probe"), dict) else {}
+    features = probe.get("features") or {}
+    missing = []
+    for name in probe.get("missing") or []:
+        feature = features.get(name) or {}
+        missing.append({"name": name, "disables": feature.get("disables", "")})
+    interrupted_detail = []
+    if run.store is not None:
+        for event in run.store.events("interrupted"):
+            extra = {k: v for k, v in event.items()
+                     if k not in ("ts_wall_ns", "node", "port", "tclass", "kind")}
+            at = extra.pop("ts_fabric_ns", None)
+            text = ", ".join(f"{k}={v}" for k, v in sorted(extra.items()))
+            interrupted_detail.append(f"at fabric {fmt_duration(at or 0)}"
+                                      + (f": {text}" if text else ""))
+    d = run.dilation
+    meta_d = metadata_dilation(m)
+    facts = [
+        ("lab", str(s.get("lab", ""))),
+        ("started", _created(run)),
+        ("dilation D", f"{d} (the fabric ran {d}x slower than real time; all figures are "
+                       "fabric units)"),
+        ("duration (fabric)", fmt_duration(s.get("duration_fabric_ns") or 0)),
+        ("duration (wall)", f"{float(s.get('duration_wall_s') or 0):.2f} s"),
+        ("kernel", " ".join(str(x) for x in (m.get("kernel") or probe.get("kernel") or "unknown",
+                                             m.get("machine") or probe.get("machine") or "")
+                            if x)),
+    ]
+    if m.get("hostname"):
+        facts.append(("host", f"{m['hostname']} ({m.get('cpus', '?')} CPUs)"))
+    if m.get("testbed_version"):
+        facts.append(("testbed", str(m["testbed_version"])))
+    if meta_d is not None and meta_d != d:
+        facts.append(("note", f"metadata says D={meta_d}, summary says D={d}"))
+    facts.append(("run directory", str(run.run_dir)))
+    return {
+        "name": str(s.get("name") or run.run_dir.name),
+        "lab": str(s.get("lab", "")),
+        "dilation": d,
+        "facts": facts,
+        "interrupted": bool(s.get("interrupted")),
+        "interrupted_detail": interrupted_detail,
+        "incomplete": run.rebuilt,
+        "missing_features": missing,
+        "notes": list(run.notes),
+    }
+
+
+def totals(run: RunData) -> Table | None:
+    t = run.summary.get("totals") or {}
+    if not t:
+        return None
+    rows = []
+    labels = {"tx_bytes": "bytes sent (all egress ports)", "drops": "drops",
+              "ecn_marks": "ECN marks", "pause_frames": "PFC pause frames sent",
+              "delivered_bytes": "bytes delivered to receivers"}
+    for key, value in t.items():
+        text = fmt_int(value) if _is_number(value) else str(value)
+        if key.endswith("bytes") and _is_number(value) and value >= 1000:
+            text += f" ({fmt_bytes(value)})"
+        rows.append([labels.get(key, key), text])
+    return Table(["total", "value"], rows, [False, True])
+
+
+def verdict(run: RunData) -> dict | None:
+    v = run.summary.get("verdict")
+    if not v:
+        return None
+    if not isinstance(v, dict):
+        return {"text": str(v), "predicates": None}
+    predicates = v.get("predicates")
+    table = None
+    if isinstance(predicates, list) and all(isinstance(p, dict) for p in predicates):
+        table = generic_table(predicates)
+    elif isinstance(predicates, dict):
+        table = Table(["predicate", "value"],
+                      [[k, fmt_value(k, val)] for k, val in predicates.items()])
+    parts = [f"{k}: {fmt_value(k, val)}" for k, val in v.items() if k != "predicates"]
+    return {"text": "; ".join(parts), "predicates": table}
+
+
+def fabric(run: RunData) -> dict | None:
+    plan = run.plan
+    if plan is None or not plan.nodes:
+        return None
+    groups: dict[tuple, list] = {}
+    for link in plan.links:
+        key = (link.rate_bps, link.wall_rate_bps, link.port_type, link.length_m, link.delay_ns,
+               link.frame_loss_ratio)
+        groups.setdefault(key, []).append(link)
+    rows = []
+    for (rate, wall, ptype, length, delay, flr), links in sorted(groups.items()):
+        warnings = sorted({w for link in links for w in link.phy_warnings})
+        rows.append([fmt_rate(rate), str(len(links)), ptype, f"{length:g} m", fmt_duration(delay),
+                     f"{flr:.2g}", fmt_rate(wall), "; ".join(warnings) or "-"])
+    table = Table(["rate (fabric)", "links", "port type", "length", "one-way delay",
+                   "frame loss", "wall rate on this VM", "PHY warnings"], rows,
+                  [False, True, False, True, True, True, False, False])
+    d = plan.dilation
+    text = (f"{len(plan.hosts())} hosts, {len(plan.switches())} switches, {len(plan.links)} "
+            f"links; MTU {plan.mtu_bytes}, RoCE MTU {plan.roce_mtu_bytes}; dilation "
+            f"{d.factor} ({d.mode}), busiest port {fmt_rate(d.busiest_port_bps)} fabric = "
+            f"{fmt_rate(d.busiest_wall_port_bps)} wall")
+    return {"svg": plots.fabric_plot(plan), "text": text, "links": table}
+
+
+def _duration_ns(run: RunData, series: Iterable[list[tuple[int, float]]] = ()) -> float:
+    longest = max((pts[-1][0] for pts in series if pts), default=0)
+    return max(float(run.summary.get("duration_fabric_ns") or 0), float(longest), 1.0)
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _span(n: int, chunk: list) -> str:
+    return f"{n * SERIES_PER_PLOT + 1}-{n * SERIES_PER_PLOT + len(chunk)}"
+
+
+def queues(run: RunData, idx: PlanIndex) -> dict | None:
+    """Backlog over time of every port class that queued, worst first."""
+    series = {}
+    if run.store is not None:
+        series = {k: v for k, v in run.store.series("backlog_bytes").items()
+                  if k[2] >= 0 and any(val > 0 for _, val in v)}
+    ports = [p for p in run.summary.get("ports") or [] if (p.get("max_queue_bytes") or 0) > 0]
+    if not series and not ports:
+        return None
+    x_max = _duration_ns(run, series.values())
+    ranked = sorted(series, key=lambda k: (-max(v for _, v in series[k]), k))
+    svgs = []
+    for n, chunk in enumerate(_chunks(ranked, SERIES_PER_PLOT)[:MAX_PLOTS]):
+        peak = max(max(v for _, v in series[k]) for k in chunk)
+        hlines = []
+        plans = {idx.class_plan(*k) for k in chunk}
+        if len(plans) == 1 and None not in plans:
+            c = plans.pop()
+            marks = []
+            if c.ecn:
+                marks += [(c.ecn.kmin_bytes, "ECN Kmin"), (c.ecn.kmax_bytes, "ECN Kmax")]
+            if c.pfc:
+                marks.append((c.pfc.xoff_bytes, "PFC XOFF"))
+            marks.append((c.limit_bytes, "buffer limit"))
+            seen = set()
+            for value, name in marks:
+                if value <= 1.3 * peak and value not in seen:
+                    seen.add(value)
+                    hlines.append((value, f"{name} {fmt_bytes(value)}"))
+        title = ("queue depth, worst port classes" if n == 0
+                 else f"queue depth, port classes {_span(n, chunk)} by peak")
+        svgs.append(plots.line_plot(
+            [Series(idx.port_label(*k), series[k]) for k in chunk], f"queue{n}", title,
+            "backlog (KB)", 1e3, x_max, hlines))
+    rows = []
+    if series:
+        for k in ranked[:TOP_PORTS]:
+            pts = series[k]
+            t_peak, peak = max(pts, key=lambda p: p[1])
+            mean = sum(v for _, v in pts) / len(pts)
+            c = idx.class_plan(*k)
+            rows.append([idx.port_label(k[0], k[1]), idx.tclass(k[2]), fmt_bytes(peak),
+                         fmt_duration(t_peak), fmt_bytes(mean),
+                         fmt_bytes(c.limit_bytes) if c else "-"])
+        table = Table(["port", "class", "peak backlog", "at (fabric)", "mean backlog", "buffer"],
+                      rows, [False, False, True, True, True, True])
+        total = len(ranked)
+    else:
+        ports.sort(key=lambda p: -p["max_queue_bytes"])
+        for p in ports[:TOP_PORTS]:
+            c = idx.class_plan(p["node"], p["port"], p["tclass"])
+            rows.append([idx.port_label(p["node"], p["port"]), idx.tclass(p["tclass"]),
+                         fmt_bytes(p["max_queue_bytes"]), fmt_bytes(c.limit_bytes) if c else "-"])
+        table = Table(["port", "class", "peak backlog", "buffer"], rows,
+                      [False, False, True, True])
+        total = len(ports)
+    if total > len(rows):
+        table.note = f"{len(rows)} of {total} port classes that queued"
+    return {"svgs": svgs, "table": table, "count": total,
+            "shown_in_plots": min(total, SERIES_PER_PLOT * MAX_PLOTS) if svgs else 0}
+
+
+def ecn(run: RunData, idx: PlanIndex) -> dict | None:
+    series = {}
+    if run.store is not None:
+        series = {k: v for k, v in run.store.series("ecn_marks").items()
+                  if v and v[-1][1] > 0}
+    ports = [p for p in run.summary.get("ports") or [] if (p.get("ecn_marks") or 0) > 0]
+    if not series and not ports:
+        return None
+    ranked = sorted(series, key=lambda k: (-series[k][-1][1], k))
+    svgs = []
+    if ranked:
+        x_max = _duration_ns(run, series.values())
+        for n, chunk in enumerate(_chunks(ranked, SERIES_PER_PLOT)[:MAX_PLOTS]):
+            svgs.append(plots.line_plot(
+                [Series(idx.port_label(*k), series[k]) for k in chunk], f"ecn{n}",
+                "ECN marks (cumulative)" if n == 0 else
+                f"ECN marks (cumulative), port classes {_span(n, chunk)}",
+                "packets marked CE", 1.0, x_max, step=True))
+    ports.sort(key=lambda p: (-p["ecn_marks"], p["node"], p["port"]))
+    rows = [[idx.port_label(p["node"], p["port"]), idx.tclass(p["tclass"]),
+             fmt_int(p["ecn_marks"]), fmt_int(p.get("tx_packets") or 0),
+             f"{100 * p['ecn_marks'] / p['tx_packets']:.2f} %" if p.get("tx_packets") else "-"]
+            for p in ports[:TOP_PORTS]]
+    table = Table(["port", "class", "ECN marks", "packets sent", "marked"], rows,
+                  [False, False, True, True, True])
+    if len(ports) > TOP_PORTS:
+        table.note = f"{TOP_PORTS} of {len(ports)} port classes that marked"
+    return {"svgs": svgs, "table": table if rows else None}
+
+
+def _pause_intervals_from_events(run: RunData) -> dict[tuple, list[tuple[int, int]]]:
+    """(node, port, tclass) -> [(start_ns, duration_ns)] from pfc_xoff/pfc_xon events.
+
+    Read as: `node` sent XOFF (then XON) out of `port` for priority `tclass`,
+    pausing the egress of the peer at the other end of that link.
+    """
+    if run.store is None:
+        return {}
+    events = run.store.events("pfc_xoff") + run.store.events("pfc_xon")
+    events.sort(key=lambda e: (e["ts_fabric_ns"], e["kind"] == "pfc_xoff"))
+    end = run.summary.get("duration_fabric_ns") or 0
+    if events:
+        end = max(end, events[-1]["ts_fabric_ns"])
+    open_at: dict[tuple, int] = {}
+    out: dict[tuple, list[tuple[int, int]]] = {}
+    for e in events:
+        key = (e["node"], e["port"], e["tclass"])
+        if e["kind"] == "pfc_xoff":
+            out.setdefault(key, [])
+            if key not in open_at:
+                open_at[key] = e["ts_fabric_ns"]
+        elif key in open_at:
+            start = open_at.pop(key)
+            out[key].append((start, e["ts_fabric_ns"] - start))
+    for key, start in open_at.items():
+        out[key].append((start, max(end - start, 0)))
+    return out
+
+
+def _pause_intervals_from_counters(run: RunData) -> dict[tuple, list[tuple[int, int]]]:
+    """Sample intervals in which a port's `pause_tx` count grew (merged when adjacent)."""
+    if run.store is None:
+        return {}
+    out: dict[tuple, list[tuple[int, int]]] = {}
+    for key, pts in run.store.series("pause_tx").items():
+        spans: list[list[int]] = []
+        for (t0, v0), (t1, v1) in zip(pts, pts[1:], strict=False):
+            if v1 > v0:
+                if spans and spans[-1][1] == t0:
+                    spans[-1][1] = t1
+                else:
+                    spans.append([t0, t1])
+        if spans:
+            out[key] = [(a, b - a) for a, b in spans]
+    return out
+
+
+def pfc(run: RunData, idx: PlanIndex) -> dict | None:
+    intervals = _pause_intervals_from_events(run)
+    source = "pfc_xoff / pfc_xon events"
+    if not intervals:
+        intervals = _pause_intervals_from_counters(run)
+        source = ("sampled pause_tx counters (a bar spans each sample period in which pause "
+                  "frames were sent)")
+    ports = [p for p in run.summary.get("ports") or []
+             if (p.get("pause_tx") or 0) > 0 or (p.get("pause_rx") or 0) > 0
+             or (p.get("paused_ns") or 0) > 0]
+    if not intervals and not ports:
+        return None
+    svg = None
+    rows_out = []
+    if intervals:
+        ranked = sorted(intervals, key=lambda k: (-sum(d for _, d in intervals[k]), k))
+        x_max = _duration_ns(run)
+        for _, spans in intervals.items():
+            for s, d in spans:
+                x_max = max(x_max, s + d)
+        rows = []
+        for k in ranked[:24]:
+            peer = idx.peer(k[0], k[1])
+            label = f"{k[0]}:{k[1]} → {peer or '?'} {idx.tclass(k[2])}"
+            rows.append((label, intervals[k]))
+        svg = plots.timeline_plot(rows, "pfc", "PFC pauses: port that sent XOFF → paused peer",
+                                  x_max)
+        for k in ranked[:TOP_PORTS * 2]:
+            spans = intervals[k]
+            rows_out.append([idx.port_label(k[0], k[1]), idx.peer(k[0], k[1]) or "?",
+                             idx.tclass(k[2]), fmt_int(len(spans)),
+                             fmt_duration(sum(d for _, d in spans)),
+                             fmt_duration(spans[0][0]) if spans else "-"])
+        timeline = Table(["pausing port", "paused peer", "class", "pauses", "paused for",
+                          "first at"], rows_out, [False, False, False, True, True, True])
+    else:
+        timeline = None
+        source = ""
+    ports.sort(key=lambda p: (-(p.get("pause_tx") or 0), p["node"], p["port"], p["tclass"]))
+    totals_table = Table(
+        ["port", "peer", "class", "pause frames sent", "pause frames received",
+         "egress paused for"],
+        [[idx.port_label(p["node"], p["port"]), idx.peer(p["node"], p["port"]) or "?",
+          idx.tclass(p["tclass"]), fmt_int(p.get("pause_tx") or 0),
+          fmt_int(p.get("pause_rx") or 0), fmt_duration(p.get("paused_ns") or 0)]
+         for p in ports[:TOP_PORTS * 2]],
+        [False, False, False, True, True, True]) if ports else None
+    return {"svg": svg, "source": source, "timeline": timeline, "totals": totals_table}
+
+
+def agent_rates(run: RunData) -> dict | None:
+    """Receive rate of every agent over time, from its cumulative `recv.bytes`.
+
+    Byte counts are the same in fabric and wall time and the samples carry
+    fabric timestamps, so delta_bytes * 8 / delta_ts_fabric_ns * 1e9 is the
+    fabric rate directly (= wall rate x D); nothing here multiplies by D.
+    """
+    if run.store is None:
+        return None
+    series = {k: v for k, v in run.store.series("recv.bytes").items() if len(v) >= 2}
+    rates: dict[tuple, list[tuple[int, float]]] = {}
+    for key, pts in series.items():
+        step = max(1, math.ceil(len(pts) / plots.MAX_POINTS))
+        picked = list(pts[::step])
+        if picked[-1] != pts[-1]:
+            picked.append(pts[-1])
+        out = []
+        for (t0, v0), (t1, v1) in zip(picked, picked[1:], strict=False):
+            if t1 > t0:
+                out.append((t0, max(v1 - v0, 0) * 8 / (t1 - t0) * 1e9))
+        if out:
+            out.append((picked[-1][0], out[-1][1]))
+            rates[key] = out
+    active = {k: v for k, v in rates.items() if any(r > 0 for _, r in v)}
+    if not active:
+        return None
+    ordered = sorted(active, key=lambda k: (natural_key(k[1]), natural_key(k[0])))
+    x_max = _duration_ns(run, series.values())
+    svgs = []
+    for n, chunk in enumerate(_chunks(ordered, SERIES_PER_PLOT)[:MAX_PLOTS]):
+        svgs.append(plots.line_plot(
+            [Series(f"{k[1]} ({k[0]})", active[k]) for k in chunk], f"rate{n}",
+            "receive rate per agent" if n == 0 else f"receive rate, agents {_span(n, chunk)}",
+            "fabric rate (Gb/s)", 1e9, x_max, step=True))
+    rows = []
+    for k in ordered:
+        pts = series[k]
+        (t0, v0), (t1, v1) = pts[0], pts[-1]
+        mean = (v1 - v0) * 8 / (t1 - t0) * 1e9 if t1 > t0 else 0.0
+        rows.append([k[1], k[0], fmt_int(v1), fmt_rate(mean),
+                     fmt_rate(max(r for _, r in active[k]))])
+    table = Table(["agent", "node", "bytes received", "mean rate (fabric)", "peak rate (fabric)"],
+                  rows, [False, False, True, True, True])
+    return {"svgs": svgs, "table": table}
+
+
+def workloads(run: RunData) -> list[dict]:
+    out = []
+    for w in run.summary.get("workloads") or []:
+        results = [r for r in w.get("results") or [] if isinstance(r, dict)]
+        if not results:
+            continue
+        out.append({"name": str(w.get("name", "")), "kind": str(w.get("kind", "")),
+                    "table": generic_table(results)})
+    return out
+
+
+def port_totals(run: RunData, idx: PlanIndex) -> dict | None:
+    ports = [p for p in run.summary.get("ports") or [] if isinstance(p, dict)]
+    if not ports:
+        return None
+    busy = sorted((p for p in ports if (p.get("tx_bytes") or 0) > 0),
+                  key=lambda p: (-p["tx_bytes"], p["node"], p["port"], p["tclass"]))
+    chosen = busy[:TOP_PORTS]
+    chosen += [p for p in ports if (p.get("drops") or 0) > 0 and p not in chosen]
+    if not chosen:
+        return {"table": None, "text": f"no egress port sent anything ({len(ports)} port classes)"}
+    optional = [("ecn_marks", "ECN marks", fmt_int), ("pause_tx", "PFC tx", fmt_int),
+                ("pause_rx", "PFC rx", fmt_int), ("paused_ns", "paused for", fmt_duration)]
+    present = [o for o in optional if any((p.get(o[0]) or 0) > 0 for p in ports)]
+    columns = ["port", "class", "bytes sent", "packets sent", "drops",
+               *[o[1] for o in present], "peak queue"]
+    rows = []
+    for p in chosen:
+        rows.append([idx.port_label(p["node"], p["port"]), idx.tclass(p["tclass"]),
+                     fmt_int(p.get("tx_bytes") or 0), fmt_int(p.get("tx_packets") or 0),
+                     fmt_int(p.get("drops") or 0),
+                     *[fmt(p.get(key) or 0) for key, _, fmt in present],
+                     fmt_bytes(p.get("max_queue_bytes") or 0)])
+    numeric = [False, False] + [True] * (len(columns) - 2)
+    absent = [o[1] for o in optional if o not in present]
+    text = (f"{len(chosen)} of {len(ports)} egress port classes: the {min(TOP_PORTS, len(busy))} "
+            f"that sent the most bytes, plus every one that dropped.")
+    if absent:
+        text += " All zero, not shown: " + ", ".join(absent) + "."
+    return {"table": Table(columns, rows, numeric), "text": text}
+
+
+def fidelity(run: RunData) -> dict:
+    notes = [str(n) for n in run.summary.get("fidelity") or []]
+    warnings = list(run.plan.warnings) if run.plan else []
+    return {"notes": notes, "plan_warnings": warnings}
+
+
+def build_context(run: RunData) -> dict:
+    idx = PlanIndex(run.plan)
+    return {
+        "run": header(run),
+        "totals": totals(run),
+        "verdict": verdict(run),
+        "fabric": fabric(run),
+        "queues": queues(run, idx),
+        "ecn": ecn(run, idx),
+        "pfc": pfc(run, idx),
+        "rates": agent_rates(run),
+        "workloads": workloads(run),
+        "ports": port_totals(run, idx),
+        "fidelity": fidelity(run),
+    }

@@ -1,0 +1,170 @@
+"""`testbed run` end to end: counters agree with agents, interrupts and kills leave no trace."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, unique_lab
+from testbed.config import load_config_text
+from testbed.net.namespaces import list_testbed_namespaces
+from testbed.plan import compile_plan
+from testbed.run.runner import RunOptions, run_config
+from testbed.run.store import Store
+
+pytestmark = pytest.mark.root
+
+INCAST = """\
+name: {lab}
+dilation: 1000
+topology:
+  kind: single_switch
+  hosts: 5
+  host_link: {{port: 100GBASE-CR1, length: 2m}}
+workload:
+  traffic:
+    - name: incast
+      kind: udp_incast
+      senders: [h1, h2, h3, h4]
+      receiver: h5
+      tclass: roce
+      duration: {duration}
+"""
+
+
+def _incast(duration: str = "2ms") -> tuple:
+    lab = unique_lab("inc")
+    loaded = load_config_text(INCAST.format(lab=lab, duration=duration), "incast.yaml")
+    return loaded, compile_plan(loaded)
+
+
+def _netns_of(lab: str) -> list[str]:
+    return [ns for ns in list_testbed_namespaces() if ns.startswith(f"tb-{lab}-")]
+
+
+def test_incast_counters_agree_with_the_agents(tmp_path):
+    loaded, plan = _incast()
+    result = run_config(loaded, plan, RunOptions(runs_root=tmp_path, say=lambda _m: None))
+    run_dir = result.run_dir
+    assert not _netns_of(plan.lab)
+    for name in ("config.yaml", "plan.json", "metadata.json", "counters.sqlite",
+                 "summary.json"):
+        assert (run_dir / name).exists(), name
+    assert oct((run_dir).stat().st_mode & 0o777) == "0o700"
+    assert oct((run_dir / "counters.sqlite").stat().st_mode & 0o777) == "0o600"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is False
+    rows = summary["workloads"][0]["results"]
+    assert len(rows) == 4
+    store = Store(run_dir / "counters.sqlite")
+    last = store.last_values("class_bytes")
+    packets = store.last_values("class_packets")
+    # Each sender's NIC class counted exactly what its agent sent (+42 B of
+    # UDP/IP/Ethernet headers per packet, which the kernel counts in skb->len).
+    for row in rows:
+        nic = (row["src"], "eth0", 3)
+        assert packets[nic] == pytest.approx(row["tx_packets"], rel=0.01)
+        assert last[nic] == pytest.approx(row["tx_bytes"] + 42 * row["tx_packets"], rel=0.01)
+    # The switch port to the receiver dequeued what the receiver got.
+    rx_packets = sum(r["rx_packets"] for r in rows)
+    rx_bytes = sum(r["rx_bytes"] for r in rows)
+    assert packets[("sw1", "swp5", 3)] == pytest.approx(rx_packets, rel=0.01)
+    assert last[("sw1", "swp5", 3)] == pytest.approx(rx_bytes + 42 * rx_packets, rel=0.01)
+    # 4:1 at line rate: the receiver's switch port queued (and overflowed).
+    backlog = store.series("backlog_bytes", node="sw1", port="swp5", tclass=3)
+    assert max(v for _, v in backlog[("sw1", "swp5", 3)]) > 100_000
+    assert summary["totals"]["drops"] > 0
+    # summary.json's totals are the database's.
+    assert summary["totals"]["tx_bytes"] == sum(int(v) for v in last.values())
+    drops = store.last_values("class_drops")
+    assert summary["totals"]["drops"] == sum(int(v) for v in drops.values())
+    port = next(p for p in summary["ports"] if (p["node"], p["port"], p["tclass"])
+                == ("sw1", "swp5", 3))
+    assert port["max_queue_bytes"] == max(int(v) for _, v in backlog[("sw1", "swp5", 3)])
+    # The receiver's link ran at its line rate while backlogged.
+    total_rx_bps = sum(r["rx_fabric_bps"] for r in rows)
+    assert total_rx_bps == pytest.approx(100e9, rel=0.05)
+    store.close()
+
+
+def _start_run(config: Path, runs: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "testbed", "run", str(config),
+                             "--runs-dir", str(runs)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_samples(runs: Path, timeout_s: float = 30) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for db in runs.glob("*/counters.sqlite"):
+            try:
+                with sqlite3.connect(db) as con:
+                    if con.execute("SELECT COUNT(*) FROM samples").fetchone()[0] > 500:
+                        return db.parent
+            except sqlite3.Error:
+                pass
+        time.sleep(0.1)
+    raise AssertionError("the run never wrote samples")
+
+
+def test_sigint_stops_cleanly_and_reports_interrupted(tmp_path):
+    lab = unique_lab("sint")
+    config = tmp_path / "incast.yaml"
+    config.write_text(INCAST.format(lab=lab, duration="20ms"))   # 20 s of wall time
+    proc = _start_run(config, tmp_path / "runs")
+    try:
+        run_dir = _wait_for_samples(tmp_path / "runs")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert not _netns_of(lab)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True
+    assert summary["duration_fabric_ns"] < 20_000_000
+    # No agent survived: nothing of ours runs in any namespace of the lab.
+    leftovers = subprocess.run(["pgrep", "-f", f"agents.udp.*{run_dir.name}"],
+                               capture_output=True, text=True).stdout.split()
+    assert leftovers == []
+    report = run_dir / "report.html"
+    if report.exists():
+        assert "interrupted" in report.read_text().lower()
+
+
+def test_sigkilled_run_is_cleaned_by_down_all_and_its_data_survives(tmp_path):
+    lab = unique_lab("skil")
+    config = tmp_path / "incast.yaml"
+    config.write_text(INCAST.format(lab=lab, duration="20ms"))
+    proc = _start_run(config, tmp_path / "runs")
+    try:
+        run_dir = _wait_for_samples(tmp_path / "runs")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _netns_of(lab), "the killed run should have left its fabric up"
+    res = subprocess.run([sys.executable, "-m", "testbed", "down", "--all"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert not _netns_of(lab)
+    # Agents were recorded by pid and ended by `down`.
+    time.sleep(0.2)
+    leftovers = subprocess.run(["pgrep", "-f", f"agents.udp.*{run_dir.name}"],
+                               capture_output=True, text=True).stdout.split()
+    assert leftovers == []
+    store = Store(run_dir / "counters.sqlite")
+    assert store.counters()
+    n = store.db.execute("SELECT COUNT(DISTINCT ts_fabric_ns) FROM samples").fetchone()[0]
+    assert n >= 3
+    store.close()
