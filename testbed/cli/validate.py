@@ -19,6 +19,8 @@ def run(args) -> int:
     except CliError as exc:
         print(exc, file=sys.stderr)
         return exc.code
+    for warning in plan.warnings:
+        print(f"{args.file}: warning: {warning}", file=sys.stderr)
     hosts, switches = len(plan.hosts()), len(plan.switches())
     print(f"{args.file}: ok: lab {plan.lab!r}, {hosts} hosts, {switches} switches, "
           f"{len(plan.links)} links, dilation {plan.dilation.factor} ({plan.dilation.mode})")

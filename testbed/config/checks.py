@@ -160,7 +160,8 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
 
     def host_ok(loc: tuple, name: str) -> Iterator[tuple[tuple, str]]:
         if name not in hosts:
-            yield loc, f"{name!r} is not a host of this fabric{_suggest(name, hosts)}"
+            yield loc, (f"{name!r} is not a host of this fabric{_suggest(name, hosts)}; "
+                        f"hosts are {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''}")
 
     for i, t in enumerate(fabric.workload.traffic):
         loc = ("workload", "traffic", i)
@@ -168,8 +169,9 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
             yield loc + ("name",), f"traffic name {t.name!r} is used twice"
         names.add(t.name)
         if t.tclass not in classes:
-            yield (loc + ("tclass",), f"unknown traffic class {t.tclass!r}; defined: "
-                   f"{sorted(str(k) for k in classes)}")
+            yield (loc + ("tclass",), f"unknown traffic class {t.tclass!r}; use a class name or "
+                   f"number from traffic_classes: "
+                   f"{', '.join(f'{c.name} ({c.tc})' for c in fabric.traffic_classes)}")
         if t.duration_ns <= 0:
             yield loc + ("duration",), "duration must be above 0"
         if t.kind == "udp_incast":

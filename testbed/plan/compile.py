@@ -211,9 +211,14 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
             if i not in subnets:
                 subnets[i] = alloc.block(2)
     except OverflowError as exc:
+        # Each switch's host block is rounded up to a power of two; this is
+        # the smallest pool that holds every block and /31.
+        need = sum(1 << max(1, math.ceil(math.log2(2 * len(v)))) for v in aggregated.values())
+        need += 2 * (len(links) - sum(len(v) for v in aggregated.values()))
+        prefix = 32 - math.ceil(math.log2(need))
         problems.append(Problem(loaded.lines.line_for(("address_pool",)), ("address_pool",),
-                                f"{exc}: {len(links)} links need more addresses; "
-                                "give a larger pool"))
+                                f"{exc}: {len(links)} links need at least {need} addresses; "
+                                f"use a /{prefix} or larger (default 198.18.0.0/15)"))
         raise ConfigError(loaded.path, problems) from None
 
     # The switch end is the lower (gateway) address; otherwise the a end.

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import REPO, unique_lab
 from testbed.config import load_config_text
 from testbed.net import apply_plan, destroy_lab
 from testbed.plan import Plan, compile_plan
+from tests.conftest import REPO, unique_lab
 
 
 def plan_from_file(path: str, stem: str) -> Plan:

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
-from tests.integration.conftest import initial_namespace_snapshot, plan_from_file
 from testbed.net import apply_plan, destroy_lab, list_states
 from testbed.net.counters import read_counters
 from testbed.net.namespaces import exists, list_testbed_namespaces
 from testbed.run import smoke
+from tests.conftest import REPO
+from tests.integration.conftest import initial_namespace_snapshot, plan_from_file
 
 pytestmark = pytest.mark.root
 
