@@ -95,6 +95,7 @@ def parse_size(text: str) -> Shape:
 class OurRun:
     compile_s: float
     up_s: float
+    up_cpu_s: float        # CPU time of this process during up (user + sys)
     down_s: float
     phases: dict[str, float]
     tc_requests: int
@@ -161,7 +162,7 @@ def run_ours(shape: Shape, profile: cProfile.Profile | None = None) -> tuple[Pla
     compile_s = time.perf_counter() - t0
     check_clean(plan)       # nothing of that name may exist before we start
     with lab_guard(plan):
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         if profile is not None:
             profile.enable()
         try:
@@ -169,13 +170,13 @@ def run_ours(shape: Shape, profile: cProfile.Profile | None = None) -> tuple[Pla
         finally:
             if profile is not None:
                 profile.disable()
-        up_s = time.perf_counter() - t1
+        up_s, up_cpu_s = time.perf_counter() - t1, time.process_time() - c1
         if report.already_up:
             raise RuntimeError(f"lab {plan.lab!r} was already up: the timing would be void")
         t2 = time.perf_counter()
         destroy_lab(plan.lab)
         down_s = time.perf_counter() - t2
-    return plan, OurRun(compile_s, up_s, down_s, dict(report.seconds), report.tc_requests,
+    return plan, OurRun(compile_s, up_s, up_cpu_s, down_s, dict(report.seconds), report.tc_requests,
                         report.routes)
 
 
@@ -284,18 +285,19 @@ def main_table(results: list[SizeResult]) -> str:
 
 
 def phase_table(results: list[SizeResult]) -> str:
-    header = ["hosts", "compile", *OUR_PHASES, "other", "up", "tc reqs", "routes",
+    header = ["hosts", "compile", *OUR_PHASES, "other", "up", "up cpu", "tc reqs", "routes",
               "ms/ns", "ms/tc req"]
     rows = []
     for r in results:
         phases = {p: med([o.phases.get(p, 0.0) for o in r.ours]) for p in OUR_PHASES}
         up = med([o.up_s for o in r.ours])
-        other = up - sum(phases.values())
+        other = med([x.up_s - sum(x.phases.get(p, 0.0) for p in OUR_PHASES) for x in r.ours])
         o = r.ours[0]
         per_ns = 1000 * (phases["namespaces"] + phases["netlink sockets"]) / r.nodes
         per_tc = 1000 * phases["addresses+queues"] / max(1, o.tc_requests)
         rows.append([r.shape.hosts, f"{med([x.compile_s for x in r.ours]):.3f}",
                      *(f"{phases[p]:.3f}" for p in OUR_PHASES), f"{other:.3f}", f"{up:.3f}",
+                     f"{med([x.up_cpu_s for x in r.ours]):.3f}",
                      o.tc_requests, o.routes, f"{per_ns:.2f}", f"{per_tc:.3f}"])
     return fmt_table(header, rows)
 
@@ -320,10 +322,10 @@ def mininet_phase_table(results: list[SizeResult]) -> str:
     return fmt_table(header, rows)
 
 
-def profile_text(profile: cProfile.Profile, top: int) -> str:
+def profile_text(profile: cProfile.Profile, top: int, sort: str = "cumulative") -> str:
     stream = io.StringIO()
     stats = pstats.Stats(profile, stream=stream)
-    stats.strip_dirs().sort_stats("cumulative").print_stats(top)
+    stats.strip_dirs().sort_stats(sort).print_stats(top)
     lines = stream.getvalue().splitlines()
     # Drop pstats' preamble up to the column header; keep the header and the rows.
     start = next((i for i, ln in enumerate(lines) if "ncalls" in ln), 0)
@@ -377,8 +379,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+_MAIN_PID = os.getpid()
+
+
+def _on_sigterm(signum, _frame):
+    # pyroute2 forks helpers (netns create, netns sockets) and stops them with SIGTERM.
+    # A forked copy must die as by default, never unwind our stack (it would run
+    # lab_guard's destroy_lab in the child).
+    if os.getpid() != _MAIN_PID:
+        os._exit(128 + signum)
+    raise KeyboardInterrupt(f"signal {signum}")    # same clean-up path as Ctrl-C
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     if os.geteuid() != 0:
         print("bench/bringup.py: needs root (namespaces, veth, tc)", file=sys.stderr)
         return 2
@@ -419,8 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\nours, `up` by phase (seconds, medians; report.seconds; other = state file, plan "
           "digest, checks):")
     print(phase_table(results))
-    print("  ms/ns = (namespaces + netlink sockets) per node; "
-          "ms/tc req = addresses+queues per tc request")
+    print("  up cpu = CPU time of this process during up (the gap to `up` is waiting: forked\n"
+          "  helpers, the kernel, other load); ms/ns = (namespaces + netlink sockets) per\n"
+          "  node; ms/tc req = addresses+queues per tc request")
     if any(r.mininet for r in results):
         print("\nmininet, `up` by phase (seconds, medians; shell cmds = node.cmd() calls):")
         print(mininet_phase_table(results))
@@ -433,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{prof_run.up_s:.2f} s under the profiler, top {args.profile_top} by "
               "cumulative time:")
         print(profile_text(profile, args.profile_top))
+        print(f"\nsame profile, top {args.profile_top} by internal time (where the CPU goes):")
+        print(profile_text(profile, args.profile_top, "tottime"))
 
     print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("leftovers: none (every lab's namespaces and state checked after each run)")
@@ -440,4 +459,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        # Every lab was destroyed and checked on the way out (lab_guard), and the
+        # Mininet child stopped its own network before we got here.
+        print("\nbench/bringup.py: interrupted; nothing left behind", file=sys.stderr)
+        sys.exit(130)

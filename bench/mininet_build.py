@@ -113,7 +113,12 @@ def _kill_leftover_shells(timeout_s: float = 10.0) -> int:
     return alive
 
 
+_MAIN_PID = os.getpid()
+
+
 def _on_sigterm(signum, _frame):
+    if os.getpid() != _MAIN_PID:     # a forked copy: die as by default
+        os._exit(128 + signum)
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -157,8 +162,8 @@ def run(spec: dict) -> dict:
             try:
                 net.stop()
             except BaseException as exc:  # noqa: BLE001 - fall back to killing shells
-                print(f"mininet_build: net.stop() failed ({exc!r}); killing shells",
-                      file=sys.stderr)
+                print(f"mininet_build: net.stop() did not finish ({exc!r}); "
+                      "killing the node shells instead", file=sys.stderr)
         leftover = _kill_leftover_shells()
         if leftover:
             print(f"mininet_build: {leftover} node shells would not die", file=sys.stderr)
@@ -182,7 +187,11 @@ def main() -> int:
     setLogLevel("error")
     lg.addFilter(_QuietQuantum())
     spec = json.load(sys.stdin)
-    result = run(spec)
+    try:
+        result = run(spec)
+    except KeyboardInterrupt:
+        print("mininet_build: interrupted; network stopped", file=sys.stderr)
+        return 130
     print(json.dumps(result), flush=True)
     return 1 if result["leftover_shells"] else 0
 

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-VERBS = ["validate", "phy", "plan", "probe", "up", "down", "status", "smoke", "run", "calibrate"]
+VERBS = ["validate", "phy", "plan", "probe", "up", "down", "status", "smoke", "run", "calibrate", "report"]
 
 
 def build_parser() -> argparse.ArgumentParser:

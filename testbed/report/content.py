@@ -58,6 +58,8 @@ def fmt_rate(bps: float) -> str:
 
 
 def fmt_duration(ns: float) -> str:
+    if ns == 0:
+        return "0"
     for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
         if abs(ns) >= scale:
             return f"{ns / scale:.4g} {unit}"
@@ -87,12 +89,21 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+# Result columns docs/run-format.md names, in its order; others follow in first-seen order
+# (summary.json is written with sorted keys, so first-seen order is often alphabetical).
+KNOWN_COLUMNS = ["src", "dst", "algorithm", "ranks", "bytes", "tx_packets", "tx_bytes",
+                 "rx_packets", "rx_bytes", "lost", "set_fabric_bps", "tx_fabric_bps",
+                 "rx_fabric_bps", "time_us", "algbw_gbps", "busbw_gbps", "wrong"]
+
+
 def generic_table(rows: list[dict], skip: Iterable[str] = ()) -> Table:
-    """Columns = union of the rows' keys in first-seen order."""
+    """Columns = union of the rows' keys: known ones in documented order, then the rest."""
     skip = set(skip)
-    columns: list[str] = []
+    seen: list[str] = []
     for row in rows:
-        columns += [k for k in row if k not in columns and k not in skip]
+        seen += [k for k in row if k not in seen and k not in skip]
+    columns = [k for k in KNOWN_COLUMNS if k in seen] + [k for k in seen
+                                                         if k not in KNOWN_COLUMNS]
     numeric = [all(_is_number(r.get(c)) for r in rows if r.get(c) is not None) for c in columns]
     shown = rows[:MAX_TABLE_ROWS]
     note = f"first {MAX_TABLE_ROWS} of {len(rows)} rows" if len(rows) > MAX_TABLE_ROWS else ""
@@ -176,14 +187,21 @@ def header(run: RunData) -> dict:
                        "fabric units)"),
         ("duration (fabric)", fmt_duration(s.get("duration_fabric_ns") or 0)),
         ("duration (wall)", f"{float(s.get('duration_wall_s') or 0):.2f} s"),
-        ("kernel", " ".join(str(x) for x in (m.get("kernel") or probe.get("kernel") or "unknown",
-                                             m.get("machine") or probe.get("machine") or "")
-                            if x)),
+        ("kernel", f"{m.get('kernel') or probe.get('kernel') or 'unknown'} "
+                   f"{m.get('machine') or probe.get('machine') or ''}".strip()),
     ]
     if m.get("hostname"):
         facts.append(("host", f"{m['hostname']} ({m.get('cpus', '?')} CPUs)"))
     if m.get("testbed_version"):
         facts.append(("testbed", str(m["testbed_version"])))
+    collector = s.get("collector") if isinstance(s.get("collector"), dict) else {}
+    if collector.get("samples"):
+        period = collector.get("period_fabric_ns")
+        facts.append(("samples", f"{collector['samples']}"
+                      + (f", one every {fmt_duration(period)} of fabric time" if period else "")))
+    notes = list(run.notes)
+    if s.get("results_complete") is False:
+        notes.append("agent results were not all collected: workload tables may be short")
     if meta_d is not None and meta_d != d:
         facts.append(("note", f"metadata says D={meta_d}, summary says D={d}"))
     facts.append(("run directory", str(run.run_dir)))
@@ -196,7 +214,7 @@ def header(run: RunData) -> dict:
         "interrupted_detail": interrupted_detail,
         "incomplete": run.rebuilt,
         "missing_features": missing,
-        "notes": list(run.notes),
+        "notes": notes,
     }
 
 
@@ -208,7 +226,8 @@ def totals(run: RunData) -> Table | None:
     labels = {"tx_bytes": "bytes sent (all egress ports)", "drops": "drops",
               "ecn_marks": "ECN marks", "pause_frames": "PFC pause frames sent",
               "delivered_bytes": "bytes delivered to receivers"}
-    for key, value in t.items():
+    keys = [k for k in labels if k in t] + [k for k in t if k not in labels]
+    for key, value in ((k, t[k]) for k in keys):
         text = fmt_int(value) if _is_number(value) else str(value)
         if key.endswith("bytes") and _is_number(value) and value >= 1000:
             text += f" ({fmt_bytes(value)})"
@@ -271,6 +290,19 @@ def _span(n: int, chunk: list) -> str:
     return f"{n * SERIES_PER_PLOT + 1}-{n * SERIES_PER_PLOT + len(chunk)}"
 
 
+def _thresholds(c) -> tuple[tuple[int, str], ...] | None:
+    """(bytes, name) of the ECN, PFC and buffer thresholds of a class plan."""
+    if c is None:
+        return None
+    marks = []
+    if c.ecn:
+        marks += [(c.ecn.kmin_bytes, "ECN Kmin"), (c.ecn.kmax_bytes, "ECN Kmax")]
+    if c.pfc:
+        marks.append((c.pfc.xoff_bytes, "PFC XOFF"))
+    marks.append((c.limit_bytes, "buffer limit"))
+    return tuple(marks)
+
+
 def queues(run: RunData, idx: PlanIndex) -> dict | None:
     """Backlog over time of every port class that queued, worst first."""
     series = {}
@@ -286,17 +318,10 @@ def queues(run: RunData, idx: PlanIndex) -> dict | None:
     for n, chunk in enumerate(_chunks(ranked, SERIES_PER_PLOT)[:MAX_PLOTS]):
         peak = max(max(v for _, v in series[k]) for k in chunk)
         hlines = []
-        plans = {idx.class_plan(*k) for k in chunk}
-        if len(plans) == 1 and None not in plans:
-            c = plans.pop()
-            marks = []
-            if c.ecn:
-                marks += [(c.ecn.kmin_bytes, "ECN Kmin"), (c.ecn.kmax_bytes, "ECN Kmax")]
-            if c.pfc:
-                marks.append((c.pfc.xoff_bytes, "PFC XOFF"))
-            marks.append((c.limit_bytes, "buffer limit"))
+        thresholds = {_thresholds(idx.class_plan(*k)) for k in chunk}
+        if len(thresholds) == 1 and None not in thresholds:
             seen = set()
-            for value, name in marks:
+            for value, name in thresholds.pop():
                 if value <= 1.3 * peak and value not in seen:
                     seen.add(value)
                     hlines.append((value, f"{name} {fmt_bytes(value)}"))
@@ -431,7 +456,8 @@ def pfc(run: RunData, idx: PlanIndex) -> dict | None:
             for s, d in spans:
                 x_max = max(x_max, s + d)
         rows = []
-        for k in ranked[:24]:
+        # Timeline rows in order of the first pause, so the spread reads top to bottom.
+        for k in sorted(ranked[:24], key=lambda k: (min(s for s, _ in intervals[k]), k)):
             peer = idx.peer(k[0], k[1])
             label = f"{k[0]}:{k[1]} → {peer or '?'} {idx.tclass(k[2])}"
             rows.append((label, intervals[k]))
@@ -497,12 +523,17 @@ def agent_rates(run: RunData) -> dict | None:
     rows = []
     for k in ordered:
         pts = series[k]
-        (t0, v0), (t1, v1) = pts[0], pts[-1]
+        # Mean over the span in which bytes arrived: from the last sample before the
+        # first arrival to the first sample that holds the final count.
+        first, last = pts[0][1], pts[-1][1]
+        i0 = next((i for i in range(len(pts) - 1) if pts[i + 1][1] != first), 0)
+        i1 = next(i for i, (_, v) in enumerate(pts) if v == last)
+        (t0, v0), (t1, v1) = pts[i0], pts[i1]
         mean = (v1 - v0) * 8 / (t1 - t0) * 1e9 if t1 > t0 else 0.0
-        rows.append([k[1], k[0], fmt_int(v1), fmt_rate(mean),
+        rows.append([k[1], k[0], fmt_int(last), fmt_rate(mean),
                      fmt_rate(max(r for _, r in active[k]))])
-    table = Table(["agent", "node", "bytes received", "mean rate (fabric)", "peak rate (fabric)"],
-                  rows, [False, False, True, True, True])
+    table = Table(["agent", "node", "bytes received", "mean rate while receiving",
+                   "peak rate"], rows, [False, False, True, True, True])
     return {"svgs": svgs, "table": table}
 
 

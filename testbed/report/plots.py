@@ -72,6 +72,11 @@ def natural_key(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
+def plain(text: str) -> str:
+    """Text shown as is: matplotlib would read $...$ as mathtext."""
+    return text.replace("$", r"\$")
+
+
 def reduce_points(points: Sequence[tuple[int, float]], limit: int = MAX_POINTS
                   ) -> list[tuple[int, float]]:
     """At most ~limit points that keep every bucket's minimum and maximum (peaks survive)."""
@@ -117,18 +122,21 @@ def line_plot(series: Sequence[Series], prefix: str, title: str, ylabel: str, y_
             ys = [v / y_divisor for _, v in pts]
             color = SERIES_COLORS[i % len(SERIES_COLORS)]
             if step:
-                ax.step(xs, ys, where="post", label=s.label, color=color)
+                ax.step(xs, ys, where="post", label=plain(s.label), color=color)
             else:
-                ax.plot(xs, ys, label=s.label, color=color)
+                ax.plot(xs, ys, label=plain(s.label), color=color)
         for j, (value, text) in enumerate(hlines):
             ax.axhline(value / y_divisor, color="#555555", linestyle=(0, (4, 3)), linewidth=1)
             ax.annotate(text, xy=(0.0, value / y_divisor), xycoords=("axes fraction", "data"),
                         xytext=(4, 3 if j % 2 == 0 else -12), textcoords="offset points",
-                        fontsize=9, color="#333333")
-        ax.set_title(title, loc="left")
+                        fontsize=9, color="#333333", zorder=5,
+                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none",
+                              "alpha": 0.85})
+        ax.set_title(plain(title), loc="left")
         ax.set_xlabel(f"fabric time ({unit})")
         ax.set_ylabel(ylabel)
-        ax.set_xlim(0, max(x_max_ns / scale, 1e-9))
+        x_min_ns = min([0, *(s.points[0][0] for s in series if s.points)])
+        ax.set_xlim(x_min_ns / scale, max(x_max_ns / scale, 1e-9))
         if ymin_zero:
             ax.set_ylim(bottom=0)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
@@ -146,7 +154,7 @@ def timeline_plot(rows: Sequence[tuple[str, Sequence[tuple[int, int]]]], prefix:
         for i, (_, bars) in enumerate(rows):
             spans = [(s / scale, max(d / scale, x_max_ns / scale / 800)) for s, d in bars]
             ax.broken_barh(spans, (i - 0.35, 0.7), facecolors=SERIES_COLORS[1], alpha=0.85)
-        ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+        ax.set_yticks(range(len(rows)), [plain(label) for label, _ in rows])
         ax.set_ylim(len(rows) - 0.5, -0.5)
         ax.set_xlim(0, max(x_max_ns / scale, 1e-9))
         ax.set_xlabel(f"fabric time ({unit})")
@@ -160,7 +168,8 @@ def timeline_plot(rows: Sequence[tuple[str, Sequence[tuple[int, int]]]], prefix:
 _TIER_NAMES = {0: "hosts", 1: "leaves", 2: "spines", 3: "super-spines"}
 _NODE_COLORS = {0: ("#fde0c5", "#c9753d"), 1: ("#d3ecd5", "#3f8f4a"), 2: ("#d6e4f5", "#3a6ea5")}
 _OTHER_COLORS = ("#e8def3", "#6b4f96")
-_RATE_COLORS = ["#8fb3d9", "#3a6ea5", "#163d6b", "#5b2a86", "#000000"]
+_RATE_COLORS = ["#7fa8d4", "#3a6ea5", "#163d6b", "#5b2a86", "#000000"]
+_LABEL_COLOR = "#1f456e"
 _MARGINAL_COLOR = "#d62728"
 
 
@@ -255,18 +264,38 @@ def _circle_positions(plan: Plan) -> dict[str, tuple[float, float]]:
         hosts = set()
     pos: dict[str, tuple[float, float]] = {}
     angle: dict[str, float] = {}
+    start = math.pi if len(order) == 2 else math.pi / 2     # two switches side by side
     for i, name in enumerate(order):
-        a = math.pi / 2 - 2 * math.pi * i / len(order)
+        a = start - 2 * math.pi * i / len(order)
         angle[name] = a
         pos[name] = (math.cos(a), math.sin(a))
-    for sw in order:
-        mine = sorted((h for h in neighbours[sw] if h in hosts and h not in pos), key=natural_key)
-        for j, h in enumerate(mine):
-            a = angle[sw] + (j - (len(mine) - 1) / 2) * 0.3
-            pos[h] = (1.6 * math.cos(a), 1.6 * math.sin(a))
-    for j, h in enumerate(sorted(hosts - set(pos), key=natural_key)):
-        pos[h] = (-2.2, 1.0 - 0.3 * j)
+    # Hosts sit outside the switch they hang off; a host homed to switches on
+    # opposite sides sits inside the circle, between them.
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for h in sorted(hosts, key=natural_key):
+        anchor = tuple(sorted((v for v in neighbours[h] if v in angle), key=order.index))
+        groups.setdefault(anchor, []).append(h)
+    spare = 0
+    for anchor, members in groups.items():
+        if not anchor:
+            for h in members:
+                pos[h] = (-2.2, 1.0 - 0.3 * spare)
+                spare += 1
+            continue
+        vx = sum(math.cos(angle[s]) for s in anchor) / len(anchor)
+        vy = sum(math.sin(angle[s]) for s in anchor) / len(anchor)
+        if math.hypot(vx, vy) >= 0.3:
+            base, radius = math.atan2(vy, vx), 1.75
+        else:
+            base, radius = angle[anchor[0]] - math.pi / 2, 0.7
+        for j, h in enumerate(members):
+            a = base + (j - (len(members) - 1) / 2) * 0.3
+            pos[h] = (radius * math.cos(a), radius * math.sin(a))
     return pos
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("ch") else f"{n} {noun}s"
 
 
 def fabric_plot(plan: Plan, prefix: str = "fabric") -> str:
@@ -299,9 +328,10 @@ def fabric_plot(plan: Plan, prefix: str = "fabric") -> str:
                     linestyle=(0, (5, 3)) if marginal else "-", zorder=1, solid_capstyle="round")
             if label_links:
                 host_link = tiers[link.a.node] == 0 or tiers[link.b.node] == 0
-                t = 0.5 if host_link or not layered else 0.3
+                t = 0.5 if host_link or not layered else 0.25
                 ax.text(xa + t * (xb - xa), ya + t * (yb - ya), short_rate(link.rate_bps),
-                        fontsize=8.5, ha="center", va="center", color=color, zorder=2,
+                        fontsize=8.5, ha="center", va="center", zorder=2,
+                        color=_MARGINAL_COLOR if marginal else _LABEL_COLOR,
                         bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none",
                               "alpha": 0.9})
         small = n_hosts > 16
@@ -310,7 +340,7 @@ def fabric_plot(plan: Plan, prefix: str = "fabric") -> str:
             fc, ec = _NODE_COLORS.get(tier, _OTHER_COLORS) if layered else (
                 _NODE_COLORS[0] if tier == 0 else _NODE_COLORS[1])
             is_host = roles.get(name) == "host"
-            ax.text(x, y, name, ha="center", va="center", zorder=3,
+            ax.text(x, y, plain(name), ha="center", va="center", zorder=3,
                     fontsize=8.5 if (small and is_host) else 10.5,
                     rotation=90 if (is_host and n_hosts > 24 and layered) else 0,
                     fontweight="normal" if is_host else "bold",
@@ -332,14 +362,14 @@ def fabric_plot(plan: Plan, prefix: str = "fabric") -> str:
         for r in rates:
             links = [link for link in plan.links if link.rate_bps == r]
             types = ", ".join(sorted({link.port_type for link in links}))
-            handles.append(Line2D([], [], color=color_of[r], linewidth=width_of[r],
-                                  label=f"{short_rate(r)}b/s x {len(links)} ({types})"))
+            label = f"{short_rate(r)} × {_count(len(links), 'link')} ({types})"
+            handles.append(Line2D([], [], color=color_of[r], linewidth=width_of[r], label=label))
         if any(link.phy_warnings for link in plan.links):
             handles.append(Line2D([], [], color=_MARGINAL_COLOR, linestyle=(0, (5, 3)),
                                   linewidth=2, label="link with PHY warnings"))
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False,
                   title="link rate (fabric)")
         n_sw = len(roles) - n_hosts
-        ax.set_title(f"fabric {plan.lab}: {n_hosts} hosts, {n_sw} switches, "
-                     f"{len(plan.links)} links", loc="left")
+        ax.set_title(f"fabric {plan.lab}: {_count(n_hosts, 'host')}, {_count(n_sw, 'switch')}, "
+                     f"{_count(len(plan.links), 'link')}", loc="left")
         return _svg(fig, prefix, f"fabric drawing of lab {plan.lab}")

@@ -18,16 +18,15 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from testbed.plan import PLAN_FORMAT_VERSION, Plan
+from testbed.run import rundir as run_rundir
+from testbed.run.rundir import RUN_FORMAT_VERSION  # summary.json and metadata.json
 from testbed.run.store import STORE_FORMAT_VERSION, Store, StoreVersionError
-
-# Format of summary.json and metadata.json (docs/run-format.md).
-RUN_FORMAT_VERSION = 1
 
 SUMMARY, PLAN, METADATA, COUNTERS = "summary.json", "plan.json", "metadata.json", "counters.sqlite"
 _RUN_DIR_NAME_RE = re.compile(r"^(?P<ts>\d{8}T\d{6}Z)-(?P<name>.+)$")
 
 
-class RunDirError(Exception):
+class RunDirError(run_rundir.RunDirError):
     """The directory is not a run directory, or one of its files cannot be read."""
 
 
@@ -135,7 +134,21 @@ def load_run(run_dir: Path) -> RunData:
         if store is not None:
             store.close()
         raise
+    _check_ports(summary, notes)
     return RunData(run_dir, summary, metadata, plan, store, rebuilt, notes)
+
+
+def _check_ports(summary: dict, notes: list[str]) -> None:
+    """Keep the port entries a report can place (node, port and tclass present)."""
+    ports = summary.get("ports")
+    if not isinstance(ports, list):
+        summary["ports"] = []
+        return
+    good = [p for p in ports if isinstance(p, dict) and {"node", "port", "tclass"} <= p.keys()]
+    if len(good) != len(ports):
+        notes.append(f"{SUMMARY}: {len(ports) - len(good)} port entries without node, port "
+                     "and tclass were left out")
+    summary["ports"] = good
 
 
 def _load_plan(path: Path, notes: list[str]) -> Plan | None:

@@ -130,6 +130,10 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
             f"delay are not emulated, so the longest host-to-host base RTT is short by "
             f"{short_ns / 1e3:.2f} us fabric; PHY frame loss is not applied")
 
+    # Known before anything runs: recorded at once, so a killed run keeps them.
+    for note in fidelity:
+        store.add_event(0, time.monotonic_ns(), "fidelity", message=note)
+
     interrupted = False
     collector: Collector | None = None
     agents: list[tuple[AgentSpec, AgentProcess]] = []
@@ -233,6 +237,10 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
             store.add_event(collector.fabric_now_ns() if collector else 0, time.monotonic_ns(),
                             "phase", phase="down")
 
+    known = len(plan.warnings) + (1 if "netem" in missing else 0)
+    for note in fidelity[known:]:
+        store.add_event(collector.fabric_now_ns() if collector else 0, time.monotonic_ns(),
+                        "fidelity", message=note)
     duration_wall = time.monotonic() - t_start
     duration_fabric = collector.fabric_now_ns() if collector else 0
     overhead = collector.overhead_fraction() if collector else 0.0
