@@ -10,7 +10,8 @@ import argparse
 import importlib
 import sys
 
-VERBS = ["validate", "phy", "plan", "probe", "up", "down", "status", "smoke", "run", "calibrate", "report"]
+VERBS = ["validate", "phy", "plan", "probe", "up", "down", "status", "smoke", "run", "report",
+         "calibrate"]
 
 
 def build_parser() -> argparse.ArgumentParser:
