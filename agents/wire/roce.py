@@ -15,7 +15,7 @@ uses only `struct` and `zlib` on preallocated buffers; scapy appears in the
 tests alone. Typical use::
 
     ctx = icrc_context(my_ip, peer_ip, my_sport, ROCE_UDP_PORT)   # once per QP
-    buf = bytearray(MAX_PACKET_BYTES)                             # once per QP
+    buf = bytearray(9000)                                         # once per QP
     pkt = build_packet(buf, ctx, Bth(Opcode.RC_SEND_ONLY, dest_qp=qpn, psn=psn,
                                      ack_req=True), payload=data)
     sock.sendto(pkt, (peer_ip, ROCE_UDP_PORT))   # unconnected socket, DF set
