@@ -35,6 +35,17 @@ def dscp_key(dscp: int) -> str:
     return f"0x{dscp << 18:08x}/0x00fc0000+0"
 
 
+# Rate of a paused gate: low enough that nothing leaves during any pause
+# (one 9 KB frame takes 9 s at 8 kbit/s), high enough for tc's rate tables.
+PAUSED_RATE_BPS = 8_000
+
+
+def tbf_gate(egress: EgressPlan, limit_bytes: int, paused: bool) -> dict:
+    """TBF parameters of a class gate: open at the port rate, or paused."""
+    rate_bps = PAUSED_RATE_BPS if paused else egress.wall_rate_bps
+    return {"rate": f"{rate_bps}bit", "burst": egress.burst_bytes, "limit": limit_bytes}
+
+
 def install_port_queues(ipr, ifindex: int, egress: EgressPlan) -> int:
     """Build the HTB tree of one port; returns the number of netlink requests sent."""
     requests = 0
@@ -52,8 +63,12 @@ def install_port_queues(ipr, ifindex: int, egress: EgressPlan) -> int:
                rate=cls.wall_rate_bps // 8, ceil=cls.wall_ceil_bps // 8, prio=cls.prio,
                burst=egress.burst_bytes, cburst=egress.burst_bytes,
                overhead=egress.overhead_bytes, quantum=egress.quantum_bytes)
-        ipr.tc("add", "bfifo", ifindex, parse_handle(cls.leaf_handle), parent=classid,
-               limit=cls.limit_bytes)
+        if cls.leaf_kind == "tbf":
+            ipr.tc("add", "tbf", ifindex, parse_handle(cls.leaf_handle), parent=classid,
+                   **tbf_gate(egress, cls.limit_bytes, paused=False))
+        else:
+            ipr.tc("add", "bfifo", ifindex, parse_handle(cls.leaf_handle), parent=classid,
+                   limit=cls.limit_bytes)
         requests += 2
         for dscp in cls.dscp:
             ipr.tc("add-filter", "u32", ifindex, parent=HTB_ROOT, prio=DSCP_FILTER_PRIO,

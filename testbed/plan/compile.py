@@ -139,6 +139,9 @@ def _egress(rate_bps: int, dilation: Dilation, classes_qos, tclasses, mtu_bytes:
         classes.append(ClassPlan(
             tc=tclass.tc, name=tclass.name, dscp=sorted(tclass.dscp), classid=classid,
             leaf_handle=f"{0x100 + tclass.tc:x}:", prio=0 if tclass.strict else 1,
+            # A PFC class gets a TBF leaf: pausing changes its rate to near zero
+            # and back, which (unlike an HTB class change) resets its tokens.
+            leaf_kind="tbf" if q.pfc else "bfifo",
             wall_rate_bps=share, wall_ceil_bps=wall, limit_bytes=q.limit_bytes,
             lossless=tclass.lossless,
             ecn=EcnPlan(**vars(q.ecn)) if q.ecn else None,

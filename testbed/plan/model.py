@@ -35,6 +35,7 @@ class ClassPlan(PlanModel):
     dscp: list[int]
     classid: str          # HTB class, "1:13"
     leaf_handle: str      # leaf qdisc handle, "113:"
+    leaf_kind: str        # "tbf": a pausable gate (PFC classes); "bfifo": a plain buffer
     prio: int             # HTB priority: strict classes 0, weighted classes 1
     wall_rate_bps: int    # guaranteed share
     wall_ceil_bps: int    # may borrow up to the port rate
