@@ -58,12 +58,24 @@ FP_SHIFT = 32
 FP_ONE = 1 << FP_SHIFT      #: probability 1.0; also 1 byte of vq / 1 byte per ns of rate
 MAX_THRESHOLD_SPAN = 1 << 31  # kmax - kmin must stay below this (64-bit products in C)
 
-PORT_CFG = struct.Struct("=QII")          # rate_fp, overhead_bytes, default_tc
-CLASS_CFG = struct.Struct("=5QII")        # kmin, kmax, pmax_fp, drop_fp, limit, ecn, pad
-PAUSE = struct.Struct("=IIQQ")            # lock, paused, since_ns, paused_total_ns
-STATE = struct.Struct("=II13Q")           # lock, pad, vq_fp, last_ns, paused_seen_ns, counters
-STATE_COUNTERS = ("packets", "bytes", "ect_packets", "ce_arrivals", "ce_marks", "would_mark",
-                  "drops", "vq_overflows", "max_vq_bytes", "mark_errors")
+PORT_CFG = struct.Struct("=QII")
+PORT_CFG_FIELDS = ("rate_fp", "overhead_bytes", "default_tc")
+CLASS_CFG = struct.Struct("=5QII")
+CLASS_CFG_FIELDS = ("kmin_bytes", "kmax_bytes", "pmax_fp", "drop_fp", "limit_bytes",
+                    "ecn_enabled", "pad")
+PAUSE = struct.Struct("=IIQQ")
+PAUSE_FIELDS = ("lock", "paused", "since_ns", "paused_total_ns")
+STATE = struct.Struct("=II13Q")
+STATE_FIELDS = ("lock", "pad", "vq_fp", "last_ns", "paused_seen_ns", "packets", "bytes",
+                "ect_packets", "ce_arrivals", "ce_marks", "would_mark", "drops", "vq_overflows",
+                "max_vq_bytes", "mark_errors")
+#: C struct name -> (Python layout, field names), checked against the object's BTF in tests
+LAYOUTS = {
+    "port_cfg": (PORT_CFG, PORT_CFG_FIELDS),
+    "class_cfg": (CLASS_CFG, CLASS_CFG_FIELDS),
+    "pause_state": (PAUSE, PAUSE_FIELDS),
+    "class_state": (STATE, STATE_FIELDS),
+}
 #: map name -> (value size, entries); sizes are _Static_assert-ed in the C source too
 MAPS = {
     "cfg": (PORT_CFG.size, 1),

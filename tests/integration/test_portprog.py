@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -27,7 +29,7 @@ import pytest
 from pyroute2 import IPRoute
 
 from testbed.net import namespaces, portprog
-from testbed.net.qdisc import install_port_queues, parse_handle
+from testbed.net.qdisc import install_port_queues, parse_handle, tbf_gate
 from testbed.plan.model import ClassPlan, EcnPlan, EgressPlan
 from tests.conftest import REPO
 
@@ -52,7 +54,8 @@ def wire(payload: int) -> int:
 def egress_plan() -> EgressPlan:
     def cls(tc, name, dscp, ecn):
         return ClassPlan(tc=tc, name=name, dscp=dscp, classid=f"1:1{tc}",
-                         leaf_handle=f"10{tc}:", prio=1, wall_rate_bps=WALL_RATE_BPS // 2,
+                         leaf_handle=f"10{tc}:", leaf_kind="bfifo", prio=1,
+                         wall_rate_bps=WALL_RATE_BPS // 2,
                          wall_ceil_bps=WALL_RATE_BPS, limit_bytes=4_000_000, lossless=False,
                          ecn=ecn, pfc=None)
     return EgressPlan(rate_bps=WALL_RATE_BPS, wall_rate_bps=WALL_RATE_BPS,
@@ -67,7 +70,7 @@ RECEIVER = r"""
 import json, signal, socket, struct, sys
 port, out, ready = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUFFORCE, 1 << 25)
+s.setsockopt(socket.SOL_SOCKET, 33, 1 << 25)  # SO_RCVBUFFORCE
 s.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
 s.bind(("0.0.0.0", port))
 s.settimeout(0.05)
@@ -152,14 +155,60 @@ class Pair:
     def counters(self) -> portprog.ClassCounters:
         return portprog.read_counters(self.handle)[TC]
 
-    def leaf_queue(self, ipr: IPRoute) -> tuple[int, int]:
-        """(backlog bytes, packets) of the class's bfifo leaf."""
-        handle = parse_handle(LEAF)
-        for msg in ipr.get_qdiscs(index=self.ifindex):
-            if msg["handle"] == handle:
-                q = msg.get_attr("TCA_STATS2").get_attr("TCA_STATS_QUEUE")
-                return q["backlog"], q["qlen"]
-        raise AssertionError("leaf qdisc not found")
+
+
+class LeafQueue:
+    """Backlog of one leaf qdisc by a raw RTM_GETQDISC dump (pyroute2 takes ms per call,
+    too long to compare with a queue that moves 2.5 bytes per microsecond)."""
+
+    HDR = struct.Struct("=IHHII")
+    TCMSG = struct.Struct("=BBHiIII")
+
+    def __init__(self, ns: str, ifindex: int, handle: int) -> None:
+        self.ifindex, self.handle = ifindex, handle
+        with namespaces.inside(ns):
+            self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)
+        self.sock.bind((0, 0))
+        self.buf = bytearray(1 << 16)
+        self.seq = 0
+
+    def read(self) -> tuple[int, int]:
+        """(backlog bytes, packets)."""
+        self.seq += 1
+        body = self.TCMSG.pack(0, 0, 0, self.ifindex, 0, 0, 0)
+        self.sock.send(self.HDR.pack(16 + len(body), 38, 0x301, self.seq, 0) + body)
+        found = None
+        while True:
+            n = self.sock.recv_into(self.buf)
+            off = 0
+            while off + 16 <= n:
+                length, kind, _f, _seq, _pid = self.HDR.unpack_from(self.buf, off)
+                if kind == 3:                                   # NLMSG_DONE
+                    assert found is not None, "leaf qdisc not found"
+                    return found
+                if kind == 36 and self.TCMSG.unpack_from(self.buf, off + 16)[4] == self.handle:
+                    found = self._queue(off + 16 + self.TCMSG.size, off + length)
+                off += (length + 3) & ~3
+
+    def _queue(self, off: int, end: int) -> tuple[int, int]:
+        for start, stop, kind in self._attrs(off, end):
+            if kind == 7:                                       # TCA_STATS2
+                for s0, _s1, sub in self._attrs(start, stop):
+                    if sub == 3:                                # TCA_STATS_QUEUE
+                        qlen, backlog = struct.unpack_from("=II", self.buf, s0)
+                        return backlog, qlen
+        raise AssertionError("no queue stats")
+
+    def _attrs(self, off: int, end: int):
+        while off + 4 <= end:
+            length, kind = struct.unpack_from("=HH", self.buf, off)
+            if length < 4:
+                return
+            yield off + 4, off + length, kind & 0x3FFF
+            off += (length + 3) & ~3
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +232,9 @@ def pair(tmp_path_factory):
             idx = ipr.link_lookup(ifname="vb")[0]
             ipr.addr("add", index=idx, address=B_IP, prefixlen=31)
             ipr.link("set", index=idx, state="up")
-        subprocess.run(["ip", "netns", "exec", a, "ping", "-c", "1", "-W", "2", B_IP],
-                       capture_output=True, check=True)
-        yield Pair(a, b, lab, handle, egress, ifindex, tmp_path_factory.mktemp("portprog"))
+        pair = Pair(a, b, lab, handle, egress, ifindex, tmp_path_factory.mktemp("portprog"))
+        pair.send(count=3, size=100, rate_bps=1_000_000)     # resolves B's address (ARP)
+        yield pair
     finally:
         if handle is not None:
             handle.close()
@@ -324,41 +373,93 @@ def test_standing_queue_is_marked_at_the_curve_rate(pair, capsys):
 
 
 @pytest.mark.slow
-def test_virtual_queue_tracks_the_htb_backlog(pair, capsys):
+@pytest.mark.parametrize("leaf", ["bfifo", "tbf-gate-paused-midway"])
+def test_virtual_queue_tracks_the_htb_backlog(pair, leaf, capsys):
+    """Overload the class at 1.5x the port rate and compare the vq with the real queue.
+
+    With the PFC leaf (a TBF gate) the class is also paused for 0.2 s midway:
+    the gate closes and the program stops draining, as a PFC agent would do.
+    """
     pair.configure()
     size = 1400
     w = wire(size)
-    rx = pair.receiver()
-    sender = subprocess.Popen(
-        ["ip", "netns", "exec", pair.a, sys.executable, "-m", "agents.udp", "send",
-         "--dst", B_IP, "--dport", str(pair.port), "--rate-bps", "30000000", "--size",
-         str(size), "--duration-ns", "1500000000", "--ecn", "notect", "--dscp", str(DSCP)],
-        cwd=REPO, stdout=subprocess.PIPE, text=True)
-    samples = []
-    with IPRoute(netns=pair.a) as ipr:
+    egress = pair.egress
+    cls = next(c for c in egress.classes if c.tc == TC)
+    classid, leaf_handle = parse_handle(cls.classid), parse_handle(LEAF)
+    gate = leaf != "bfifo"
+    ipr = IPRoute(netns=pair.a)
+    leafq = LeafQueue(pair.a, pair.ifindex, leaf_handle)
+    rx = None
+    try:
+        if gate:    # the leaf a PFC class gets from the plan (qdisc.install_port_queues)
+            ipr.tc("del", None, pair.ifindex, leaf_handle, parent=classid)
+            ipr.tc("add", "tbf", pair.ifindex, leaf_handle, parent=classid,
+                   **tbf_gate(egress, cls.limit_bytes, paused=False))
+        rx = pair.receiver()
+        sender = subprocess.Popen(
+            ["ip", "netns", "exec", pair.a, sys.executable, "-m", "agents.udp", "send",
+             "--dst", B_IP, "--dport", str(pair.port), "--rate-bps", "30000000", "--size",
+             str(size), "--duration-ns", "1500000000", "--ecn", "notect", "--dscp", str(DSCP),
+             "--sndbuf-bytes", "8000000"],
+            cwd=REPO, stdout=subprocess.PIPE, text=True)
+        samples = []
+        t0 = time.monotonic()
+        pause_at, resume_at, paused, switch_skew = 0.6, 0.8, False, 0
         while sender.poll() is None:
+            now = time.monotonic() - t0
+            if gate and not paused and pause_at <= now < resume_at:
+                t = time.monotonic_ns()
+                ipr.tc("change", "tbf", pair.ifindex, leaf_handle, parent=classid,
+                       **tbf_gate(egress, cls.limit_bytes, paused=True))
+                t2 = time.monotonic_ns()
+                portprog.set_paused(pair.handle, TC, True, now_ns=(t + t2) // 2)
+                switch_skew, paused = max(switch_skew, t2 - t), True
+            elif gate and paused and now >= resume_at:
+                t = time.monotonic_ns()
+                ipr.tc("change", "tbf", pair.ifindex, leaf_handle, parent=classid,
+                       **tbf_gate(egress, cls.limit_bytes, paused=False))
+                t2 = time.monotonic_ns()
+                portprog.set_paused(pair.handle, TC, False, now_ns=(t + t2) // 2)
+                switch_skew, paused = max(switch_skew, t2 - t), False
             before = pair.counters().vq_bytes
-            backlog, qlen = pair.leaf_queue(ipr)
+            backlog, qlen = leafq.read()
             after = pair.counters().vq_bytes
             samples.append(((before + after) / 2, backlog + OVERHEAD * qlen, abs(before - after)))
             time.sleep(0.002)
-    sender.stdout.read()
-    rx.stop(settle_s=1.0)
+        sender.stdout.read()
+    finally:
+        if rx is not None:
+            rx.stop(settle_s=1.0)
+        portprog.set_paused(pair.handle, TC, False)
+        if gate:
+            ipr.tc("del", None, pair.ifindex, leaf_handle, parent=classid)
+            ipr.tc("add", "bfifo", pair.ifindex, leaf_handle, parent=classid,
+                   limit=cls.limit_bytes)
+        leafq.close()
+        ipr.close()
     busy = [s for s in samples if s[1] > 0 or s[0] > 0]
+    if os.environ.get("PORTPROG_DUMP"):
+        Path(os.environ["PORTPROG_DUMP"]).write_text(json.dumps(samples))
     assert len(busy) > 100
-    diffs = sorted(vq - real for vq, real, _ in busy)
     peak = max(real for _vq, real, _ in busy)
-    worst = max(abs(d) for d in diffs)
-    skew = max(s[2] for s in busy)
+    assert peak > 1_000_000
+    # The vq is a fluid queue. HTB dequeues a packet as soon as its tokens are
+    # not negative, i.e. at the start of the packet's slot (real up to one packet
+    # below vq), and from a full bucket runs up to its burst ahead (BURST more);
+    # a TBF gate adds its own burst after every resume, and closing/opening the
+    # gate and the vq is not one instant (`switch_skew` of drain). A late watchdog
+    # timer can leave real above vq (a packet is allowed). The two vq reads around
+    # the qdisc dump are `skew` bytes apart; half of that is allowed too.
+    ahead = BURST + w + (BURST + switch_skew * WALL_RATE_BPS // 8 // 10**9 if gate else 0)
+    outside = [(round(vq - real), round(skew)) for vq, real, skew in busy
+               if not -(w + skew / 2) <= vq - real <= ahead + skew / 2]
+    clean = sorted(vq - real for vq, real, skew in busy if skew <= 1500)
     with capsys.disabled():
-        print(f"\nvq - HTB backlog (wire bytes) over {len(busy)} samples, queue up to "
-              f"{peak / 1e3:.0f} KB: min {diffs[0]:.0f}, median {diffs[len(diffs) // 2]:.0f}, "
-              f"max {diffs[-1]:.0f} B; read skew up to {skew:.0f} B")
-    assert peak > 300_000
-    # The vq is a fluid queue; HTB sends a packet once the whole of it has been
-    # "transmitted" (real >= vq - 1 packet) and may run up to its burst ahead
-    # (real >= vq - BURST); reads of the two are up to `skew` apart.
-    assert worst <= BURST + 2 * w + skew, diffs[:3] + diffs[-3:]
+        print(f"\n{leaf}: vq - (leaf backlog + {OVERHEAD} B/packet) over {len(clean)} clean "
+              f"samples (reads < 1500 B apart), queue up to {peak / 1e3:.0f} KB: "
+              f"min {clean[0]:.0f}, median {clean[len(clean) // 2]:.0f}, max {clean[-1]:.0f} B"
+              + (f"; gate switch {switch_skew / 1e3:.0f} us" if gate else ""))
+    assert not outside, f"vq and HTB backlog disagree beyond the bound: {outside[:10]}"
 
 
 def test_drop_probability_is_binomial_and_drops_never_arrive(pair):
@@ -388,7 +489,7 @@ def test_dropped_packets_do_not_enter_the_virtual_queue(pair):
 
 def test_paused_class_does_not_drain_and_resumes_at_the_port_rate(pair):
     pair.configure(paused=True)
-    size, n = 1400, 100
+    size, n = 1400, 200
     w = wire(size)
     pair.send(count=n, size=size, rate_bps=50_000_000, ecn="notect")
     held = pair.counters()
@@ -413,7 +514,7 @@ def test_paused_class_does_not_drain_and_resumes_at_the_port_rate(pair):
     assert abs(after.vq_bytes - (n * w - drained + w)) <= 2, (after.vq_bytes, n * w, drained)
     # resumed for good: drains at the port rate (2.5 MB/s)
     portprog.set_paused(pair.handle, TC, False)
-    time.sleep(0.02)
+    time.sleep(0.005)
     q1, t1 = pair.counters().vq_bytes, time.monotonic_ns()
     time.sleep(0.02)
     q2, t2 = pair.counters().vq_bytes, time.monotonic_ns()

@@ -66,7 +66,7 @@ def test_a_full_egress_queue_pauses_every_contributor():
     d.observe("swp9", 3, 3000, {})
     assert sorted(a.ingress for a in d.decide(2) if not a.xoff) == ["swp1", "swp2", "swp3",
                                                                     "swp8"]
-    d.observe("swp9", 3, 1000, {})
+    d.observe("swp9", 3, 500, {})
     assert sorted(a.ingress for a in d.decide(3) if not a.xoff) == [f"swp{i}"
                                                                     for i in range(4, 8)]
 
