@@ -184,15 +184,10 @@ def run_ours(shape: Shape, profile: cProfile.Profile | None = None) -> tuple[Pla
 
 def mininet_spec(plan: Plan, parity: bool) -> dict:
     """The same nodes and links as our plan, in the terms mininet_build.py takes."""
-    by_name = {n.name: n for n in plan.nodes}
-
-    def end(node: str, ifname: str):
-        iface = next(i for i in by_name[node].interfaces if i.ifname == ifname)
-        return iface
-
+    iface = {(n.name, i.ifname): i for n in plan.nodes for i in n.interfaces}
     links = []
     for link in plan.links:
-        a, b = end(link.a.node, link.a.ifname), end(link.b.node, link.b.ifname)
+        a, b = iface[(link.a.node, link.a.ifname)], iface[(link.b.node, link.b.ifname)]
         links.append({"a": link.a.node, "a_if": a.ifname, "a_mac": a.mac, "a_ip": a.address,
                       "b": link.b.node, "b_if": b.ifname, "b_mac": b.mac, "b_ip": b.address,
                       "bw_mbit": link.wall_rate_bps / 1e6,
