@@ -273,10 +273,7 @@ def obj_get(path: str | Path) -> int:
     bpf = _Bpf()
     name = ctypes.create_string_buffer(os.fsencode(str(path)))
     struct.pack_into("=QII", bpf.attr, 0, ctypes.addressof(name), 0, 0)
-    try:
-        return bpf.call(BPF_OBJ_GET, f"OBJ_GET {path}")
-    except OSError as exc:
-        raise OSError(exc.errno, f"{exc.strerror} (pinned object {path})") from None
+    return bpf.call(BPF_OBJ_GET, f"OBJ_GET {path}")
 
 
 def map_info(fd: int) -> tuple[int, int, int, int, str]:
@@ -497,11 +494,14 @@ def _ino(path: Path) -> int:
 _open: dict[str, PortMaps] = {}
 
 
-def _maps(target: PortHandle | str | Path) -> PortMaps:
-    """The open maps of a port, by handle or pin directory (fds cached per directory;
-    reopened when the pins were replaced, e.g. by a detach and attach in another process)."""
+def _maps(target: PortHandle | PortMaps | str | Path) -> PortMaps:
+    """The open maps of a port, by handle, open maps or pin directory (fds cached per
+    directory; reopened when the pins were replaced, e.g. by a detach and attach in
+    another process)."""
     if isinstance(target, PortHandle):
         return target.maps
+    if isinstance(target, PortMaps):
+        return target
     key = str(target)
     maps = _open.get(key)
     if maps is not None and maps.ino == _ino(Path(key) / "maps" / "state"):
@@ -772,10 +772,26 @@ def detach_lab(lab: str) -> bool:
     return True
 
 
+def pinned_labs() -> list[str]:
+    """Labs with pins under /sys/fs/bpf/tb (for `down --all` after a crash)."""
+    try:
+        return sorted(e.name for e in os.scandir(PIN_ROOT) if e.is_dir(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 # --- run-time operations -----------------------------------------------------------------
 
 
-def set_paused(target: PortHandle | str | Path, tc: int, paused: bool,
+def open_port(pin_dir: str | Path) -> PortMaps:
+    """Open a port's maps once (a sampler keeps them for the run; close() when done).
+
+    Raises OSError (ENOENT) when no program is pinned there.
+    """
+    return PortMaps(Path(pin_dir))
+
+
+def set_paused(target: PortHandle | PortMaps | str | Path, tc: int, paused: bool,
                now_ns: int | None = None) -> None:
     """Freeze (paused=True) or restart the drain of class `tc`'s virtual queue."""
     if not 0 <= tc < NUM_TC:
@@ -783,17 +799,17 @@ def set_paused(target: PortHandle | str | Path, tc: int, paused: bool,
     _maps(target).set_paused(tc, paused, now_ns)
 
 
-def update_params(target: PortHandle | str | Path, params: PortParams) -> None:
+def update_params(target: PortHandle | PortMaps | str | Path, params: PortParams) -> None:
     """Rewrite rate, thresholds, probabilities and the DSCP map; queues and counters stay."""
     _maps(target).write_params(params)
 
 
-def reset_state(target: PortHandle | str | Path) -> None:
+def reset_state(target: PortHandle | PortMaps | str | Path) -> None:
     """Empty the virtual queues and zero the counters of a port."""
     _maps(target).reset()
 
 
-def read_counters(target: PortHandle | str | Path) -> dict[int, ClassCounters]:
+def read_counters(target: PortHandle | PortMaps | str | Path) -> dict[int, ClassCounters]:
     """Counters of classes 0..7 and of non-IPv4 frames (key OTHER), vq drained to now."""
     return _maps(target).read()
 

@@ -342,15 +342,15 @@ def test_standing_queue_is_marked_at_the_curve_rate(pair, capsys):
              "--start-at-mono-ns", str(start)], cwd=REPO, stdout=subprocess.PIPE, text=True)
         while time.monotonic_ns() < start:
             time.sleep(0.0005)
-        portprog.set_paused(pair.handle, TC, False)
+        portprog.set_paused(pair.handle, TC, False, now_ns=start)   # drains from `start` on
         vqs = []
         while sender.poll() is None:
             vqs.append(pair.counters().vq_bytes)
             time.sleep(0.01)
         res = json.loads(sender.stdout.read().strip().splitlines()[-1])
         rows = rx.stop()
-        ect = [tos for _s, _q, tos in rows if tos & 3 in (1, 2, 3) and tos >> 2 == DSCP]
-        ect = ect[: res["packets"]]
+        ect = [tos for _s, _q, tos in rows if tos & 3 != 0]
+        assert len(ect) == res["packets"]
         marked = sum(1 for tos in ect if tos & 3 == 3)
         c = pair.counters()
         assert c.ce_marks == marked
@@ -373,12 +373,16 @@ def test_standing_queue_is_marked_at_the_curve_rate(pair, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("leaf", ["bfifo", "tbf-gate-paused-midway"])
-def test_virtual_queue_tracks_the_htb_backlog(pair, leaf, capsys):
+@pytest.mark.parametrize("leaf,pauses", [
+    ("bfifo", []),
+    ("tbf-gate-1-pause", [(0.6, 0.8)]),
+])
+def test_virtual_queue_tracks_the_htb_backlog(pair, leaf, pauses, capsys):
     """Overload the class at 1.5x the port rate and compare the vq with the real queue.
 
-    With the PFC leaf (a TBF gate) the class is also paused for 0.2 s midway:
-    the gate closes and the program stops draining, as a PFC agent would do.
+    With the PFC leaf (a TBF gate) the class is also paused at the given times
+    (s from the start): the gate closes and the program stops draining, as a
+    PFC agent would do.
     """
     pair.configure()
     size = 1400
@@ -404,17 +408,18 @@ def test_virtual_queue_tracks_the_htb_backlog(pair, leaf, capsys):
             cwd=REPO, stdout=subprocess.PIPE, text=True)
         samples = []
         t0 = time.monotonic()
-        pause_at, resume_at, paused, switch_skew = 0.6, 0.8, False, 0
+        paused, switch_skew, todo = False, 0, list(pauses)
         while sender.poll() is None:
             now = time.monotonic() - t0
-            if gate and not paused and pause_at <= now < resume_at:
+            if todo and not paused and todo[0][0] <= now < todo[0][1]:
                 t = time.monotonic_ns()
                 ipr.tc("change", "tbf", pair.ifindex, leaf_handle, parent=classid,
                        **tbf_gate(egress, cls.limit_bytes, paused=True))
                 t2 = time.monotonic_ns()
                 portprog.set_paused(pair.handle, TC, True, now_ns=(t + t2) // 2)
                 switch_skew, paused = max(switch_skew, t2 - t), True
-            elif gate and paused and now >= resume_at:
+            elif paused and now >= todo[0][1]:
+                todo.pop(0)
                 t = time.monotonic_ns()
                 ipr.tc("change", "tbf", pair.ifindex, leaf_handle, parent=classid,
                        **tbf_gate(egress, cls.limit_bytes, paused=False))
@@ -424,9 +429,11 @@ def test_virtual_queue_tracks_the_htb_backlog(pair, leaf, capsys):
             before = pair.counters().vq_bytes
             backlog, qlen = leafq.read()
             after = pair.counters().vq_bytes
-            samples.append(((before + after) / 2, backlog + OVERHEAD * qlen, abs(before - after)))
+            samples.append(((before + after) / 2, backlog + OVERHEAD * qlen, abs(before - after),
+                            paused))
             time.sleep(0.002)
         sender.stdout.read()
+        assert not todo, "sender finished before the pauses were done"
     finally:
         if rx is not None:
             rx.stop(settle_s=1.0)
@@ -441,25 +448,42 @@ def test_virtual_queue_tracks_the_htb_backlog(pair, leaf, capsys):
     if os.environ.get("PORTPROG_DUMP"):
         Path(os.environ["PORTPROG_DUMP"]).write_text(json.dumps(samples))
     assert len(busy) > 100
-    peak = max(real for _vq, real, _ in busy)
+    peak = max(s[1] for s in busy)
     assert peak > 1_000_000
     # The vq is a fluid queue. HTB dequeues a packet as soon as its tokens are
     # not negative, i.e. at the start of the packet's slot (real up to one packet
-    # below vq), and from a full bucket runs up to its burst ahead (BURST more);
-    # a TBF gate adds its own burst after every resume, and closing/opening the
-    # gate and the vq is not one instant (`switch_skew` of drain). A late watchdog
-    # timer can leave real above vq (a packet is allowed). The two vq reads around
-    # the qdisc dump are `skew` bytes apart; half of that is allowed too.
-    ahead = BURST + w + (BURST + switch_skew * WALL_RATE_BPS // 8 // 10**9 if gate else 0)
-    outside = [(round(vq - real), round(skew)) for vq, real, skew in busy
-               if not -(w + skew / 2) <= vq - real <= ahead + skew / 2]
-    clean = sorted(vq - real for vq, real, skew in busy if skew <= 1500)
+    # below vq), and from a full bucket runs up to its burst ahead (BURST more).
+    # A late watchdog timer can leave real above vq (a packet is allowed). The
+    # two vq reads around the qdisc dump are `skew` bytes apart; half is allowed.
+    lead, lag = BURST + w, w
+    switch_bytes = switch_skew * WALL_RATE_BPS // 8 // 10**9
+    if gate:
+        # The gate and the vq do not switch at one instant (`switch_bytes` of
+        # drain). Closing the gate (a TBF change) refills TBF's bucket, so up
+        # to a burst still leaves; while it is shut HTB's own bucket refills, so
+        # a burst goes at once on resume: the lead grows by up to 2 bursts per
+        # pause (ten 20 ms pauses in a row left it at 44 KB, docs/datapath.md).
+        # Two buckets in series at the same rate also let real lag by a burst.
+        lead += len(pauses) * (2 * BURST + switch_bytes)
+        lag += BURST + switch_bytes
+    outside = [(round(vq - real), round(skew)) for vq, real, skew, _p in busy
+               if not -(lag + skew / 2) <= vq - real <= lead + skew / 2]
+    clean = sorted(vq - real for vq, real, skew, _p in busy if skew <= 1500)
     with capsys.disabled():
         print(f"\n{leaf}: vq - (leaf backlog + {OVERHEAD} B/packet) over {len(clean)} clean "
               f"samples (reads < 1500 B apart), queue up to {peak / 1e3:.0f} KB: "
-              f"min {clean[0]:.0f}, median {clean[len(clean) // 2]:.0f}, max {clean[-1]:.0f} B"
-              + (f"; gate switch {switch_skew / 1e3:.0f} us" if gate else ""))
-    assert not outside, f"vq and HTB backlog disagree beyond the bound: {outside[:10]}"
+              f"min {clean[0]:.0f}, median {clean[len(clean) // 2]:.0f}, max {clean[-1]:.0f} B; "
+              f"bound [-{lag}, +{lead}] B, {len(outside)} beyond it"
+              + (f"; gate switch up to {switch_skew / 1e3:.0f} us" if gate else ""))
+    # A sample now and then lands on a scheduling hiccup of this 2-core VM; 1 % may.
+    assert len(outside) <= len(busy) // 100, (
+        f"{len(outside)} of {len(busy)} samples beyond the bound: {outside[:10]}")
+    if gate:
+        # While paused neither queue drains: after the burst that escapes at
+        # closing (the first 10 ms), their difference stays put.
+        held = [round(vq - real) for vq, real, skew, p in samples if p and skew <= 100][5:]
+        assert len(held) > 20
+        assert max(held) - min(held) <= w, f"vq - real moved during the pause: {held}"
 
 
 def test_drop_probability_is_binomial_and_drops_never_arrive(pair):
@@ -560,19 +584,63 @@ def test_read_counters_is_cheap(pair, capsys):
         assert median_us < 200
 
 
+def test_batch_and_element_reads_agree(pair):
+    pair.configure(paused=True)
+    pair.send(count=7, size=300, rate_bps=5_000_000, ecn="ect0")
+    batch = portprog.read_counters(pair.handle)
+    maps = portprog.PortMaps(pair.handle.pin_dir)        # a second opening, no batch calls
+    try:
+        for m in maps.maps.values():
+            m._batch_ok = False
+        assert maps.read() == batch          # paused: the vq does not move between reads
+        keys, key = [], None
+        while (key := maps.state.next_key_of(key)) is not None:
+            keys.append(key)
+        assert keys == list(range(portprog.NUM_SLOTS))
+    finally:
+        maps.close()
+
+
+def test_detach_lab_works_after_the_attaching_process_was_killed(pair):
+    lab = f"bpfkill{os.getpid()}"
+    with IPRoute(netns=pair.a) as ipr:      # a spare port, so the fixture's stays as it is
+        ipr.link("add", ifname="vx", kind="veth", peer={"ifname": "vy"})
+    try:
+        code = (f"import os; from testbed.net import portprog; "
+                f"portprog.attach_port({lab!r}, 'a', {pair.a!r}, 'vx', "
+                f"portprog.PortParams(wall_rate_bps=1_000_000)); os.kill(os.getpid(), 9)")
+        res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == -9, res.stderr
+        assert (portprog.PIN_ROOT / lab / "a" / "vx" / "prog").exists()
+        assert portprog.detach_lab(lab)
+        assert not (portprog.PIN_ROOT / lab).exists()
+    finally:
+        portprog.detach_lab(lab)
+        with IPRoute(netns=pair.a) as ipr:
+            ipr.link("del", index=ipr.link_lookup(ifname="vx")[0])
+
+
 def test_detach_lab_is_idempotent_and_leaves_no_pins(pair):
     lab = f"bpfdet{os.getpid()}"
     h = portprog.attach_port(lab, "a", pair.a, "va", pair.params())
     try:
         assert (portprog.PIN_ROOT / lab / "a" / "va" / "maps" / "state").exists()
+        assert lab in portprog.pinned_labs()
         # attaching replaced the fixture's program on the port; the new one runs
         pair.send(count=3, size=100, rate_bps=1_000_000, ecn="notect")
         assert portprog.read_counters(h)[TC].packets == 3
+        maps = portprog.open_port(h.pin_dir)
+        try:
+            assert portprog.read_counters(maps)[TC].packets == 3
+        finally:
+            maps.close()
     finally:
         h.close()
         assert portprog.detach_lab(lab)
         assert not portprog.detach_lab(lab)
         assert not (portprog.PIN_ROOT / lab).exists()
+        assert lab not in portprog.pinned_labs()
         # put the fixture's program back for any test after this one
         pair.handle.close()
         pair.handle = portprog.attach_port(pair.lab, "a", pair.a, "va", pair.params())
