@@ -15,7 +15,14 @@ BENCH_APT_PACKAGES := mininet
 
 .PHONY: setup system-deps test-deps demo test test-unit lint bench clean
 
-setup: $(VENV)/.installed
+BPF_SRC := testbed/net/bpf/port.bpf.c
+
+setup: $(VENV)/.installed $(VENV)/.bpf-built
+
+# The tc-BPF port program, compiled with clang into /var/cache/testbed/bpf.
+$(VENV)/.bpf-built: $(VENV)/.installed $(BPF_SRC)
+	$(PY) -m testbed.net.portprog build
+	@touch $@
 
 system-deps: $(VENV)/.apt-done
 

@@ -18,6 +18,7 @@ import struct
 
 from pyroute2 import netns as _netns
 
+from testbed.net import portprog
 from testbed.net.qdisc import parse_handle
 from testbed.plan.model import Plan
 from testbed.run.store import Sample
@@ -104,11 +105,26 @@ class KernelSampler:
             self._leaf[node.name] = {
                 (index[i.ifname], parse_handle(c.leaf_handle)): (i.ifname, c.tc)
                 for i in node.interfaces if i.ifname in index for c in i.egress.classes}
+        # Port programs' maps, where the lab has them: ECN marks, BPF drops and
+        # the virtual queue per class (about 20 us per port through bpf(2)).
+        self._bpf: list[tuple[str, str, portprog.PortMaps, list[int]]] = []
+        for node in plan.nodes:
+            for iface in node.interfaces:
+                try:
+                    maps = portprog.open_port(portprog.pin_dir_of(plan.lab, node.name,
+                                                                  iface.ifname))
+                except (OSError, portprog.PortProgError):
+                    continue
+                self._bpf.append((node.name, iface.ifname, maps,
+                                  [c.tc for c in iface.egress.classes]))
 
     def close(self) -> None:
         for dumper in self._dumpers.values():
             dumper.close()
         self._dumpers.clear()
+        for _node, _ifname, maps, _tcs in self._bpf:
+            maps.close()
+        self._bpf.clear()
 
     def sample(self) -> list[Sample]:
         out: list[Sample] = []
@@ -154,6 +170,13 @@ class KernelSampler:
                             append(Sample(node, name, tc, "class_drops", drops))
                             append(Sample(node, name, tc, "backlog_bytes", backlog))
                             append(Sample(node, name, tc, "backlog_packets", qlen))
+        for node, ifname, maps, tcs in self._bpf:
+            counters = portprog.read_counters(maps)
+            for tc in tcs:
+                c = counters[tc]
+                append(Sample(node, ifname, tc, "ecn_marks", c.ce_marks))
+                append(Sample(node, ifname, tc, "bpf_drops", c.drops))
+                append(Sample(node, ifname, tc, "vq_bytes", c.vq_bytes))
         return out
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from agents.portmaps import MAX_INGRESS
 from testbed.net import portprog
 from testbed.net.bpf import PORT_SOURCE
 from testbed.plan.model import Plan
@@ -106,8 +107,10 @@ def test_python_layouts_match_the_static_asserts_in_the_c_source():
         name: layout.size for name, (layout, _fields) in portprog.LAYOUTS.items()}
     for name, (value_size, entries) in portprog.MAPS.items():
         assert re.search(rf"\}} {name} SEC\(\"\.maps\"\)", text), name
-        assert value_size in {layout.size for layout, _ in portprog.LAYOUTS.values()} | {4}
-        assert entries in (1, portprog.NUM_TC, portprog.NUM_SLOTS, portprog.NUM_DSCP)
+        assert value_size in {layout.size for layout, _ in portprog.LAYOUTS.values()} | {4, 8}
+        assert entries in (1, portprog.NUM_TC, portprog.NUM_SLOTS, portprog.NUM_DSCP,
+                           portprog.NUM_TC * MAX_INGRESS)
+    assert re.search(rf"#define MAX_INGRESS {MAX_INGRESS}\b", text)
 
 
 def _offsets(layout) -> list[int]:

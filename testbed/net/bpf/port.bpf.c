@@ -37,6 +37,7 @@
 #define FP_SHIFT 32                    /* vq and rate: 32.32 fixed point */
 #define VQ_MAX_BYTES (1ULL << 31)      /* saturation of a class without a limit */
 #define ETH_HLEN_ 14
+#define MAX_INGRESS 64                 /* ingress_ifindex slots per class (0: local/unknown) */
 
 /* Configuration of the port (pinned map `cfg`, one entry). */
 struct port_cfg {
@@ -129,6 +130,16 @@ struct {
 	__type(value, struct class_state);
 } state SEC(".maps");
 
+/* Bytes each ingress port put into each class's queue (pinned map `ingress`,
+ * key tc * MAX_INGRESS + ingress_ifindex): the PFC agent attributes the
+ * queue to the ports that fed it. Slot 0 takes locally sent packets. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, NUM_TC * MAX_INGRESS);
+	__type(key, __u32);
+	__type(value, __u64);
+} ingress SEC(".maps");
+
 static __always_inline void count_other(struct __sk_buff *skb)
 {
 	__u32 key = OTHER_SLOT;
@@ -187,7 +198,7 @@ int port_egress(struct __sk_buff *skb)
 		paused_now += now - ps->since_ns;
 	bpf_spin_unlock(&ps->lock);
 
-	int mark = 0, shot = 0;
+	int mark = 0, shot = 0, queued = 0;
 
 	bpf_spin_lock(&st->lock);
 	/* Drain over the un-paused part of (last_ns, now]. Another CPU may have
@@ -221,12 +232,15 @@ int port_egress(struct __sk_buff *skb)
 				 * kmax - kmin < 2^31 and pmax_fp <= 2^32 keep it in 64 bits */
 				mark = (__u64)r_mark * (kmax - kmin) < pmax_fp * (vq - kmin);
 		}
-		if (limit && vq + wire > limit)
+		if (limit && vq + wire > limit) {
 			st->vq_overflows += 1;
-		else if (vq + wire > VQ_MAX_BYTES)
-			st->vq_fp = VQ_MAX_BYTES << FP_SHIFT;
-		else
-			st->vq_fp += wire << FP_SHIFT;
+		} else {
+			queued = 1;
+			if (vq + wire > VQ_MAX_BYTES)
+				st->vq_fp = VQ_MAX_BYTES << FP_SHIFT;
+			else
+				st->vq_fp += wire << FP_SHIFT;
+		}
 		vq = st->vq_fp >> FP_SHIFT;
 		if (vq > st->max_vq_bytes)
 			st->max_vq_bytes = vq;
@@ -244,6 +258,13 @@ int port_egress(struct __sk_buff *skb)
 
 	if (shot)
 		return TC_ACT_SHOT;
+	if (queued) {
+		__u32 in = skb->ingress_ifindex;
+		__u32 key = tc * MAX_INGRESS + (in < MAX_INGRESS ? in : 0);
+		__u64 *cnt = bpf_map_lookup_elem(&ingress, &key);
+		if (cnt)
+			__sync_fetch_and_add(cnt, wire);
+	}
 	if (mark) {
 		if (bpf_skb_ecn_set_ce(skb))
 			__sync_fetch_and_add(&st->ce_marks, 1);
