@@ -111,6 +111,10 @@ class PfcConfig(Strict):
     xoff_bytes: SizeBytes | None = Field(None, alias="xoff")
     xon_bytes: SizeBytes | None = Field(None, alias="xon")
     headroom_bytes: SizeBytes | None = Field(None, alias="headroom")
+    watchdog_ns: DurationNs | None = Field(
+        None, alias="watchdog",
+        description="PFC watchdog: a class paused this long (fabric time) is declared stormed "
+                    "and forwarded regardless until the pauses stop; off by default")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -27,6 +27,7 @@ class PfcPlan(PlanModel):
     xoff_bytes: int
     xon_bytes: int
     headroom_bytes: int
+    watchdog_ns: int | None     # fabric time paused before a storm is declared; None: off
 
 
 class ClassPlan(PlanModel):

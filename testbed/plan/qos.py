@@ -43,6 +43,7 @@ class PfcSettings:
     xoff_bytes: int
     xon_bytes: int
     headroom_bytes: int
+    watchdog_ns: int | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_b
                     f"{format_size(ecn_here.kmin_bytes)} is not below pfc.xoff "
                     f"{format_size(xoff)} on TC{tclass.tc} at {rate_bps / 1e9:g} Gb/s, so PFC "
                     "will fire before ECN marks; lower ecn.kmin or raise pfc.xoff"))
-            pfc_here = PfcSettings(tclass.tc, xoff, xon, headroom)
+            pfc_here = PfcSettings(tclass.tc, xoff, xon, headroom, pfc_cfg.watchdog_ns)
         if ecn_here is not None and ecn_here.kmin_bytes > limit:
             problems.append(QosProblem(
                 "ecn.kmin", f"{format_size(ecn_here.kmin_bytes)} is above the TC{tclass.tc} "

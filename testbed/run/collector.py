@@ -8,6 +8,7 @@ time is measured (thread CPU clock) so the run can state what sampling cost.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -27,6 +28,8 @@ class AgentEndpoint:
     name: str
     node: str
     sock_path: str
+    events_path: str | None = None     # JSON lines the agent appends (PFC events)
+    events_offset: int = 0
 
 
 @dataclass
@@ -101,6 +104,8 @@ class Collector:
                 samples.extend(self._agent_samples(agent))
             ts_fabric = self.fabric_now_ns(mono)
             self.store.add_samples(ts_fabric, mono, samples)
+            for agent in self.agents:
+                self._import_events(agent)
             self.watchdog.observe(mono, samples)
             self._update_totals(ts_fabric, samples)
             self.cpu_ns += time.thread_time_ns() - cpu0
@@ -115,8 +120,38 @@ class Collector:
         except (OSError, ValueError):
             return []
         mode = snap.get("mode", "agent")
-        return [Sample(agent.node, agent.name, -1, f"{mode}.{k}", float(v))
-                for k, v in snap.items() if isinstance(v, int | float) and not isinstance(v, bool)]
+        out = [Sample(agent.node, agent.name, -1, f"{mode}.{k}", float(v))
+               for k, v in snap.items() if isinstance(v, int | float) and not isinstance(v, bool)]
+        # Per (port, class) rows: counters of the node's own ports (PFC), stored
+        # under the same (node, port, tclass) as the kernel's class counters.
+        for row in snap.get("ports", []):
+            port, tc = row.get("port", ""), int(row.get("tclass", -1))
+            out += [Sample(agent.node, port, tc, k, float(v)) for k, v in row.items()
+                    if k not in ("port", "tclass") and isinstance(v, int | float)]
+        return out
+
+    def _import_events(self, agent: AgentEndpoint) -> None:
+        """Copy new complete lines of the agent's event file into the store."""
+        if not agent.events_path:
+            return
+        try:
+            with open(agent.events_path, "rb") as fh:
+                fh.seek(agent.events_offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1
+        agent.events_offset += end
+        for line in data[:end].splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            mono = int(event.pop("mono_ns", time.monotonic_ns()))
+            self.store.add_event(self.fabric_now_ns(mono), mono, event.pop("kind", "agent"),
+                                 node=event.pop("node", agent.node),
+                                 port=event.pop("port", ""),
+                                 tclass=int(event.pop("tclass", -1)), **event)
 
     def _update_totals(self, ts_fabric: int, samples: list[Sample]) -> None:
         t = self.totals

@@ -59,9 +59,17 @@ def start_agent(lab: str, netns: str, module: str, argv: list[str], name: str) -
 
 
 def start_process(lab: str, netns: str, argv: list[str], name: str,
-                  stdout=subprocess.PIPE) -> AgentProcess:
-    """Start ARGV inside `netns` (no shell), recorded in the lab's state by pid."""
-    cmd = ["ip", "netns", "exec", netns, *argv]
+                  stdout=subprocess.PIPE, keep_mounts: bool = False) -> AgentProcess:
+    """Start ARGV inside `netns` (no shell), recorded in the lab's state by pid.
+
+    `ip netns exec` remounts /sys for the namespace, which hides the pinned
+    BPF maps under /sys/fs/bpf; agents that need them (`keep_mounts`) enter
+    only the network namespace with nsenter.
+    """
+    if keep_mounts:
+        cmd = ["nsenter", f"--net=/var/run/netns/{netns}", *argv]
+    else:
+        cmd = ["ip", "netns", "exec", netns, *argv]
     popen = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
                              stdin=subprocess.DEVNULL)
     # Record it at once: a run killed right now must still be able to end it.

@@ -24,6 +24,7 @@ from testbed.net.probe import probe_report
 from testbed.net.state import LabState
 from testbed.plan.model import Plan
 from testbed.run.collector import AgentEndpoint, Collector, LiveTotals
+from testbed.run.fabric_agents import has_pfc, start_pfc_agents
 from testbed.run.fidelity import base_rtt_shortfall_ns
 from testbed.run.procs import AgentProcess, start_agent, start_process
 from testbed.run.rundir import create_run_dir, machine_metadata, write_json, write_private
@@ -138,6 +139,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
     collector: Collector | None = None
     agents: list[tuple[AgentSpec, AgentProcess]] = []
     captures: list[AgentProcess] = []
+    fabric_procs: list[AgentProcess] = []
     t_start = time.monotonic()
     t0 = time.monotonic_ns()
     results_written = False
@@ -153,6 +155,17 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 f"D={plan.dilation.factor}")
             if options.capture:
                 captures = _start_captures(plan, run_dir)
+            fabric_endpoints: list[AgentEndpoint] = []
+            if has_pfc(plan):
+                if _has_port_programs(plan):
+                    started = start_pfc_agents(plan, run_dir / "plan.json", run_dir / "agents")
+                    fabric_procs.extend(p for p, _ in started)
+                    fabric_endpoints = [e for _, e in started]
+                    say(f"pfc: agents on {len(started)} nodes")
+                else:
+                    fidelity.append("PFC is configured but the port programs are not "
+                                    "attached (no BPF datapath), so no PFC agent runs and "
+                                    "lossless classes can drop")
 
             startup_s = STARTUP_BASE_S + STARTUP_PER_AGENT_S * len(specs)
             t0 = time.monotonic_ns() + int(startup_s * 1e9)
@@ -168,7 +181,8 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                                    spec.name)
                 agents.append((spec, proc))
                 endpoints.append(AgentEndpoint(spec.name, spec.node, sock))
-            collector = Collector(plan, store, dilation.to_wall_ns(period_ns), t0, endpoints)
+            collector = Collector(plan, store, dilation.to_wall_ns(period_ns), t0,
+                                  fabric_endpoints + endpoints)
             if options.on_sample is not None:
                 collector.on_sample = lambda totals: options.on_sample(
                     phase, totals, time.monotonic() - t_start)
@@ -216,7 +230,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                     results[spec.name] = proc.result(timeout_s=5)
                 except RuntimeError as exc:
                     fidelity.append(f"agent {spec.name} on {spec.node}: {exc}")
-            for proc in captures:
+            for proc in captures + fabric_procs:
                 proc.stop()
             if collector is not None:
                 collector.stop()
@@ -256,6 +270,14 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
     store.close()
     _build_report(run_dir, say)
     return RunResult(run_dir, summary, interrupted, overhead)
+
+
+def _has_port_programs(plan: Plan) -> bool:
+    from testbed.net.portprog import pin_dir_of
+
+    node = plan.nodes[0]
+    return bool(node.interfaces) and pin_dir_of(plan.lab, node.name,
+                                                node.interfaces[0].ifname).exists()
 
 
 def _start_captures(plan: Plan, run_dir: Path) -> list[AgentProcess]:

@@ -1,0 +1,38 @@
+"""The lossless datapath of a built lab: a port program on every egress port.
+
+A build step after queues and routes: every port, host NICs included, gets
+its own tc-BPF program instance configured from the plan (rate, classes,
+ECN curve, PHY frame-loss where netem cannot apply it). Teardown removes
+the lab's pins, also after a SIGKILL (it works from paths alone).
+"""
+
+from __future__ import annotations
+
+from pyroute2 import IPRoute
+
+from testbed.net import portprog
+from testbed.plan.model import Plan
+
+
+def attach_port_programs(plan: Plan, apply_phy_loss: bool) -> int:
+    """Attach and configure the port program on every port; returns the number attached."""
+    obj = portprog.ensure_object()
+    count = 0
+    for node in plan.nodes:
+        with IPRoute(netns=node.netns) as ipr:
+            for iface in node.interfaces:
+                loss = plan.links[iface.link].frame_loss_ratio if apply_phy_loss else 0.0
+                handle = portprog.attach_port(plan.lab, node.name, node.netns, iface.ifname,
+                                              portprog.params_from_egress(iface.egress, loss),
+                                              ipr=ipr, obj=obj)
+                handle.close()
+                count += 1
+    return count
+
+
+def detach_port_programs(lab: str) -> None:
+    portprog.detach_lab(lab)
+
+
+def leftover_pinned_labs() -> list[str]:
+    return portprog.pinned_labs()

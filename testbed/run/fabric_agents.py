@@ -1,0 +1,61 @@
+"""Agents that are part of the fabric itself, not of a workload: PFC on every node.
+
+They start right after the fabric is built and before any traffic, and stop
+after the workload; their control sockets and event files live in the
+directory given (a run directory's agents/, or the lab's state directory
+for `testbed up`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from testbed.plan.model import Plan
+from testbed.run.collector import AgentEndpoint
+from testbed.run.procs import AgentProcess, start_process
+
+READY_TIMEOUT_S = 20.0
+
+
+def has_pfc(plan: Plan) -> bool:
+    return any(c.pfc for n in plan.nodes for i in n.interfaces for c in i.egress.classes)
+
+
+def watchdog_ns(plan: Plan) -> int:
+    values = [c.pfc.watchdog_ns for n in plan.nodes for i in n.interfaces
+              for c in i.egress.classes if c.pfc and c.pfc.watchdog_ns]
+    return min(values) if values else 0
+
+
+def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
+                     parent_watch: bool = True) -> list[tuple[AgentProcess, AgentEndpoint]]:
+    """One PFC agent per node; returns once every agent is listening."""
+    out = []
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for node in plan.nodes:
+        sock = directory / f"{node.name}-pfc.sock"
+        events = directory / f"{node.name}-pfc.events.jsonl"
+        ready = directory / f"{node.name}-pfc.ready"
+        ready.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "agents.pfc", "--plan", str(plan_path), "--node",
+                node.name, "--control-sock", str(sock), "--events", str(events),
+                "--ready-file", str(ready), "--watchdog-ns", str(watchdog_ns(plan))]
+        if not parent_watch:
+            argv.append("--no-parent-watch")
+        proc = start_process(plan.lab, node.netns, argv, f"pfc-{node.name}", keep_mounts=True)
+        out.append((proc, AgentEndpoint(f"pfc-{node.name}", node.name, str(sock),
+                                        events_path=str(events))))
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for proc, endpoint in out:
+        ready = Path(endpoint.sock_path).with_name(f"{endpoint.node}-pfc.ready")
+        while not ready.exists():
+            if proc.popen.poll() is not None:
+                _out, err = proc.popen.communicate()
+                raise RuntimeError(f"PFC agent on {endpoint.node} exited: {err.strip()[-400:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PFC agent on {endpoint.node} did not start in "
+                                   f"{READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.01)
+    return out
