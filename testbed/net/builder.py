@@ -1,9 +1,18 @@
 """Apply a plan to the kernel, and take a lab down again.
 
-Order: record state (every namespace the lab will own), create namespaces,
-set their sysctls, create veth pairs straight into their namespaces (the
-initial namespace never sees them), addresses and MACs, queues, links up,
-routes. Any failure tears down what was made and re-raises.
+Order: record state (every namespace the lab will own), then the build in steps,
+each over the whole plan:
+  1. namespaces: create each one with its sysctls and a netlink socket opened
+     inside it (no fork: see namespaces.create_many);
+  2. veth: create each pair straight into its two namespaces, both ends with
+     their MAC and MTU (the initial namespace never sees them);
+  3. addresses+queues: per namespace one link dump, then lo up and per port its
+     address, its queues (qdisc.install_port_queues, each distinct tc request
+     encoded once) and link up;
+  4. routes: /31-reachable next hops and ECMP routes.
+Each namespace's requests go out in batches over its own socket, every ack checked
+(testbed/net/batch.py says why and what it saved). Any failure tears down what was
+made and raises BuildError naming the node, the request and the kernel's reason.
 """
 
 from __future__ import annotations
@@ -11,14 +20,26 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
-
 from testbed.net import namespaces
+from testbed.net.batch import (
+    LOOPBACK_IFINDEX,
+    BatchedTc,
+    BatchError,
+    NetlinkBatch,
+    RequestError,
+    TcTemplates,
+    address_message,
+    dump_link_indexes,
+    link_up_message,
+    open_route_socket,
+    route_message,
+    veth_message,
+)
 from testbed.net.qdisc import install_port_queues
 from testbed.net.state import LabState, list_states, process_start_time
 from testbed.plan.model import Plan
@@ -87,9 +108,11 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None) -> Bui
         state.status = "failed"
         state.save()
         destroy_lab(plan.lab)
-        if isinstance(exc, NetlinkError):
+        if isinstance(exc, RequestError):
             raise BuildError(f"kernel refused a request while building {plan.lab!r}: "
                              f"{exc}") from exc
+        if isinstance(exc, BatchError):
+            raise BuildError(f"building {plan.lab!r}: {exc}") from exc
         raise
     state.status = "up"
     state.save()
@@ -99,57 +122,113 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None) -> Bui
 def _build(plan: Plan, report: BuildReport, say: Callable[[str], None]) -> None:
     timer = _Timer(report)
     say(f"creating {len(plan.nodes)} namespaces")
-    for node in plan.nodes:
-        namespaces.create(node.netns)
-        namespaces.write_sysctls(node.netns, node.sysctls)
+    sockets = _create_namespaces(plan)
     report.namespaces = len(plan.nodes)
     timer.lap("namespaces")
-
-    iprs: dict[str, IPRoute] = {}
     try:
-        for node in plan.nodes:
-            iprs[node.name] = IPRoute(netns=node.netns)
-        timer.lap("netlink sockets")
-        by_name = {n.name: n for n in plan.nodes}
+        batches = {n.name: NetlinkBatch(sockets[n.name], n.name) for n in plan.nodes}
+
         say(f"creating {len(plan.links)} veth pairs")
-        for link in plan.links:
-            a_node, b_node = by_name[link.a.node], by_name[link.b.node]
-            iprs[a_node.name].link("add", ifname=link.a.ifname, kind="veth",
-                                   peer={"ifname": link.b.ifname, "net_ns_fd": b_node.netns})
+        _create_veth_pairs(plan, batches)
         report.veth_pairs = len(plan.links)
         timer.lap("veth")
 
         say("addresses, queues and links up")
-        for node in plan.nodes:
-            ipr = iprs[node.name]
-            lo = ipr.link_lookup(ifname="lo")[0]
-            ipr.link("set", index=lo, state="up")
-            for iface in node.interfaces:
-                idx = ipr.link_lookup(ifname=iface.ifname)[0]
-                ipr.link("set", index=idx, address=iface.mac, mtu=iface.mtu_bytes)
-                addr, prefixlen = iface.address.split("/")
-                ipr.addr("add", index=idx, address=addr, prefixlen=int(prefixlen))
-                report.tc_requests += install_port_queues(ipr, idx, iface.egress)
-                ipr.link("set", index=idx, state="up")
+        ifindex = {n.name: dump_link_indexes(sockets[n.name], n.name) for n in plan.nodes}
+        report.tc_requests = _configure_ports(plan, batches, ifindex)
         timer.lap("addresses+queues")
 
         say("routes")
-        for node in plan.nodes:
-            ipr = iprs[node.name]
-            index_of = {i.ifname: ipr.link_lookup(ifname=i.ifname)[0] for i in node.interfaces}
-            for route in node.routes:
-                if len(route.nexthops) == 1:
-                    hop = route.nexthops[0]
-                    ipr.route("add", dst=route.dst, gateway=hop.gateway, oif=index_of[hop.ifname])
-                else:
-                    ipr.route("add", dst=route.dst, multipath=[
-                        {"gateway": hop.gateway, "oif": index_of[hop.ifname]}
-                        for hop in route.nexthops])
-                report.routes += 1
+        report.routes = _add_routes(plan, batches, ifindex)
         timer.lap("routes")
     finally:
-        for ipr in iprs.values():
-            ipr.close()
+        for sock in sockets.values():
+            sock.close()
+
+
+def _create_namespaces(plan: Plan) -> dict[str, socket.socket]:
+    """Step 1: every node's namespace with its sysctls; a netlink socket in each, by node."""
+    node_of = {n.netns: n.name for n in plan.nodes}
+    try:
+        sockets = namespaces.create_many([(n.netns, n.sysctls) for n in plan.nodes],
+                                         open_socket=open_route_socket)
+    except namespaces.NamespaceError as exc:
+        raise BuildError(f"building {plan.lab!r}: node {node_of[exc.name]}: {exc}") from exc
+    return {node_of[ns]: sock for ns, sock in sockets.items()}
+
+
+def _create_veth_pairs(plan: Plan, batches: dict[str, NetlinkBatch]) -> None:
+    """Step 2: each link's veth pair, from the `a` node's namespace, the peer put in
+    the `b` node's. Sent in plan order, so interface indexes come out as numbered."""
+    iface = {(n.name, i.ifname): i for n in plan.nodes for i in n.interfaces}
+    netns_of = {n.name: n.netns for n in plan.nodes}
+    fds: dict[str, int] = {}
+    try:
+        sender = None
+        for link in plan.links:
+            if sender is not None and sender != link.a.node:
+                batches[sender].flush()
+            sender = link.a.node
+            a = iface[(link.a.node, link.a.ifname)]
+            b = iface[(link.b.node, link.b.ifname)]
+            if link.b.node not in fds:
+                fds[link.b.node] = os.open(os.path.join(namespaces.NETNS_RUN_DIR,
+                                                        netns_of[link.b.node]),
+                                           os.O_RDONLY | os.O_CLOEXEC)
+            batches[sender].add(
+                veth_message(a.ifname, a.mac, a.mtu_bytes, b.ifname, b.mac, b.mtu_bytes,
+                             fds[link.b.node]),
+                f"veth pair {a.ifname} <-> {link.b.node}:{b.ifname} (link {link.index})")
+        if sender is not None:
+            batches[sender].flush()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _index(ifindex: dict[str, dict[str, int]], node: str, ifname: str) -> int:
+    try:
+        return ifindex[node][ifname]
+    except KeyError:
+        raise BuildError(f"node {node}: interface {ifname} missing after the veth pairs "
+                         "were made") from None
+
+
+def _configure_ports(plan: Plan, batches: dict[str, NetlinkBatch],
+                     ifindex: dict[str, dict[str, int]]) -> int:
+    """Step 3: lo up; per port its address, its queues, link up. Returns tc requests."""
+    tc_requests = 0
+    with TcTemplates() as templates:
+        for node in plan.nodes:
+            batch = batches[node.name]
+            batch.add(link_up_message(LOOPBACK_IFINDEX), "link set lo up")
+            for iface in node.interfaces:
+                idx = _index(ifindex, node.name, iface.ifname)
+                batch.add(address_message(idx, iface.address),
+                          f"address add {iface.address} dev {iface.ifname}")
+                tc_requests += install_port_queues(BatchedTc(batch, templates, iface.ifname),
+                                                   idx, iface.egress)
+                batch.add(link_up_message(idx), f"link set {iface.ifname} up")
+            batch.flush()
+    return tc_requests
+
+
+def _add_routes(plan: Plan, batches: dict[str, NetlinkBatch],
+                ifindex: dict[str, dict[str, int]]) -> int:
+    """Step 4: every node's routes (after every port is up: a gateway must be on a
+    connected /31). Returns how many."""
+    routes = 0
+    for node in plan.nodes:
+        batch = batches[node.name]
+        for route in node.routes:
+            hops = [(h.gateway, _index(ifindex, node.name, h.ifname)) for h in route.nexthops]
+            via = [f"via {h.gateway} dev {h.ifname}" for h in route.nexthops]
+            if len(via) > 1:
+                via = [f"nexthop {v}" for v in via]
+            batch.add(route_message(route.dst, hops), f"route add {route.dst} {' '.join(via)}")
+            routes += 1
+        batch.flush()
+    return routes
 
 
 def _stop_processes(state: LabState) -> None:
