@@ -1,0 +1,804 @@
+"""perftest-style tests over the user-space RoCEv2 transport: write_bw, write_lat, send_bw.
+
+The command line lives in `agents.roce.__main__`; this module holds what it runs.
+
+Connection set-up is out of band, as perftest does it: the client opens a TCP
+connection to the server (default port 18515), sends one JSON line describing
+the test and its QPs (QPN, first PSN, UDP source port, and for write_lat the
+memory region the server writes back into), and the server answers with its
+QPs (QPN, first PSN, R_Key, VA, length). Data then flows over UDP 4791. At the
+end the client sends {"done": ...} with the number of messages each QP
+completed; the server checks its buffers (with --verify), answers with the
+result, and both print their counters and exit.
+
+Data pattern: QP i of the client sends bytes from a buffer filled by
+numpy.random.default_rng(seed + i); message k goes to slot k mod `slots`
+(slots = min(iters, buffer_bytes // size), at least 1) of the remote buffer, so
+the server can recompute what must be there byte for byte.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import random
+import select
+import socket
+import sys
+import time
+
+import numpy as np
+
+from agents.control import SnapshotServer
+from agents.roce.cc import DCTCP_PRESETS, PRESETS, DcqcnNp, make_cc, preset
+from agents.roce.qp import MemoryRegion, QpAttrs, RcQp, WcStatus
+from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
+from agents.timebase import Dilation, FabricClock
+from agents.udp import Lifecycle
+from agents.udp_logic import pause_step
+from agents.wire.roce import PSN_MASK, ROCE_UDP_PORT, icrc_context
+
+PROTOCOL_VERSION = 1
+DEFAULT_CONTROL_PORT = 18515
+TESTS = ("write_bw", "write_lat", "send_bw")
+MAX_RECV_DEPTH = 512
+CONTROL_CHECK_STEPS = 256
+
+
+class TestError(Exception):
+    """A test that cannot go on: the message goes to stderr and into the JSON."""
+
+
+# --- small helpers ----------------------------------------------------------------------
+
+
+def slots_for(size: int, iters: int | None, buffer_bytes: int) -> int:
+    """How many distinct message slots the buffers hold."""
+    if size <= 0:
+        return 1
+    cap = max(1, buffer_bytes // size)
+    return max(1, min(iters, cap) if iters else cap)
+
+
+def pattern(seed: int, nbytes: int) -> np.ndarray:
+    """The bytes a client QP writes: a seeded PRNG stream (writable uint8 array)."""
+    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8).copy()
+
+
+def first_mismatch(got: np.ndarray, want: np.ndarray) -> int | None:
+    if got.shape == want.shape and np.array_equal(got, want):
+        return None
+    n = min(got.size, want.size)
+    diff = np.flatnonzero(got[:n] != want[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def latency_stats(samples_ns: list[float]) -> dict:
+    """perftest's latency figures: min, max, typical (median), avg, stdev, 99 % and 99.9 %."""
+    if not samples_ns:
+        return {k: None for k in ("t_min", "t_max", "t_typical", "t_avg", "t_stdev", "p99",
+                                  "p99_9")}
+    s = sorted(samples_ns)
+    n = len(s)
+    avg = sum(s) / n
+    var = sum((x - avg) ** 2 for x in s) / n
+
+    def pct(q: float) -> float:
+        return s[min(n - 1, max(0, math.ceil(q * n) - 1))]
+
+    to_us = 1e-3
+    return {"t_min": s[0] * to_us, "t_max": s[-1] * to_us, "t_typical": s[n // 2] * to_us,
+            "t_avg": avg * to_us, "t_stdev": math.sqrt(var) * to_us, "p99": pct(0.99) * to_us,
+            "p99_9": pct(0.999) * to_us}
+
+
+def _touch(path: str | None, content: dict | None = None) -> None:
+    """Create `path` (atomically, with one JSON line when `content` is given)."""
+    if not path:
+        return
+    if content is None:
+        with open(path, "a"):
+            pass
+        os.utime(path, None)
+        return
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(content, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def write_out(path: str | None, counters: dict) -> None:
+    if not path:
+        return
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(counters, f, sort_keys=True, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def cc_settings(args) -> tuple[str, str | None]:
+    """(kind, preset) from --cc / --cc-preset, with each kind's default preset."""
+    kind = args.cc
+    name = args.cc_preset
+    if kind == "dcqcn":
+        name = name or "paper"
+        if name not in PRESETS:
+            raise TestError(f"--cc-preset {name!r} is not a DCQCN preset; "
+                            f"known: {', '.join(sorted(PRESETS))}")
+    elif kind == "dctcp":
+        name = name or "rfc8257"
+        if name not in DCTCP_PRESETS:
+            raise TestError(f"--cc-preset {name!r} is not a DCTCP preset; "
+                            f"known: {', '.join(sorted(DCTCP_PRESETS))}")
+    else:
+        name = None
+    return kind, name
+
+
+def make_np(args, kind: str, name: str | None) -> DcqcnNp | None:
+    """The notification point of a responder: from the DCQCN preset (interval, mode);
+    DCTCP gets a CNP for every CE packet; no CC sends no CNPs."""
+    if args.cnp_interval_ns is not None:
+        return DcqcnNp(args.cnp_interval_ns)
+    if kind == "dcqcn":
+        p = preset(name, args.line_rate_bps)
+        return DcqcnNp(p.cnp_interval_ns, p.np_mode)
+    if kind == "dctcp":
+        return DcqcnNp(0)
+    return None
+
+
+def qp_attrs(args, mtu: int) -> QpAttrs:
+    return QpAttrs(mtu=mtu, window_packets=args.window_packets, ack_req_every=args.ack_req_every,
+                   ack_every=args.ack_every, timeout_ns=args.timeout_ns,
+                   retry_cnt=args.retry_cnt, max_burst_bytes=args.max_burst_bytes)
+
+
+class ControlChannel:
+    """JSON lines over the TCP set-up connection."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = b""
+        self.closed = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, obj: dict) -> None:
+        try:
+            self.sock.sendall(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+        except OSError:
+            self.closed = True
+
+    def poll(self) -> dict | None:
+        """The next whole message if one is there (never blocks)."""
+        if b"\n" not in self._buf and not self.closed:
+            try:
+                data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                data = None
+            except OSError:
+                data = b""
+            if data == b"":
+                self.closed = True
+            elif data:
+                self._buf += data
+        if b"\n" in self._buf:
+            line, _, self._buf = self._buf.partition(b"\n")
+            try:
+                return json.loads(line)
+            except ValueError:
+                raise TestError(f"bad control message: {line[:80]!r}") from None
+        return None
+
+    def recv(self, life: Lifecycle, timeout_s: float, engine: Engine | None = None) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.poll()
+            if msg is not None:
+                return msg
+            if self.closed:
+                raise TestError("the peer closed the control connection")
+            if life.should_stop():
+                raise Stopped()
+            if time.monotonic() > deadline:
+                raise TestError(f"no answer on the control connection within {timeout_s} s")
+            if engine is not None:
+                if not engine.step():
+                    select.select([self.sock], [], [], 0.002)
+            else:
+                select.select([self.sock], [], [], 0.05)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Live:
+    """What --control-sock serves: per-QP counters and rates, now."""
+
+    def __init__(self, role: str, test: str) -> None:
+        self.role = role
+        self.test = test
+        self.bindings: list[Binding] = []
+        self.endpoints: list[Endpoint] = []
+        self.phase = "setup"
+
+    def snapshot(self) -> dict:
+        return {"role": self.role, "test": self.test, "phase": self.phase,
+                "qps": {str(b.qp.qpn): b.counters() for b in list(self.bindings)},
+                "endpoints": [ep.counters() for ep in list(self.endpoints)]}
+
+
+def _header(args, title: str, dilation: Dilation, cc: tuple[str, str | None], qps: int,
+            mtu: int) -> str:
+    line = "-" * 87
+    kind, name = cc
+    return "\n".join([
+        line,
+        f"{title:^87}",
+        f" Number of qps   : {qps:<10}Transport type : RoCEv2 RC, user space over UDP "
+        f"{ROCE_UDP_PORT}",
+        f" Mtu             : {mtu}[B]    Dilation       : {dilation.factor} (fabric units; "
+        f"wall = fabric x {dilation.factor})",
+        f" CC              : {kind}{'/' + name if name else ''}   line rate "
+        f"{args.line_rate_bps / 1e9:.2f} Gb/s fabric",
+        line,
+    ])
+
+
+def bw_table(args, title, dilation, cc, qps, mtu, size, iters, bw_fabric, rate_fabric,
+             bw_wall, rate_wall) -> str:
+    cols = " #bytes     #iterations    BW average[Gb/sec]   MsgRate[Mpps]"
+    row = f" {size:<10} {iters:<14} {bw_fabric / 1e9:<20.2f} {rate_fabric / 1e6:<.6f}"
+    if args.wall:
+        cols += "   wall BW[Gb/sec]   wall MsgRate[Mpps]"
+        row += f"      {bw_wall / 1e9:<17.6f} {rate_wall / 1e6:.6f}"
+    return "\n".join([_header(args, title, dilation, cc, qps, mtu), cols, row, "-" * 87])
+
+
+def lat_table(args, title, dilation, cc, mtu, size, iters, fab: dict, wall: dict) -> str:
+    cols = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    "
+            "t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]")
+
+    def row(st: dict, tag: str) -> str:
+        def f(v):
+            return f"{v:.2f}" if v is not None else "-"
+        return (f" {size:<6} {iters:<13} {f(st['t_min']):<14} {f(st['t_max']):<12} "
+                f"{f(st['t_typical']):<18} {f(st['t_avg']):<14} {f(st['t_stdev']):<15} "
+                f"{f(st['p99']):<22} {f(st['p99_9'])}{tag}")
+
+    rows = [row(fab, "   (fabric)")]
+    if args.wall:
+        rows.append(row(wall, "   (wall)"))
+    return "\n".join([_header(args, title, dilation, cc, 1, mtu), cols, *rows, "-" * 87])
+
+
+TITLES = {"write_bw": "RDMA_Write BW Test", "write_lat": "RDMA_Write Latency Test",
+          "send_bw": "Send BW Test"}
+
+
+def _connect(server: str, port: int, bind: str | None, timeout_s: float,
+             life: Lifecycle) -> socket.socket:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline and not life.should_stop():
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            if bind:
+                s.bind((bind, 0))
+            s.settimeout(max(0.1, min(2.0, deadline - time.monotonic())))
+            s.connect((server, port))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.settimeout(None)
+            return s
+        except OSError as e:
+            last = e
+            s.close()
+            time.sleep(0.05)
+    raise TestError(f"cannot connect to {server}:{port}: {last or 'stopped'}")
+
+
+def _wait_until_mono(target_ns: int, life: Lifecycle) -> None:
+    clock = time.monotonic_ns
+    while target_ns and not life.should_stop(clock()) and clock() < target_ns:
+        pause_step(target_ns - clock(), clock(), clock, time.sleep)
+
+
+# --- client -----------------------------------------------------------------------------
+
+
+def _client_qps(local_ip: str, args, life: Lifecycle) -> list[tuple[int, Endpoint]]:
+    """(QPN, endpoint bound to rxe_sport(QPN)) for each QP; a taken port moves to the next QPN."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    qpn = args.qpn_base if args.qpn_base is not None else rng.randrange(0x100, 0xF00000)
+    out: list[tuple[int, Endpoint]] = []
+    used: set[int] = set()
+    tries = 0
+    while len(out) < args.qps:
+        tries += 1
+        if tries > 100_000:
+            raise TestError("no free rxe source port for the QPs")
+        sport = rxe_sport(qpn)
+        if sport not in used:
+            try:
+                ep = Endpoint(local_ip, sport, dscp=args.dscp, cnp_dscp=args.cnp_dscp,
+                              should_stop=life.should_stop)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:   # taken: try the next QPN
+                    raise
+            else:
+                used.add(sport)
+                out.append((qpn, ep))
+        qpn = (qpn + 1) & 0xFFFFFF or 0x100
+    return out
+
+
+def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
+    dilation = Dilation(args.dilation)
+    clock = FabricClock(dilation)
+    cc = cc_settings(args)
+    test = args.test
+    size = args.size
+    if test == "write_lat" and args.qps != 1:
+        raise TestError("write_lat runs one QP (--qps 1)")
+    iters = args.iters
+    slots = 1 if test == "write_lat" else slots_for(size, iters, args.buffer_bytes)
+    tcp = _connect(args.server, args.port, args.bind, args.connect_timeout_s, life)
+    ctl = ControlChannel(tcp)
+    endpoints: list[Endpoint] = []
+    try:
+        local_ip = args.bind or tcp.getsockname()[0]
+        qp_eps = _client_qps(local_ip, args, life)
+        endpoints = [ep for _, ep in qp_eps]
+        live.endpoints = endpoints
+        rng = random.Random()
+        bufs = [pattern(args.seed + i, slots * size) for i in range(args.qps)]
+        # write_lat: the server writes back into this region of ours
+        back = [np.zeros(max(size, 1), dtype=np.uint8) for _ in range(args.qps)]
+        back_rkeys = [rng.randrange(1, 1 << 32) for _ in range(args.qps)]
+        psns = [rng.randrange(0, PSN_MASK + 1) for _ in range(args.qps)]
+        hello = {
+            "version": PROTOCOL_VERSION, "test": test, "size": size, "iters": iters,
+            "slots": slots, "seed": args.seed, "mtu": args.mtu, "verify": args.verify,
+            "qps": [{"qpn": qpn, "psn": psns[i], "sport": ep.port,
+                     "rkey": back_rkeys[i], "va": int(back[i].ctypes.data),
+                     "length": int(back[i].size)} for i, (qpn, ep) in enumerate(qp_eps)],
+        }
+        ctl.send(hello)
+        reply = ctl.recv(life, args.connect_timeout_s)
+        if not reply.get("ok"):
+            raise TestError(f"server refused the test: {reply.get('error')}")
+        remote = reply["qps"]
+        udp_port = int(reply.get("udp_port", ROCE_UDP_PORT))
+        attrs = qp_attrs(args, args.mtu)
+        engine = Engine(clock, dilation)
+        bindings: list[Binding] = []
+        for i, (qpn, ep) in enumerate(qp_eps):
+            r = remote[i]
+            ctx = icrc_context(local_ip, args.server, ep.port, udp_port)
+            mr = MemoryRegion(back[i], hello["qps"][i]["va"], back_rkeys[i])
+            qp = RcQp(qpn, r["qpn"], ctx, attrs,
+                      make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns()),
+                      np=make_np(args, *cc), mrs={mr.rkey: mr}, clock=clock,
+                      sq_psn=psns[i], rq_psn=r["psn"])
+            bindings.append(ep.attach(qp, (args.server, udp_port),
+                                      drop_every=args.drop_every, drop_prob=args.drop_prob,
+                                      drop_seed=args.drop_seed + i))
+            engine.add(ep)
+        live.bindings = bindings
+        _touch(args.ready_file)
+        _wait_until_mono(args.start_at_mono_ns, life)
+        live.phase = "running"
+        if test == "write_lat":
+            result = _client_lat(args, life, engine, bindings[0], bufs[0], remote[0], back[0])
+        else:
+            result = _client_bw(args, life, engine, bindings, bufs, remote, slots)
+        live.phase = "done"
+        verify = {"verified": None, "first_mismatch": None}
+        if not ctl.closed:
+            ctl.send({"done": True, "messages": result["per_qp_messages"],
+                      "stopped_by": life.stop_reason})
+            try:
+                answer = ctl.recv(Lifecycle(), 60.0, engine)
+                verify = {"verified": answer.get("verified"),
+                          "first_mismatch": answer.get("first_mismatch")}
+            except (TestError, Stopped) as e:
+                verify["verify_error"] = str(e)
+        error = next((b.qp.requester.error or b.qp.responder.error for b in bindings
+                      if b.qp.requester.error or b.qp.responder.error), None)
+        counters = {
+            "role": "client", "test": test, "server": args.server, "local_ip": local_ip,
+            "size": size, "iters": iters, "duration_ns": args.duration_ns, "qp_count": args.qps,
+            "mtu": args.mtu, "slots": slots, "seed": args.seed, "dilation": dilation.factor,
+            "cc": cc[0], "cc_preset": cc[1], "line_rate_bps": args.line_rate_bps,
+            "dscp": args.dscp, "cnp_dscp": args.cnp_dscp, **result, **verify,
+            "qps": {str(b.qp.qpn): b.counters() for b in bindings},
+            "malformed": _sum_malformed(endpoints),
+            "endpoints": [ep.counters() for ep in endpoints],
+            "qp_attrs": attrs.to_dict(),
+            "engine": {"steps": engine.steps, "waits": engine.waits},
+            "stopped_by": life.stop_reason or ("duration" if result["duration_ended"]
+                                               else "done"),
+            "error": error,
+        }
+        title = TITLES[test]
+        if test == "write_lat":
+            table = lat_table(args, title, dilation, cc, args.mtu, size,
+                              result["messages"], result["latency_fabric_us"],
+                              result["latency_wall_us"])
+        else:
+            table = bw_table(args, title, dilation, cc, args.qps, args.mtu, size,
+                             result["messages"], result["bw_fabric_bps"],
+                             result["msg_rate_fabric_pps"], result["bw_wall_bps"],
+                             result["msg_rate_wall_pps"])
+        print(table, file=sys.stderr)
+        rc = 0 if error is None and verify["verified"] is not False else 1
+        return counters, rc
+    finally:
+        ctl.close()
+        for ep in endpoints:
+            ep.close()
+
+
+def _sum_malformed(endpoints: list[Endpoint]) -> dict:
+    out: dict[str, int] = {}
+    for ep in endpoints:
+        for k, v in ep.malformed.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _rates(dilation: Dilation, nbytes: int, messages: int, packets: int, wall_ns: int) -> dict:
+    fabric_ns = dilation.to_fabric_ns(wall_ns)
+    wall_s = wall_ns / 1e9 if wall_ns > 0 else 0.0
+    fabric_s = fabric_ns / 1e9
+    return {
+        "elapsed_wall_ns": wall_ns,
+        "elapsed_fabric_ns": round(fabric_ns),
+        "bw_fabric_bps": nbytes * 8 / fabric_s if fabric_s else 0.0,
+        "bw_wall_bps": nbytes * 8 / wall_s if wall_s else 0.0,
+        "msg_rate_fabric_pps": messages / fabric_s if fabric_s else 0.0,
+        "msg_rate_wall_pps": messages / wall_s if wall_s else 0.0,
+        "packet_rate_wall_pps": packets / wall_s if wall_s else 0.0,
+    }
+
+
+def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
+               bufs: list[np.ndarray], remote: list[dict], slots: int) -> dict:
+    size = args.size
+    iters = args.iters
+    dilation = engine.dilation
+    n = len(bindings)
+    posted = [0] * n
+    completed = [0] * n
+    nbytes = [0] * n
+    views = [memoryview(b) for b in bufs]
+    slot_views = [[views[i][k * size:(k + 1) * size] for k in range(slots)] for i in range(n)]
+    reqs = [b.qp.requester for b in bindings]
+    depth = args.tx_depth
+    send = args.test == "send_bw"
+    start = time.monotonic_ns()
+    end = start + dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
+    state = {"posting": True, "failed": None, "duration_ended": False}
+
+    def hook() -> None:
+        if state["posting"] and end is not None and time.monotonic_ns() >= end:
+            state["posting"] = False
+            state["duration_ended"] = True
+        for i in range(n):
+            r = reqs[i]
+            comps = r.completions
+            while comps:
+                c = comps.popleft()
+                if c.status != WcStatus.SUCCESS:
+                    state["failed"] = c.status
+                    continue
+                completed[i] += 1
+                nbytes[i] += c.byte_len
+            if state["posting"]:
+                while r.outstanding_messages < depth and (iters is None or posted[i] < iters):
+                    k = posted[i] % slots
+                    if send:
+                        r.post_send(posted[i], slot_views[i][k])
+                    else:
+                        r.post_write(posted[i], slot_views[i][k], remote[i]["va"] + k * size,
+                                     remote[i]["rkey"])
+                    posted[i] += 1
+
+    def done() -> bool:
+        if state["failed"] or any(r.state != "rts" for r in reqs):
+            return True
+        if state["posting"] and iters is not None and all(p >= iters for p in posted):
+            state["posting"] = False
+        return not state["posting"] and all(r.idle for r in reqs)
+
+    hook()
+    try:
+        engine.run(done, stop=life.should_stop, hook=hook)
+    except Stopped:
+        pass
+    hook()
+    wall_ns = time.monotonic_ns() - start
+    packets = sum(r.packets_sent for r in reqs)
+    total = sum(nbytes)
+    msgs = sum(completed)
+    return {"messages": msgs, "bytes": total, "per_qp_messages": completed,
+            "data_packets_sent": packets, "completion_error": state["failed"],
+            "duration_ended": state["duration_ended"],
+            **_rates(dilation, total, msgs, packets, wall_ns)}
+
+
+def _client_lat(args, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarray,
+                remote: dict, back: np.ndarray) -> dict:
+    size = args.size
+    iters = args.iters
+    dilation = engine.dilation
+    qp = b.qp
+    r, rs = qp.requester, qp.responder
+    view = memoryview(buf)[:size]
+    samples: list[int] = []
+    start = time.monotonic_ns()
+    end = start + dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
+    i = 0
+    ended = False
+    try:
+        while iters is None or i < iters:
+            if end is not None and time.monotonic_ns() >= end:
+                ended = True
+                break
+            seen = rs.write_messages
+            t0 = time.monotonic_ns()
+            r.post_write(i, view, remote["va"], remote["rkey"])
+            engine.run(lambda seen=seen: rs.write_messages > seen or r.state != "rts",
+                       stop=life.should_stop)
+            if life.stop_reason is not None or r.state != "rts":
+                break
+            samples.append(time.monotonic_ns() - t0)
+            r.completions.clear()
+            i += 1
+        # let the last ACKs settle
+        engine.run(lambda: r.idle or r.state != "rts", stop=life.should_stop)
+    except Stopped:
+        pass
+    wall_ns = time.monotonic_ns() - start
+    half = [s / 2 for s in samples]           # perftest reports half the round trip
+    msgs = len(samples)
+    return {"messages": msgs, "bytes": msgs * size, "per_qp_messages": [msgs],
+            "data_packets_sent": r.packets_sent, "duration_ended": ended,
+            "latency_fabric_us": latency_stats([dilation.to_fabric_ns(x) for x in half]),
+            "latency_wall_us": latency_stats(half),
+            **_rates(dilation, msgs * size, msgs, r.packets_sent, wall_ns)}
+
+
+# --- server -----------------------------------------------------------------------------
+
+
+def _accept(args, life: Lifecycle) -> tuple[socket.socket, socket.socket]:
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind((args.bind or "", args.port))
+    lsock.listen(1)
+    # the UDP port is bound per test (on the address the client reaches): say which one
+    # will be used; port 0 asks for free ones, which the ready file then names
+    if args.roce_port == 0:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        probe.bind((args.bind or "", 0))
+        args.roce_port = probe.getsockname()[1]
+        probe.close()
+    _touch(args.ready_file, {"port": lsock.getsockname()[1], "roce_port": args.roce_port,
+                             "pid": os.getpid()})
+    while True:
+        if life.should_stop():
+            lsock.close()
+            raise Stopped()
+        ready, _, _ = select.select([lsock], [], [], 0.05)
+        if ready:
+            conn, _ = lsock.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return lsock, conn
+
+
+def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
+    dilation = Dilation(args.dilation)
+    cc = cc_settings(args)
+    try:
+        lsock, conn = _accept(args, life)
+    except Stopped:
+        return {"role": "server", "test": args.test, "stopped_by": life.stop_reason,
+                "verified": None, "qps": {}, "malformed": {}}, 0
+    ctl = ControlChannel(conn)
+    ep = None
+    try:
+        hello = ctl.recv(life, args.connect_timeout_s)
+        problem = None
+        if hello.get("version") != PROTOCOL_VERSION:
+            problem = f"protocol version {hello.get('version')} (server speaks {PROTOCOL_VERSION})"
+        elif hello.get("test") != args.test:
+            problem = f"client runs {hello.get('test')}, this server {args.test}"
+        if problem:
+            ctl.send({"ok": False, "error": problem})
+            raise TestError(problem)
+        clock = FabricClock(dilation)
+        local_ip = args.bind or conn.getsockname()[0]
+        peer_ip = conn.getpeername()[0]
+        ep = Endpoint(local_ip, args.roce_port, dscp=args.dscp, cnp_dscp=args.cnp_dscp,
+                      should_stop=life.should_stop)
+        live.endpoints = [ep]
+        size, slots, seed = int(hello["size"]), int(hello["slots"]), int(hello["seed"])
+        mtu = int(hello["mtu"])
+        test = args.test
+        verify = bool(hello.get("verify")) or args.verify
+        attrs = qp_attrs(args, mtu)
+        rng = random.Random()
+        engine = Engine(clock, dilation)
+        mems: list[np.ndarray] = []
+        rq_bufs: list[list[np.ndarray]] = []
+        bindings: list[Binding] = []
+        reply = []
+        for i, c in enumerate(hello["qps"]):
+            qpn = 0x200 + i
+            psn = rng.randrange(0, PSN_MASK + 1)
+            rkey = rng.randrange(1, 1 << 32)
+            mem = np.zeros(max(1, slots * size if test != "send_bw" else 1), dtype=np.uint8)
+            mems.append(mem)
+            mr = MemoryRegion(mem, int(mem.ctypes.data), rkey)
+            ctx = icrc_context(local_ip, peer_ip, ep.port, int(c["sport"]))
+            qp = RcQp(qpn, int(c["qpn"]), ctx, attrs,
+                      make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns()),
+                      np=make_np(args, *cc), mrs={rkey: mr}, clock=clock,
+                      sq_psn=psn, rq_psn=int(c["psn"]))
+            bindings.append(ep.attach(qp, (peer_ip, int(c["sport"]))))
+            if test == "send_bw":
+                depth = max(1, min(MAX_RECV_DEPTH, args.buffer_bytes // max(size, 1)))
+                rbufs = [np.zeros(max(size, 1), dtype=np.uint8) for _ in range(depth)]
+                for k, rb in enumerate(rbufs):
+                    qp.responder.post_recv(k, rb)
+                rq_bufs.append(rbufs)
+            reply.append({"qpn": qpn, "psn": psn, "rkey": rkey, "va": mr.va,
+                          "length": mr.length})
+        engine.add(ep)
+        live.bindings = bindings
+        # everything slow (patterns, buffers) happens before the client is told to go
+        expected = ([pattern(seed + i, slots * size) for i in range(len(bindings))]
+                    if verify and test != "write_lat" else None)
+        ctl.send({"ok": True, "qps": reply, "udp_port": ep.port})
+        live.phase = "running"
+        result = _serve(args, life, engine, ctl, bindings, hello, rq_bufs, slots, size, seed,
+                        verify, expected)
+        if result.get("done_msg") is not None:
+            done_msg = result.pop("done_msg")
+            if verify and test == "write_bw":
+                result.update(_verify_writes(mems, done_msg.get("messages", []), slots, size,
+                                             seed, expected))
+            elif verify and test == "write_lat":
+                result.update(_verify_writes(mems, [min(1, m) for m in
+                                                    done_msg.get("messages", [])], 1, size,
+                                             seed))
+            ctl.send({"verified": result.get("verified"),
+                      "first_mismatch": result.get("first_mismatch")})
+        else:
+            result.pop("done_msg", None)
+        live.phase = "done"
+        error = next((b.qp.requester.error or b.qp.responder.error for b in bindings
+                      if b.qp.requester.error or b.qp.responder.error), None)
+        counters = {
+            "role": "server", "test": test, "client": peer_ip, "local_ip": local_ip,
+            "size": size, "slots": slots, "mtu": mtu, "dilation": dilation.factor,
+            "cc": cc[0], "cc_preset": cc[1], "line_rate_bps": args.line_rate_bps,
+            "dscp": args.dscp, "cnp_dscp": args.cnp_dscp,
+            "verified": result.pop("verified", None),
+            "first_mismatch": result.pop("first_mismatch", None), **result,
+            "qps": {str(b.qp.qpn): b.counters() for b in bindings},
+            "malformed": dict(ep.malformed), "endpoints": [ep.counters()],
+            "qp_attrs": attrs.to_dict(),
+            "engine": {"steps": engine.steps, "waits": engine.waits},
+            "stopped_by": life.stop_reason or "done", "error": error,
+        }
+        rc = 0 if counters["verified"] is not False and error is None else 1
+        return counters, rc
+    finally:
+        ctl.close()
+        lsock.close()
+        if ep is not None:
+            ep.close()
+
+
+def _serve(args, life: Lifecycle, engine: Engine, ctl: ControlChannel,
+           bindings: list[Binding], hello: dict, rq_bufs: list[list[np.ndarray]], slots: int,
+           size: int, seed: int, verify: bool, expected: list[np.ndarray] | None) -> dict:
+    """Run the server side until the client says done (or goes away, or a stop)."""
+    test = args.test
+    state: dict = {"done_msg": None, "verified": None, "first_mismatch": None}
+    want = expected
+    if verify and test == "send_bw":
+        state["verified"] = True
+    recv_count = [0] * len(bindings)
+    lat_seen = [0] * len(bindings)
+    lat_buf = pattern(seed ^ 0x5A5A, max(size, 1)) if test == "write_lat" else None
+    client_qps = hello["qps"]
+    steps = 0
+    start = time.monotonic_ns()
+    try:
+        while True:
+            busy = engine.step()
+            steps += 1
+            for i, b in enumerate(bindings):
+                rs = b.qp.responder
+                if test == "send_bw":
+                    comps = rs.completions
+                    while comps:
+                        c = comps.popleft()
+                        buf = rq_bufs[i][c.wr_id]
+                        if verify and state["verified"]:
+                            k = recv_count[i] % slots
+                            exp = want[i][k * size:(k + 1) * size]
+                            bad = first_mismatch(buf[:c.byte_len], exp)
+                            if bad is not None or c.byte_len != size:
+                                state["verified"] = False
+                                state["first_mismatch"] = {"qp": i, "message": recv_count[i],
+                                                           "offset": bad}
+                        recv_count[i] += 1
+                        rs.post_recv(c.wr_id, buf)
+                elif test == "write_lat":
+                    r = b.qp.requester
+                    while rs.write_messages > lat_seen[i]:
+                        lat_seen[i] += 1
+                        c = client_qps[i]
+                        r.post_write(lat_seen[i], memoryview(lat_buf)[:size], int(c["va"]),
+                                     int(c["rkey"]))
+                    r.completions.clear()
+            if not busy or steps % CONTROL_CHECK_STEPS == 0:
+                msg = ctl.poll()
+                if msg is not None and msg.get("done"):
+                    state["done_msg"] = msg
+                    # let our last ACKs / write-backs finish before answering
+                    engine.run(lambda: all(b.qp.requester.idle for b in bindings),
+                               stop=life.should_stop)
+                    break
+                if ctl.closed:
+                    life.stop("client_gone")
+                    break
+            if life.should_stop():
+                break
+            if not busy:
+                engine.extra_fds = [ctl]
+                engine.wait()
+    except Stopped:
+        pass
+    wall_ns = time.monotonic_ns() - start
+    dilation = engine.dilation
+    nbytes = sum(b.qp.responder.payload_bytes_received for b in bindings)
+    msgs = sum(b.qp.responder.write_messages + b.qp.responder.send_messages for b in bindings)
+    pkts = sum(b.qp.responder.packets_received for b in bindings)
+    state.update({"messages": msgs, "bytes": nbytes, "data_packets_received": pkts,
+                  **_rates(dilation, nbytes, msgs, pkts, wall_ns)})
+    return state
+
+
+def _verify_writes(mems: list[np.ndarray], messages: list[int], slots: int, size: int,
+                   seed: int, expected: list[np.ndarray] | None = None) -> dict:
+    """Each QP's region must hold the client's pattern in every slot it wrote."""
+    for i, mem in enumerate(mems):
+        n = min(int(messages[i]) if i < len(messages) else 0, slots) * size
+        if n == 0:
+            continue
+        want = expected[i] if expected is not None else pattern(seed + i, slots * size)
+        bad = first_mismatch(mem[:n], want[:n])
+        if bad is not None:
+            return {"verified": False, "first_mismatch": {"qp": i, "offset": bad}}
+    return {"verified": True, "first_mismatch": None}
+
+
+def snapshot_server(path: str | None, live: Live) -> SnapshotServer | None:
+    return SnapshotServer(path, live.snapshot) if path else None
+
+
+__all__ = ["CNP_DSCP", "DEFAULT_CONTROL_PORT", "TESTS", "Live", "TestError", "latency_stats",
+           "pattern", "run_client", "run_server", "slots_for", "snapshot_server", "write_out"]

@@ -1,0 +1,1021 @@
+"""RC queue pairs of the user-space RoCEv2 transport: pure protocol logic.
+
+No sockets and no clock of its own: every time is FABRIC nanoseconds, read from
+an injected clock (anything with `now_ns()`, normally
+`agents.timebase.FabricClock`) or passed as `now_ns=`. Packets go out through
+two doors:
+
+- data packets are PULLED by the transport: `RcRequester.poll_send(now)` returns
+  the next paced, windowed packet (a memoryview of a per-QP buffer, valid until
+  the next call) or None;
+- ACK / NAK / CNP packets are PUSHED through the `tx(view, kind)` callback the
+  moment the responder decides to send them (`kind` is PKT_ACK or PKT_CNP, so
+  the transport can pick the IP TOS). The view is only valid during the call.
+
+Received packets are handed in already parsed and ICRC-checked
+(`agents.wire.roce.parse_packet`): `RcQp.on_packet(parsed, ce, now)`.
+
+Requester (one per QP, the DCQCN reaction point):
+  RDMA WRITE and SEND messages segmented at the path MTU (FIRST / MIDDLE / LAST,
+  or ONLY), 24-bit PSNs with wrap, at most `window_packets` unacknowledged
+  packets, AckReq on the last packet of every message and on every PSN that is a
+  multiple of `ack_req_every`, a local ACK timeout and a retry limit (fabric
+  time), go-back-N: an ACK acknowledges every PSN up to its own, a NAK(PSN
+  sequence error) acknowledges every PSN before its own and the requester
+  resends from it. Pacing: the rate is the congestion controller's (`cc.rate_bps`,
+  fabric bit/s); every packet costs `len(datagram) + wire_overhead_bytes` wire
+  bytes, which is also what `cc.on_bytes_sent` is told.
+
+Responder (one per QP, the DCQCN notification point):
+  expected PSN; PSN > expected: one NAK(PSN sequence error) carrying the
+  expected PSN, then silent drops (counted as out-of-order drops) until the
+  expected PSN arrives; PSN < expected: duplicate, re-ACKed (the first of a run,
+  and every one with AckReq); in order: RDMA WRITE into a registered
+  `MemoryRegion` (R_Key, bounds and length checked -> NAK remote access error /
+  invalid request, after which the responder is in the error state, as an RC QP
+  is), SEND into posted receive buffers (none posted -> RNR NAK). ACKs are
+  coalesced: one per `ack_every` packets, and at AckReq or the end of a message.
+  Every data packet is shown to the `DcqcnNp`, which decides whether a CE mark
+  earns a CNP.
+
+Not implemented: RDMA READ, atomics, immediate data, UD/UC, SRQ, credits (ACKs
+carry "unlimited"), path migration. See docs/roce.md.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import NamedTuple, Protocol
+
+from agents.wire.roce import (
+    AETH_BYTES,
+    BTH_BYTES,
+    CNP_OPCODES,
+    DEFAULT_P_KEY,
+    ICRC_BYTES,
+    PSN_HALF,
+    PSN_MASK,
+    QPN_MASK,
+    RETH_BYTES,
+    Aeth,
+    Bth,
+    IcrcContext,
+    NakCode,
+    Opcode,
+    Parsed,
+    build_cnp,
+    build_packet,
+)
+
+__all__ = [
+    "IB_MTUS",
+    "PKT_ACK",
+    "PKT_CNP",
+    "PKT_DATA",
+    "RNR_TIMER_NS",
+    "WIRE_OVERHEAD_BYTES",
+    "Completion",
+    "MemoryRegion",
+    "QpAttrs",
+    "QpState",
+    "RatePacer",
+    "RcQp",
+    "RcRequester",
+    "RcResponder",
+    "WcStatus",
+    "build_data_packet",
+    "packets_for",
+    "wire_bytes",
+]
+
+PKT_DATA = 0
+PKT_ACK = 1     # ACK and NAK (AETH): same traffic class as the data
+PKT_CNP = 2
+
+IB_MTUS = (256, 512, 1024, 2048, 4096)
+
+#: Bytes a RoCEv2 packet costs on an Ethernet wire beyond its UDP payload:
+#: 8 UDP + 20 IPv4 + 14 Ethernet header + 4 FCS + 8 preamble/SFD + 12 inter-frame gap.
+#: (Same figure as agents.udp_logic.DEFAULT_WIRE_OVERHEAD_BYTES.)
+WIRE_OVERHEAD_BYTES = 8 + 20 + 14 + 4 + 8 + 12
+
+#: IBTA RNR NAK timer field (5 bits) -> the wait it asks for, in ns (code 0 is the longest).
+RNR_TIMER_NS = (
+    655_360_000, 10_000, 20_000, 30_000, 40_000, 60_000, 80_000, 120_000, 160_000, 240_000,
+    320_000, 480_000, 640_000, 960_000, 1_280_000, 1_920_000, 2_560_000, 3_840_000,
+    5_120_000, 7_680_000, 10_240_000, 15_360_000, 20_480_000, 30_720_000, 40_960_000,
+    61_440_000, 81_920_000, 122_880_000, 163_840_000, 245_760_000, 327_680_000, 491_520_000,
+)
+
+_PAD_ICRC = 3 + ICRC_BYTES
+
+_OP_ACK = int(Opcode.RC_ACKNOWLEDGE)
+_OP_SEND_FIRST = int(Opcode.RC_SEND_FIRST)
+_OP_SEND_MIDDLE = int(Opcode.RC_SEND_MIDDLE)
+_OP_SEND_LAST = int(Opcode.RC_SEND_LAST)
+_OP_SEND_ONLY = int(Opcode.RC_SEND_ONLY)
+_OP_WRITE_FIRST = int(Opcode.RC_RDMA_WRITE_FIRST)
+_OP_WRITE_MIDDLE = int(Opcode.RC_RDMA_WRITE_MIDDLE)
+_OP_WRITE_LAST = int(Opcode.RC_RDMA_WRITE_LAST)
+_OP_WRITE_ONLY = int(Opcode.RC_RDMA_WRITE_ONLY)
+# (first, middle, last, only) per message kind
+_WRITE_OPS = (_OP_WRITE_FIRST, _OP_WRITE_MIDDLE, _OP_WRITE_LAST, _OP_WRITE_ONLY)
+_SEND_OPS = (_OP_SEND_FIRST, _OP_SEND_MIDDLE, _OP_SEND_LAST, _OP_SEND_ONLY)
+_MESSAGE_END = frozenset({_OP_SEND_LAST, _OP_SEND_ONLY, _OP_WRITE_LAST, _OP_WRITE_ONLY})
+
+_SYN_ACK = 0x1F                                     # ACK, unlimited credits
+_SYN_NAK_SEQ = 0x60 | NakCode.PSN_SEQUENCE_ERROR
+_SYN_NAK_INVALID = 0x60 | NakCode.INVALID_REQUEST
+_SYN_NAK_ACCESS = 0x60 | NakCode.REMOTE_ACCESS_ERROR
+
+
+_BTH = struct.Struct("!BBHII")
+_RETH = struct.Struct("!QII")
+_ICRC = struct.Struct("<I")
+_ZPAD = bytes(4)
+
+
+def build_data_packet(buf: bytearray, view: memoryview, ctx: IcrcContext, opcode: int,
+                      p_key: int, dest_qp: int, ack_req: bool, psn: int,
+                      reth: tuple[int, int, int] | None, payload) -> memoryview:
+    """The requester's fast path: BTH [+ RETH] + payload + pad + ICRC into `buf`.
+
+    Byte for byte what `agents.wire.roce.build_packet` makes for the same fields (a unit
+    test holds them equal), without its argument checks: the requester only passes
+    opcodes, PSNs and QPNs it made itself. `view` is memoryview(buf).
+    """
+    n = len(payload)
+    pad = -n & 3
+    hdr = 28 if reth is not None else 12
+    # BTH byte 4 (FECN | BECN | resv) is 0xFF while the ICRC runs, then 0
+    _BTH.pack_into(buf, 0, opcode, pad << 4, p_key, 0xFF000000 | dest_qp,
+                   0x80000000 | psn if ack_req else psn)
+    if reth is not None:
+        _RETH.pack_into(buf, 12, *reth)
+    end = hdr + n
+    if n:
+        buf[hdr:end] = payload
+    if pad:
+        buf[end:end + pad] = _ZPAD[:pad]
+        end += pad
+    crc = zlib.crc32(view[:end], ctx.seed(end + ICRC_BYTES))
+    buf[4] = 0
+    _ICRC.pack_into(buf, end, crc)
+    return view[:end + ICRC_BYTES]
+
+
+def packets_for(length: int, mtu: int) -> int:
+    """Packets of a message of `length` bytes at path MTU `mtu` (a 0-byte message is one)."""
+    return max(1, -(-length // mtu))
+
+
+def wire_bytes(udp_payload_bytes: int, overhead: int = WIRE_OVERHEAD_BYTES) -> int:
+    """Bytes on the Ethernet wire for a RoCEv2 datagram of `udp_payload_bytes`."""
+    return udp_payload_bytes + overhead
+
+
+class Clock(Protocol):
+    def now_ns(self) -> float: ...
+
+
+class QpState:
+    RTS = "rts"
+    ERROR = "error"
+
+
+class WcStatus:
+    """Work-completion status, after ibv_wc_status."""
+
+    SUCCESS = "success"
+    RETRY_EXCEEDED = "retry_exceeded"               # IBV_WC_RETRY_EXC_ERR
+    RNR_RETRY_EXCEEDED = "rnr_retry_exceeded"       # IBV_WC_RNR_RETRY_EXC_ERR
+    REMOTE_ACCESS_ERROR = "remote_access_error"     # IBV_WC_REM_ACCESS_ERR
+    REMOTE_INVALID_REQUEST = "remote_invalid_request"  # IBV_WC_REM_INV_REQ_ERR
+    REMOTE_OPERATIONAL_ERROR = "remote_operational_error"
+    LOCAL_LENGTH_ERROR = "local_length_error"       # a SEND larger than the receive buffer
+    FLUSHED = "flushed"                             # IBV_WC_WR_FLUSH_ERR
+
+
+_NAK_STATUS = {
+    NakCode.INVALID_REQUEST: WcStatus.REMOTE_INVALID_REQUEST,
+    NakCode.REMOTE_ACCESS_ERROR: WcStatus.REMOTE_ACCESS_ERROR,
+    NakCode.REMOTE_OPERATIONAL_ERROR: WcStatus.REMOTE_OPERATIONAL_ERROR,
+}
+
+
+class Completion(NamedTuple):
+    """A work completion: `opcode` is 'write', 'send' (requester side) or 'recv'."""
+
+    wr_id: int
+    status: str
+    opcode: str
+    byte_len: int
+
+
+@dataclass(frozen=True)
+class QpAttrs:
+    """QP attributes. Times are fabric ns; the defaults are documented in docs/roce.md."""
+
+    mtu: int = 4096                  # path MTU (IB MTU: payload bytes per packet)
+    window_packets: int = 128        # most unacknowledged packets (rxe: RXE_MAX_UNACKED_PSNS)
+    ack_req_every: int = 64          # AckReq on PSNs that are multiples of this (rxe: 64)
+    ack_every: int = 16              # responder: at most this many packets per ACK
+    timeout_ns: float = 1_000_000    # local ACK timeout (fabric ns)
+    retry_cnt: int = 7               # retries after a timeout / a NAK that acked nothing
+    rnr_retry: int = 7               # RNR retries; 7 = infinite (IB)
+    min_rnr_timer: int = 1           # RNR NAK timer code the responder sends (1 = 10 us)
+    max_burst_bytes: int = 16384     # pacing: most wire bytes sent back to back to catch up
+    wire_overhead_bytes: int = WIRE_OVERHEAD_BYTES
+    p_key: int = DEFAULT_P_KEY
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.mtu not in IB_MTUS:
+            problems.append(f"mtu must be one of {IB_MTUS}, got {self.mtu!r}")
+        if not 1 <= self.window_packets < (1 << 22):
+            problems.append(f"window_packets must be 1..2^22-1, got {self.window_packets!r}")
+        for name in ("ack_req_every", "ack_every"):
+            if not getattr(self, name) >= 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.timeout_ns > 0:
+            problems.append(f"timeout_ns must be > 0, got {self.timeout_ns!r}")
+        for name in ("retry_cnt", "rnr_retry"):
+            if not 0 <= getattr(self, name) <= 7:
+                problems.append(f"{name} must be 0..7, got {getattr(self, name)!r}")
+        if not 0 <= self.min_rnr_timer <= 31:
+            problems.append(f"min_rnr_timer must be 0..31, got {self.min_rnr_timer!r}")
+        if not self.max_burst_bytes >= 0:
+            problems.append(f"max_burst_bytes must be >= 0, got {self.max_burst_bytes!r}")
+        if not self.wire_overhead_bytes >= 0:
+            problems.append("wire_overhead_bytes must be >= 0, "
+                            f"got {self.wire_overhead_bytes!r}")
+        if not 0 <= self.p_key <= 0xFFFF:
+            problems.append(f"p_key must be 16 bits, got {self.p_key!r}")
+        if problems:
+            raise ValueError("QP attributes: " + "; ".join(problems))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class MemoryRegion:
+    """A registered buffer: remote writes to [va, va + length) with `rkey` land in `buf`.
+
+    `buf` is anything with a writable contiguous buffer (bytearray, numpy array).
+    """
+
+    __slots__ = ("va", "rkey", "length", "view", "remote_write")
+
+    def __init__(self, buf, va: int, rkey: int, *, remote_write: bool = True) -> None:
+        view = memoryview(buf)
+        if view.readonly:
+            raise ValueError("a memory region needs a writable buffer")
+        self.view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        self.length = self.view.nbytes
+        if not 0 <= va and va + self.length <= 1 << 64:
+            raise ValueError(f"VA range {va:#x}+{self.length} does not fit 64 bits")
+        if not 0 <= rkey <= 0xFFFFFFFF:
+            raise ValueError(f"rkey {rkey} is not 32 bits")
+        self.va = va
+        self.rkey = rkey
+        self.remote_write = remote_write
+
+    def __repr__(self) -> str:
+        return f"MemoryRegion(va={self.va:#x}, length={self.length}, rkey={self.rkey:#x})"
+
+
+class RatePacer:
+    """When the next packet may go, at a rate that may change from packet to packet.
+
+    A packet of `wire_bytes` sent at `rate_bps` occupies wire_bytes * 8 / rate on the
+    wire; the next one is due that long after the previous one was due (an absolute
+    schedule, so pacing does not drift with loop latency). A sender that fell behind
+    may catch up back to back by at most `max_burst_bytes` (at the current rate);
+    time owed beyond that is forgiven. Times in fabric ns, rates in fabric bit/s.
+    """
+
+    __slots__ = ("_due", "_burst_bits")
+
+    def __init__(self, max_burst_bytes: int) -> None:
+        self._due = float("-inf")
+        self._burst_bits = max_burst_bytes * 8
+
+    def due_ns(self) -> float:
+        return self._due
+
+    def sent(self, wire_bytes: int, rate_bps: float, now_ns: float) -> None:
+        base = self._due
+        floor = now_ns - self._burst_bits * 1e9 / rate_bps
+        if base < floor:
+            base = floor
+        self._due = base + wire_bytes * 8e9 / rate_bps
+
+
+class _Wqe:
+    """One posted send-queue work request."""
+
+    __slots__ = ("wr_id", "ops", "kind", "data", "length", "va", "rkey", "first_psn", "npkts")
+
+    def __init__(self, wr_id, ops, kind, data, length, va, rkey, first_psn, npkts) -> None:
+        self.wr_id = wr_id
+        self.ops = ops
+        self.kind = kind
+        self.data = data
+        self.length = length
+        self.va = va
+        self.rkey = rkey
+        self.first_psn = first_psn
+        self.npkts = npkts
+
+
+def _now(clock: Clock | None, now_ns: float | None) -> float:
+    if now_ns is not None:
+        return now_ns
+    if clock is None:
+        raise ValueError("no clock injected: pass now_ns")
+    return clock.now_ns()
+
+
+def _as_bytes_view(data) -> memoryview:
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+# --------------------------------------------------------------------------- requester
+
+class RcRequester:
+    """Send side of an RC QP: segmentation, PSNs, window, pacing, ACK/NAK/timeout, DCQCN RP."""
+
+    def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs, cc, *,
+                 psn: int = 0, clock: Clock | None = None) -> None:
+        if not (0 <= qpn <= QPN_MASK and 0 <= dest_qpn <= QPN_MASK):
+            raise ValueError(f"QPNs must be 24 bits: {qpn}, {dest_qpn}")
+        if not 0 <= psn <= PSN_MASK:
+            raise ValueError(f"PSN {psn} is not 24 bits")
+        self.qpn = qpn
+        self.dest_qpn = dest_qpn
+        self.ctx = ctx
+        self.attrs = attrs
+        self.cc = cc
+        self.clock = clock
+        self.state = QpState.RTS
+        self.error: str | None = None
+        self._mtu = attrs.mtu
+        self._buf = bytearray(BTH_BYTES + RETH_BYTES + attrs.mtu + _PAD_ICRC)
+        self._view = memoryview(self._buf)
+        self._p_key = attrs.p_key
+        self._window = attrs.window_packets
+        self._ack_req_every = attrs.ack_req_every
+        self._overhead = attrs.wire_overhead_bytes
+        self._pacer = RatePacer(attrs.max_burst_bytes)
+        self._timeout = attrs.timeout_ns
+        self._sq: list[_Wqe] = []
+        self._head = 0           # oldest incomplete WQE
+        self._cur = 0            # WQE holding _snd
+        self._cur_idx = 0        # packet index of _snd within it
+        self._post_psn = psn     # first PSN of the next posted message
+        self._snd = psn          # next PSN to transmit
+        self._una = psn          # oldest unacknowledged PSN
+        self._hi = psn           # one past the highest PSN ever transmitted
+        self._rto_deadline: float | None = None
+        self._rnr_until: float | None = None
+        self._retries = 0
+        self._rnr_retries = 0
+        self.completions: deque[Completion] = deque()
+        self.last_was_retransmission = False   # of the packet poll_send returned last
+        # counters
+        self.packets_sent = 0
+        self.bytes_sent = 0           # UDP payload bytes (BTH .. ICRC)
+        self.wire_bytes_sent = 0
+        self.payload_bytes_sent = 0   # message bytes carried (retransmissions included)
+        self.retransmissions = 0      # packets sent with a PSN sent before
+        self.acks_received = 0
+        self.duplicate_acks = 0       # ACKs that acknowledged nothing new
+        self.stale_acks = 0        # ACKs / NAKs outside [una - 1, highest sent]
+        self.naks_received = 0        # NAK(PSN sequence error)
+        self.fatal_naks_received = 0  # NAK(invalid request / remote access / remote op)
+        self.rnr_naks_received = 0
+        self.timeouts = 0
+        self.cnps_received = 0
+        self.messages_posted = 0
+        self.messages_completed = 0
+        self.bytes_completed = 0
+
+    # -- posting
+
+    def post_write(self, wr_id: int, local, remote_va: int, rkey: int) -> None:
+        """Post an RDMA WRITE of the whole of `local` to `remote_va` under `rkey`."""
+        self._post(wr_id, _WRITE_OPS, "write", local, remote_va, rkey)
+
+    def post_send(self, wr_id: int, local) -> None:
+        """Post a SEND of the whole of `local` (lands in the peer's next receive buffer)."""
+        self._post(wr_id, _SEND_OPS, "send", local, 0, 0)
+
+    def _post(self, wr_id, ops, kind, local, va, rkey) -> None:
+        data = _as_bytes_view(local)
+        n = data.nbytes
+        if n >= 1 << 31:
+            raise ValueError(f"message of {n} bytes exceeds 2^31 - 1")
+        if kind == "write" and not (0 <= va and va + n <= 1 << 64 and 0 <= rkey <= 0xFFFFFFFF):
+            raise ValueError(f"bad remote address {va:#x}+{n} / rkey {rkey}")
+        if self.state != QpState.RTS:
+            self.completions.append(Completion(wr_id, WcStatus.FLUSHED, kind, 0))
+            return
+        npkts = packets_for(n, self._mtu)
+        self._sq.append(_Wqe(wr_id, ops, kind, data, n, va, rkey, self._post_psn, npkts))
+        self._post_psn = (self._post_psn + npkts) & PSN_MASK
+        self.messages_posted += 1
+
+    @property
+    def outstanding_messages(self) -> int:
+        """Posted messages not yet completed."""
+        return len(self._sq) - self._head
+
+    @property
+    def outstanding_packets(self) -> int:
+        """Packets sent and not yet acknowledged (as far as the window is concerned)."""
+        return (self._snd - self._una) & PSN_MASK
+
+    @property
+    def idle(self) -> bool:
+        return self._head == len(self._sq)
+
+    @property
+    def una_psn(self) -> int:
+        return self._una
+
+    @property
+    def next_psn(self) -> int:
+        return self._snd
+
+    # -- sending
+
+    def send_due_ns(self) -> float | None:
+        """Fabric time the next packet may go (pacer), or None if none can go now
+        (nothing posted, window full, waiting out an RNR NAK, or in error)."""
+        if self.state != QpState.RTS or self._snd == self._post_psn:
+            return None
+        if ((self._snd - self._una) & PSN_MASK) >= self._window:
+            return None
+        if self._rnr_until is not None:
+            return max(self._rnr_until, self._pacer.due_ns())
+        return self._pacer.due_ns()
+
+    def poll_send(self, now_ns: float | None = None) -> memoryview | None:
+        """The next data packet if one may go at `now_ns`, else None.
+
+        The returned view is a per-QP buffer, valid until the next call.
+        """
+        snd = self._snd
+        if self.state != QpState.RTS or snd == self._post_psn:
+            return None
+        if ((snd - self._una) & PSN_MASK) >= self._window:
+            return None
+        now = _now(self.clock, now_ns)
+        if self._rnr_until is not None:
+            if now < self._rnr_until:
+                return None
+            self._rnr_until = None
+        pacer = self._pacer
+        if now < pacer._due:
+            return None
+        w = self._sq[self._cur]
+        i = self._cur_idx
+        last = i == w.npkts - 1
+        ops = w.ops
+        if i == 0:
+            opcode = ops[3] if last else ops[0]
+        else:
+            opcode = ops[2] if last else ops[1]
+        off = i * self._mtu
+        payload = w.data[off:off + self._mtu]
+        ack_req = last or snd % self._ack_req_every == 0
+        reth = (w.va, w.rkey, w.length) if (i == 0 and w.kind == "write") else None
+        view = build_data_packet(self._buf, self._view, self.ctx, opcode, self._p_key,
+                                 self.dest_qpn, ack_req, snd, reth, payload)
+        # advance the cursor
+        if last:
+            self._cur += 1
+            self._cur_idx = 0
+        else:
+            self._cur_idx = i + 1
+        self._snd = (snd + 1) & PSN_MASK
+        if snd == self._hi:
+            self._hi = self._snd
+            self.last_was_retransmission = False
+        else:
+            self.retransmissions += 1
+            self.last_was_retransmission = True
+        if self._rto_deadline is None:
+            self._rto_deadline = now + self._timeout
+        n = len(view)
+        wire = n + self._overhead
+        self.packets_sent += 1
+        self.bytes_sent += n
+        self.wire_bytes_sent += wire
+        self.payload_bytes_sent += len(payload)
+        # pace: this packet occupies wire * 8 / rate; bounded catch-up after a stall
+        pacer.sent(wire, self.cc.on_bytes_sent(wire, now), now)
+        return view
+
+    # -- feedback
+
+    def on_ack(self, bth: Bth, aeth: Aeth, now_ns: float | None = None) -> None:
+        """An ACKNOWLEDGE packet for this QP: ACK, NAK or RNR NAK."""
+        if self.state != QpState.RTS:
+            return
+        now = _now(self.clock, now_ns)
+        psn = bth.psn
+        syndrome = aeth.syndrome
+        kind = syndrome >> 5
+        una = self._una
+        if kind == 0:                                   # ACK: acknowledges PSNs <= psn
+            new = (psn + 1) & PSN_MASK
+            ahead = (new - una) & PSN_MASK
+            if ahead == 0:
+                self.duplicate_acks += 1
+                return
+            if ahead > ((self._hi - una) & PSN_MASK):   # before una, or never sent
+                self.stale_acks += 1
+                return
+            self.acks_received += 1
+            self._advance_una(new, now)
+            return
+        # NAKs carry the PSN they are about: everything before it is acknowledged
+        if ((psn - una) & PSN_MASK) > ((self._hi - una) & PSN_MASK):
+            self.stale_acks += 1
+            return
+        if kind == 3:
+            code = syndrome & 0x1F
+            if code == NakCode.PSN_SEQUENCE_ERROR:
+                self.naks_received += 1
+                if psn != una:
+                    self._advance_una(psn, now)
+                elif not self._retry(now, WcStatus.RETRY_EXCEEDED):
+                    return
+                self._rewind(psn)
+                self._rto_deadline = now + self._timeout
+                return
+            self.fatal_naks_received += 1
+            if psn != una:
+                self._advance_una(psn, now)
+            self._to_error(_NAK_STATUS.get(code, WcStatus.REMOTE_OPERATIONAL_ERROR))
+            return
+        if kind == 1:                                   # RNR NAK
+            self.rnr_naks_received += 1
+            if psn != una:
+                self._advance_una(psn, now)
+            self._rnr_retries += 1
+            if self.attrs.rnr_retry != 7 and self._rnr_retries > self.attrs.rnr_retry:
+                self._to_error(WcStatus.RNR_RETRY_EXCEEDED)
+                return
+            self._rewind(psn)
+            self._rnr_until = now + RNR_TIMER_NS[syndrome & 0x1F]
+            self._rto_deadline = None   # re-armed by the resend
+            return
+        self.stale_acks += 1   # reserved syndrome (the parser rejects these already)
+
+    def on_cnp(self, now_ns: float | None = None) -> None:
+        """A CNP for this QP: the reaction point cuts its rate."""
+        self.cnps_received += 1
+        self.cc.on_cnp(_now(self.clock, now_ns))
+
+    def next_timer_ns(self) -> float | None:
+        """Earliest of the retransmit deadline and the congestion controller's next timer."""
+        t = self._rto_deadline
+        c = self.cc.next_event_ns()
+        if c is not None and (t is None or c < t):
+            t = c
+        return t
+
+    def on_timer(self, now_ns: float | None = None) -> None:
+        """Fire what is due: the local ACK timeout (go back to the oldest unacked PSN) and
+        the congestion controller's timers."""
+        now = _now(self.clock, now_ns)
+        self.cc.advance(now)
+        d = self._rto_deadline
+        if d is None or now < d or self.state != QpState.RTS:
+            return
+        if self._una == self._hi:
+            self._rto_deadline = None
+            return
+        self.timeouts += 1
+        if not self._retry(now, WcStatus.RETRY_EXCEEDED):
+            return
+        self._rewind(self._una)
+        self._rto_deadline = now + self._timeout
+
+    # -- internals
+
+    def _retry(self, now: float, status: str) -> bool:
+        self._retries += 1
+        if self._retries > self.attrs.retry_cnt:
+            self._to_error(status)
+            return False
+        return True
+
+    def _advance_una(self, new: int, now: float) -> None:
+        """Everything before PSN `new` is acknowledged: complete the messages it covers."""
+        self._una = new
+        self._retries = 0
+        self._rnr_retries = 0
+        sq = self._sq
+        head = self._head
+        end = len(sq)
+        while head < end:
+            w = sq[head]
+            # WQEs are contiguous in PSN and w.first_psn <= new, so this is w's progress
+            if ((new - w.first_psn) & PSN_MASK) < w.npkts:
+                break
+            self.completions.append(Completion(w.wr_id, WcStatus.SUCCESS, w.kind, w.length))
+            self.messages_completed += 1
+            self.bytes_completed += w.length
+            w.data = None
+            head += 1
+        self._head = head
+        ahead = (new - self._snd) & PSN_MASK
+        if 0 < ahead < PSN_HALF:            # acked beyond what we were about to resend
+            self._rewind(new)
+        self._rto_deadline = None if new == self._hi else now + self._timeout
+        if head > 4096 and head * 2 > end:
+            del sq[:head]
+            self._cur -= head
+            self._head = 0
+
+    def _rewind(self, psn: int) -> None:
+        """Make `psn` the next PSN to transmit (go-back-N), moving the send cursor."""
+        self._snd = psn
+        sq = self._sq
+        for j in range(self._head, len(sq)):
+            w = sq[j]
+            d = (psn - w.first_psn) & PSN_MASK
+            if d < w.npkts:
+                self._cur = j
+                self._cur_idx = d
+                return
+        self._cur = len(sq)
+        self._cur_idx = 0
+
+    def _to_error(self, status: str) -> None:
+        """Move to the error state: the first incomplete WQE gets `status`, the rest flush."""
+        self.state = QpState.ERROR
+        self.error = status
+        first = True
+        for w in self._sq[self._head:]:
+            self.completions.append(Completion(w.wr_id, status if first else WcStatus.FLUSHED,
+                                               w.kind, 0))
+            first = False
+            w.data = None
+        self._head = len(self._sq)
+        self._cur = self._head
+        self._cur_idx = 0
+        self._rto_deadline = None
+        self._rnr_until = None
+
+    def counters(self) -> dict:
+        return {
+            "state": self.state,
+            "error": self.error,
+            "packets_sent": self.packets_sent,
+            "bytes_sent": self.bytes_sent,
+            "wire_bytes_sent": self.wire_bytes_sent,
+            "payload_bytes_sent": self.payload_bytes_sent,
+            "retransmissions": self.retransmissions,
+            "acks_received": self.acks_received,
+            "duplicate_acks": self.duplicate_acks,
+            "stale_acks": self.stale_acks,
+            "naks_received": self.naks_received,
+            "fatal_naks_received": self.fatal_naks_received,
+            "rnr_naks_received": self.rnr_naks_received,
+            "timeouts": self.timeouts,
+            "cnps_received": self.cnps_received,
+            "messages_posted": self.messages_posted,
+            "messages_completed": self.messages_completed,
+            "bytes_completed": self.bytes_completed,
+            "next_psn": self._snd,
+            "una_psn": self._una,
+        }
+
+
+# --------------------------------------------------------------------------- responder
+
+class RcResponder:
+    """Receive side of an RC QP: expected PSN, NAK + silent drop, duplicates, ACK coalescing,
+    RDMA WRITE into memory regions, SEND into posted receive buffers, DCQCN NP."""
+
+    def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs, *,
+                 psn: int = 0, np=None, mrs: dict[int, MemoryRegion] | None = None,
+                 tx: Callable[[memoryview, int], None] | None = None,
+                 clock: Clock | None = None) -> None:
+        if not 0 <= psn <= PSN_MASK:
+            raise ValueError(f"PSN {psn} is not 24 bits")
+        self.qpn = qpn
+        self.dest_qpn = dest_qpn
+        self.ctx = ctx
+        self.attrs = attrs
+        self.np = np
+        self.mrs = {} if mrs is None else mrs
+        self.tx = tx
+        self.clock = clock
+        self.state = QpState.RTS
+        self.error: str | None = None
+        self._mtu = attrs.mtu
+        self._ack_every = attrs.ack_every
+        self._epsn = psn
+        self._nak_sent = False
+        self._dup_run = False       # the previous packet was a duplicate already re-ACKed
+        self._since_ack = 0
+        self._last_acked: int | None = None
+        self.msn = 0
+        self._ctl = bytearray(BTH_BYTES + max(AETH_BYTES, 16) + ICRC_BYTES)
+        # current RDMA WRITE
+        self._wr_view: memoryview | None = None
+        self._wr_off = 0
+        self._wr_left = 0
+        # receive queue and the SEND being received
+        self._rq: deque[tuple[int, memoryview]] = deque()
+        self._rv: tuple[int, memoryview] | None = None
+        self._rv_off = 0
+        self.completions: deque[Completion] = deque()
+        # counters
+        self.packets_received = 0     # data packets for this QP, any PSN
+        self.payload_bytes_received = 0   # message bytes accepted in order
+        self.duplicates = 0
+        self.ooo_drops = 0            # PSN > expected: dropped (the first one is NAKed)
+        self.seq_naks_sent = 0
+        self.fatal_naks_sent = 0
+        self.rnr_naks_sent = 0
+        self.acks_sent = 0
+        self.error_drops = 0          # packets dropped in the error state
+        self.ce_packets_received = 0
+        self.cnps_sent = 0
+        self.write_messages = 0
+        self.send_messages = 0
+
+    @property
+    def expected_psn(self) -> int:
+        return self._epsn
+
+    def post_recv(self, wr_id: int, buf) -> None:
+        """Post a receive buffer for one incoming SEND."""
+        view = _as_bytes_view(buf)
+        if view.readonly:
+            raise ValueError("a receive buffer must be writable")
+        self._rq.append((wr_id, view))
+
+    @property
+    def posted_receives(self) -> int:
+        return len(self._rq)
+
+    def on_request(self, p: Parsed, ce: bool, now_ns: float | None = None) -> None:
+        """A data packet (SEND / RDMA WRITE) for this QP."""
+        bth = p.bth
+        self.packets_received += 1
+        if ce:
+            self.ce_packets_received += 1
+        np_ = self.np
+        if np_ is not None and np_.on_packet(ce, _now(self.clock, now_ns) if ce else 0.0):
+            self._send_cnp()
+        if self.state != QpState.RTS:
+            self.error_drops += 1
+            return
+        psn = bth.psn
+        d = (psn - self._epsn) & PSN_MASK
+        if d:
+            if d < (1 << 23):                       # ahead of the expected PSN
+                self.ooo_drops += 1
+                if not self._nak_sent:
+                    self._nak_sent = True
+                    self.seq_naks_sent += 1
+                    self._send_aeth(self._epsn, _SYN_NAK_SEQ)
+                return
+            self.duplicates += 1                    # behind: already done
+            if bth.ack_req or not self._dup_run:
+                self._dup_run = True
+                self._send_ack()
+            return
+        self._nak_sent = False
+        self._dup_run = False
+        op = bth.opcode
+        payload = p.payload
+        n = len(payload)
+        if n > self._mtu:
+            self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
+            return
+        if op == _OP_WRITE_MIDDLE or op == _OP_WRITE_LAST:
+            if self._wr_view is None or n > self._wr_left or (
+                    op == _OP_WRITE_MIDDLE and (n != self._mtu or n == self._wr_left)) or (
+                    op == _OP_WRITE_LAST and n != self._wr_left):
+                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
+                return
+            off = self._wr_off
+            self._wr_view[off:off + n] = payload
+            self._wr_off = off + n
+            self._wr_left -= n
+            if op == _OP_WRITE_LAST:
+                self._wr_view = None
+        elif op == _OP_WRITE_FIRST or op == _OP_WRITE_ONLY:
+            if self._wr_view is not None or self._rv is not None:
+                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
+                return
+            va, rkey, dma_len = p.reth
+            if (op == _OP_WRITE_ONLY and n != dma_len) or (
+                    op == _OP_WRITE_FIRST and (n != self._mtu or dma_len <= n)):
+                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
+                return
+            if dma_len:
+                mr = self.mrs.get(rkey)
+                if (mr is None or not mr.remote_write or va < mr.va
+                        or va + dma_len > mr.va + mr.length):
+                    self._fatal(psn, _SYN_NAK_ACCESS, "remote_access_error")
+                    return
+                off = va - mr.va
+                mr.view[off:off + n] = payload
+                if op == _OP_WRITE_FIRST:
+                    self._wr_view = mr.view
+                    self._wr_off = off + n
+                    self._wr_left = dma_len - n
+        elif op == _OP_SEND_FIRST or op == _OP_SEND_ONLY:
+            if self._wr_view is not None or self._rv is not None or (
+                    op == _OP_SEND_FIRST and n != self._mtu):
+                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
+                return
+            if not self._rq:
+                # receiver not ready: RNR NAK, then drop until this PSN comes again
+                self.rnr_naks_sent += 1
+                self._nak_sent = True
+                self._send_aeth(psn, 0x20 | self.attrs.min_rnr_timer)
+                return
+            wr_id, buf = self._rq[0]
+            if n > buf.nbytes:
+                self._fatal(psn, _SYN_NAK_INVALID, "local_length_error")
+                return
+            self._rq.popleft()
+            buf[:n] = payload
+            if op == _OP_SEND_FIRST:
+                self._rv = (wr_id, buf)
+                self._rv_off = n
+            else:
+                self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", n))
+                self.send_messages += 1
+        elif op == _OP_SEND_MIDDLE or op == _OP_SEND_LAST:
+            if self._rv is None or (op == _OP_SEND_MIDDLE and n != self._mtu):
+                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
+                return
+            wr_id, buf = self._rv
+            off = self._rv_off
+            if off + n > buf.nbytes:
+                self._fatal(psn, _SYN_NAK_INVALID, "local_length_error")
+                return
+            buf[off:off + n] = payload
+            self._rv_off = off + n
+            if op == _OP_SEND_LAST:
+                self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", off + n))
+                self.send_messages += 1
+                self._rv = None
+        else:
+            self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
+            return
+        self.payload_bytes_received += n
+        self._epsn = (psn + 1) & PSN_MASK
+        self._since_ack += 1
+        end = op in _MESSAGE_END
+        if end:
+            self.msn = (self.msn + 1) & 0xFFFFFF
+            if op == _OP_WRITE_LAST or op == _OP_WRITE_ONLY:
+                self.write_messages += 1
+        if end or bth.ack_req or self._since_ack >= self._ack_every:
+            self._send_ack()
+
+    # -- output
+
+    def _send_ack(self) -> None:
+        self._since_ack = 0
+        self.acks_sent += 1
+        self._send_aeth((self._epsn - 1) & PSN_MASK, _SYN_ACK)
+
+    def _send_aeth(self, psn: int, syndrome: int) -> None:
+        view = build_packet(self._ctl, self.ctx,
+                            Bth(_OP_ACK, False, False, 0, 0, self.attrs.p_key, False, False,
+                                self.dest_qpn, False, psn),
+                            None, Aeth(syndrome, self.msn))
+        if self.tx is not None:
+            self.tx(view, PKT_ACK)
+
+    def _send_cnp(self) -> None:
+        self.cnps_sent += 1
+        view = build_cnp(self._ctl, self.ctx, self.dest_qpn, p_key=self.attrs.p_key)
+        if self.tx is not None:
+            self.tx(view, PKT_CNP)
+
+    def _fatal(self, psn: int, syndrome: int, error: str) -> None:
+        """NAK a request that can never succeed; an RC responder then enters the error state."""
+        self.fatal_naks_sent += 1
+        self._send_aeth(psn, syndrome)
+        self.state = QpState.ERROR
+        self.error = error
+
+    def counters(self) -> dict:
+        return {
+            "state": self.state,
+            "error": self.error,
+            "packets_received": self.packets_received,
+            "payload_bytes_received": self.payload_bytes_received,
+            "duplicates": self.duplicates,
+            "ooo_drops": self.ooo_drops,
+            "naks_sent": self.seq_naks_sent,
+            "fatal_naks_sent": self.fatal_naks_sent,
+            "rnr_naks_sent": self.rnr_naks_sent,
+            "acks_sent": self.acks_sent,
+            "error_drops": self.error_drops,
+            "ce_packets_received": self.ce_packets_received,
+            "cnps_sent": self.cnps_sent,
+            "write_messages": self.write_messages,
+            "send_messages": self.send_messages,
+            "expected_psn": self._epsn,
+            "msn": self.msn,
+        }
+
+
+# --------------------------------------------------------------------------- the QP
+
+class RcQp:
+    """An RC queue pair: a requester and a responder sharing a QPN and a peer.
+
+    `ctx` is the ICRC context of the datagrams this QP SENDS (local -> peer); the
+    caller checks received packets with the reverse one. `sq_psn` is the first PSN
+    this side sends, `rq_psn` the first PSN it expects (the peer's sq_psn).
+    """
+
+    def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs, cc, *,
+                 np=None, mrs: dict[int, MemoryRegion] | None = None,
+                 tx: Callable[[memoryview, int], None] | None = None,
+                 clock: Clock | None = None, sq_psn: int = 0, rq_psn: int = 0) -> None:
+        self.qpn = qpn
+        self.dest_qpn = dest_qpn
+        self.attrs = attrs
+        self.clock = clock
+        self.requester = RcRequester(qpn, dest_qpn, ctx, attrs, cc, psn=sq_psn, clock=clock)
+        self.responder = RcResponder(qpn, dest_qpn, ctx, attrs, psn=rq_psn, np=np, mrs=mrs,
+                                     tx=tx, clock=clock)
+        self.packets_received = 0
+        self.bytes_received = 0
+        self.ce_packets_received = 0
+
+    @property
+    def tx(self):
+        return self.responder.tx
+
+    @tx.setter
+    def tx(self, fn) -> None:
+        self.responder.tx = fn
+
+    @property
+    def cc(self):
+        return self.requester.cc
+
+    def on_packet(self, p: Parsed, ce: bool = False, now_ns: float | None = None,
+                  nbytes: int | None = None) -> None:
+        """Dispatch a parsed packet addressed to this QP (`nbytes`: its UDP payload size)."""
+        self.packets_received += 1
+        self.bytes_received += nbytes if nbytes is not None else (
+            p.payload.nbytes + BTH_BYTES + ICRC_BYTES)
+        if ce:
+            self.ce_packets_received += 1
+        op = p.bth.opcode
+        if op == _OP_ACK:
+            self.requester.on_ack(p.bth, p.aeth, now_ns)
+        elif op in CNP_OPCODES:
+            self.requester.on_cnp(now_ns)
+        else:
+            self.responder.on_request(p, ce, now_ns)
+
+    def counters(self) -> dict:
+        """Requester and responder counters, plus the rate controller's Rc / Rt."""
+        cc = self.requester.cc
+        snap = cc.snapshot()
+        rq = self.requester.counters()
+        rs = self.responder.counters()
+        return {
+            "qpn": self.qpn,
+            "dest_qpn": self.dest_qpn,
+            "state": QpState.ERROR if QpState.ERROR in (rq["state"], rs["state"]) else
+            QpState.RTS,
+            "requester": rq,
+            "responder": rs,
+            "packets_sent": rq["packets_sent"] + rs["acks_sent"] + rs["naks_sent"]
+            + rs["fatal_naks_sent"] + rs["rnr_naks_sent"] + rs["cnps_sent"],
+            "packets_received": self.packets_received,
+            "bytes_received": self.bytes_received,
+            "ce_packets_received": self.ce_packets_received,
+            "cc": snap.get("kind"),
+            "rc_bps": snap.get("rc_bps", snap.get("rate_bps")),
+            "rt_bps": snap.get("rt_bps", snap.get("rate_bps")),
+            "alpha": snap.get("alpha"),
+        }

@@ -1,0 +1,398 @@
+"""Sockets for the user-space RoCEv2 transport: UDP 4791, DF, DSCP/ECN, pacing, timers.
+
+An `Endpoint` is one UDP socket and the RC QPs (`agents.roce.qp.RcQp`) that send
+and receive through it; an `Engine` drives any number of endpoints from one
+thread: receive, fire timers, send what the pacers allow, sleep until the next
+event. Everything the QPs see is fabric time (`agents.timebase.FabricClock`);
+the engine converts a fabric wait into a wall sleep through the `Dilation` and
+nowhere else.
+
+Sockets (FACTS.md, "RoCEv2 on the wire" and "Kernel mechanics"):
+
+- IPv4 UDP, UNCONNECTED, IP_MTU_DISCOVER = IP_PMTUDISC_DO: DF is set and Linux
+  sends IPv4 ID 0, which is what the ICRC the sender computes assumes.
+- The responder side (the perftest server) binds port 4791. Each requester QP
+  binds its own source port 0xC000 | hash_32(QPN, 14), as rxe does, so ECMP
+  spreads QPs; the next QPN is tried when that port is taken. Requests go to
+  port 4791; responses (ACK/NAK, CNP, and data the server sends back) go from
+  4791 to the requester's source port (real RoCE sends them to 4791 too; see
+  docs/roce.md).
+- TOS: data and ACK/NAK packets DSCP << 2 | ECT(0) (default DSCP 26); CNPs DSCP
+  48, Not-ECT (per packet, with an IP_TOS control message). IP_RECVTOS shows the
+  receiver each packet's TOS, so a CE mark (0b11) reaches the QP's notification
+  point.
+- Sends BLOCK (SO_SNDTIMEO 100 ms, retried until sent or stopped), so a paused
+  port fills the socket buffer and holds the sender back instead of dropping;
+  ENOBUFS is retried after 50 us.
+- Receive errors never stop the engine: a datagram `parse_packet` rejects is
+  counted per `MalformedReason`; one for an unknown QP or from the wrong peer
+  is counted too.
+
+Wire bytes per packet (what the pacer charges and `cc.on_bytes_sent` sees):
+len(UDP payload) + 66 = BTH 12 [+ RETH 16] + payload + pad + ICRC 4 + UDP 8 +
+IPv4 20 + Ethernet 14 + FCS 4 + preamble/SFD 8 + inter-frame gap 12.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import select
+import socket
+import struct
+import time
+from collections.abc import Callable
+
+from agents.roce.qp import PKT_CNP, RcQp
+from agents.timebase import Dilation, FabricClock
+from agents.wire.roce import (
+    IP_MTU_DISCOVER,
+    IP_PMTUDISC_DO,
+    ROCE_UDP_PORT,
+    MalformedPacket,
+    MalformedReason,
+    icrc_context,
+    parse_packet,
+)
+
+__all__ = [
+    "CNP_DSCP",
+    "DEFAULT_DSCP",
+    "ROCE_SPORT_BASE",
+    "Binding",
+    "Endpoint",
+    "Engine",
+    "rxe_sport",
+    "tos_for",
+]
+
+ROCE_SPORT_BASE = 0xC000
+DEFAULT_DSCP = 26
+CNP_DSCP = 48
+ECT0 = 0b10
+CE = 0b11
+GOLDEN_RATIO_32 = 0x61C88647
+
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+SEND_TIMEOUT_NS = 100_000_000
+ENOBUFS_BACKOFF_S = 50e-6
+RECV_BATCH = 64            # datagrams drained per endpoint per step
+SEND_BATCH = 16            # packets per QP per step, at most
+SPIN_NS = 150_000          # wall: closer than this to the next event, spin instead of select
+MAX_SLEEP_NS = 20_000_000  # wall: longest single select, so stop requests stay prompt
+MAX_RX_CONTEXTS = 4096
+_ANC = socket.CMSG_SPACE(4) * 2
+_IPPROTO_IP = socket.IPPROTO_IP
+_IP_TOS = socket.IP_TOS
+_INT = struct.Struct("@i")
+
+
+def rxe_sport(qpn: int) -> int:
+    """rxe's UDP source port for a QP: 0xC000 | hash_32(qpn, 14) (Linux's golden-ratio hash)."""
+    return ROCE_SPORT_BASE | (((qpn * GOLDEN_RATIO_32) & 0xFFFFFFFF) >> 18)
+
+
+def tos_for(dscp: int, ecn: int = 0) -> int:
+    if not 0 <= dscp <= 63:
+        raise ValueError(f"DSCP must be 0..63, got {dscp}")
+    return dscp << 2 | (ecn & 3)
+
+
+def _timeval(ns: int) -> bytes:
+    ns = max(ns, 1_000)
+    return struct.pack("@ll", ns // 1_000_000_000, (ns % 1_000_000_000) // 1_000)
+
+
+def _set_buf(sock: socket.socket, force_opt: int, opt: int, nbytes: int | None) -> None:
+    if not nbytes:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, force_opt, nbytes)   # CAP_NET_ADMIN
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)         # capped at [rw]mem_max
+
+
+class Stopped(Exception):
+    """A blocked send gave up because a stop was requested."""
+
+
+class Binding:
+    """One QP on an endpoint: its peer address, and test-only injected loss."""
+
+    __slots__ = ("qp", "peer", "endpoint", "drop_every", "drop_prob", "_rng", "_n",
+                 "injected_drops", "sport")
+
+    def __init__(self, qp: RcQp, peer: tuple[str, int], endpoint: Endpoint, *,
+                 drop_every: int = 0, drop_prob: float = 0.0, drop_seed: int = 1) -> None:
+        self.qp = qp
+        self.peer = peer
+        self.endpoint = endpoint
+        self.sport = endpoint.port
+        self.drop_every = drop_every
+        self.drop_prob = drop_prob
+        self._rng = random.Random(drop_seed)
+        self._n = 0
+        self.injected_drops = 0
+
+    def send_data(self, view, retransmission: bool = False) -> None:
+        """Put one data packet on the wire, unless the test-only loss says it is lost.
+
+        `drop_every` N loses every Nth FIRST transmission (a deterministic pattern that also
+        hit retransmissions could line up with go-back-N rounds and lose the same PSN every
+        round); `drop_prob` loses any transmission, retransmissions included, at random.
+        """
+        if self.drop_every and not retransmission:
+            self._n += 1
+            if self._n % self.drop_every == 0:
+                self.injected_drops += 1
+                return
+        if self.drop_prob and self._rng.random() < self.drop_prob:
+            self.injected_drops += 1
+            return
+        self.endpoint.send(view, self.peer)
+
+    def send_ctl(self, view, kind: int) -> None:
+        """The QP's tx callback: ACK/NAK with the data TOS, CNPs with the CNP TOS."""
+        if kind == PKT_CNP:
+            self.endpoint.send_cnp(view, self.peer)
+        else:
+            self.endpoint.send(view, self.peer)
+
+    def counters(self) -> dict:
+        return {**self.qp.counters(), "sport": self.sport, "peer": f"{self.peer[0]}:{self.peer[1]}",
+                "injected_drops": self.injected_drops}
+
+
+class Endpoint:
+    """A UDP socket on (local_ip, port) and the QPs that use it (demultiplexed by QPN)."""
+
+    def __init__(self, local_ip: str, port: int = ROCE_UDP_PORT, *, dscp: int = DEFAULT_DSCP,
+                 cnp_dscp: int = CNP_DSCP, ecn: bool = True, rcvbuf_bytes: int | None = 4 << 20,
+                 sndbuf_bytes: int | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
+        self.local_ip = local_ip
+        self.data_tos = tos_for(dscp, ECT0 if ecn else 0)
+        self.cnp_tos = tos_for(cnp_dscp, 0)
+        self._cnp_cmsg = [(_IPPROTO_IP, _IP_TOS, _INT.pack(self.cnp_tos))]
+        self._should_stop = should_stop or (lambda: False)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            sock.setsockopt(_IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+            sock.setsockopt(_IPPROTO_IP, _IP_TOS, self.data_tos)
+            sock.setsockopt(_IPPROTO_IP, socket.IP_RECVTOS, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SEND_TIMEOUT_NS))
+            _set_buf(sock, SO_RCVBUFFORCE, socket.SO_RCVBUF, rcvbuf_bytes)
+            _set_buf(sock, SO_SNDBUFFORCE, socket.SO_SNDBUF, sndbuf_bytes)
+            sock.bind((local_ip, port))
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.port = sock.getsockname()[1]
+        self._qps: dict[int, Binding] = {}
+        self._rx_ctx: dict[tuple[str, int], object] = {}
+        self._buf = bytearray(65536)
+        self._view = memoryview(self._buf)
+        self.malformed = {r.name: 0 for r in MalformedReason}
+        self.unknown_qp = 0
+        self.wrong_peer = 0
+        self.rx_errors = 0
+        self.datagrams_received = 0
+        self.eagain = 0
+        self.enobufs = 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    @property
+    def bindings(self) -> list[Binding]:
+        return list(self._qps.values())
+
+    def attach(self, qp: RcQp, peer: tuple[str, int], **loss) -> Binding:
+        """Serve `qp` on this socket; its packets go to `peer` = (ip, port)."""
+        if qp.qpn in self._qps:
+            raise ValueError(f"QPN {qp.qpn:#x} is already on this endpoint")
+        b = Binding(qp, (peer[0], int(peer[1])), self, **loss)
+        qp.tx = b.send_ctl
+        self._qps[qp.qpn] = b
+        return b
+
+    # -- send
+
+    def send(self, view, addr: tuple[str, int]) -> None:
+        """Blocking sendto; retries a send timeout (EAGAIN) and ENOBUFS until a stop."""
+        sock = self.sock
+        while True:
+            try:
+                sock.sendto(view, addr)
+                return
+            except BlockingIOError:
+                self.eagain += 1
+            except OSError as e:
+                if e.errno == errno.ENOBUFS:
+                    self.enobufs += 1
+                    time.sleep(ENOBUFS_BACKOFF_S)
+                elif e.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                                 errno.EHOSTDOWN):
+                    self.rx_errors += 1       # an ICMP error reported on this socket
+                else:
+                    raise
+            if self._should_stop():
+                raise Stopped()
+
+    def send_cnp(self, view, addr: tuple[str, int]) -> None:
+        sock = self.sock
+        while True:
+            try:
+                sock.sendmsg([view], self._cnp_cmsg, 0, addr)
+                return
+            except BlockingIOError:
+                self.eagain += 1
+            except OSError as e:
+                if e.errno != errno.ENOBUFS:
+                    raise
+                self.enobufs += 1
+                time.sleep(ENOBUFS_BACKOFF_S)
+            if self._should_stop():
+                raise Stopped()
+
+    # -- receive
+
+    def receive(self, now_ns: float, budget: int = RECV_BATCH) -> int:
+        """Handle up to `budget` waiting datagrams without blocking; returns how many."""
+        sock = self.sock
+        buf = self._buf
+        view = self._view
+        ctxs = self._rx_ctx
+        qps = self._qps
+        done = 0
+        while done < budget:
+            try:
+                n, anc, _flags, addr = sock.recvmsg_into((buf,), _ANC, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self.rx_errors += 1
+                continue
+            done += 1
+            ce = False
+            for level, ctype, data in anc:
+                if ctype == _IP_TOS and level == _IPPROTO_IP and data:
+                    ce = (data[0] & 3) == CE
+            ctx = ctxs.get(addr)
+            if ctx is None:
+                ctx = icrc_context(addr[0], self.local_ip, addr[1], self.port)
+                if len(ctxs) < MAX_RX_CONTEXTS:
+                    ctxs[addr] = ctx
+            try:
+                p = parse_packet(view[:n], ctx)
+            except MalformedPacket as e:
+                self.malformed[e.reason.name] += 1
+                continue
+            b = qps.get(p.bth.dest_qp)
+            if b is None:
+                self.unknown_qp += 1
+                continue
+            if addr != b.peer:
+                self.wrong_peer += 1
+                continue
+            b.qp.on_packet(p, ce, now_ns, n)
+        self.datagrams_received += done
+        return done
+
+    def counters(self) -> dict:
+        return {"local": f"{self.local_ip}:{self.port}", "datagrams_received":
+                self.datagrams_received, "malformed": dict(self.malformed),
+                "unknown_qp": self.unknown_qp, "wrong_peer": self.wrong_peer,
+                "rx_errors": self.rx_errors, "send_eagain": self.eagain,
+                "send_enobufs": self.enobufs}
+
+
+class Engine:
+    """Drives endpoints from one thread: receive, timers, paced sends, wait for the next event."""
+
+    def __init__(self, clock: FabricClock, dilation: Dilation,
+                 wall_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        self.clock = clock
+        self.dilation = dilation
+        self._wall_ns = wall_ns
+        self.endpoints: list[Endpoint] = []
+        self.bindings: list[Binding] = []
+        self.extra_fds: list = []
+        self.steps = 0
+        self.waits = 0
+
+    def add(self, endpoint: Endpoint) -> Endpoint:
+        if endpoint not in self.endpoints:
+            self.endpoints.append(endpoint)
+        self.refresh()
+        return endpoint
+
+    def refresh(self) -> None:
+        """Pick up QPs attached to the endpoints since the last call."""
+        self.bindings = [b for ep in self.endpoints for b in ep.bindings]
+
+    def step(self) -> bool:
+        """One round: receive, fire due timers, send what the pacers allow. True if busy."""
+        self.steps += 1
+        now_fn = self.clock.now_ns
+        busy = False
+        now = now_fn()
+        for ep in self.endpoints:
+            if ep.receive(now):
+                busy = True
+        now = now_fn()
+        for b in self.bindings:
+            r = b.qp.requester
+            t = r.next_timer_ns()
+            if t is not None and t <= now:
+                r.on_timer(now)
+            k = 0
+            while k < SEND_BATCH:
+                view = r.poll_send(now)
+                if view is None:
+                    break
+                b.send_data(view, r.last_was_retransmission)
+                k += 1
+            if k:
+                busy = True
+        return busy
+
+    def next_event_ns(self) -> float | None:
+        """Fabric time of the next send or timer any QP has, or None."""
+        best = None
+        for b in self.bindings:
+            r = b.qp.requester
+            for t in (r.send_due_ns(), r.next_timer_ns()):
+                if t is not None and (best is None or t < best):
+                    best = t
+        return best
+
+    def wait(self, max_wall_ns: int = MAX_SLEEP_NS) -> None:
+        """Sleep until a socket is readable or the next event is near (spin the last bit)."""
+        nxt = self.next_event_ns()
+        if nxt is None:
+            wall = max_wall_ns
+        else:
+            wall = self.dilation.to_wall_ns(nxt - self.clock.now_ns())
+            if wall <= SPIN_NS:
+                return
+            wall = min(wall - SPIN_NS, max_wall_ns)
+        self.waits += 1
+        select.select(self.endpoints + self.extra_fds, [], [], wall / 1e9)
+
+    def run(self, done: Callable[[], bool], stop: Callable[[], bool] | None = None,
+            hook: Callable[[], None] | None = None) -> None:
+        """Step until `done()` or `stop()`; `hook()` runs after every step."""
+        while True:
+            busy = self.step()
+            if hook is not None:
+                hook()
+            if done() or (stop is not None and stop()):
+                return
+            if not busy:
+                self.wait()
