@@ -40,9 +40,12 @@ from agents.timebase import Dilation
 from agents.udp import Lifecycle
 from agents.wire import pfc as pfcwire
 
+SOL_PACKET = 263             # not in Python's socket module
 PACKET_QDISC_BYPASS = 20      # a PFC frame is a MAC control frame: it skips the port's queues
 PIN_ROOT = Path("/sys/fs/bpf/tb")
-PAUSED_RATE_BPS = 8_000       # the TBF rate of a closed gate (testbed/net/qdisc.py)
+# A closed gate (testbed/net/qdisc.py explains the figures): 20 kbit/s with a
+# one-frame bucket, the slowest TBF the kernel accepts for 9 KB frames.
+PAUSED_RATE_BPS = 20_000
 MIN_POLL_WALL_NS = 500_000
 MAX_POLL_WALL_NS = 20_000_000
 
@@ -65,8 +68,10 @@ class Port:
     rate_bps: int                      # fabric
     wall_rate_bps: int
     burst_bytes: int
+    frame_bytes: int                   # one full frame: the bucket of a closed gate
     pfc_classes: dict[int, dict]       # tc -> ClassPlan (as JSON) with pfc settings
     sock: socket.socket
+    kick: socket.socket                # same port, through its qdisc (see Gate.set)
     maps: PortMaps | None
     counters: dict[int, PortCounters] = field(default_factory=dict)
     last_ingress: dict[int, dict[int, int]] = field(default_factory=dict)
@@ -85,20 +90,30 @@ class Gate:
         major, minor = cls["classid"].split(":")
         leaf = int(cls["leaf_handle"].rstrip(":"), 16) << 16
         rate = PAUSED_RATE_BPS if paused else port.wall_rate_bps
+        burst = port.frame_bytes if paused else port.burst_bytes
         self.ipr.tc("change", "tbf", port.ifindex, leaf,
                     parent=(int(major, 16) << 16) | int(minor, 16), rate=f"{rate}bit",
-                    burst=port.burst_bytes, limit=cls["limit_bytes"])
+                    burst=burst, limit=cls["limit_bytes"])
         if port.maps is not None:
             port.maps.set_paused(tc, paused)
+        if not paused:
+            # A closed TBF left its watchdog armed for when the gate's slow rate
+            # would allow the next packet, seconds away; changing the rate back
+            # does not reschedule the port, and a sender blocked on its full
+            # queue enqueues nothing that would. One frame through the port's
+            # qdisc (a PFC frame that enables no priority: receivers ignore it)
+            # makes it dequeue at once.
+            port.kick.send(pfcwire.encode(port.mac, {}))
 
     def close(self) -> None:
         self.ipr.close()
 
 
-def _open_sock(ifname: str) -> socket.socket:
+def _open_sock(ifname: str, bypass: bool = True) -> socket.socket:
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(pfcwire.ETH_P_PAUSE))
     sock.bind((ifname, pfcwire.ETH_P_PAUSE))
-    sock.setsockopt(socket.SOL_PACKET, PACKET_QDISC_BYPASS, 1)
+    if bypass:
+        sock.setsockopt(SOL_PACKET, PACKET_QDISC_BYPASS, 1)
     sock.setblocking(False)
     return sock
 
@@ -118,7 +133,9 @@ def load_ports(plan: dict, node: str, lab: str) -> tuple[dict, list[Port]]:
             mac=pfcwire.mac_bytes(iface["mac"]), peer_node=iface["peer"]["node"],
             peer_port=iface["peer"]["ifname"], rate_bps=egress["rate_bps"],
             wall_rate_bps=egress["wall_rate_bps"], burst_bytes=egress["burst_bytes"],
-            pfc_classes=pfc_classes, sock=_open_sock(iface["ifname"]), maps=maps,
+            frame_bytes=egress["quantum_bytes"],
+            pfc_classes=pfc_classes, sock=_open_sock(iface["ifname"]),
+            kick=_open_sock(iface["ifname"], bypass=False), maps=maps,
             counters={tc: PortCounters() for tc in pfc_classes}))
     return me, ports
 
@@ -154,7 +171,9 @@ class Agent:
         total = sum(p.rate_bps for p in self.ports)
         self.fill_bps = {p.ifname: max(0, total - 2 * p.rate_bps) for p in self.ports}
         self.paused_state: dict[tuple[str, int], bool] = {}
-        self.next_poll_wall = 0
+        # (egress, tc) -> (fabric ns, depth) of the last two polls, to estimate
+        # when a queue crossed XOFF between them (for the reaction-time bench).
+        self.depths: dict[tuple[str, int], tuple[float, int, float, int]] = {}
 
     def now_fabric_ns(self) -> float:
         return self.dilation.to_fabric_ns(time.monotonic_ns() - self.t0)
@@ -210,6 +229,9 @@ class Agent:
                         arrivals[src.ifname] = total - prev.get(ifindex, 0)
                 port.last_ingress[tc] = totals
                 self.decider.observe(port.ifname, tc, depth, arrivals)
+                last = self.depths.get((port.ifname, tc))
+                prev_t, prev_d = (last[2], last[3]) if last else (now, depth)
+                self.depths[(port.ifname, tc)] = (prev_t, prev_d, now, depth)
                 xoff = port.pfc_classes[tc]["pfc"]["xoff_bytes"]
                 wait_fabric = safe_poll_interval_ns(depth, xoff, self.fill_bps[port.ifname],
                                                     0, 1e18)
@@ -218,6 +240,7 @@ class Agent:
             port = self.by_name.get(action.ingress)
             if port is None or action.priority not in port.pfc_classes:
                 continue
+            crossed = self._crossed_ns_ago(action.ingress, action.priority, now)
             quanta = pfcwire.MAX_QUANTA if action.xoff else 0
             port.sock.send(pfcwire.encode(port.mac, {action.priority: quanta}))
             c = port.counters[action.priority]
@@ -227,8 +250,28 @@ class Agent:
                 c.xon_tx += 1
             self.log("pfc_xoff" if action.xoff else "pfc_xon", port.ifname, action.priority,
                      peer_node=port.peer_node, peer_port=port.peer_port, quanta=quanta,
-                     occupancy_bytes=action.occupancy_bytes, reason=action.reason)
+                     occupancy_bytes=action.occupancy_bytes, reason=action.reason,
+                     crossed_ns_ago=crossed)
         return max(MIN_POLL_WALL_NS, min(delay, MAX_POLL_WALL_NS))
+
+    def _crossed_ns_ago(self, ingress: str, prio: int, now: float) -> float | None:
+        """Fabric ns since the deepest queue this ingress feeds crossed XOFF (interpolated
+        between the last two polls), or None if no queue it feeds is above XOFF."""
+        best = None
+        for (egress, tc), fifo in self.decider.fifos.items():
+            if tc != prio or ingress not in fifo.by_ingress:
+                continue
+            t0, d0, t1, d1 = self.depths.get((egress, tc), (now, 0, now, 0))
+            xoff = self.by_name[egress].pfc_classes[tc]["pfc"]["xoff_bytes"]
+            if d1 < xoff:
+                continue
+            if d0 >= xoff or d1 == d0:
+                crossed_at = t0 if d0 >= xoff else t1
+            else:
+                crossed_at = t0 + (xoff - d0) / (d1 - d0) * (t1 - t0)
+            ago = now - crossed_at
+            best = ago if best is None else max(best, ago)
+        return best
 
     def expire(self) -> None:
         now = self.now_fabric_ns()
@@ -286,6 +329,7 @@ class Agent:
         self.gate.close()
         for port in self.ports:
             port.sock.close()
+            port.kick.close()
             if port.maps is not None:
                 port.maps.close()
         if self.events is not None:

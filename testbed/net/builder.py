@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from testbed.net import namespaces
+from testbed.net import datapath, namespaces, portprog
 from testbed.net.batch import (
     LOOPBACK_IFINDEX,
     BatchedTc,
@@ -58,6 +58,7 @@ class BuildReport:
     tc_requests: int = 0
     routes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    datapath: str = ""     # "bpf", or "none: why" (no ECN marking, virtual queues or PFC)
 
 
 def plan_digest(plan: Plan) -> str:
@@ -141,9 +142,27 @@ def _build(plan: Plan, report: BuildReport, say: Callable[[str], None]) -> None:
         say("routes")
         report.routes = _add_routes(plan, batches, ifindex)
         timer.lap("routes")
+
+        say("port programs (ECN marking, virtual queues, PHY loss)")
+        report.datapath = _attach_datapath(plan)
+        timer.lap("port programs")
     finally:
         for sock in sockets.values():
             sock.close()
+
+
+def _attach_datapath(plan: Plan) -> str:
+    """Step 5: the tc-BPF port program on every port, where this machine can load it.
+
+    Without clang or bpftool the fabric still forwards and shapes, but has
+    no ECN marking, virtual queues or PFC; the report says so.
+    """
+    try:
+        portprog.ensure_object()
+    except portprog.PortProgError as exc:
+        return f"none: {exc}"
+    datapath.attach_port_programs(plan, apply_phy_loss=True)
+    return "bpf"
 
 
 def _create_namespaces(plan: Plan) -> dict[str, socket.socket]:
@@ -266,6 +285,7 @@ def destroy_lab(lab: str) -> list[str]:
         if namespaces.exists(ns):
             namespaces.remove(ns)   # its veth ends go with it, and so do their peers
             removed.append(ns)
+    datapath.detach_port_programs(lab)
     state.remove()
     return removed
 
@@ -291,4 +311,6 @@ def destroy_all() -> tuple[list[str], list[str]]:
     for ns in namespaces.list_testbed_namespaces():
         namespaces.remove(ns)
         orphans.append(ns)
+    for lab in datapath.leftover_pinned_labs():
+        datapath.detach_port_programs(lab)
     return labs, orphans

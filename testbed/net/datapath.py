@@ -8,18 +8,31 @@ the lab's pins, also after a SIGKILL (it works from paths alone).
 
 from __future__ import annotations
 
+import socket
+
 from pyroute2 import IPRoute
 
-from testbed.net import portprog
+from testbed.net import namespaces, portprog
 from testbed.plan.model import Plan
 
 
+def _route_socket(netns: str) -> socket.socket:
+    # Opened from inside the namespace by this thread: IPRoute(netns=...)
+    # would fork a helper process per node.
+    with namespaces.inside(netns):
+        return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, socket.NETLINK_ROUTE)
+
+
 def attach_port_programs(plan: Plan, apply_phy_loss: bool) -> int:
-    """Attach and configure the port program on every port; returns the number attached."""
+    """Attach and configure the port program on every port; returns the number attached.
+
+    `apply_phy_loss`: drop with each link's PHY frame-loss ratio here (the
+    fallback where sch_netem cannot).
+    """
     obj = portprog.ensure_object()
     count = 0
     for node in plan.nodes:
-        with IPRoute(netns=node.netns) as ipr:
+        with IPRoute(use_socket=_route_socket(node.netns)) as ipr:
             for iface in node.interfaces:
                 loss = plan.links[iface.link].frame_loss_ratio if apply_phy_loss else 0.0
                 handle = portprog.attach_port(plan.lab, node.name, node.netns, iface.ifname,

@@ -35,15 +35,23 @@ def dscp_key(dscp: int) -> str:
     return f"0x{dscp << 18:08x}/0x00fc0000+0"
 
 
-# Rate of a paused gate: low enough that nothing leaves during any pause
-# (one 9 KB frame takes 9 s at 8 kbit/s), high enough for tc's rate tables.
-PAUSED_RATE_BPS = 8_000
+# A paused gate: TBF at 20 kbit/s with a one-frame bucket. The kernel caps
+# TBF's bucket at 2^32 ns (4.29 s) and drops every packet larger than what
+# the rate can send in it, so the rate must carry one full frame (9038 B)
+# within 4.29 s: 20 kbit/s does in 3.6 s. A change refills the bucket, so
+# one frame may still leave as the gate closes; after that nothing leaves
+# for 3.6 s of wall time, longer than any refreshed pause lasts.
+# (agents/pfc/__main__.py closes gates with the same figures.)
+PAUSED_RATE_BPS = 20_000
 
 
 def tbf_gate(egress: EgressPlan, limit_bytes: int, paused: bool) -> dict:
     """TBF parameters of a class gate: open at the port rate, or paused."""
-    rate_bps = PAUSED_RATE_BPS if paused else egress.wall_rate_bps
-    return {"rate": f"{rate_bps}bit", "burst": egress.burst_bytes, "limit": limit_bytes}
+    if paused:
+        return {"rate": f"{PAUSED_RATE_BPS}bit", "burst": egress.quantum_bytes,
+                "limit": limit_bytes}
+    return {"rate": f"{egress.wall_rate_bps}bit", "burst": egress.burst_bytes,
+            "limit": limit_bytes}
 
 
 def install_port_queues(ipr, ifindex: int, egress: EgressPlan) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from testbed.plan.model import Plan
 from testbed.run.collector import AgentEndpoint
-from testbed.run.procs import AgentProcess, start_process
+from testbed.run.procs import AgentProcess, socket_path, start_process
 
 READY_TIMEOUT_S = 20.0
 
@@ -35,7 +35,7 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
     out = []
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     for node in plan.nodes:
-        sock = directory / f"{node.name}-pfc.sock"
+        sock = socket_path(directory, f"{node.name}-pfc", plan.lab)
         events = directory / f"{node.name}-pfc.events.jsonl"
         ready = directory / f"{node.name}-pfc.ready"
         ready.unlink(missing_ok=True)
@@ -45,11 +45,11 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
         if not parent_watch:
             argv.append("--no-parent-watch")
         proc = start_process(plan.lab, node.netns, argv, f"pfc-{node.name}", keep_mounts=True)
-        out.append((proc, AgentEndpoint(f"pfc-{node.name}", node.name, str(sock),
+        out.append((proc, AgentEndpoint(f"pfc-{node.name}", node.name, sock,
                                         events_path=str(events))))
     deadline = time.monotonic() + READY_TIMEOUT_S
     for proc, endpoint in out:
-        ready = Path(endpoint.sock_path).with_name(f"{endpoint.node}-pfc.ready")
+        ready = directory / f"{endpoint.node}-pfc.ready"
         while not ready.exists():
             if proc.popen.poll() is not None:
                 _out, err = proc.popen.communicate()

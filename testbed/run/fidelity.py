@@ -29,7 +29,8 @@ class PortRecord:
     bits: float = 0.0
     seconds: float = 0.0
     worst_ratio: float = 1.0
-    prev: tuple[int, int, int, int] | None = None   # mono_ns, tx_bytes, tx_packets, backlog
+    prev: tuple[int, int, int, int, float] | None = None
+    # (mono_ns, tx_bytes, tx_packets, backlog, paused fabric ns)
     ratios: list[float] = field(default_factory=list)
 
     @property
@@ -41,6 +42,7 @@ class PortRecord:
 
 class PortWatchdog:
     def __init__(self, plan: Plan) -> None:
+        self.dilation = plan.dilation.factor
         self.ports: dict[tuple[str, str], PortRecord] = {}
         for node in plan.nodes:
             for iface in node.interfaces:
@@ -54,18 +56,25 @@ class PortWatchdog:
             key = (s.node, s.port)
             if key not in self.ports:
                 continue
-            entry = now.setdefault(key, [0, 0, 0])
+            entry = now.setdefault(key, [0, 0, 0, 0.0])
             if s.counter == "tx_bytes":
                 entry[0] = int(s.value)
             elif s.counter == "tx_packets":
                 entry[1] = int(s.value)
             elif s.counter == "backlog_bytes":
                 entry[2] += int(s.value)
-        for key, (tx_bytes, tx_packets, backlog) in now.items():
+            elif s.counter == "paused_ns":
+                # A paused class is meant to be silent (PFC): its paused time is
+                # not time the port failed to send.
+                entry[3] = max(entry[3], s.value)
+        for key, (tx_bytes, tx_packets, backlog, paused_ns) in now.items():
             rec = self.ports[key]
             if rec.prev is not None:
-                p_mono, p_bytes, p_packets, p_backlog = rec.prev
+                p_mono, p_bytes, p_packets, p_backlog, p_paused = rec.prev
                 dt = (mono_ns - p_mono) / 1e9
+                paused_wall_s = max(0.0, paused_ns - p_paused) * self.dilation / 1e9
+                if paused_wall_s > 0.1 * dt:
+                    dt = 0.0   # paused for a real part of the interval: not judged
                 if p_backlog > 0 and backlog > 0 and dt > 0:
                     wire = (tx_bytes - p_bytes) + rec.overhead_bytes * (tx_packets - p_packets)
                     rec.intervals += 1
@@ -73,7 +82,7 @@ class PortWatchdog:
                     rec.seconds += dt
                     ratio = wire * 8 / dt / rec.wall_rate_bps
                     rec.worst_ratio = min(rec.worst_ratio, ratio)
-            rec.prev = (mono_ns, tx_bytes, tx_packets, backlog)
+            rec.prev = (mono_ns, tx_bytes, tx_packets, backlog, paused_ns)
 
     def notes(self, dilation: int) -> list[str]:
         out = []

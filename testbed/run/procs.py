@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from testbed.net.state import LabState, ProcessRecord, process_start_time
 
@@ -51,6 +52,20 @@ class AgentProcess:
                 return json.loads(line)
         raise RuntimeError(f"agent {self.name} in {self.netns} exited {self.popen.returncode} "
                            f"without counters: {err.strip()[-500:]}")
+
+
+MAX_UNIX_PATH = 100    # sun_path holds 108 bytes
+
+
+def socket_path(directory: Path, name: str, lab: str) -> str:
+    """Where agent `name` serves its control socket: in `directory` (the run's
+    agents/), or, when that path is too long for a UNIX socket, in the lab's
+    private state directory."""
+    path = directory / f"{name}.sock"
+    if len(str(path)) <= MAX_UNIX_PATH:
+        return str(path)
+    state = LabState.load(lab)
+    return str((state.directory if state else Path("/run/testbed")) / f"{name}.sock")
 
 
 def start_agent(lab: str, netns: str, module: str, argv: list[str], name: str) -> AgentProcess:

@@ -26,7 +26,7 @@ from testbed.plan.model import Plan
 from testbed.run.collector import AgentEndpoint, Collector, LiveTotals
 from testbed.run.fabric_agents import has_pfc, start_pfc_agents
 from testbed.run.fidelity import base_rtt_shortfall_ns
-from testbed.run.procs import AgentProcess, start_agent, start_process
+from testbed.run.procs import AgentProcess, socket_path, start_agent, start_process
 from testbed.run.rundir import create_run_dir, machine_metadata, write_json, write_private
 from testbed.run.store import Store
 from testbed.run.summary import build_summary
@@ -42,7 +42,6 @@ from testbed.run.workload import (
 # Wall time allowed for agents to start before the common start time t0.
 STARTUP_BASE_S = 0.8
 STARTUP_PER_AGENT_S = 0.03
-MAX_UNIX_PATH = 100
 
 
 @dataclass
@@ -87,17 +86,6 @@ class _Interrupt:
             signal.signal(sig, handler)
 
 
-def _sock_path(run_dir: Path, name: str, lab: str) -> str:
-    path = run_dir / "agents" / f"{name}.sock"
-    if len(str(path)) <= MAX_UNIX_PATH:
-        return str(path)
-    # UNIX socket paths are limited to 108 bytes; a deep run directory falls
-    # back to the lab's private state directory.
-    state = LabState.load(lab)
-    short = (state.directory if state else Path("/run/testbed")) / f"{name}.sock"
-    return str(short)
-
-
 def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResult:
     say = options.say
     dilation = Dilation(plan.dilation.factor)
@@ -129,7 +117,8 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
         fidelity.append(
             f"sch_netem is missing in kernel {probe.get('kernel')}: link propagation and FEC "
             f"delay are not emulated, so the longest host-to-host base RTT is short by "
-            f"{short_ns / 1e3:.2f} us fabric; PHY frame loss is not applied")
+            f"{short_ns / 1e3:.2f} us fabric; PHY frame loss is applied by the BPF port "
+            "program instead")
 
     # Known before anything runs: recorded at once, so a killed run keeps them.
     for note in fidelity:
@@ -153,6 +142,9 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 state.save()
             say(f"up: lab {plan.lab!r} in {sum(report.seconds.values()):.2f}s, "
                 f"D={plan.dilation.factor}")
+            if report.datapath.startswith("none"):
+                fidelity.append(f"no port programs ({report.datapath[6:]}): no ECN marking, "
+                                "no virtual queues, no PFC, no PHY loss")
             if options.capture:
                 captures = _start_captures(plan, run_dir)
             fabric_endpoints: list[AgentEndpoint] = []
@@ -172,7 +164,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
             endpoints = []
             for spec in specs:
                 argv = list(spec.argv)
-                sock = _sock_path(run_dir, spec.name, plan.lab)
+                sock = socket_path(run_dir / "agents", spec.name, plan.lab)
                 argv += ["--control-sock", sock]
                 if spec.role == "sender":
                     argv += ["--start-at-mono-ns",
@@ -237,7 +229,8 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
             try:
                 _write_results(store, plan, agents, results, dilation)
                 results_written = True
-                fidelity += _agent_fidelity(plan, agents, results, dilation)
+                paused = {n for (n, _p, _t), v in store.last_values("pause_rx").items() if v}
+                fidelity += _agent_fidelity(plan, agents, results, dilation, paused)
             except Exception as exc:   # results are best effort on an interrupted run
                 fidelity.append(f"could not collect agent results: {exc!r}")
             if collector is not None:
@@ -332,7 +325,8 @@ def _write_results(store: Store, plan: Plan, agents, results: dict, dilation: Di
         })
 
 
-def _agent_fidelity(plan: Plan, agents, results: dict, dilation: Dilation) -> list[str]:
+def _agent_fidelity(plan: Plan, agents, results: dict, dilation: Dilation,
+                    paused_nodes: set[str] = frozenset()) -> list[str]:
     # A host asked to send more than its NIC's line rate is held back by its
     # own queue (blocking sends): falling behind schedule is then the fabric
     # pushing back, not the CPU failing to keep up.
@@ -345,8 +339,10 @@ def _agent_fidelity(plan: Plan, agents, results: dict, dilation: Dilation) -> li
     for spec, _ in agents:
         res = results.get(spec.name, {})
         forgiven = res.get("forgiven_ns", 0)
-        oversubscribed = (spec.role == "sender" and offered.get(spec.src, 0)
-                          > plan.node(spec.src).interfaces[0].egress.rate_bps)
+        # Offered above line rate, or paused by PFC: held back on purpose.
+        oversubscribed = (spec.role == "sender" and (
+            offered.get(spec.src, 0) > plan.node(spec.src).interfaces[0].egress.rate_bps
+            or spec.src in paused_nodes))
         if spec.role == "sender" and forgiven and not oversubscribed:
             late_us = dilation.to_fabric_ns(res.get("max_late_ns", 0)) / 1e3
             notes.append(f"sender {spec.name} fell behind its schedule and skipped "
