@@ -12,11 +12,11 @@ import pytest
 from scapy.contrib.mac_control import MACControlClassBasedFlowControl
 from scapy.utils import rdpcap
 
-from tests.conftest import REPO, unique_lab
 from testbed.config import load_config_text
 from testbed.plan import compile_plan
 from testbed.run.runner import RunOptions, run_config
 from testbed.run.store import Store
+from tests.conftest import REPO, unique_lab
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
