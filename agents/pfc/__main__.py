@@ -196,6 +196,11 @@ class Agent:
         self.timer = PauseTimer(watchdog_ns=watchdog)
         thresholds: dict[int, Thresholds] = {}
         refresh: dict[str, float] = {}
+        # Dynamic mode shares the node's buffer of a priority: every port's share.
+        shared: dict[int, int] = {}
+        for port in self.ports:
+            for tc, cls in port.pfc_classes.items():
+                shared[tc] = shared.get(tc, 0) + cls["limit_bytes"] - cls["pfc"]["headroom_bytes"]
         for port in self.ports:
             refresh[port.ifname] = 0.5 * pfcwire.MAX_QUANTA * pfcwire.quantum_ns(port.rate_bps)
             for tc, cls in port.pfc_classes.items():
@@ -203,9 +208,9 @@ class Agent:
                 thresholds.setdefault(tc, Thresholds(
                     xoff_bytes=p["xoff_bytes"], xon_bytes=p["xon_bytes"],
                     headroom_bytes=p["headroom_bytes"], egress_xoff_bytes=p["xoff_bytes"],
-                    egress_xon_bytes=p["xon_bytes"]))
+                    egress_xon_bytes=p["xon_bytes"], mode=p.get("mode", "static"),
+                    alpha=p.get("alpha", 0.125), shared_buffer_bytes=shared[tc]))
         self.decider = PauseDecider(thresholds, refresh)
-        self.mode_dynamic = False
         # The fastest any egress queue can fill: every other port sending into
         # it while it drains nothing (it may be paused itself).
         total = sum(p.rate_bps for p in self.ports)

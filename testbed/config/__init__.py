@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from testbed.config.checks import (
     check_fabric,
+    check_impairments,
     check_qos,
     check_topology,
     check_traffic_classes,
@@ -238,7 +239,7 @@ def validate_data(data: object, lines: LineMap, file: str, text: str = "") -> Lo
     expanded = expand(fabric)
     found = [*check_fabric(fabric), *check_traffic_classes(fabric), *check_qos(fabric),
              *check_topology(fabric, expanded, sorted(PORT_TYPES)),
-             *check_workload(fabric, expanded)]
+             *check_workload(fabric, expanded), *check_impairments(fabric, expanded)]
     if found:
         raise ConfigError(file, [Problem(lines.line_for(loc), loc, msg) for loc, msg in found])
     return LoadedConfig(path=file, text=text, fabric=fabric, expanded=expanded, lines=lines)

@@ -203,3 +203,16 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
                       "udp_pairs": ("pairs",)}[t.kind]
             if value is not None and field not in wanted:
                 yield loc + (field,), f"{field} does not apply to {t.kind}"
+
+
+def check_impairments(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:
+    pairs = {frozenset((link.a, link.b)) for link in expanded.links}
+    names = sorted({n.name for n in expanded.nodes})
+    for i, imp in enumerate(fabric.impairments):
+        loc = ("impairments", i, "link")
+        for j, end in enumerate(imp.link):
+            if end not in names:
+                yield loc + (j,), f"unknown node {end!r}{_suggest(end, names)}"
+        if all(end in names for end in imp.link) and frozenset(imp.link) not in pairs:
+            yield loc, (f"there is no link between {imp.link[0]!r} and {imp.link[1]!r}; "
+                        "name the two ends of an existing link")

@@ -115,6 +115,11 @@ class PfcConfig(Strict):
         None, alias="watchdog",
         description="PFC watchdog: a class paused this long (fabric time) is declared stormed "
                     "and forwarded regardless until the pauses stop; off by default")
+    mode: Literal["static", "dynamic"] = Field(
+        "static", description="static: xoff/xon bytes per ingress port and priority; dynamic: "
+                              "XOFF when an ingress holds more than alpha x the free shared "
+                              "buffer (HPCC's ns-3 switch)")
+    alpha: float = Field(0.125, gt=0, le=8, description="dynamic mode: threshold fraction")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -226,6 +231,17 @@ class Workload(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class Impairment(Strict):
+    """Extra packet loss on one link, in one or both directions (a bad cable, a bad optic)."""
+
+    link: tuple[str, str] = Field(description="the link's two ends, [a, b]")
+    direction: Literal["both", "forward", "reverse"] = Field(
+        "both", description="forward: from link[0] to link[1]; reverse: the other way")
+    loss: float = Field(ge=0, le=1, description="drop probability per packet (0.01 = 1 %)")
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class Fabric(Strict):
     """A whole fabric: what `testbed validate/plan/up` read."""
 
@@ -246,6 +262,7 @@ class Fabric(Strict):
     topology: Topology | None = None
     nodes: list[Node] = Field(default_factory=list)
     links: list[Link] = Field(default_factory=list)
+    impairments: list[Impairment] = Field(default_factory=list)
     workload: Workload | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)

@@ -34,7 +34,11 @@ def attach_port_programs(plan: Plan, apply_phy_loss: bool) -> int:
     for node in plan.nodes:
         with IPRoute(use_socket=_route_socket(node.netns)) as ipr:
             for iface in node.interfaces:
-                loss = plan.links[iface.link].frame_loss_ratio if apply_phy_loss else 0.0
+                loss = iface.loss_probability
+                if not apply_phy_loss:
+                    # netem applies the PHY's share; the port program keeps the rest
+                    phy = plan.links[iface.link].frame_loss_ratio
+                    loss = 1 - (1 - loss) / (1 - phy) if phy < 1 else loss
                 handle = portprog.attach_port(plan.lab, node.name, node.netns, iface.ifname,
                                               portprog.params_from_egress(iface.egress, loss),
                                               ipr=ipr, obj=obj)

@@ -269,7 +269,9 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
                     continue
                 me, peer = ends[(i, end)], ends[(i, other)]
                 interfaces.append(InterfacePlan(
-                    ifname=me.ifname, mac=mac_for(i, 0 if end == "a" else 1),
+                    ifname=me.ifname, loss_probability=_egress_loss(
+                        fabric, links[i], me.node, phys[i].frame_loss_ratio),
+                    mac=mac_for(i, 0 if end == "a" else 1),
                     address=f"{me.address}/31", mtu_bytes=fabric.mtu_bytes, link=i,
                     peer=PeerPlan(node=peer.node, ifname=peer.ifname, address=str(peer.address)),
                     egress=egress[(i, end)]))
@@ -287,6 +289,18 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
         roce_mtu_bytes=fabric.roce_mtu_bytes, dilation=dplan,
         traffic_classes=[TrafficClassPlan(**t.model_dump()) for t in tclasses],
         nodes=node_plans, links=link_plans, warnings=warnings)
+
+
+def _egress_loss(fabric, link, sender: str, phy_loss: float) -> float:
+    """Drop probability of packets `sender` puts on `link`: PHY frame loss, then impairments."""
+    keep = 1.0 - phy_loss
+    for imp in fabric.impairments:
+        if {imp.link[0], imp.link[1]} != {link.a, link.b}:
+            continue
+        forward = sender == imp.link[0]
+        if (imp.direction == "both" or (imp.direction == "forward") == forward):
+            keep *= 1.0 - imp.loss
+    return 1.0 - keep
 
 
 def _routes(nodes, links, role, ends, subnets, blocks, aggregated,

@@ -28,6 +28,8 @@ class PfcPlan(PlanModel):
     xon_bytes: int
     headroom_bytes: int
     watchdog_ns: int | None     # fabric time paused before a storm is declared; None: off
+    mode: str                   # "static" or "dynamic"
+    alpha: float                # dynamic: XOFF above alpha x free shared buffer
 
 
 class ClassPlan(PlanModel):
@@ -64,6 +66,7 @@ class PeerPlan(PlanModel):
 
 class InterfacePlan(PlanModel):
     ifname: str
+    loss_probability: float     # drop probability at this egress: PHY frame loss + impairments
     mac: str
     address: str          # "198.18.0.1/31"
     mtu_bytes: int

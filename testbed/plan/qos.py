@@ -44,6 +44,8 @@ class PfcSettings:
     xon_bytes: int
     headroom_bytes: int
     watchdog_ns: int | None = None
+    mode: str = "static"
+    alpha: float = 0.125
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_b
                     f"{format_size(ecn_here.kmin_bytes)} is not below pfc.xoff "
                     f"{format_size(xoff)} on TC{tclass.tc} at {rate_bps / 1e9:g} Gb/s, so PFC "
                     "will fire before ECN marks; lower ecn.kmin or raise pfc.xoff"))
-            pfc_here = PfcSettings(tclass.tc, xoff, xon, headroom, pfc_cfg.watchdog_ns)
+            pfc_here = PfcSettings(tclass.tc, xoff, xon, headroom, pfc_cfg.watchdog_ns,
+                                   pfc_cfg.mode, pfc_cfg.alpha)
         if ecn_here is not None and ecn_here.kmin_bytes > limit:
             problems.append(QosProblem(
                 "ecn.kmin", f"{format_size(ecn_here.kmin_bytes)} is above the TC{tclass.tc} "
