@@ -40,10 +40,28 @@ def run(args) -> int:
     if report.already_up:
         print(f"lab {plan.lab!r} is already up with this plan; nothing to do")
         return EXIT_OK
+    pfc_note = _start_pfc(plan, report)
     total = sum(report.seconds.values())
     steps = ", ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items())
     print(f"lab {plan.lab!r} is up: {report.namespaces} namespaces, {report.veth_pairs} links, "
           f"{report.routes} routes, {report.tc_requests} tc requests in {total:.2f}s ({steps}); "
           f"dilation D={plan.dilation.factor}")
+    print(f"datapath: {report.datapath or 'none'}; {pfc_note}")
     print(f"namespaces: {plan.netns_prefix}*   tear down: testbed down {plan.lab}")
     return EXIT_OK
+
+
+def _start_pfc(plan, report) -> str:
+    """PFC agents are part of the fabric: they outlive this command, `down` ends them."""
+    from testbed.net import LabState
+    from testbed.run.fabric_agents import has_pfc, start_pfc_agents
+
+    if not has_pfc(plan):
+        return "no PFC class configured"
+    if report.datapath != "bpf":
+        return "PFC not running (no port programs)"
+    state = LabState.load(plan.lab)
+    started = start_pfc_agents(plan, state.plan_path, state.directory / "agents",
+                               parent_watch=False)
+    return (f"PFC agents on {len(started)} nodes (events in "
+            f"{state.directory / 'agents'}/*-pfc.events.jsonl)")

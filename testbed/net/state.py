@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,6 +69,10 @@ class LabState:
     def remove(self) -> None:
         self.plan_path.unlink(missing_ok=True)
         self.path.unlink(missing_ok=True)
+        # Control sockets, ready files and event logs of the lab's own agents.
+        shutil.rmtree(self.directory / "agents", ignore_errors=True)
+        for sock in self.directory.glob("*.sock"):
+            sock.unlink(missing_ok=True)
         try:
             self.directory.rmdir()
         except OSError:
