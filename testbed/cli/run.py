@@ -101,6 +101,9 @@ def run_one(path: str, args) -> int:
     summary = result.summary
     if not quiet:
         _print_summary(console, summary)
+        report = result.run_dir / "report.html"
+        if report.exists():
+            console.print(f"report: {report}  (and report.md, summary.json, counters.sqlite)")
     print(result.run_dir)
     return 130 if result.interrupted else EXIT_OK
 
