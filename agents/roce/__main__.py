@@ -12,7 +12,8 @@ through `agents.timebase.Dilation`)::
     common: [--mtu 4096] [--cc {dcqcn,dctcp,none}] [--cc-preset NAME]
         [--line-rate-bps FABRIC_BPS] [--dscp 26] [--cnp-dscp 48] [--cnp-interval-ns NS]
         [--window-packets 128] [--ack-every 16] [--ack-req-every 64] [--timeout-ns NS]
-        [--retry-cnt 7] [--max-burst-bytes 16384] [--dilation D] [--control-sock PATH]
+        [--retry-cnt 7] [--max-burst-bytes 16384] [--spin-ns 150000] [--dilation D]
+        [--control-sock PATH]
         [--ready-file FILE] [--out FILE] [--wall] [--connect-timeout-s 10]
 
 The server serves one test from one client and exits, as perftest does; the
@@ -50,7 +51,7 @@ from agents.roce.perftest import (
     write_out,
 )
 from agents.roce.qp import IB_MTUS, QpAttrs
-from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, Stopped
+from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, SPIN_NS, Stopped
 from agents.udp import Lifecycle
 from agents.wire.roce import ROCE_UDP_PORT
 
@@ -146,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--buffer-bytes", type=_positive_int, default=64 << 20,
                         help="per QP: bytes of message slots (default %(default)s; at least "
                              "one message)")
+    common.add_argument("--spin-ns", type=_nonneg_int, default=SPIN_NS, metavar="WALL_NS",
+                        help="busy-poll this close (wall ns) to the next send or timer instead "
+                             "of sleeping; 0 never spins, which many agents on few cores want "
+                             "(default %(default)s)")
     common.add_argument("--dilation", type=_positive_int, default=1,
                         help="time-dilation factor D: the fabric runs D times slower "
                              "(default 1)")

@@ -33,7 +33,7 @@ import numpy as np
 
 from agents.control import SnapshotServer
 from agents.roce.cc import DCTCP_PRESETS, PRESETS, DcqcnNp, make_cc, preset
-from agents.roce.qp import MemoryRegion, QpAttrs, RcQp, WcStatus
+from agents.roce.qp import WIRE_OVERHEAD_BYTES, MemoryRegion, QpAttrs, RcQp, WcStatus
 from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
 from agents.timebase import Dilation, FabricClock
 from agents.udp import Lifecycle
@@ -231,9 +231,57 @@ class Live:
         self.phase = "setup"
 
     def snapshot(self) -> dict:
+        qps = [b.counters() for b in list(self.bindings)]
         return {"role": self.role, "test": self.test, "phase": self.phase,
-                "qps": {str(b.qp.qpn): b.counters() for b in list(self.bindings)},
-                "endpoints": [ep.counters() for ep in list(self.endpoints)]}
+                "qps": {str(c["qpn"]): c for c in qps},
+                "endpoints": [ep.counters() for ep in list(self.endpoints)],
+                **flat_counters(self.role, qps)}
+
+
+# Summed over a side's QPs into top-level numbers, which a run's collector stores as
+# time series `<mode>.<field>` (mode "send" for a client, "recv" for a server).
+_SEND_SUMS = {"packets": "packets_sent", "bytes": "bytes_sent",
+              "wire_bytes": "wire_bytes_sent", "payload_bytes": "payload_bytes_sent",
+              "bytes_completed": "bytes_completed", "messages": "messages_completed",
+              "retransmissions": "retransmissions", "naks": "naks_received",
+              "timeouts": "timeouts", "cnps": "cnps_received"}
+_RECV_SUMS = {"packets": "packets_received", "bytes": "payload_bytes_received",
+              "duplicates": "duplicates", "ooo_drops": "ooo_drops", "naks": "naks_sent",
+              "ce_packets": "ce_packets_received", "cnps": "cnps_sent",
+              "acks": "acks_sent"}
+
+
+def flat_counters(role: str, qps: list[dict]) -> dict:
+    """Numbers only, for time series: `mode` and per-side sums, plus Rc / Rt / alpha.
+
+    client (mode "send"): packets, bytes (UDP payload), wire_bytes, payload_bytes,
+    bytes_completed, messages, retransmissions, naks, timeouts, cnps (received),
+    rc_bps / rt_bps (sums over the QPs), and per QP i (in QPN order) qp<i>.rc_bps,
+    qp<i>.rt_bps, qp<i>.alpha, qp<i>.cnps. server (mode "recv"): packets, bytes (RDMA
+    payload accepted in order), wire_bytes (UDP payload + 66 B per packet), duplicates,
+    ooo_drops, naks (sent), ce_packets, cnps (sent), acks.
+    """
+    if role == "client":
+        side, sums, mode = "requester", _SEND_SUMS, "send"
+    else:
+        side, sums, mode = "responder", _RECV_SUMS, "recv"
+    out: dict = {"mode": mode}
+    for name, key in sums.items():
+        out[name] = sum(q[side].get(key, 0) for q in qps)
+    if role == "client":
+        out["rc_bps"] = sum(q.get("rc_bps") or 0 for q in qps)
+        out["rt_bps"] = sum(q.get("rt_bps") or 0 for q in qps)
+        for i, q in enumerate(sorted(qps, key=lambda c: c["qpn"])):
+            out[f"qp{i}.rc_bps"] = q.get("rc_bps") or 0
+            out[f"qp{i}.rt_bps"] = q.get("rt_bps") or 0
+            if q.get("alpha") is not None:
+                out[f"qp{i}.alpha"] = q["alpha"]
+            out[f"qp{i}.cnps"] = q[side].get("cnps_received", 0)
+    else:
+        out["wire_bytes"] = sum(q.get("bytes_received", 0)
+                                + WIRE_OVERHEAD_BYTES * q.get("packets_received", 0)
+                                for q in qps)
+    return out
 
 
 def _header(args, title: str, dilation: Dilation, cc: tuple[str, str | None], qps: int,
@@ -378,7 +426,7 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
         remote = reply["qps"]
         udp_port = int(reply.get("udp_port", ROCE_UDP_PORT))
         attrs = qp_attrs(args, args.mtu)
-        engine = Engine(clock, dilation)
+        engine = Engine(clock, dilation, spin_ns=args.spin_ns)
         bindings: list[Binding] = []
         for i, (qpn, ep) in enumerate(qp_eps):
             r = remote[i]
@@ -637,7 +685,7 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
         verify = bool(hello.get("verify")) or args.verify
         attrs = qp_attrs(args, mtu)
         rng = random.Random()
-        engine = Engine(clock, dilation)
+        engine = Engine(clock, dilation, spin_ns=args.spin_ns)
         mems: list[np.ndarray] = []
         rq_bufs: list[list[np.ndarray]] = []
         bindings: list[Binding] = []

@@ -316,10 +316,14 @@ class Engine:
     """Drives endpoints from one thread: receive, timers, paced sends, wait for the next event."""
 
     def __init__(self, clock: FabricClock, dilation: Dilation,
-                 wall_ns: Callable[[], int] = time.monotonic_ns) -> None:
+                 wall_ns: Callable[[], int] = time.monotonic_ns,
+                 spin_ns: int = SPIN_NS) -> None:
         self.clock = clock
         self.dilation = dilation
         self._wall_ns = wall_ns
+        # wall ns before an event in which `wait` busy-polls instead of sleeping; 0 never
+        # spins (many agents sharing few cores, or a dilation that makes select precise enough)
+        self.spin_ns = spin_ns
         self.endpoints: list[Endpoint] = []
         self.bindings: list[Binding] = []
         self.extra_fds: list = []
@@ -379,9 +383,9 @@ class Engine:
             wall = max_wall_ns
         else:
             wall = self.dilation.to_wall_ns(nxt - self.clock.now_ns())
-            if wall <= SPIN_NS:
+            if wall <= self.spin_ns:
                 return
-            wall = min(wall - SPIN_NS, max_wall_ns)
+            wall = min(wall - self.spin_ns, max_wall_ns)
         self.waits += 1
         select.select(self.endpoints + self.extra_fds, [], [], wall / 1e9)
 

@@ -150,6 +150,13 @@ def check_fabric(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
                "use /30 or larger (default 198.18.0.0/15)")
 
 
+# What each shape of traffic needs; the kind's prefix (udp_ / roce_) picks the agents.
+_SHAPE_FIELDS = {"incast": ("senders", "receiver"), "all_to_all": ("hosts",),
+                 "pairs": ("pairs",)}
+_CC_PRESETS = {"dcqcn": ("hpcc-ns3", "ns3-rdma", "paper"), "dctcp": ("hpcc-ns3", "rfc8257")}
+ROCE_MAX_MESSAGE_BYTES = (1 << 31) - 1
+
+
 def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:
     if fabric.workload is None:
         return
@@ -165,6 +172,7 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
 
     for i, t in enumerate(fabric.workload.traffic):
         loc = ("workload", "traffic", i)
+        family, _, shape = t.kind.partition("_")
         if t.name in names:
             yield loc + ("name",), f"traffic name {t.name!r} is used twice"
         names.add(t.name)
@@ -174,23 +182,25 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
                    f"{', '.join(f'{c.name} ({c.tc})' for c in fabric.traffic_classes)}")
         if t.duration_ns <= 0:
             yield loc + ("duration",), "duration must be above 0"
-        if t.kind == "udp_incast":
+        if family == "roce":
+            yield from _check_roce(t, loc, classes.get(t.tclass))
+        if shape == "incast":
             if not t.senders or not t.receiver:
-                yield loc, "udp_incast needs senders: [...] and receiver:"
+                yield loc, f"{t.kind} needs senders: [...] and receiver:"
                 continue
             for j, s in enumerate(t.senders):
                 yield from host_ok(loc + ("senders", j), s)
                 if s == t.receiver:
                     yield loc + ("senders", j), f"{s!r} is also the receiver"
             yield from host_ok(loc + ("receiver",), t.receiver)
-        elif t.kind == "udp_all_to_all":
+        elif shape == "all_to_all":
             for j, h in enumerate(t.hosts or []):
                 yield from host_ok(loc + ("hosts", j), h)
             if t.hosts is not None and len(t.hosts) < 2:
                 yield loc + ("hosts",), "all-to-all needs at least two hosts"
         else:
             if not t.pairs:
-                yield loc, "udp_pairs needs pairs: [[src, dst], ...]"
+                yield loc, f"{t.kind} needs pairs: [[src, dst], ...]"
                 continue
             for j, (src, dst) in enumerate(t.pairs):
                 yield from host_ok(loc + ("pairs", j), src)
@@ -199,10 +209,24 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
                     yield loc + ("pairs", j), f"a pair from {src!r} to itself"
         for field, value in (("senders", t.senders), ("receiver", t.receiver),
                              ("hosts", t.hosts), ("pairs", t.pairs)):
-            wanted = {"udp_incast": ("senders", "receiver"), "udp_all_to_all": ("hosts",),
-                      "udp_pairs": ("pairs",)}[t.kind]
-            if value is not None and field not in wanted:
+            if value is not None and field not in _SHAPE_FIELDS[shape]:
                 yield loc + (field,), f"{field} does not apply to {t.kind}"
+
+
+def _check_roce(t, loc: tuple, tclass) -> Iterator[tuple[tuple, str]]:
+    if t.cc == "none" and t.cc_preset is not None:
+        yield (loc + ("cc_preset",), f"cc_preset {t.cc_preset!r} does nothing with cc: none; "
+               "remove it or pick cc: dcqcn or dctcp")
+    elif t.cc_preset is not None and t.cc_preset not in _CC_PRESETS[t.cc]:
+        owner = next(k for k, names in _CC_PRESETS.items() if t.cc_preset in names)
+        yield (loc + ("cc_preset",), f"{t.cc_preset!r} is not a {t.cc.upper()} preset (it is "
+               f"{owner.upper()}'s); {t.cc.upper()} presets are {', '.join(_CC_PRESETS[t.cc])}")
+    if t.cc != "none" and tclass is not None and not tclass.ecn:
+        yield (loc + ("tclass",), f"class {tclass.name!r} (TC{tclass.tc}) does not mark ECN, so "
+               f"{t.cc.upper()} never gets a CNP; use an ECN class (roce) or cc: none")
+    if not 0 < t.size_bytes <= ROCE_MAX_MESSAGE_BYTES:
+        yield (loc + ("size",), f"message size {t.size_bytes} B is outside 1 B .. 2 GiB - 1; "
+               "RDMA messages carry a 31-bit length here")
 
 
 def check_impairments(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:

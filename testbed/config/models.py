@@ -10,17 +10,20 @@ problem is reported with its own location.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationError,
     WithJsonSchema,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from testbed.units import (
     QUANTITY_PATTERN,
@@ -218,6 +221,126 @@ class UdpTraffic(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+RoceKind = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
+# agents.roce.cc's PRESETS (DCQCN) and DCTCP_PRESETS; check_workload pairs them with `cc`
+# and tests/unit/test_workload_roce.py keeps this list equal to the agent's.
+CcPresetName = Literal["hpcc-ns3", "paper", "ns3-rdma", "rfc8257"]
+DEFAULT_CC_PRESETS = {"dcqcn": "hpcc-ns3", "dctcp": "rfc8257"}
+
+
+class RoceTraffic(Strict):
+    """RDMA WRITE or SEND streams over the user-space RoCEv2 RC transport (agents/roce).
+
+    Each (source, destination) stream is one perftest-style client on the source
+    and its own server on the destination; `qps` queue pairs per stream. Start
+    and duration are fabric time: a client posts messages for `duration`, then
+    waits for the outstanding ones. `cc` is the sender's rate controller and the
+    receiver's CNP policy (DCQCN by default, with the HPCC ns-3 parameter set,
+    which matches the default port class's ECN curve).
+    """
+
+    name: str = Field(pattern=NAME_RE)
+    kind: RoceKind
+    senders: list[str] | None = Field(None, description="roce_incast: sending hosts")
+    receiver: str | None = Field(None, description="roce_incast: the receiving host")
+    hosts: list[str] | None = Field(None, description="roce_all_to_all: hosts (default all)")
+    pairs: list[tuple[str, str]] | None = Field(None, description="roce_pairs: [src, dst] lists")
+    test: Literal["write_bw", "send_bw"] = Field(
+        "write_bw", description="RDMA WRITE or SEND bandwidth test (as perftest's ib_*_bw)")
+    size_bytes: SizeBytes = Field(65536, alias="size", description="message bytes")
+    qps: int = Field(1, ge=1, le=16, description="queue pairs per sender->receiver stream")
+    start_ns: DurationNs = Field(0, alias="start")
+    duration_ns: DurationNs = Field(alias="duration")
+    cc: Literal["dcqcn", "dctcp", "none"] = Field(
+        "dcqcn", description="congestion control: sender rate control and receiver CNPs")
+    cc_preset: CcPresetName | None = Field(
+        None, description="parameter set: DCQCN hpcc-ns3 (default), paper, ns3-rdma; "
+                          "DCTCP rfc8257 (default), hpcc-ns3")
+    cnp_interval_ns: DurationNs | None = Field(
+        None, alias="cnp_interval",
+        description="receiver: at most one CNP per QP per this fabric time (default: the "
+                    "preset's; DCTCP: every CE packet)")
+    tclass: str | int = Field("roce", description="traffic class name or number")
+    verify: bool = Field(True, description="the receiver checks every byte written or sent")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @property
+    def preset(self) -> str | None:
+        """The parameter set the agents get: cc_preset, or the default of `cc`."""
+        return self.cc_preset or DEFAULT_CC_PRESETS.get(self.cc)
+
+
+Traffic = UdpTraffic | RoceTraffic
+
+
+def _traffic_items(value: object) -> object:
+    """Validate each traffic entry against the model its `kind` names.
+
+    A plain union would report every problem once per member (and a tagged one
+    puts the tag into the location); this reports each entry's problems at
+    `workload.traffic[i].field`, as the user wrote them.
+    """
+    if not isinstance(value, list):
+        return value        # the list type reports it
+    kinds: dict[str, type[Strict]] = {
+        k: model for model in (UdpTraffic, RoceTraffic)
+        for k in get_args(model.model_fields["kind"].annotation)}
+    out: list[object] = []
+    errors: list[dict] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            out.append(item)
+            continue
+        kind = item.get("kind")
+        model = kinds.get(kind) if isinstance(kind, str) else None
+        if model is None and "kind" in item:
+            errors.append({"type": "literal_error", "loc": (i, "kind"), "input": kind,
+                           "ctx": {"expected": ", ".join(repr(k) for k in kinds)}})
+            continue
+        model = model or UdpTraffic
+        try:
+            out.append(model.model_validate(item))
+        except ValidationError as exc:
+            errors += _entry_errors(i, model, kinds, exc)
+    if errors:
+        raise ValidationError.from_exception_data("traffic", errors)
+    return out
+
+
+def _entry_errors(i: int, model: type[Strict], kinds: dict[str, type[Strict]],
+                  exc: ValidationError) -> list[dict]:
+    """One traffic entry's errors, located under its index; unknown fields say which
+    fields this kind has (the loader cannot tell which member of the union applies)."""
+    fields = sorted(f.alias or n for n, f in model.model_fields.items())
+    other_fields = {(f.alias or n): [k for k, m2 in kinds.items() if m2 is m]
+                    for m in set(kinds.values()) - {model}
+                    for n, f in m.model_fields.items() if (f.alias or n) not in fields}
+    out: list[dict] = []
+    meant: set[str] = set()
+    for e in exc.errors():
+        loc = (i, *e["loc"])
+        if e["type"] == "extra_forbidden" and len(e["loc"]) == 1:
+            name = str(e["loc"][0])
+            close = difflib.get_close_matches(name, fields, n=1)
+            if name in other_fields:
+                text = (f"unknown field {name!r}: only {', '.join(other_fields[name])} "
+                        f"traffic has it; fields here: {', '.join(fields)}")
+            elif close:
+                meant.add(close[0])
+                text = f"unknown field {name!r}; did you mean {close[0]!r}?"
+            else:
+                text = f"unknown field {name!r}; fields here: {', '.join(fields)}"
+            out.append({"type": PydanticCustomError("unknown_field", text), "loc": loc,
+                        "input": e["input"]})
+        else:
+            out.append({"type": e["type"], "loc": loc, "input": e["input"],
+                        **({"ctx": e["ctx"]} if "ctx" in e else {})})
+    # a misspelt required field is also missing; the did-you-mean says it all
+    return [e for e in out if not (e["type"] == "missing" and len(e["loc"]) == 2
+                                   and e["loc"][1] in meant)]
+
+
 class Workload(Strict):
     """What `testbed run` drives on the fabric, and how it samples."""
 
@@ -226,9 +349,14 @@ class Workload(Strict):
         description="fabric time between counter samples (default: 100 ms of wall time)")
     drain_ns: DurationNs | None = Field(
         None, alias="drain", description="fabric time to let queues drain after traffic stops")
-    traffic: list[UdpTraffic] = Field(default_factory=list)
+    traffic: list[Traffic] = Field(default_factory=list)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("traffic", mode="before")
+    @classmethod
+    def _traffic(cls, value: object) -> object:
+        return _traffic_items(value)
 
 
 class Impairment(Strict):

@@ -42,6 +42,13 @@ from testbed.run.workload import (
 # Wall time allowed for agents to start before the common start time t0.
 STARTUP_BASE_S = 0.8
 STARTUP_PER_AGENT_S = 0.03
+# A RoCE client imports numpy, connects, and both sides build their data patterns
+# before the start time: about 0.25 s of CPU each, on a VM of two cores.
+ROCE_STARTUP_PER_CLIENT_S = 0.25
+# Wall seconds to wait for every RoCE server to listen before the clients start.
+ROCE_SERVER_READY_S = 20.0
+# A client set up later than this after its start time is reported (wall ns).
+ROCE_LATE_TOLERANCE_NS = 20_000_000
 
 
 @dataclass
@@ -131,6 +138,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
     fabric_procs: list[AgentProcess] = []
     t_start = time.monotonic()
     t0 = time.monotonic_ns()
+    t0_realtime_ns = time.time_ns()
     results_written = False
     with _Interrupt() as stop:
         try:
@@ -159,20 +167,35 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                                     "attached (no BPF datapath), so no PFC agent runs and "
                                     "lossless classes can drop")
 
-            startup_s = STARTUP_BASE_S + STARTUP_PER_AGENT_S * len(specs)
-            t0 = time.monotonic_ns() + int(startup_s * 1e9)
             endpoints = []
-            for spec in specs:
+
+            def start(spec: AgentSpec, t0: int | None = None) -> None:
                 argv = list(spec.argv)
                 sock = socket_path(run_dir / "agents", spec.name, plan.lab)
                 argv += ["--control-sock", sock]
-                if spec.role == "sender":
+                if _is_roce(spec):
+                    argv += ["--ready-file", str(_ready_file(run_dir, spec))]
+                if t0 is not None:
                     argv += ["--start-at-mono-ns",
                              str(t0 + dilation.to_wall_ns(spec.start_ns))]
-                proc = start_agent(plan.lab, plan.node(spec.node).netns, "agents.udp", argv,
+                proc = start_agent(plan.lab, plan.node(spec.node).netns, spec.module, argv,
                                    spec.name)
                 agents.append((spec, proc))
                 endpoints.append(AgentEndpoint(spec.name, spec.node, sock))
+
+            # Receivers first; RoCE servers must listen before their clients set up.
+            for spec in specs:
+                if spec.role != "sender":
+                    start(spec)
+            fidelity += _wait_ready(run_dir, agents, stop.event)
+            startup_s = STARTUP_BASE_S + sum(
+                ROCE_STARTUP_PER_CLIENT_S if _is_roce(s) and s.role == "sender"
+                else STARTUP_PER_AGENT_S for s in specs)
+            t0 = time.monotonic_ns() + int(startup_s * 1e9)
+            t0_realtime_ns = time.time_ns() + (t0 - time.monotonic_ns())
+            for spec in specs:
+                if spec.role == "sender" and not stop.event.is_set():
+                    start(spec, t0)
             collector = Collector(plan, store, dilation.to_wall_ns(period_ns), t0,
                                   fabric_endpoints + endpoints)
             if options.on_sample is not None:
@@ -231,6 +254,10 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 results_written = True
                 paused = {n for (n, _p, _t), v in store.last_values("pause_rx").items() if v}
                 fidelity += _agent_fidelity(plan, agents, results, dilation, paused)
+                drops = sum(v for (_n, _p, tc), v in store.last_values("class_drops").items()
+                            if tc in _lossless_tcs(plan))
+                fidelity += _roce_fidelity(run_dir, agents, results, dilation,
+                                           t0_realtime_ns, lossless_drops=drops)
             except Exception as exc:   # results are best effort on an interrupted run
                 fidelity.append(f"could not collect agent results: {exc!r}")
             if collector is not None:
@@ -288,6 +315,9 @@ def _start_captures(plan: Plan, run_dir: Path) -> list[AgentProcess]:
 
 
 def _write_results(store: Store, plan: Plan, agents, results: dict, dilation: Dilation) -> None:
+    _write_roce_results(store, [(s, p) for s, p in agents if _is_roce(s)],
+                        results)
+    agents = [(s, p) for s, p in agents if not _is_roce(s)]
     by_ip = {n.interfaces[0].address.split("/")[0]: n.name for n in plan.hosts()}
     received: dict[tuple[str, str, str], list[int]] = {}   # (traffic, src, dst) -> [pk, bytes]
     window_ns: dict[tuple[str, str], float] = {}            # (traffic, dst) -> fabric ns
@@ -351,6 +381,125 @@ def _agent_fidelity(plan: Plan, agents, results: dict, dilation: Dilation,
         if res.get("socket_drops"):
             notes.append(f"receiver {spec.name} dropped {res['socket_drops']} packets in its own "
                          "socket buffer (it fell behind, not the fabric)")
+    return notes
+
+
+def _is_roce(spec: AgentSpec) -> bool:
+    return spec.kind.startswith("roce_")
+
+
+def _ready_file(run_dir: Path, spec: AgentSpec) -> Path:
+    return run_dir / "agents" / f"{spec.name}.ready"
+
+
+def _wait_ready(run_dir: Path, agents, stop: threading.Event) -> list[str]:
+    """Wait until every RoCE server listens (its ready file exists); notes for those that
+    did not within ROCE_SERVER_READY_S (their clients will fail to connect)."""
+    waiting = {spec.name: (spec, proc) for spec, proc in agents
+               if _is_roce(spec) and spec.role == "receiver"}
+    deadline = time.monotonic() + ROCE_SERVER_READY_S
+    while waiting and time.monotonic() < deadline and not stop.is_set():
+        for name, (spec, proc) in list(waiting.items()):
+            if _ready_file(run_dir, spec).exists() or proc.popen.poll() is not None:
+                del waiting[name]
+        stop.wait(0.02)
+    notes = [f"RoCE server {name} on {spec.node} was not listening {ROCE_SERVER_READY_S:g} s "
+             "(wall) after it was started" for name, (spec, _) in waiting.items()]
+    notes += [f"RoCE server {spec.name} on {spec.node} exited during set-up "
+              f"(code {proc.popen.returncode})" for spec, proc in agents
+              if _is_roce(spec) and spec.role == "receiver"
+              and proc.popen.poll() is not None]
+    return notes
+
+
+def _roce_sum(res: dict, side: str, key: str) -> int:
+    return sum(int(q.get(side, {}).get(key, 0)) for q in (res.get("qps") or {}).values())
+
+
+def _write_roce_results(store: Store, agents, results: dict) -> None:
+    """One row per RoCE stream (client + its server), in fabric units.
+
+    bytes / gbps: message bytes the client completed (acknowledged) over its time
+    (first post to last completion, fabric). tx_* and rx_* count data packets and
+    their UDP payload as the requester sent them (retransmissions included) and the
+    responder received them; lost = sent - received; rx_fabric_bps is the wire rate
+    received (UDP payload + 66 B per packet) over the client's time."""
+    servers = {(s.traffic, s.src, s.dst): results.get(s.name) for s, _ in agents
+               if s.role == "receiver"}
+    for spec, _ in agents:
+        if spec.role != "sender":
+            continue
+        c = results.get(spec.name) or {}
+        srv = servers.get((spec.traffic, spec.src, spec.dst)) or {}
+        fabric_ns = float(c.get("elapsed_fabric_ns") or 0)
+        tx_packets = _roce_sum(c, "requester", "packets_sent")
+        rx_packets = _roce_sum(srv, "responder", "packets_received")
+        rx_bytes = sum(int(q.get("bytes_received", 0)) for q in (srv.get("qps") or {}).values())
+        rx_wire_bits = (rx_bytes + rx_packets * WIRE_OVERHEAD_BYTES) * 8
+        verified = c.get("verified")
+        if verified is None:
+            verified = srv.get("verified")
+        store.add_result(spec.traffic, spec.kind, {
+            "src": spec.src, "dst": spec.dst,
+            "cc": "/".join(str(x) for x in (c.get("cc"), c.get("cc_preset")) if x),
+            "qps": c.get("qp_count", 0),
+            "bytes": int(c.get("bytes", 0)), "messages": int(c.get("messages", 0)),
+            "time_us": round(fabric_ns / 1e3, 3),
+            "gbps": round(float(c.get("bw_fabric_bps", 0)) / 1e9, 3),
+            "tx_packets": tx_packets, "tx_bytes": _roce_sum(c, "requester", "bytes_sent"),
+            "rx_packets": rx_packets, "rx_bytes": rx_bytes,
+            "lost": max(0, tx_packets - rx_packets),
+            "rx_fabric_bps": round(rx_wire_bits / fabric_ns * 1e9) if fabric_ns else 0,
+            "retransmissions": _roce_sum(c, "requester", "retransmissions"),
+            "naks": sum(_roce_sum(c, "requester", k) for k in (
+                "naks_received", "rnr_naks_received", "fatal_naks_received")),
+            "timeouts": _roce_sum(c, "requester", "timeouts"),
+            "cnps_sent": _roce_sum(srv, "responder", "cnps_sent"),
+            "cnps_received": _roce_sum(c, "requester", "cnps_received"),
+            "ce_received": _roce_sum(srv, "responder", "ce_packets_received"),
+            "verified": verified,
+            "error": c.get("error") or srv.get("error"),
+        })
+
+
+def _lossless_tcs(plan: Plan) -> set[int]:
+    return {t.tc for t in plan.traffic_classes if t.lossless}
+
+
+def _roce_fidelity(run_dir: Path, agents, results: dict, dilation: Dilation,
+                   t0_realtime_ns: int, lossless_drops: float = 0) -> list[str]:
+    """Where RoCE streams did not run as configured: a client set up after the common
+    start, an error, data that did not verify, ACK timeouts without a drop."""
+    notes = []
+    for spec, _ in agents:
+        if spec.module != "agents.roce":
+            continue
+        res = results.get(spec.name) or {}
+        who = f"RoCE {'client' if spec.role == 'sender' else 'server'} {spec.name}"
+        if res.get("error"):
+            notes.append(f"{who} on {spec.node}: {res['error']}")
+        if spec.role != "sender":
+            continue
+        try:
+            ready_ns = _ready_file(run_dir, spec).stat().st_mtime_ns
+        except FileNotFoundError:
+            ready_ns = None
+        late = None if ready_ns is None else (
+            ready_ns - t0_realtime_ns - dilation.to_wall_ns(spec.start_ns))
+        if late is None:
+            notes.append(f"{who} on {spec.node} never finished set-up")
+        elif late > ROCE_LATE_TOLERANCE_NS:
+            notes.append(f"{who} on {spec.node} finished set-up {late / 1e6:.0f} ms (wall) "
+                         f"after its start time, so it started "
+                         f"{dilation.to_fabric_ns(late) / 1e3:.1f} us fabric late")
+        if res.get("verified") is False:
+            notes.append(f"{who}: the data did not arrive byte-exact (first mismatch "
+                         f"{res.get('first_mismatch')})")
+        timeouts = _roce_sum(res, "requester", "timeouts")
+        if timeouts and not lossless_drops:
+            notes.append(f"{who}: {timeouts} ACK timeouts although no lossless queue dropped: "
+                         "ACKs came later than the QP timeout (long pauses, or an agent short "
+                         "of CPU)")
     return notes
 
 

@@ -1,0 +1,251 @@
+"""How fast one user-space RoCE QP pair moves packets, next to iperf3 UDP on the same link.
+
+Two namespaces `tb-bt<pid>-a` and `tb-bt<pid>-b` joined by one veth pair (MTU
+9000, no qdisc, no dilation), made with pyroute2 and always removed. On that
+link, one after the other, each for `--seconds` of wall time:
+
+- RoCE: `python -m agents.roce server write_bw` in b, `client write_bw` in a,
+  one QP, `--cc none` with a line rate far above what Python reaches (so the
+  pacer never waits), 4096-byte path MTU, 1 MiB messages, `--dilation 1`,
+  `--spin-ns 0`. Reliable: every packet is ACKed, lost ones are resent.
+- iperf3 UDP: `iperf3 -s` in b, `iperf3 -u -b 0 -l 4096` in a (4096-byte
+  datagrams: the RoCE packets' payload is 4096 + 28 bytes of headers).
+
+For each: packets/s and Gb/s of payload sent and received (iperf3 loses
+what its receiver cannot keep up with; RoCE resends it), CPU time of the
+sender and the receiver process (from wait4's rusage, user + system), and
+Gb/s per core = received Gb/s over the cores the pair used. Then the ratio
+RoCE / iperf3 of received packets per second. `--profile` reruns the RoCE
+client under cProfile and prints where its time goes.
+
+    sudo .venv/bin/python bench/transport.py [--seconds 5] [--repeat 1] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pstats
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ADDR_A, ADDR_B = "198.18.254.0", "198.18.254.1"
+MTU = 9000
+ROCE_MTU = 4096
+MESSAGE = 1 << 20
+IPERF_LEN = 4096
+
+
+class Link:
+    """Two namespaces and one veth pair between them; removed on exit, whatever happens."""
+
+    def __init__(self) -> None:
+        self.ns = (f"tb-bt{os.getpid()}-a", f"tb-bt{os.getpid()}-b")
+        self.made: list[str] = []
+
+    def __enter__(self) -> Link:
+        from pyroute2 import NetNS, netns
+
+        try:
+            for name in self.ns:
+                netns.create(name)
+                self.made.append(name)
+            with NetNS(self.ns[0]) as a:
+                a.link("add", ifname="bt0", kind="veth",
+                       peer={"ifname": "bt1", "net_ns_fd": self.ns[1]})
+            for name, ifname, addr in ((self.ns[0], "bt0", ADDR_A), (self.ns[1], "bt1", ADDR_B)):
+                with NetNS(name) as ns:
+                    idx = ns.link_lookup(ifname=ifname)[0]
+                    ns.addr("add", index=idx, address=addr, prefixlen=31)
+                    ns.link("set", index=idx, mtu=MTU, state="up")
+                    ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from pyroute2 import netns
+
+        for name in reversed(self.made):
+            try:
+                netns.remove(name)
+            except OSError as e:
+                print(f"could not remove namespace {name}: {e}", file=sys.stderr)
+        self.made.clear()
+
+    def argv(self, side: int, *cmd: str) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[side], *cmd]
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str, float]:
+    """Wait (bounded) and reap with wait4; returns (stdout, stderr, CPU seconds user + system).
+
+    The outputs are small (one JSON document each), so the pipes cannot fill first.
+    """
+    deadline = time.monotonic() + timeout_s
+    cpu_s = 0.0
+    signalled = False
+    while True:
+        pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+        if pid == proc.pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            cpu_s = ru.ru_utime + ru.ru_stime
+            break
+        if time.monotonic() > deadline:
+            proc.send_signal(signal.SIGKILL if signalled else signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            signalled = True
+        time.sleep(0.02)
+    out, err = proc.communicate()
+    return out, err, cpu_s
+
+
+def _popen(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.returncode is None:
+        proc.kill()
+        proc.communicate()
+
+
+def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"not ready: {proc.args[-1]} {proc.communicate()}")
+        time.sleep(0.02)
+
+
+def roce(link: Link, seconds: float, tmp: Path, profile: Path | None = None) -> dict:
+    ready = tmp / "roce.ready"
+    ready.unlink(missing_ok=True)
+    common = ["--mtu", str(ROCE_MTU), "--cc", "none", "--line-rate-bps", "1e13",
+              "--dilation", "1", "--spin-ns", "0", "--timeout-ns", "50e6", "--verify"]
+    py = [sys.executable]
+    server = _popen(link.argv(1, *py, "-m", "agents.roce", "server", "write_bw", "--bind",
+                              ADDR_B, "--ready-file", str(ready), *common))
+    try:
+        _wait_file(ready, server)
+        prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
+        client = _popen(link.argv(0, *py, *prof, "-m", "agents.roce", "client", "write_bw",
+                                  "--server", ADDR_B, "--bind", ADDR_A, "--size", str(MESSAGE),
+                                  "--duration-ns", str(int(seconds * 1e9)), "--tx-depth", "4",
+                                  "--buffer-bytes", str(8 * MESSAGE), *common))
+        c_out, c_err, c_cpu = _finish(client, seconds + 60)
+        s_out, s_err, s_cpu = _finish(server, 30)
+    finally:
+        _kill(server)
+    c = json.loads(c_out.strip().splitlines()[-1])
+    s = json.loads(s_out.strip().splitlines()[-1])
+    if c.get("error") or s.get("error"):
+        raise RuntimeError(f"RoCE run failed: {c.get('error') or s.get('error')}\n{c_err}{s_err}")
+    wall = c["elapsed_wall_ns"] / 1e9
+    (qp,) = c["qps"].values()
+    rx_packets = s["data_packets_received"]
+    return {"tool": "RoCE write_bw, 1 QP", "wall_s": wall,
+            "tx_pps": c["data_packets_sent"] / wall, "rx_pps": rx_packets / wall,
+            "rx_gbps": c["bytes"] * 8 / wall / 1e9,
+            "tx_cpu": c_cpu / wall, "rx_cpu": s_cpu / wall,
+            "retx": qp["requester"]["retransmissions"], "verified": c.get("verified")}
+
+
+def iperf(link: Link, seconds: float) -> dict:
+    server = _popen(link.argv(1, "iperf3", "-s", "-1", "-B", ADDR_B, "-J"))
+    try:
+        time.sleep(0.3)
+        client = _popen(link.argv(0, "iperf3", "-c", ADDR_B, "-B", ADDR_A, "-u", "-b", "0",
+                                  "-l", str(IPERF_LEN), "-t", str(seconds), "-J"))
+        c_out, c_err, c_cpu = _finish(client, seconds + 30)
+        s_out, _s_err, s_cpu = _finish(server, 10)
+    finally:
+        _kill(server)
+    try:
+        c = json.loads(c_out)
+    except ValueError:
+        raise RuntimeError(f"iperf3 gave no JSON: {c_err or c_out}") from None
+    end = c["end"]["sum"]
+    wall = end["seconds"]
+    sent = end["packets"]
+    lost = end.get("lost_packets", 0)
+    return {"tool": f"iperf3 -u -b 0 -l {IPERF_LEN}", "wall_s": wall,
+            "tx_pps": sent / wall, "rx_pps": (sent - lost) / wall,
+            "rx_gbps": (sent - lost) * IPERF_LEN * 8 / wall / 1e9,
+            "tx_cpu": c_cpu / wall, "rx_cpu": s_cpu / wall, "retx": None, "verified": None}
+
+
+def per_core(row: dict) -> float:
+    cores = row["tx_cpu"] + row["rx_cpu"]
+    return row["rx_gbps"] / cores if cores else 0.0
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'tool':<28} {'sent pps':>10} {'recv pps':>10} {'recv Gb/s':>10} "
+            f"{'tx cores':>9} {'rx cores':>9} {'Gb/s/core':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['tool']:<28} {r['tx_pps']:>10,.0f} {r['rx_pps']:>10,.0f} "
+                     f"{r['rx_gbps']:>10.2f} {r['tx_cpu']:>9.2f} {r['rx_cpu']:>9.2f} "
+                     f"{per_core(r):>10.2f}")
+    return "\n".join(lines)
+
+
+def median_row(rows: list[dict]) -> dict:
+    out = dict(rows[0])
+    for k in ("tx_pps", "rx_pps", "rx_gbps", "tx_cpu", "rx_cpu"):
+        out[k] = statistics.median(r[k] for r in rows)
+    return out
+
+
+def print_profile(path: Path, top: int = 18) -> None:
+    stats = pstats.Stats(str(path))
+    for key, title in (("tottime", "internal time"), ("cumulative", "cumulative time")):
+        print(f"\nRoCE client under cProfile, top {top} by {title}:")
+        stats.sort_stats(key).print_stats(top)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="per tool and run (wall)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per tool; medians shown")
+    parser.add_argument("--profile", action="store_true",
+                        help="rerun the RoCE client under cProfile and print its top functions")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("bench/transport.py needs root (it makes network namespaces)", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="tb-bt-") as tmpdir, Link() as link:
+        tmp = Path(tmpdir)
+        runs_roce, runs_iperf = [], []
+        for _ in range(args.repeat):
+            runs_roce.append(roce(link, args.seconds, tmp))
+            runs_iperf.append(iperf(link, args.seconds))
+        r, i = median_row(runs_roce), median_row(runs_iperf)
+        print(f"one veth pair {link.ns[0]} <-> {link.ns[1]}, MTU {MTU}, {args.seconds:g} s "
+              f"per run, median of {args.repeat}; RoCE: path MTU {ROCE_MTU}, {MESSAGE} B "
+              f"writes, retransmissions {[x['retx'] for x in runs_roce]}, verified "
+              f"{[x['verified'] for x in runs_roce]}")
+        print(table([r, i]))
+        print(f"RoCE / iperf3: {r['rx_pps'] / i['rx_pps']:.0%} of the received packet rate, "
+              f"{r['tx_pps'] / i['tx_pps']:.0%} of the sent packet rate, "
+              f"{per_core(r) / per_core(i):.0%} of the Gb/s per core (goal: >= 25 % of the "
+              "packet rate)")
+        if args.profile:
+            prof = tmp / "client.prof"
+            roce(link, min(args.seconds, 3.0), tmp, profile=prof)
+            print_profile(prof)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

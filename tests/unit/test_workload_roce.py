@@ -1,0 +1,300 @@
+"""RoCE traffic in a config: validation, expansion into server/client agents, results.
+
+No root: configs are loaded and compiled, argv is parsed by the agent's own
+parser, and result rows are built from agent output shaped like the real one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import get_args
+
+import pytest
+
+from agents.roce import __main__ as roce_main
+from agents.roce.cc import DCTCP_PRESETS, PRESETS
+from agents.roce.perftest import flat_counters
+from testbed.config import ConfigError, load_config_text
+from testbed.config.checks import _CC_PRESETS
+from testbed.config.models import CcPresetName, RoceTraffic, UdpTraffic
+from testbed.plan import compile_plan
+from testbed.run.runner import _roce_fidelity, _write_roce_results
+from testbed.run.store import Store
+from testbed.run.workload import (
+    ROCE_SETUP_PORT,
+    ROCE_UDP_PORT,
+    expand_workload,
+    roce_ports,
+    workload_span_ns,
+)
+
+FABRIC = """\
+name: rocewl
+dilation: 2000
+topology:
+  kind: leaf_spine
+  spines: 2
+  leaves: 2
+  hosts_per_leaf: 4
+  host_link: {{port: 100GBASE-CR1, length: 2m}}
+  fabric_link: {{port: 400GBASE-DR4, length: 100m}}
+workload:
+  traffic:
+{traffic}
+"""
+
+
+def _load(traffic: str):
+    loaded = load_config_text(FABRIC.format(traffic=traffic), "roce.yaml")
+    return loaded, compile_plan(loaded)
+
+
+def _problems(traffic: str) -> list[str]:
+    with pytest.raises(ConfigError) as exc:
+        load_config_text(FABRIC.format(traffic=traffic), "roce.yaml")
+    return exc.value.lines()
+
+
+def _opt(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+INCAST = "    - {name: inc, kind: roce_incast, senders: [h1, h2, h5], receiver: h8, duration: 1ms}"
+
+
+def test_roce_entry_defaults():
+    loaded, _ = _load(INCAST)
+    (t,) = loaded.fabric.workload.traffic
+    assert isinstance(t, RoceTraffic)
+    assert (t.test, t.size_bytes, t.qps, t.cc, t.cc_preset, t.tclass, t.verify) == (
+        "write_bw", 65536, 1, "dcqcn", None, "roce", True)
+    assert t.preset == "hpcc-ns3"
+    assert t.start_ns == 0 and t.duration_ns == 1_000_000
+
+
+def test_udp_and_roce_entries_live_side_by_side():
+    loaded, plan = _load(INCAST + "\n    - {name: bg, kind: udp_pairs, pairs: [[h3, h4]], "
+                                  "duration: 2ms, start: 100us}")
+    kinds = [type(t) for t in loaded.fabric.workload.traffic]
+    assert kinds == [RoceTraffic, UdpTraffic]
+    specs = expand_workload(loaded.fabric, plan)
+    assert {s.module for s in specs} == {"agents.roce", "agents.udp"}
+    assert workload_span_ns(loaded.fabric) == 2_100_000
+
+
+def test_incast_expands_to_one_server_per_stream_on_distinct_ports():
+    loaded, plan = _load(INCAST)
+    specs = expand_workload(loaded.fabric, plan)
+    servers = [s for s in specs if s.role == "receiver"]
+    clients = [s for s in specs if s.role == "sender"]
+    # servers come first so they listen before their clients set up
+    assert specs == servers + clients
+    assert [s.name for s in servers] == ["inc-h1-h8-srv", "inc-h2-h8-srv", "inc-h5-h8-srv"]
+    assert [s.name for s in clients] == ["inc-h1-h8", "inc-h2-h8", "inc-h5-h8"]
+    assert {s.node for s in servers} == {"h8"}
+    assert [s.node for s in clients] == ["h1", "h2", "h5"]
+    assert [(int(_opt(s.argv, "--port")), int(_opt(s.argv, "--roce-port"))) for s in servers] == [
+        (ROCE_SETUP_PORT + n, ROCE_UDP_PORT + n) for n in range(3)]
+    h8 = plan.node("h8").interfaces[0].address.split("/")[0]
+    for server, client in zip(servers, clients, strict=True):
+        assert client.module == server.module == "agents.roce"
+        assert _opt(client.argv, "--server") == h8
+        assert _opt(client.argv, "--port") == _opt(server.argv, "--port")
+        assert _opt(client.argv, "--bind") == plan.node(client.src).interfaces[0].address.split(
+            "/")[0]
+        assert (client.src, client.dst, server.src, server.dst) == (
+            client.node, "h8", client.node, "h8")
+
+
+def test_argv_carries_the_config_in_fabric_units_and_parses():
+    loaded, plan = _load("    - {name: w, kind: roce_pairs, pairs: [[h1, h6]], duration: 500us, "
+                         "start: 20us, size: 1MB, qps: 2, test: send_bw, cc: dcqcn, "
+                         "cc_preset: paper, cnp_interval: 80us, verify: false}")
+    server, client = expand_workload(loaded.fabric, plan)
+    parser = roce_main.build_parser()
+    c = parser.parse_args(client.argv)
+    s = parser.parse_args(server.argv)
+    assert (c.role, c.test, s.role, s.test) == ("client", "send_bw", "server", "send_bw")
+    assert c.size == 1_000_000 and c.qps == 2 and c.duration_ns == 500_000
+    assert c.cc == s.cc == "dcqcn" and c.cc_preset == s.cc_preset == "paper"
+    assert s.cnp_interval_ns == 80_000 and c.cnp_interval_ns is None
+    assert c.verify is False and s.verify is False
+    assert c.dilation == s.dilation == 2000
+    assert c.line_rate_bps == s.line_rate_bps == 100e9        # the hosts' NIC rate, fabric
+    assert c.mtu == s.mtu == 4096
+    assert c.dscp == s.dscp == 26 and c.cnp_dscp == s.cnp_dscp == 48
+    assert c.spin_ns == s.spin_ns == 0
+    assert c.tx_depth >= 2 and c.buffer_bytes >= c.size
+    assert client.start_ns == 20_000 and client.duration_ns == 500_000
+    # the runner adds these; the parser must take them
+    parser.parse_args(client.argv + ["--control-sock", "/tmp/x.sock", "--ready-file",
+                                     "/tmp/x.ready", "--start-at-mono-ns", "1"])
+
+
+def test_cc_none_passes_no_preset_and_verify_is_asked_by_both_sides():
+    loaded, plan = _load("    - {name: n, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
+                         "cc: none}")
+    server, client = expand_workload(loaded.fabric, plan)
+    for spec in (server, client):
+        assert _opt(spec.argv, "--cc") == "none"
+        assert "--cc-preset" not in spec.argv and "--cnp-interval-ns" not in spec.argv
+        assert "--verify" in spec.argv
+
+
+def test_streams_into_one_host_are_numbered_across_entries():
+    loaded, plan = _load(
+        "    - {name: a, kind: roce_pairs, pairs: [[h1, h8], [h2, h3]], duration: 1ms}\n"
+        "    - {name: b, kind: roce_all_to_all, hosts: [h3, h8], duration: 1ms}")
+    ports = {}
+    for s in expand_workload(loaded.fabric, plan):
+        if s.role == "receiver":
+            ports.setdefault(s.node, []).append(int(_opt(s.argv, "--roce-port")))
+    assert ports == {"h8": [4791, 4792], "h3": [4791, 4792]}
+    clients = [s for s in expand_workload(loaded.fabric, plan) if s.role == "sender"]
+    assert [(s.src, s.dst) for s in clients] == [("h1", "h8"), ("h2", "h3"), ("h3", "h8"),
+                                                  ("h8", "h3")]
+
+
+def test_roce_ports_stay_below_the_udp_agents_ports():
+    assert roce_ports(0) == (18515, 4791)
+    with pytest.raises(ValueError):
+        roce_ports(20000 - 18515)
+
+
+def test_preset_names_are_the_agents_and_match_their_kind():
+    assert set(get_args(CcPresetName)) == set(PRESETS) | set(DCTCP_PRESETS)
+    assert set(_CC_PRESETS["dcqcn"]) == set(PRESETS)
+    assert set(_CC_PRESETS["dctcp"]) == set(DCTCP_PRESETS)
+
+
+@pytest.mark.parametrize(("entry", "expected"), [
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_preset: rfc8257}",
+     "workload.traffic[0].cc_preset: 'rfc8257' is not a DCQCN preset"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc: none, "
+     "cc_preset: paper}", "cc_preset 'paper' does nothing with cc: none"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, tclass: default}",
+     "workload.traffic[0].tclass: class 'default' (TC0) does not mark ECN"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, size: 0}",
+     "workload.traffic[0].size: message size 0 B"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, rate: 10Gbps}",
+     "workload.traffic[0].rate: unknown field 'rate': only udp_incast, udp_all_to_all, "
+     "udp_pairs traffic has it"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duraton: 1ms}",
+     "workload.traffic[0].duraton: unknown field 'duraton'; did you mean 'duration'?"),
+    ("{name: x, kind: roce_incst, senders: [h1], receiver: h2, duration: 1ms}",
+     "did you mean 'roce_incast'?"),
+    ("{name: x, kind: roce_incast, senders: [h1, h9], receiver: h2, duration: 1ms}",
+     "workload.traffic[0].senders[1]: 'h9' is not a host of this fabric"),
+    ("{name: x, kind: roce_incast, pairs: [[h1, h2]], duration: 1ms}",
+     "roce_incast needs senders: [...] and receiver:"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, qps: 0}",
+     "workload.traffic[0].qps: 0 is too small"),
+])
+def test_roce_config_problems_name_the_field(entry, expected):
+    problems = _problems(f"    - {entry}")
+    assert any(expected in p for p in problems), problems
+
+
+def test_a_misspelt_required_field_is_reported_once():
+    problems = _problems("    - {name: x, kind: roce_pairs, pairs: [[h1, h2]], duraton: 1ms}")
+    assert len(problems) == 1
+
+
+def test_udp_problems_still_name_udp_fields():
+    problems = _problems("    - {name: x, kind: udp_pairs, pairs: [[h1, h2]], duration: 1ms, "
+                         "qps: 2}")
+    assert problems == ["roce.yaml:12: workload.traffic[0].qps: unknown field 'qps': only "
+                        "roce_incast, roce_all_to_all, roce_pairs traffic has it; fields here: "
+                        "duration, ecn, flows, hosts, kind, name, pairs, rate, receiver, "
+                        "senders, size, start, tclass"]
+
+
+# --- live snapshot and result rows ------------------------------------------------------
+
+def _qp(qpn: int, **kw) -> dict:
+    req = {"packets_sent": 10, "bytes_sent": 41_000, "wire_bytes_sent": 41_660,
+           "payload_bytes_sent": 40_960, "bytes_completed": 40_960, "messages_completed": 1,
+           "retransmissions": 2, "naks_received": 1, "rnr_naks_received": 0,
+           "fatal_naks_received": 0, "timeouts": 1, "cnps_received": 3}
+    rsp = {"packets_received": 9, "payload_bytes_received": 36_864, "duplicates": 0,
+           "ooo_drops": 1, "naks_sent": 1, "ce_packets_received": 4, "cnps_sent": 3,
+           "acks_sent": 2}
+    return {"qpn": qpn, "requester": {**req, **kw}, "responder": {**rsp, **kw},
+            "rc_bps": 25e9, "rt_bps": 50e9, "alpha": 0.5, "packets_received": 9,
+            "bytes_received": 37_000}
+
+
+def test_snapshot_numbers_sum_over_qps_for_time_series():
+    qps = [_qp(0x300), _qp(0x200)]
+    send = flat_counters("client", qps)
+    assert send["mode"] == "send"
+    assert send["packets"] == 20 and send["bytes"] == 82_000 and send["wire_bytes"] == 83_320
+    assert send["retransmissions"] == 4 and send["timeouts"] == 2 and send["cnps"] == 6
+    assert send["rc_bps"] == 50e9 and send["rt_bps"] == 100e9
+    assert send["qp0.rc_bps"] == 25e9 and send["qp1.alpha"] == 0.5 and send["qp0.cnps"] == 3
+    recv = flat_counters("server", qps)
+    assert recv["mode"] == "recv"
+    assert recv["bytes"] == 2 * 36_864           # RDMA payload accepted in order
+    assert recv["wire_bytes"] == 2 * (37_000 + 66 * 9)
+    assert recv["ce_packets"] == 8 and recv["cnps"] == 6 and recv["naks"] == 2
+    numeric = {k for k, v in {**send, **recv}.items() if isinstance(v, int | float)}
+    assert numeric >= {"packets", "bytes", "rc_bps", "ce_packets"}
+
+
+def test_one_result_row_per_stream_from_client_and_server(tmp_path):
+    loaded, plan = _load(INCAST)
+    specs = expand_workload(loaded.fabric, plan)
+    client = {"role": "client", "cc": "dcqcn", "cc_preset": "hpcc-ns3", "qp_count": 1,
+              "bytes": 4 << 20, "messages": 64, "elapsed_fabric_ns": 400_000,
+              "bw_fabric_bps": (4 << 20) * 8 / 400e-6, "verified": True, "error": None,
+              "qps": {"770": _qp(770)}}
+    server = {"role": "server", "verified": True, "error": None, "qps": {"512": _qp(512)}}
+    results = {s.name: (server if s.role == "receiver" else client) for s in specs}
+    store = Store(tmp_path / "c.sqlite", create=True)
+    _write_roce_results(store, [(s, None) for s in specs], results)
+    rows = store.results()
+    store.close()
+    assert [(r["src"], r["dst"]) for r in rows] == [("h1", "h8"), ("h2", "h8"), ("h5", "h8")]
+    row = rows[0]
+    assert row["workload"] == "inc" and row["kind"] == "roce_incast"
+    assert row["bytes"] == 4 << 20 and row["time_us"] == 400.0
+    assert row["gbps"] == pytest.approx(83.886, abs=1e-3)
+    assert (row["retransmissions"], row["naks"], row["timeouts"]) == (2, 1, 1)
+    assert (row["cnps_sent"], row["cnps_received"], row["ce_received"]) == (3, 3, 4)
+    assert row["verified"] is True and row["cc"] == "dcqcn/hpcc-ns3"
+    assert (row["tx_packets"], row["rx_packets"], row["lost"]) == (10, 9, 1)
+    assert row["rx_bytes"] == 37_000
+    assert row["rx_fabric_bps"] == round((37_000 + 66 * 9) * 8 / 400e-6)
+
+
+def test_fidelity_names_late_clients_bad_data_and_timeouts(tmp_path):
+    loaded, plan = _load(INCAST)
+    specs = expand_workload(loaded.fabric, plan)
+    (tmp_path / "agents").mkdir()
+    t0 = time.time_ns() - 10 ** 9
+    from testbed.run.runner import _ready_file
+    for s in specs:
+        if s.role == "sender":
+            path = _ready_file(tmp_path, s)
+            path.touch()
+            late = 300_000_000 if s.src == "h2" else 0          # h2 set up 300 ms late
+            os.utime(path, ns=(t0 + late, t0 + late))
+    results = {"inc-h1-h8": {"verified": False, "first_mismatch": {"qp": 0, "offset": 8},
+                             "qps": {"1": _qp(1, timeouts=0)}},
+               "inc-h2-h8": {"verified": True, "qps": {"1": _qp(1, timeouts=0)}},
+               "inc-h5-h8": {"verified": True, "qps": {"1": _qp(1, timeouts=3)}},
+               "inc-h1-h8-srv": {"error": "remote_access_error"}}
+    from agents.timebase import Dilation
+    notes = _roce_fidelity(tmp_path, [(s, None) for s in specs], results, Dilation(2000), t0)
+    text = "\n".join(notes)
+    assert "RoCE server inc-h1-h8-srv on h8: remote_access_error" in text
+    assert "inc-h1-h8: the data did not arrive byte-exact" in text
+    assert "inc-h2-h8 on h2 finished set-up 300 ms (wall) after its start time" in text
+    assert "150.0 us fabric late" in text
+    assert "inc-h5-h8: 3 ACK timeouts" in text
+    assert len(notes) == 4
+    # with a drop in a lossless queue, timeouts are expected and not a fidelity note
+    notes = _roce_fidelity(tmp_path, [(s, None) for s in specs], results, Dilation(2000), t0,
+                           lossless_drops=1)
+    assert not any("ACK timeouts" in n for n in notes)
