@@ -109,7 +109,9 @@ def _wait_for_samples(runs: Path, timeout_s: float = 30) -> Path:
         for db in runs.glob("*/counters.sqlite"):
             try:
                 with sqlite3.connect(db) as con:
-                    if con.execute("SELECT COUNT(*) FROM samples").fetchone()[0] > 500:
+                    taken = con.execute(
+                        "SELECT COUNT(DISTINCT ts_fabric_ns) FROM samples").fetchone()[0]
+                    if taken >= 4:
                         return db.parent
             except sqlite3.Error:
                 pass
