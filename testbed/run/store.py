@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,10 @@ class Store:
         elif not self.path.exists():
             raise FileNotFoundError(f"{self.path}: no counters database")
         self.db = sqlite3.connect(self.path, check_same_thread=False)
+        # The run's main thread (phase events) and the collector thread
+        # (samples) share this connection; sqlite3 connections are not safe
+        # for concurrent use, so every access takes this lock.
+        self.lock = threading.RLock()
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         if create:
@@ -80,15 +85,16 @@ class Store:
                     f"({STORE_FORMAT_VERSION}); upgrade the testbed to read this run")
 
     def close(self) -> None:
-        self.db.close()
+        with self.lock:
+            self.db.close()
 
     # writing
     def set_meta(self, key: str, value: str) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
-        self.db.commit()
+        with self.lock, self.db:
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     def add_samples(self, ts_fabric_ns: int, ts_wall_ns: int, samples: Iterable[Sample]) -> None:
-        with self.db:
+        with self.lock, self.db:
             self.db.executemany(
                 "INSERT INTO samples VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [(ts_fabric_ns, ts_wall_ns, s.node, s.port, s.tclass, s.counter, s.value)
@@ -96,19 +102,20 @@ class Store:
 
     def add_event(self, ts_fabric_ns: int, ts_wall_ns: int, kind: str, node: str = "",
                   port: str = "", tclass: int = -1, **detail: object) -> None:
-        with self.db:
+        with self.lock, self.db:
             self.db.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?)",
                             (ts_fabric_ns, ts_wall_ns, node, port, tclass, kind,
                              json.dumps(detail, sort_keys=True)))
 
     def add_result(self, workload: str, kind: str, row: dict) -> None:
-        with self.db:
+        with self.lock, self.db:
             self.db.execute("INSERT INTO results VALUES (?, ?, ?)",
                             (workload, kind, json.dumps(row, sort_keys=True)))
 
     # reading
     def meta(self) -> dict[str, str]:
-        return dict(self.db.execute("SELECT key, value FROM meta"))
+        with self.lock:
+            return dict(self.db.execute("SELECT key, value FROM meta"))
 
     def series(self, counter: str, node: str | None = None, port: str | None = None,
                tclass: int | None = None) -> dict[tuple[str, str, int], list[tuple[int, float]]]:
@@ -120,19 +127,24 @@ class Store:
                 query += f" AND {name} = ?"
                 args.append(value)
         out: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
-        for n, p, t, ts, v in self.db.execute(query + " ORDER BY ts_fabric_ns", args):
+        with self.lock:
+            rows = self.db.execute(query + " ORDER BY ts_fabric_ns", args).fetchall()
+        for n, p, t, ts, v in rows:
             out.setdefault((n, p, t), []).append((ts, v))
         return out
 
     def last_values(self, counter: str) -> dict[tuple[str, str, int], float]:
-        rows = self.db.execute(
-            "SELECT node, port, tclass, value FROM samples s WHERE counter = ? AND ts_fabric_ns = "
-            "(SELECT MAX(ts_fabric_ns) FROM samples WHERE counter = s.counter AND node = s.node "
-            "AND port = s.port AND tclass = s.tclass)", (counter,))
+        with self.lock:
+            rows = self.db.execute(
+                "SELECT node, port, tclass, value FROM samples s WHERE counter = ? AND "
+                "ts_fabric_ns = (SELECT MAX(ts_fabric_ns) FROM samples WHERE counter = s.counter "
+                "AND node = s.node AND port = s.port AND tclass = s.tclass)", (counter,)).fetchall()
         return {(n, p, t): v for n, p, t, v in rows}
 
     def counters(self) -> list[str]:
-        return [r[0] for r in self.db.execute("SELECT DISTINCT counter FROM samples ORDER BY 1")]
+        with self.lock:
+            rows = self.db.execute("SELECT DISTINCT counter FROM samples ORDER BY 1").fetchall()
+        return [r[0] for r in rows]
 
     def events(self, kind: str | None = None) -> list[dict]:
         query = "SELECT ts_fabric_ns, ts_wall_ns, node, port, tclass, kind, detail FROM events"
@@ -140,10 +152,13 @@ class Store:
         if kind:
             query += " WHERE kind = ?"
             args.append(kind)
-        rows = self.db.execute(query + " ORDER BY ts_fabric_ns", args)
+        with self.lock:
+            rows = self.db.execute(query + " ORDER BY ts_fabric_ns", args).fetchall()
         return [{"ts_fabric_ns": r[0], "ts_wall_ns": r[1], "node": r[2], "port": r[3],
                  "tclass": r[4], "kind": r[5], **json.loads(r[6])} for r in rows]
 
     def results(self) -> list[dict]:
-        rows = self.db.execute("SELECT workload, kind, row FROM results ORDER BY rowid")
+        with self.lock:
+            rows = self.db.execute(
+                "SELECT workload, kind, row FROM results ORDER BY rowid").fetchall()
         return [{"workload": w, "kind": k, **json.loads(r)} for w, k, r in rows]

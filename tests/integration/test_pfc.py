@@ -103,10 +103,12 @@ def test_pauses_spread_two_hops_in_order(pfc_on):
         first.setdefault(event["node"], event["ts_fabric_ns"])
     store.close()
     # leaf2 (the receiver's leaf) pauses the spines, the spines pause leaf1,
-    # leaf1 pauses its hosts: congestion spreads upstream hop by hop.
-    assert {"leaf2", "spine1", "spine2", "leaf1"} <= set(first)
-    assert first["leaf2"] < min(first["spine1"], first["spine2"])
-    assert min(first["spine1"], first["spine2"]) < first["leaf1"]
+    # leaf1 pauses its hosts: congestion spreads upstream hop by hop. (ECMP may
+    # hash all four of leaf1's flows onto one spine: one in eight runs; then
+    # only that spine pauses.)
+    spines = [first[s] for s in ("spine1", "spine2") if s in first]
+    assert {"leaf2", "leaf1"} <= set(first) and spines
+    assert first["leaf2"] < min(spines) < first["leaf1"]
 
 
 def test_pfc_frames_on_the_wire_decode_as_802_1qbb(pfc_on):
