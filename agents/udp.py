@@ -81,6 +81,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from agents import argtypes
 from agents.control import SnapshotServer
 from agents.timebase import Dilation
 from agents.udp_logic import (
@@ -706,37 +707,9 @@ def run_ping(args, life: Lifecycle) -> tuple[dict, int]:
 # --- command line ------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {value}")
-    return value
-
-
-def _dscp(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 63:
-        raise argparse.ArgumentTypeError(f"dscp must be 0..63, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dilation", type=_positive_int, default=1,
+    common.add_argument("--dilation", type=argtypes.positive_int, default=1,
                         help="time-dilation factor D: the fabric runs D times slower (default 1)")
     common.add_argument("--bind", metavar="IP", default=None, help="local address to bind")
     common.add_argument("--out", metavar="FILE", help="also write the final counters JSON here")
@@ -744,13 +717,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve a live counter snapshot (one JSON line) on this UNIX socket")
     common.add_argument("--ready-file", metavar="FILE",
                         help="touch FILE once the socket(s) are bound")
-    common.add_argument("--wire-overhead-bytes", type=_nonneg_int,
+    common.add_argument("--wire-overhead-bytes", type=argtypes.nonneg_int,
                         default=DEFAULT_WIRE_OVERHEAD_BYTES,
                         help="bytes per packet on the wire beyond the UDP payload: 8 UDP + 20 "
                              "IPv4 + 14 Ethernet + 24 preamble/IFG/FCS (default %(default)s)")
 
     tos = argparse.ArgumentParser(add_help=False)
-    tos.add_argument("--dscp", type=_dscp, default=0, help="DSCP 0..63 (default 0)")
+    tos.add_argument("--dscp", type=argtypes.dscp, default=0, help="DSCP 0..63 (default 0)")
     tos.add_argument("--ecn", choices=sorted(ECN_CODEPOINTS), default="notect",
                      help="ECN codepoint of sent packets (default notect)")
 
@@ -762,50 +735,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("send", parents=[common, tos], help="paced sender")
     p.add_argument("--dst", required=True, metavar="IP")
-    p.add_argument("--dport", required=True, type=_port)
-    p.add_argument("--sport", type=_port, default=0,
+    p.add_argument("--dport", required=True, type=argtypes.port)
+    p.add_argument("--sport", type=argtypes.port, default=0,
                    help="first source port; flow k uses sport+k (default: kernel picks)")
-    p.add_argument("--rate-bps", required=True, type=_positive_int, metavar="FABRIC_BPS",
+    p.add_argument("--rate-bps", required=True, type=argtypes.positive_int, metavar="FABRIC_BPS",
                    help="wire rate (payload + overhead) in fabric bits per second")
     p.add_argument("--size", required=True, type=int, metavar="PAYLOAD_BYTES",
                    help=f"UDP payload bytes per packet (>= {HEADER_BYTES})")
     stop = p.add_mutually_exclusive_group(required=True)
-    stop.add_argument("--duration-ns", type=_positive_int, metavar="FABRIC_NS")
-    stop.add_argument("--count", type=_positive_int, metavar="N", help="total packets")
-    p.add_argument("--start-at-mono-ns", type=_nonneg_int, default=0, metavar="MONO_NS",
+    stop.add_argument("--duration-ns", type=argtypes.positive_int, metavar="FABRIC_NS")
+    stop.add_argument("--count", type=argtypes.positive_int, metavar="N", help="total packets")
+    p.add_argument("--start-at-mono-ns", type=argtypes.nonneg_int, default=0, metavar="MONO_NS",
                    help="wait until CLOCK_MONOTONIC reaches this (wall ns) before sending")
-    p.add_argument("--flows", type=_positive_int, default=1, metavar="K",
+    p.add_argument("--flows", type=argtypes.positive_int, default=1, metavar="K",
                    help="K sockets, round-robin, consecutive source ports (default 1)")
-    p.add_argument("--max-burst-bytes", type=_positive_int, default=DEFAULT_MAX_BURST_BYTES,
+    p.add_argument("--max-burst-bytes", type=argtypes.positive_int, default=DEFAULT_MAX_BURST_BYTES,
                    help="most wire bytes the sender may fall behind its schedule and catch "
                         "up back-to-back; more is forgiven (default %(default)s)")
-    p.add_argument("--sndbuf-bytes", type=_positive_int, default=None)
+    p.add_argument("--sndbuf-bytes", type=argtypes.positive_int, default=None)
     p.add_argument("--recverr", action="store_true",
                    help="set IP_RECVERR so local qdisc drops come back as ENOBUFS and are "
                         "retried")
 
     p = sub.add_parser("recv", parents=[common], help="counting receiver")
-    p.add_argument("--port", required=True, type=_port)
-    p.add_argument("--duration-ns", type=_positive_int, metavar="FABRIC_NS",
+    p.add_argument("--port", required=True, type=argtypes.port)
+    p.add_argument("--duration-ns", type=argtypes.positive_int, metavar="FABRIC_NS",
                    help="stop this long after binding")
-    p.add_argument("--idle-exit-ns", type=_positive_int, metavar="FABRIC_NS",
+    p.add_argument("--idle-exit-ns", type=argtypes.positive_int, metavar="FABRIC_NS",
                    help="stop when nothing arrived for this long (counted from the last "
                         "arrival; never before the first)")
-    p.add_argument("--rcvbuf-bytes", type=_positive_int, default=4 * 1024 * 1024)
+    p.add_argument("--rcvbuf-bytes", type=argtypes.positive_int, default=4 * 1024 * 1024)
 
     p = sub.add_parser("echo", parents=[common, tos], help="echo every datagram back")
-    p.add_argument("--port", required=True, type=_port)
-    p.add_argument("--duration-ns", type=_positive_int, metavar="FABRIC_NS")
+    p.add_argument("--port", required=True, type=argtypes.port)
+    p.add_argument("--duration-ns", type=argtypes.positive_int, metavar="FABRIC_NS")
 
     p = sub.add_parser("ping", parents=[common, tos], help="probe an echo server")
     p.add_argument("--dst", required=True, metavar="IP")
-    p.add_argument("--dport", required=True, type=_port)
-    p.add_argument("--sport", type=_port, default=0)
-    p.add_argument("--count", type=_positive_int, default=3)
+    p.add_argument("--dport", required=True, type=argtypes.port)
+    p.add_argument("--sport", type=argtypes.port, default=0)
+    p.add_argument("--count", type=argtypes.positive_int, default=3)
     p.add_argument("--size", type=int, default=64, metavar="PAYLOAD_BYTES")
-    p.add_argument("--timeout-ns", type=_positive_int, metavar="FABRIC_NS",
+    p.add_argument("--timeout-ns", type=argtypes.positive_int, metavar="FABRIC_NS",
                    help="wait this long for each reply (default: 1 s of wall time)")
-    p.add_argument("--interval-ns", type=_nonneg_int, default=0, metavar="FABRIC_NS",
+    p.add_argument("--interval-ns", type=argtypes.nonneg_int, default=0, metavar="FABRIC_NS",
                    help="probe i goes at start + i * interval at the earliest (default 0: "
                         "next probe right after the previous reply or timeout)")
     return parser

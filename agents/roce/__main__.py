@@ -38,6 +38,7 @@ import argparse
 import json
 import sys
 
+from agents import argtypes
 from agents.roce.cc import CC_KINDS
 from agents.roce.perftest import (
     DEFAULT_CONTROL_PORT,
@@ -58,54 +59,12 @@ from agents.wire.roce import ROCE_UDP_PORT
 _DEFAULTS = QpAttrs()
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _dscp(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 63:
-        raise argparse.ArgumentTypeError(f"DSCP must be 0..63, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {value}")
-    return value
-
-
-def _probability(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("test", choices=TESTS, help="the perftest-style test to run")
     common.add_argument("--bind", metavar="IP", help="local address (default: the one the "
                         "route to the peer uses)")
-    common.add_argument("--port", type=_port, default=DEFAULT_CONTROL_PORT,
+    common.add_argument("--port", type=argtypes.port, default=DEFAULT_CONTROL_PORT,
                         help="TCP port of the set-up connection (default %(default)s; server: "
                              "0 picks a free one, named in the ready file)")
     common.add_argument("--mtu", type=int, choices=IB_MTUS, default=_DEFAULTS.mtu,
@@ -116,42 +75,45 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--cc-preset", metavar="NAME",
                         help="DCQCN preset (paper, ns3-rdma, hpcc-ns3; default paper) or DCTCP "
                              "preset (rfc8257, hpcc-ns3; default rfc8257)")
-    common.add_argument("--line-rate-bps", type=_positive_float, default=100e9,
+    common.add_argument("--line-rate-bps", type=argtypes.positive_float, default=100e9,
                         metavar="FABRIC_BPS",
                         help="NIC line rate in fabric bit/s: the pacing rate without CC and "
                              "the ceiling with it (default 100e9)")
-    common.add_argument("--dscp", type=_dscp, default=DEFAULT_DSCP,
+    common.add_argument("--dscp", type=argtypes.dscp, default=DEFAULT_DSCP,
                         help="DSCP of data and ACK packets, sent ECT(0) (default %(default)s)")
-    common.add_argument("--cnp-dscp", type=_dscp, default=CNP_DSCP,
+    common.add_argument("--cnp-dscp", type=argtypes.dscp, default=CNP_DSCP,
                         help="DSCP of CNPs, sent Not-ECT (default %(default)s)")
-    common.add_argument("--cnp-interval-ns", type=_nonneg_int, default=None, metavar="FABRIC_NS",
+    common.add_argument("--cnp-interval-ns", type=argtypes.nonneg_int, default=None,
+                        metavar="FABRIC_NS",
                         help="responder: at most one CNP per QP per this interval (default: "
                              "the DCQCN preset's; DCTCP: every CE packet)")
-    common.add_argument("--window-packets", type=_positive_int, default=_DEFAULTS.window_packets,
+    common.add_argument("--window-packets", type=argtypes.positive_int,
+                        default=_DEFAULTS.window_packets,
                         help="most unacknowledged packets per QP (default %(default)s)")
-    common.add_argument("--ack-every", type=_positive_int, default=_DEFAULTS.ack_every,
+    common.add_argument("--ack-every", type=argtypes.positive_int, default=_DEFAULTS.ack_every,
                         help="responder: one ACK per this many packets at most "
                              "(default %(default)s)")
-    common.add_argument("--ack-req-every", type=_positive_int, default=_DEFAULTS.ack_req_every,
+    common.add_argument("--ack-req-every", type=argtypes.positive_int,
+                        default=_DEFAULTS.ack_req_every,
                         help="requester: AckReq on PSNs that are multiples of this, and on "
                              "the last packet of each message (default %(default)s)")
-    common.add_argument("--timeout-ns", type=_positive_float, default=_DEFAULTS.timeout_ns,
+    common.add_argument("--timeout-ns", type=argtypes.positive_float, default=_DEFAULTS.timeout_ns,
                         metavar="FABRIC_NS", help="local ACK timeout (default %(default)g)")
     common.add_argument("--retry-cnt", type=int, choices=range(8), default=_DEFAULTS.retry_cnt,
                         metavar="0..7", help="retries before the QP errors (default "
                                              "%(default)s)")
-    common.add_argument("--max-burst-bytes", type=_nonneg_int,
+    common.add_argument("--max-burst-bytes", type=argtypes.nonneg_int,
                         default=_DEFAULTS.max_burst_bytes,
                         help="pacing: wire bytes a QP may send back to back to catch up "
                              "(default %(default)s)")
-    common.add_argument("--buffer-bytes", type=_positive_int, default=64 << 20,
+    common.add_argument("--buffer-bytes", type=argtypes.positive_int, default=64 << 20,
                         help="per QP: bytes of message slots (default %(default)s; at least "
                              "one message)")
-    common.add_argument("--spin-ns", type=_nonneg_int, default=SPIN_NS, metavar="WALL_NS",
+    common.add_argument("--spin-ns", type=argtypes.nonneg_int, default=SPIN_NS, metavar="WALL_NS",
                         help="busy-poll this close (wall ns) to the next send or timer instead "
                              "of sleeping; 0 never spins, which many agents on few cores want "
                              "(default %(default)s)")
-    common.add_argument("--dilation", type=_positive_int, default=1,
+    common.add_argument("--dilation", type=argtypes.positive_int, default=1,
                         help="time-dilation factor D: the fabric runs D times slower "
                              "(default 1)")
     common.add_argument("--control-sock", metavar="PATH",
@@ -162,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--out", metavar="FILE", help="also write the final counters JSON here")
     common.add_argument("--wall", action="store_true",
                         help="also print wall-clock units in the table")
-    common.add_argument("--connect-timeout-s", type=_positive_float, default=10.0,
+    common.add_argument("--connect-timeout-s", type=argtypes.positive_float, default=10.0,
                         help="wall seconds to wait for the set-up connection (default "
                              "%(default)s)")
 
@@ -177,29 +139,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check the received data against the client's pattern (the client "
                         "can ask for it too)")
     # a second server in one namespace (tests): another UDP port, told to the client
-    p.add_argument("--roce-port", type=_port, default=ROCE_UDP_PORT, help=argparse.SUPPRESS)
+    p.add_argument("--roce-port", type=argtypes.port, default=ROCE_UDP_PORT, help=argparse.SUPPRESS)
 
     p = sub.add_parser("client", parents=[common], help="run a test against a server")
     p.add_argument("--server", required=True, metavar="IP")
-    p.add_argument("--size", type=_nonneg_int, default=65536, metavar="BYTES",
+    p.add_argument("--size", type=argtypes.nonneg_int, default=65536, metavar="BYTES",
                    help="message size (default %(default)s)")
-    p.add_argument("--qps", type=_positive_int, default=1, help="QPs (default 1)")
+    p.add_argument("--qps", type=argtypes.positive_int, default=1, help="QPs (default 1)")
     stop = p.add_mutually_exclusive_group()
-    stop.add_argument("--iters", type=_positive_int, default=None,
+    stop.add_argument("--iters", type=argtypes.positive_int, default=None,
                       help="messages per QP (default 1000 unless --duration-ns)")
-    stop.add_argument("--duration-ns", type=_positive_int, metavar="FABRIC_NS",
+    stop.add_argument("--duration-ns", type=argtypes.positive_int, metavar="FABRIC_NS",
                       help="post messages for this long, then drain")
-    p.add_argument("--tx-depth", type=_positive_int, default=128,
+    p.add_argument("--tx-depth", type=argtypes.positive_int, default=128,
                    help="messages outstanding per QP (default %(default)s)")
-    p.add_argument("--seed", type=_nonneg_int, default=1, help="data pattern seed")
+    p.add_argument("--seed", type=argtypes.nonneg_int, default=1, help="data pattern seed")
     p.add_argument("--verify", action="store_true",
                    help="ask the server to check the written data byte for byte")
-    p.add_argument("--start-at-mono-ns", type=_nonneg_int, default=0, metavar="MONO_NS",
+    p.add_argument("--start-at-mono-ns", type=argtypes.nonneg_int, default=0, metavar="MONO_NS",
                    help="after set-up, wait until CLOCK_MONOTONIC reaches this (wall ns)")
     p.add_argument("--qpn-base", type=int, default=None, help=argparse.SUPPRESS)
     # test-only loss injection at the client's sender (the kernel here has no netem)
-    p.add_argument("--drop-every", type=_nonneg_int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--drop-prob", type=_probability, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--drop-every", type=argtypes.nonneg_int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--drop-prob", type=argtypes.probability, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--drop-seed", type=int, default=1, help=argparse.SUPPRESS)
     return parser
 

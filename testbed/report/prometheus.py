@@ -10,8 +10,9 @@ is fabric seconds and says so in its name).
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
+
+from testbed.run.rundir import write_atomic
 
 # (metric, type, summary port field, scale, help)
 PORT_METRICS = [
@@ -120,19 +121,4 @@ def prometheus_text(summary: dict, metadata: dict | None = None, incomplete: boo
 
 def write_text_file(out: Path, text: str, mode: int) -> None:
     """Textfile-collector style: write `out.tmp`, then rename it over `out`."""
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            os.fchmod(fh.fileno(), mode)
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomic(out, text, mode)

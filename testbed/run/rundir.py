@@ -38,13 +38,34 @@ def create_run_dir(root: Path, name: str) -> Path:
             path = base.with_name(f"{base.name}-{n}")
 
 
+def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write `path.tmp` with `mode`, flush it to disk, rename it over `path`.
+
+    Readers (and a textfile collector) never see half a file; a crash leaves
+    the old file or none. The `.tmp` name does not end in `.prom`, so
+    Prometheus' textfile collector ignores it.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            os.fchmod(fh.fileno(), mode)
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
 def write_private(path: Path, text: str) -> None:
     """Write a file readable by its owner only, atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    write_atomic(path, text, 0o600)
 
 
 def write_json(path: Path, data: object) -> None:
