@@ -21,6 +21,7 @@ from testbed.plan import PLAN_FORMAT_VERSION, Plan
 from testbed.run import rundir as run_rundir
 from testbed.run.rundir import RUN_FORMAT_VERSION  # summary.json and metadata.json
 from testbed.run.store import STORE_FORMAT_VERSION, Store, StoreVersionError
+from testbed.run.summary import workload_rows
 
 SUMMARY, PLAN, METADATA, COUNTERS = "summary.json", "plan.json", "metadata.json", "counters.sqlite"
 _RUN_DIR_NAME_RE = re.compile(r"^(?P<ts>\d{8}T\d{6}Z)-(?P<name>.+)$")
@@ -224,14 +225,8 @@ def rebuild_summary(run_dir: Path, plan: Plan | None, store: Store | None,
         row["max_queue_bytes"] = int(max_queue.get(key, 0))
         ports.append(row)
 
-    workloads: dict[str, dict] = {}
-    for result in store.results() if store is not None else []:
-        row = dict(result)
-        wname, kind = row.pop("workload"), row.pop("kind")
-        workloads.setdefault(wname, {"name": wname, "kind": kind, "results": []})
-        workloads[wname]["results"].append(row)
-
-    rows = [r for w in workloads.values() for r in w["results"]]
+    workloads = workload_rows(store.results()) if store is not None else []
+    rows = [r for w in workloads for r in w["results"]]
     if any("rx_bytes" in r for r in rows):
         delivered = sum(int(r.get("rx_bytes") or 0) for r in rows)
     else:
@@ -256,7 +251,7 @@ def rebuild_summary(run_dir: Path, plan: Plan | None, store: Store | None,
         "duration_wall_s": round(duration_wall_s, 3),
         "interrupted": True,
         "ports": ports,
-        "workloads": list(workloads.values()),
+        "workloads": workloads,
         "totals": {
             "tx_bytes": sum(p["tx_bytes"] for p in ports),
             "drops": sum(p["drops"] for p in ports),
