@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -537,6 +538,44 @@ def agent_rates(run: RunData) -> dict | None:
     return {"svgs": svgs, "table": table}
 
 
+QP_RATE = re.compile(r"^send\.qp(\d+)\.rc_bps$")
+
+
+def dcqcn_rates(run: RunData) -> dict | None:
+    """DCQCN's current rate Rc of every QP over time (RoCE clients' `send.qp<i>.rc_bps`)."""
+    if run.store is None:
+        return None
+    series: dict[tuple, list[tuple[int, float]]] = {}
+    for counter in run.store.counters():
+        m = QP_RATE.match(counter)
+        if not m:
+            continue
+        for (node, agent, _tc), pts in run.store.series(counter).items():
+            if len(pts) >= 2:
+                series[(agent, node, int(m.group(1)))] = pts
+    if not series:
+        return None
+    ordered = sorted(series, key=lambda k: (natural_key(k[0]), k[2]))
+    x_max = _duration_ns(run, series.values())
+    svgs = []
+    for n, chunk in enumerate(_chunks(ordered, SERIES_PER_PLOT)[:MAX_PLOTS]):
+        svgs.append(plots.line_plot(
+            [Series(f"{k[0]} QP{k[2]}", series[k]) for k in chunk], f"dcqcn{n}",
+            "DCQCN rate Rc per QP" if n == 0 else f"DCQCN rate Rc, QPs {_span(n, chunk)}",
+            "fabric rate (Gb/s)", 1e9, x_max, step=True))
+    cnps = {}
+    for counter in run.store.counters():
+        m = re.match(r"^send\.qp(\d+)\.cnps$", counter)
+        if m:
+            for (node, agent, _tc), value in run.store.last_values(counter).items():
+                cnps[(agent, node, int(m.group(1)))] = value
+    rows = [[k[0], k[1], str(k[2]), fmt_rate(min(v for _, v in series[k])),
+             fmt_rate(series[k][-1][1]), fmt_int(cnps.get(k, 0))] for k in ordered]
+    table = Table(["agent", "node", "QP", "lowest Rc", "final Rc", "CNPs received"], rows,
+                  [False, False, True, True, True, True])
+    return {"svgs": svgs, "table": table}
+
+
 def workloads(run: RunData) -> list[dict]:
     out = []
     for w in run.summary.get("workloads") or []:
@@ -596,6 +635,7 @@ def build_context(run: RunData) -> dict:
         "ecn": ecn(run, idx),
         "pfc": pfc(run, idx),
         "rates": agent_rates(run),
+        "dcqcn": dcqcn_rates(run),
         "workloads": workloads(run),
         "ports": port_totals(run, idx),
         "fidelity": fidelity(run),

@@ -513,3 +513,21 @@ def test_cli_refuses_non_run_dir_and_newer_format(run_dir: Path, tmp_path: Path,
     assert _cli(monkeypatch, ["report", str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert "upgrade to read it" in err and len(err.strip().splitlines()) == 1
+
+
+def test_dcqcn_section_plots_each_qps_rate_only_when_roce_ran(run_dir: Path) -> None:
+    build_report(run_dir)
+    assert "DCQCN rates" not in (run_dir / "report.html").read_text()
+    store = Store(run_dir / "counters.sqlite")
+    # A RoCE client's Rc: line rate, cut twice by CNPs, then recovering.
+    for i, rc in enumerate([100e9, 50e9, 25e9, 37.5e9, 68.75e9]):
+        store.add_samples(i * 10_000, i, [Sample("h1", "roce-h1-h8", -1, "send.qp0.rc_bps", rc),
+                                          Sample("h1", "roce-h1-h8", -1, "send.qp0.cnps", i)])
+    store.close()
+    build_report(run_dir)
+    html = (run_dir / "report.html").read_text()
+    md = (run_dir / "report.md").read_text()
+    assert 'id="dcqcn"' in html and "DCQCN rate Rc per QP" in html
+    assert "## DCQCN rates" in md
+    row = next(line for line in md.splitlines() if "roce-h1-h8" in line and "|" in line)
+    assert "25" in row and "68.75" in row    # lowest and final Rc, Gb/s
