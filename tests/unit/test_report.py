@@ -527,7 +527,8 @@ def test_dcqcn_section_plots_each_qps_rate_only_when_roce_ran(run_dir: Path) -> 
     build_report(run_dir)
     html = (run_dir / "report.html").read_text()
     md = (run_dir / "report.md").read_text()
-    assert 'id="dcqcn"' in html and "DCQCN rate Rc per QP" in html
+    assert 'id="dcqcn"' in html and 'aria-label="DCQCN rate Rc per QP"' in html
+    assert "&lt;svg" not in html          # the plot is markup, not escaped text
     assert "## DCQCN rates" in md
     row = next(line for line in md.splitlines() if "roce-h1-h8" in line and "|" in line)
     assert "25" in row and "68.75" in row    # lowest and final Rc, Gb/s
