@@ -6,7 +6,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := iproute2 iputils-ping clang llvm libbpf-dev tcpdump iperf3 ethtool python3-venv python3-pip
+APT_PACKAGES := iproute2 iputils-ping clang llvm libbpf-dev linux-libc-dev libc6-dev tcpdump iperf3 \
+                ethtool python3-venv python3-pip
 # Packaged on Debian; on Ubuntu bpftool ships in linux-tools and is optional.
 APT_OPTIONAL := bpftool
 # Tests open the HTML report in a headless browser.
