@@ -22,7 +22,7 @@ setup: $(VENV)/.installed $(VENV)/.bpf-built
 
 # The tc-BPF port program, compiled with clang into /var/cache/testbed/bpf.
 $(VENV)/.bpf-built: $(VENV)/.installed $(BPF_SRC)
-	$(PY) -m testbed.net.portprog build
+	$(PY) -c "from testbed.net.portprog import ensure_object; print(ensure_object())"
 	@touch $@
 
 system-deps: $(VENV)/.apt-done
