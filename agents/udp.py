@@ -82,7 +82,7 @@ import time
 from collections.abc import Callable
 
 from agents import argtypes
-from agents.control import SnapshotServer
+from agents.control import SnapshotServer, write_counters
 from agents.timebase import Dilation
 from agents.udp_logic import (
     DEFAULT_MAX_BURST_BYTES,
@@ -195,16 +195,6 @@ def _touch(path: str | None) -> None:
         with open(path, "a"):
             pass
         os.utime(path, None)
-
-
-def _write_out(path: str | None, counters: dict) -> None:
-    if not path:
-        return
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(counters, f, sort_keys=True, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _rates(dilation: Dilation, wire_total: int, wire_first: int, payload_total: int,
@@ -808,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.close()
-    _write_out(args.out, counters)
+    write_counters(args.out, counters)
     print(json.dumps(counters, sort_keys=True, separators=(",", ":")), flush=True)
     return rc
 

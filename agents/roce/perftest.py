@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from agents.control import SnapshotServer
+from agents.control import write_counters as write_out
 from agents.roce.cc import DCTCP_PRESETS, PRESETS, DcqcnNp, make_cc, preset
 from agents.roce.qp import WIRE_OVERHEAD_BYTES, MemoryRegion, QpAttrs, RcQp, WcStatus
 from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
@@ -109,14 +110,6 @@ def _touch(path: str | None, content: dict | None = None) -> None:
     os.replace(tmp, path)
 
 
-def write_out(path: str | None, counters: dict) -> None:
-    if not path:
-        return
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(counters, f, sort_keys=True, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def cc_settings(args) -> tuple[str, str | None]:

@@ -21,7 +21,7 @@ from testbed.plan import PLAN_FORMAT_VERSION, Plan
 from testbed.run import rundir as run_rundir
 from testbed.run.rundir import RUN_FORMAT_VERSION  # summary.json and metadata.json
 from testbed.run.store import STORE_FORMAT_VERSION, Store, StoreVersionError
-from testbed.run.summary import workload_rows
+from testbed.run.summary import totals, workload_rows
 
 SUMMARY, PLAN, METADATA, COUNTERS = "summary.json", "plan.json", "metadata.json", "counters.sqlite"
 _RUN_DIR_NAME_RE = re.compile(r"^(?P<ts>\d{8}T\d{6}Z)-(?P<name>.+)$")
@@ -252,13 +252,7 @@ def rebuild_summary(run_dir: Path, plan: Plan | None, store: Store | None,
         "interrupted": True,
         "ports": ports,
         "workloads": workloads,
-        "totals": {
-            "tx_bytes": sum(p["tx_bytes"] for p in ports),
-            "drops": sum(p["drops"] for p in ports),
-            "ecn_marks": sum(p["ecn_marks"] for p in ports),
-            "pause_frames": sum(p["pause_tx"] for p in ports),
-            "delivered_bytes": delivered,
-        },
+        "totals": totals(ports, delivered),
         "fidelity": fidelity,
         "verdict": None,
         "rebuilt_from_counters": True,

@@ -45,6 +45,17 @@ def workload_rows(results: list[dict]) -> list[dict]:
     return list(out.values())
 
 
+def totals(ports: list[dict], delivered_bytes: int) -> dict:
+    """summary.json's `totals`: sums over every port row, and what receivers got."""
+    return {
+        "tx_bytes": sum(r["tx_bytes"] for r in ports),
+        "drops": sum(r["drops"] for r in ports),
+        "ecn_marks": sum(r["ecn_marks"] for r in ports),
+        "pause_frames": sum(r["pause_tx"] for r in ports),
+        "delivered_bytes": delivered_bytes,
+    }
+
+
 def build_summary(*, name: str, plan: Plan, store: Store, run_dir: str, duration_fabric_ns: int,
                   duration_wall_s: float, interrupted: bool, fidelity: list[str],
                   verdict: dict | None = None, extra: dict | None = None) -> dict:
@@ -62,13 +73,7 @@ def build_summary(*, name: str, plan: Plan, store: Store, run_dir: str, duration
         "interrupted": interrupted,
         "ports": ports,
         "workloads": workloads,
-        "totals": {
-            "tx_bytes": sum(r["tx_bytes"] for r in ports),
-            "drops": sum(r["drops"] for r in ports),
-            "ecn_marks": sum(r["ecn_marks"] for r in ports),
-            "pause_frames": sum(r["pause_tx"] for r in ports),
-            "delivered_bytes": delivered,
-        },
+        "totals": totals(ports, delivered),
         "fidelity": fidelity,
         "verdict": verdict,
         **(extra or {}),
