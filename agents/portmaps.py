@@ -307,31 +307,47 @@ class BpfMap:
 
     def lookup_all(self, flags: int = 0) -> memoryview:
         """Every value, key order, in one BPF_MAP_LOOKUP_BATCH (element calls if unsupported)."""
+        return self.lookup_range(0, self.entries, flags)
+
+    def lookup_range(self, start: int, count: int, flags: int = 0) -> memoryview:
+        """Values of keys start .. start + count - 1, in one BPF_MAP_LOOKUP_BATCH.
+
+        The kernel copies every element a batch covers (~0.15 us each): reading one
+        class's 64 ingress slots instead of the whole 512-slot map is 8x cheaper, and
+        the PFC agent does it for every port on every poll.
+        """
+        if not (0 <= start and count > 0 and start + count <= self.entries):
+            raise ValueError(f"{self.name}: keys {start}..{start + count - 1} outside "
+                             f"0..{self.entries - 1}")
+        size = count * self.value_size
         if self._batch_ok:
             b = self.bpf
             b.clear()
-            struct.pack_into("=QQQQIIQQ", b.attr, 0, 0, ctypes.addressof(self.out_batch),
+            # An array batch continues after the key in_batch points at.
+            self.key.value = start - 1
+            in_batch = ctypes.addressof(self.key) if start else 0
+            struct.pack_into("=QQQQIIQQ", b.attr, 0, in_batch, ctypes.addressof(self.out_batch),
                              ctypes.addressof(self.keys), ctypes.addressof(self.values),
-                             self.entries, self.fd, flags, 0)
-            count = -1
+                             count, self.fd, flags, 0)
+            got = -1
             try:
                 b.call(BPF_MAP_LOOKUP_BATCH, f"MAP_LOOKUP_BATCH {self.name}")
-                count = self.entries
+                got = count
             except OSError as exc:
                 if exc.errno == errno.ENOENT:       # "no more": count says how many came
-                    count = struct.unpack_from("=I", b.attr, 32)[0]
+                    got = struct.unpack_from("=I", b.attr, 32)[0]
                 elif exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, _ENOTSUPP):
                     raise
-            if count == self.entries and (self._batch_checked or
-                                          list(self.keys) == list(range(self.entries))):
+            if got == count and (self._batch_checked or
+                                 list(self.keys[:count]) == list(range(start, start + count))):
                 self._batch_checked = True
-                return memoryview(self.values).cast("B")
+                return memoryview(self.values).cast("B")[:size]
             self._batch_ok = False
-        for key in range(self.entries):
-            value = self.lookup(key, flags)
-            ctypes.memmove(ctypes.addressof(self.values) + key * self.value_size, value,
+        for i in range(count):
+            value = self.lookup(start + i, flags)
+            ctypes.memmove(ctypes.addressof(self.values) + i * self.value_size, value,
                            self.value_size)
-        return memoryview(self.values).cast("B")
+        return memoryview(self.values).cast("B")[:size]
 
 
 # --- counters ----------------------------------------------------------------------------
@@ -351,6 +367,9 @@ class ClassCounters(NamedTuple):
     vq_bytes: int           # virtual queue now (drained up to the read)
     paused: bool
     last_ns: int            # CLOCK_MONOTONIC of the last arrival
+
+
+_INGRESS_ROW = struct.Struct(f"={MAX_INGRESS}Q")
 
 
 class PortMaps:
@@ -401,14 +420,8 @@ class PortMaps:
 
     def ingress_bytes(self, tc: int) -> dict[int, int]:
         """Cumulative wire bytes each ingress ifindex put into class `tc` (0: sent locally)."""
-        rows = self.ingress.lookup_all()
-        base = tc * MAX_INGRESS
-        out = {}
-        for slot in range(MAX_INGRESS):
-            (value,) = struct.unpack_from("=Q", rows, (base + slot) * 8)
-            if value:
-                out[slot] = value
-        return out
+        rows = self.ingress.lookup_range(tc * MAX_INGRESS, MAX_INGRESS)
+        return {slot: value for slot, value in enumerate(_INGRESS_ROW.unpack(rows)) if value}
 
     def read(self) -> dict[int, ClassCounters]:
         states = self.state.lookup_all(BPF_F_LOCK)
@@ -420,24 +433,39 @@ class PortMaps:
             (_lock, _pad, vq_fp, last_ns, paused_seen, packets, nbytes, ect, ce_in, marks,
              would, drops, overflows, max_vq, mark_errors) = row
             paused = False
-            if slot < NUM_TC and vq_fp:
+            if slot < NUM_TC:
                 _l, flag, since, total = PAUSE.unpack_from(pauses, slot * PAUSE.size)
                 paused = flag != 0
-                # as the program would see it at `now`: drain over the un-paused time
-                paused_now = total + now - since if paused and now > since else total
-                active = now - last_ns if now > last_ns else 0
-                if paused_now > paused_seen:
-                    active -= paused_now - paused_seen
-                if active > 0:
-                    vq_fp -= active * rate
-                    if vq_fp < 0:
-                        vq_fp = 0
-            elif slot < NUM_TC:
-                paused = pauses[slot * PAUSE.size + 4] != 0
+                vq_fp = _drained(vq_fp, last_ns, paused_seen, flag, since, total, rate, now)
             out[slot] = ClassCounters(packets, nbytes, ect, ce_in, marks, would, drops,
                                       overflows, max_vq, mark_errors, vq_fp >> FP_SHIFT,
                                       paused, last_ns)
         return out
+
+    def vq_bytes(self, tc: int) -> int:
+        """Class `tc`'s virtual queue now: `read()[tc].vq_bytes` in three element lookups
+        instead of two batches and nine rows (the PFC agent asks for it on every poll)."""
+        row = STATE.unpack(self.state.lookup(tc, BPF_F_LOCK))
+        _l, flag, since, total = PAUSE.unpack(self.pause.lookup(tc, BPF_F_LOCK))
+        rate = PORT_CFG.unpack(self.cfg.lookup(0))[0]
+        return _drained(row[2], row[3], row[4], flag, since, total, rate,
+                        time.monotonic_ns()) >> FP_SHIFT
+
+
+def _drained(vq_fp: int, last_ns: int, paused_seen_ns: int, paused: int, since_ns: int,
+             paused_total_ns: int, rate_fp: int, now_ns: int) -> int:
+    """A class's virtual queue (fixed point) as the program would see it at `now_ns`:
+    drained at the port's rate over the time since its last arrival that was not paused."""
+    if not vq_fp:
+        return 0
+    paused_now = paused_total_ns + now_ns - since_ns if paused and now_ns > since_ns \
+        else paused_total_ns
+    active = now_ns - last_ns if now_ns > last_ns else 0
+    if paused_now > paused_seen_ns:
+        active -= paused_now - paused_seen_ns
+    if active > 0:
+        vq_fp = max(0, vq_fp - active * rate_fp)
+    return vq_fp
 
 
 def _ino(path: Path) -> int:

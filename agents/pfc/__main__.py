@@ -262,9 +262,8 @@ class Agent:
         for port in self.ports:
             if port.maps is None or not port.pfc_classes:
                 continue
-            counters = port.maps.read()
             for tc in port.pfc_classes:
-                depth = counters[tc].vq_bytes
+                depth = port.maps.vq_bytes(tc)
                 totals = port.maps.ingress_bytes(tc)
                 prev = port.last_ingress.get(tc, {})
                 arrivals = {}

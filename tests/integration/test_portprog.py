@@ -588,11 +588,23 @@ def test_batch_and_element_reads_agree(pair):
     pair.configure(paused=True)
     pair.send(count=7, size=300, rate_bps=5_000_000, ecn="ect0")
     batch = portprog.read_counters(pair.handle)
+    batched = portprog.PortMaps(pair.handle.pin_dir)
+    try:
+        ingress = {tc: batched.ingress_bytes(tc) for tc in range(portprog.NUM_TC)}
+    finally:
+        batched.close()
+    # locally sent bytes (ingress slot 0) of the class the packets went to, nothing else
+    assert [tc for tc, rows in ingress.items() if rows] == [TC]
+    assert list(ingress[TC]) == [0] and ingress[TC][0] > 7 * 300
     maps = portprog.PortMaps(pair.handle.pin_dir)        # a second opening, no batch calls
     try:
         for m in maps.maps.values():
             m._batch_ok = False
         assert maps.read() == batch          # paused: the vq does not move between reads
+        assert {tc: maps.ingress_bytes(tc) for tc in range(portprog.NUM_TC)} == ingress
+        assert [maps.vq_bytes(tc) for tc in range(portprog.NUM_TC)] == \
+            [batch[tc].vq_bytes for tc in range(portprog.NUM_TC)]
+        assert batch[TC].vq_bytes > 0
         keys, key = [], None
         while (key := maps.state.next_key_of(key)) is not None:
             keys.append(key)
