@@ -52,7 +52,7 @@ from agents.roce.perftest import (
     write_out,
 )
 from agents.roce.qp import IB_MTUS, QpAttrs
-from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, SPIN_NS, Stopped
+from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, NIC_SNDBUF_BYTES, SPIN_NS, Stopped
 from agents.udp import Lifecycle
 from agents.wire.roce import ROCE_UDP_PORT
 
@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_DEFAULTS.max_burst_bytes,
                         help="pacing: wire bytes a QP may send back to back to catch up "
                              "(default %(default)s)")
+    common.add_argument("--sndbuf-bytes", type=argtypes.nonneg_int, default=NIC_SNDBUF_BYTES,
+                        help="SO_SNDBUF of every RoCE socket (the kernel doubles it): how much "
+                             "may wait in the host NIC's queue before a send blocks. Small, "
+                             "like an RNIC's transmit FIFO: a PFC-paused NIC then holds the "
+                             "QP's data back in memory, where a rate cut still applies, instead "
+                             "of releasing a burst at line rate on resume; 0 keeps the kernel "
+                             "default (default %(default)s: two 4 KB packets)")
     common.add_argument("--buffer-bytes", type=argtypes.positive_int, default=64 << 20,
                         help="per QP: bytes of message slots (default %(default)s; at least "
                              "one message)")

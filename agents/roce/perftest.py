@@ -370,7 +370,8 @@ def _client_qps(local_ip: str, args, life: Lifecycle) -> list[tuple[int, Endpoin
         if sport not in used:
             try:
                 ep = Endpoint(local_ip, sport, dscp=args.dscp, cnp_dscp=args.cnp_dscp,
-                              should_stop=life.should_stop)
+                              should_stop=life.should_stop,
+                              sndbuf_bytes=args.sndbuf_bytes or None)
             except OSError as e:
                 if e.errno != errno.EADDRINUSE:   # taken: try the next QPN
                     raise
@@ -670,7 +671,8 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
         local_ip = args.bind or conn.getsockname()[0]
         peer_ip = conn.getpeername()[0]
         ep = Endpoint(local_ip, args.roce_port, dscp=args.dscp, cnp_dscp=args.cnp_dscp,
-                      should_stop=life.should_stop)
+                      should_stop=life.should_stop,
+                      sndbuf_bytes=args.sndbuf_bytes or None)
         live.endpoints = [ep]
         size, slots, seed = int(hello["size"]), int(hello["slots"]), int(hello["seed"])
         mtu = int(hello["mtu"])

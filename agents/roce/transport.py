@@ -23,7 +23,9 @@ Sockets (FACTS.md, "RoCEv2 on the wire" and "Kernel mechanics"):
   point.
 - Sends BLOCK (SO_SNDTIMEO 100 ms, retried until sent or stopped), so a paused
   port fills the socket buffer and holds the sender back instead of dropping;
-  ENOBUFS is retried after 50 us.
+  ENOBUFS is retried after 50 us. The perftest tool keeps SO_SNDBUF small
+  (NIC_SNDBUF_BYTES): what waits in the NIC's queue is what an RNIC's FIFO holds,
+  and the rest of a paused QP's data stays unsent, under its rate limiter.
 - Receive errors never stop the engine: a datagram `parse_packet` rejects is
   counted per `MalformedReason`; one for an unknown QP or from the wrong peer
   is counted too.
@@ -58,6 +60,7 @@ from agents.wire.roce import (
 __all__ = [
     "CNP_DSCP",
     "DEFAULT_DSCP",
+    "NIC_SNDBUF_BYTES",
     "ROCE_SPORT_BASE",
     "Binding",
     "Endpoint",
@@ -76,6 +79,11 @@ GOLDEN_RATIO_32 = 0x61C88647
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 SEND_TIMEOUT_NS = 100_000_000
+# SO_SNDBUF the perftest tool asks for (the kernel doubles it): with 4 KB packets at most
+# two wait in the NIC's qdisc, as in an RNIC's transmit FIFO. The kernel default (~26
+# packets) let a PFC-paused host park 100+ KB per QP that went out at line rate on
+# resume, past the DCQCN rate limiter (docs/roce.md, "The NIC's queue").
+NIC_SNDBUF_BYTES = 8192
 ENOBUFS_BACKOFF_S = 50e-6
 RECV_BATCH = 64            # datagrams drained per endpoint per step
 SEND_BATCH = 16            # packets per QP per step, at most
