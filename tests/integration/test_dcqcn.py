@@ -6,8 +6,9 @@
     port to h3, TC3) peaks in or near the ECN band (Kmin .. 1.25 Kmax) instead of
     growing to PFC's XOFF, and PFC stays quiet after the first ms.
 (b) The 7:1 incast of configs/examples/dcqcn-{on,off}.yaml (default fabric,
-    PFC on in both, D = 2000, 4 ms): what DCQCN does to PFC pause frames and
-    throughput, over the whole run and over its second half.
+    PFC on in both, D = 2000, 30 ms): with DCQCN, at least 5x fewer PFC pause
+    frames at 90 % of the throughput or better (issue 5's criterion), none in the
+    second half; the host NICs' queues hold a packet or two while paused.
 
 What is measured (fabric units throughout):
 - shares: bytes each server received (`recv.bytes` time series) over the last
@@ -47,7 +48,7 @@ workload:
     - {{name: two, kind: roce_incast, senders: [h1, h2], receiver: h3, duration: {duration_us}us}}
 """
 DURATION_NS = 3_000_000
-INCAST_DURATION_NS = 4_000_000      # configs/examples/dcqcn-{on,off}.yaml
+INCAST_DURATION_NS = 30_000_000     # configs/examples/dcqcn-{on,off}.yaml
 
 
 def _run(text: str, name: str, tmp_path_factory):
@@ -210,12 +211,54 @@ def test_dcqcn_sends_cnps_and_cuts_pause_frames_in_the_7_to_1_incast(incast_on, 
     assert n["late_off"] > 0
     # The start-up of seven line-rate QPs pauses whatever the CC (the first cut comes
     # ~50 us after the first CNP); once DCQCN holds the queue, PFC stays quiet.
-    assert n["late_on"] * 5 <= n["late_off"]
-    assert n["pause_on"] * 2 <= n["pause_off"]
-    # DCQCN's sawtooth (alpha ~ 1 in a run this short: 50 % cuts) costs throughput;
-    # comparable only where both runs kept their rates (a shared VM may not).
+    assert n["late_on"] == 0
+    assert n["pause_on"] * 5 <= n["pause_off"]
+
+
+def test_dcqcn_cuts_pause_frames_5x_at_90_percent_of_the_throughput(incast_on, incast_off):
+    n = _incast_numbers(incast_on, incast_off)
     _skip_unless_kept_up(incast_on, incast_off)
-    assert n["bps_on"] >= 0.7 * n["bps_off"]
+    assert n["pause_on"] * 5 <= n["pause_off"]
+    # DCQCN's sawtooth costs some throughput: alpha starts at 1 (50 % cuts) and falls
+    # with a 12.8 ms time constant, so the first ms lose most (measured ~82 Gb/s in
+    # the first 4 ms, 93-96 after 10 ms, vs 97.7 without CC)
+    assert n["bps_on"] >= 0.9 * n["bps_off"]
+
+
+def test_a_paused_nic_holds_a_packet_or_two_not_the_qps_data(incast_on, incast_off):
+    """The senders' SO_SNDBUF is an RNIC's transmit FIFO: while PFC pauses a host, the
+    QP's data waits unsent (under its rate limiter), not in the NIC's queue."""
+    for plan, run_dir, _summary in (incast_on, incast_off):
+        store = Store(run_dir / "counters.sqlite")
+        try:
+            for host in [f"h{i}" for i in range(1, 8)]:
+                (queue,) = store.series("backlog_bytes", node=host, port="eth0",
+                                        tclass=LOSSLESS).values()
+                assert max(v for _t, v in queue) <= 2 * (4096 + 66), (run_dir.name, host)
+            paused = store.series("paused_ns", node="h1", port="eth0", tclass=LOSSLESS)
+        finally:
+            store.close()
+        if run_dir == incast_off[1]:
+            # h1 really was paused (for most of the run): the bound above was tested
+            (series,) = paused.values()
+            assert series[-1][1] > INCAST_DURATION_NS / 4
+
+
+def test_the_collector_kept_sampling_the_agents_to_the_end(incast_on, incast_off):
+    """Agent counters (per-QP rates, bytes received) reach the end of the run: the
+    PFC agents (real-time priority) leave the collector and the senders CPU."""
+    for _plan, run_dir, _summary in (incast_on, incast_off):
+        store = Store(run_dir / "counters.sqlite")
+        try:
+            received = store.series("recv.bytes")
+        finally:
+            store.close()
+        assert len(received) == 7
+        for key, series in received.items():
+            times = [t for t, _v in series if 0 <= t <= INCAST_DURATION_NS]
+            assert times and max(times) >= 0.95 * INCAST_DURATION_NS, (run_dir.name, key)
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            assert max(gaps) <= INCAST_DURATION_NS / 20, (run_dir.name, key, max(gaps))
 
 
 def _skip_unless_kept_up(*runs) -> None:
@@ -223,16 +266,3 @@ def _skip_unless_kept_up(*runs) -> None:
               if "did not keep up" in note]
     if lagged:
         pytest.skip(f"throughput is not comparable: {lagged[0]}")
-
-
-@pytest.mark.xfail(reason=(
-    "not reached with the DCQCN presets the agents have (measured on this VM: hpcc-ns3, "
-    "4 ms: 3-5.5x fewer pause frames over the run, at 80-85 % of the throughput; paper and "
-    "ns3-rdma collapse to 25-40 %). PFC parks each QP's 128-packet window upstream, the "
-    "bottleneck sits at XOFF while that drains, and 50 % cuts every 50 us overshoot; alpha "
-    "would need ~13 ms (256 x 50 us) to fall. See docs/config.md, 'DCQCN against PFC'"))
-def test_dcqcn_cuts_pause_frames_5x_at_90_percent_of_the_throughput(incast_on, incast_off):
-    n = _incast_numbers(incast_on, incast_off)
-    _skip_unless_kept_up(incast_on, incast_off)
-    assert n["pause_on"] * 5 <= n["pause_off"]
-    assert n["bps_on"] >= 0.9 * n["bps_off"]
