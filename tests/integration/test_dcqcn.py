@@ -228,7 +228,7 @@ def test_dcqcn_cuts_pause_frames_5x_at_90_percent_of_the_throughput(incast_on, i
 def test_a_paused_nic_holds_a_packet_or_two_not_the_qps_data(incast_on, incast_off):
     """The senders' SO_SNDBUF is an RNIC's transmit FIFO: while PFC pauses a host, the
     QP's data waits unsent (under its rate limiter), not in the NIC's queue."""
-    for plan, run_dir, _summary in (incast_on, incast_off):
+    for _plan, run_dir, _summary in (incast_on, incast_off):
         store = Store(run_dir / "counters.sqlite")
         try:
             for host in [f"h{i}" for i in range(1, 8)]:
@@ -257,7 +257,7 @@ def test_the_collector_kept_sampling_the_agents_to_the_end(incast_on, incast_off
         for key, series in received.items():
             times = [t for t, _v in series if 0 <= t <= INCAST_DURATION_NS]
             assert times and max(times) >= 0.95 * INCAST_DURATION_NS, (run_dir.name, key)
-            gaps = [b - a for a, b in zip(times, times[1:])]
+            gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
             assert max(gaps) <= INCAST_DURATION_NS / 20, (run_dir.name, key, max(gaps))
 
 
