@@ -15,8 +15,8 @@ For each: packets/s and Gb/s of payload sent and received (iperf3 loses
 what its receiver cannot keep up with; RoCE resends it), CPU time of the
 sender and the receiver process (from wait4's rusage, user + system), and
 Gb/s per core = received Gb/s over the cores the pair used. Then the ratio
-RoCE / iperf3 of received packets per second. `--profile` reruns the RoCE
-client under cProfile and prints where its time goes.
+RoCE / iperf3 of received packets per second. `--profile` reruns RoCE with
+the client and the server under cProfile and prints where their time goes.
 
     sudo .venv/bin/python bench/transport.py [--seconds 5] [--repeat 1] [--profile]
 """
@@ -127,13 +127,15 @@ def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float = 20) -> Non
         time.sleep(0.02)
 
 
-def roce(link: Link, seconds: float, tmp: Path, profile: Path | None = None) -> dict:
+def roce(link: Link, seconds: float, tmp: Path, profile: Path | None = None,
+         server_profile: Path | None = None) -> dict:
     ready = tmp / "roce.ready"
     ready.unlink(missing_ok=True)
     common = ["--mtu", str(ROCE_MTU), "--cc", "none", "--line-rate-bps", "1e13",
               "--dilation", "1", "--spin-ns", "0", "--timeout-ns", "50e6", "--verify"]
     py = [sys.executable]
-    server = _popen(link.argv(1, *py, "-m", "agents.roce", "server", "write_bw", "--bind",
+    sprof = ["-m", "cProfile", "-o", str(server_profile)] if server_profile else []
+    server = _popen(link.argv(1, *py, *sprof, "-m", "agents.roce", "server", "write_bw", "--bind",
                               ADDR_B, "--ready-file", str(ready), *common))
     try:
         _wait_file(ready, server)
@@ -207,10 +209,10 @@ def median_row(rows: list[dict]) -> dict:
     return out
 
 
-def print_profile(path: Path, top: int = 18) -> None:
+def print_profile(path: Path, who: str, top: int = 18) -> None:
     stats = pstats.Stats(str(path))
     for key, title in (("tottime", "internal time"), ("cumulative", "cumulative time")):
-        print(f"\nRoCE client under cProfile, top {top} by {title}:")
+        print(f"\nRoCE {who} under cProfile, top {top} by {title}:")
         stats.sort_stats(key).print_stats(top)
 
 
@@ -219,7 +221,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="per tool and run (wall)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per tool; medians shown")
     parser.add_argument("--profile", action="store_true",
-                        help="rerun the RoCE client under cProfile and print its top functions")
+                        help="rerun RoCE with client and server under cProfile and print their "
+                             "top functions")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("bench/transport.py needs root (it makes network namespaces)", file=sys.stderr)
@@ -241,9 +244,10 @@ def main() -> int:
               f"{per_core(r) / per_core(i):.0%} of the Gb/s per core (goal: >= 25 % of the "
               "packet rate)")
         if args.profile:
-            prof = tmp / "client.prof"
-            roce(link, min(args.seconds, 3.0), tmp, profile=prof)
-            print_profile(prof)
+            prof, sprof = tmp / "client.prof", tmp / "server.prof"
+            roce(link, min(args.seconds, 3.0), tmp, profile=prof, server_profile=sprof)
+            print_profile(prof, "client")
+            print_profile(sprof, "server")
     return 0
 
 

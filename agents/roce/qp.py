@@ -477,7 +477,7 @@ class RcRequester:
             return None
         if ((snd - self._una) & PSN_MASK) >= self._window:
             return None
-        now = _now(self.clock, now_ns)
+        now = now_ns if now_ns is not None else _now(self.clock, None)
         if self._rnr_until is not None:
             if now < self._rnr_until:
                 return None

