@@ -174,6 +174,11 @@ class LeafQueue:
 
     def read(self) -> tuple[int, int]:
         """(backlog bytes, packets)."""
+        backlog, qlen, _sent, _packets = self.read_all()
+        return backlog, qlen
+
+    def read_all(self) -> tuple[int, int, int, int]:
+        """(backlog bytes, packets, bytes dequeued, packets dequeued)."""
         self.seq += 1
         body = self.TCMSG.pack(0, 0, 0, self.ifindex, 0, 0, 0)
         self.sock.send(self.HDR.pack(16 + len(body), 38, 0x301, self.seq, 0) + body)
@@ -190,14 +195,19 @@ class LeafQueue:
                     found = self._queue(off + 16 + self.TCMSG.size, off + length)
                 off += (length + 3) & ~3
 
-    def _queue(self, off: int, end: int) -> tuple[int, int]:
+    def _queue(self, off: int, end: int) -> tuple[int, int, int, int]:
+        queue = basic = None
         for start, stop, kind in self._attrs(off, end):
             if kind == 7:                                       # TCA_STATS2
                 for s0, _s1, sub in self._attrs(start, stop):
                     if sub == 3:                                # TCA_STATS_QUEUE
                         qlen, backlog = struct.unpack_from("=II", self.buf, s0)
-                        return backlog, qlen
-        raise AssertionError("no queue stats")
+                        queue = (backlog, qlen)
+                    elif sub == 1:                              # TCA_STATS_BASIC
+                        basic = struct.unpack_from("=QI", self.buf, s0)
+        if queue is None or basic is None:
+            raise AssertionError("no queue stats")
+        return (*queue, *basic)
 
     def _attrs(self, off: int, end: int):
         while off + 4 <= end:
@@ -406,7 +416,7 @@ def test_virtual_queue_tracks_the_htb_backlog(pair, leaf, pauses, capsys):
              str(size), "--duration-ns", "1500000000", "--ecn", "notect", "--dscp", str(DSCP),
              "--sndbuf-bytes", "8000000"],
             cwd=REPO, stdout=subprocess.PIPE, text=True)
-        samples = []
+        samples, dequeued = [], []
         t0 = time.monotonic()
         paused, switch_skew, todo = False, 0, list(pauses)
         while sender.poll() is None:
@@ -427,10 +437,11 @@ def test_virtual_queue_tracks_the_htb_backlog(pair, leaf, pauses, capsys):
                 portprog.set_paused(pair.handle, TC, False, now_ns=(t + t2) // 2)
                 switch_skew, paused = max(switch_skew, t2 - t), False
             before = pair.counters().vq_bytes
-            backlog, qlen = leafq.read()
+            backlog, qlen, sent, sent_packets = leafq.read_all()
             after = pair.counters().vq_bytes
             samples.append(((before + after) / 2, backlog + OVERHEAD * qlen, abs(before - after),
                             paused))
+            dequeued.append((time.monotonic_ns(), sent + OVERHEAD * sent_packets))
             time.sleep(0.002)
         sender.stdout.read()
         assert not todo, "sender finished before the pauses were done"
@@ -444,6 +455,22 @@ def test_virtual_queue_tracks_the_htb_backlog(pair, leaf, pauses, capsys):
                    limit=cls.limit_bytes)
         leafq.close()
         ipr.close()
+    # A port the VM's timers left idle while backlogged (a softirq late by ms on this
+    # shared 2-core VM) sends less than its rate, for good: HTB catches up one burst
+    # at most, so the real queue then stays above the fluid vq. Measure that from the
+    # leaf's own dequeue counter (independent of the vq): over every interval that was
+    # backlogged and unpaused at both ends the port owed rate x dt; what it still owes
+    # beyond a burst and a packet is a stall the comparison allows for.
+    owed, stalled = 0.0, []
+    for i, ((_vq, real, _skew, p), (t_ns, sent)) in enumerate(zip(samples, dequeued,
+                                                                  strict=True)):
+        if i and real > w and samples[i - 1][1] > w and not p and not samples[i - 1][3]:
+            dt_ns, got = t_ns - dequeued[i - 1][0], sent - dequeued[i - 1][1]
+            owed = max(0.0, owed + WALL_RATE_BPS / 8 * dt_ns / 1e9 - got)
+        elif real <= w:
+            owed = 0.0
+        stalled.append(max(0.0, owed - BURST - w))
+    samples = [(*s, st) for s, st in zip(samples, stalled, strict=True)]
     busy = [s for s in samples if s[1] > 0 or s[0] > 0]
     if os.environ.get("PORTPROG_DUMP"):
         Path(os.environ["PORTPROG_DUMP"]).write_text(json.dumps(samples))
@@ -466,14 +493,16 @@ def test_virtual_queue_tracks_the_htb_backlog(pair, leaf, pauses, capsys):
         # Two buckets in series at the same rate also let real lag by a burst.
         lead += len(pauses) * (2 * BURST + switch_bytes)
         lag += BURST + switch_bytes
-    outside = [(round(vq - real), round(skew)) for vq, real, skew, _p in busy
-               if not -(lag + skew / 2) <= vq - real <= lead + skew / 2]
-    clean = sorted(vq - real for vq, real, skew, _p in busy if skew <= 1500)
+    outside = [(round(vq - real), round(skew), round(st)) for vq, real, skew, _p, st in busy
+               if not -(lag + st + skew / 2) <= vq - real <= lead + skew / 2]
+    clean = sorted(vq - real for vq, real, skew, _p, _st in busy if skew <= 1500)
+    worst_stall = max(st for *_s, st in busy)
     with capsys.disabled():
         print(f"\n{leaf}: vq - (leaf backlog + {OVERHEAD} B/packet) over {len(clean)} clean "
               f"samples (reads < 1500 B apart), queue up to {peak / 1e3:.0f} KB: "
               f"min {clean[0]:.0f}, median {clean[len(clean) // 2]:.0f}, max {clean[-1]:.0f} B; "
               f"bound [-{lag}, +{lead}] B, {len(outside)} beyond it"
+              + (f"; the port stalled, owing up to {worst_stall:.0f} B" if worst_stall else "")
               + (f"; gate switch up to {switch_skew / 1e3:.0f} us" if gate else ""))
     # A sample now and then lands on a scheduling hiccup of this 2-core VM; 1 % may.
     assert len(outside) <= len(busy) // 100, (
@@ -481,7 +510,7 @@ def test_virtual_queue_tracks_the_htb_backlog(pair, leaf, pauses, capsys):
     if gate:
         # While paused neither queue drains: after the burst that escapes at
         # closing (the first 10 ms), their difference stays put.
-        held = [round(vq - real) for vq, real, skew, p in samples if p and skew <= 100][5:]
+        held = [round(vq - real) for vq, real, skew, p, _st in samples if p and skew <= 100][5:]
         assert len(held) > 20
         assert max(held) - min(held) <= w, f"vq - real moved during the pause: {held}"
 
