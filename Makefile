@@ -10,8 +10,8 @@ APT_PACKAGES := iproute2 iputils-ping clang llvm libbpf-dev linux-libc-dev libc6
                 ethtool python3-venv python3-pip
 # Packaged on Debian; on Ubuntu bpftool ships in linux-tools and is optional.
 APT_OPTIONAL := bpftool
-# Tests open the HTML report in a headless browser.
-TEST_APT_PACKAGES := chromium
+# Tests open the HTML report in a headless browser, and decode RoCE captures with tshark.
+TEST_APT_PACKAGES := chromium tshark
 BENCH_APT_PACKAGES := mininet
 
 .PHONY: setup system-deps test-deps demo test test-unit lint bench clean

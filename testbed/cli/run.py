@@ -10,6 +10,7 @@ import yaml
 from rich.live import Live
 from rich.table import Table
 
+from agents.argtypes import nonneg_int
 from testbed.cli.common import EXIT_OK, CliError, load_and_plan, require_root, wide_console
 from testbed.units import format_rate, format_size
 
@@ -22,6 +23,10 @@ def add_parser(sub):
                    help=f"fabric with a workload, or a suite (default {DEFAULT_CONFIG})")
     p.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")
     p.add_argument("--capture", action="store_true", help="write pcap files of every host NIC")
+    p.add_argument("--capture-snaplen", type=nonneg_int, default=0, metavar="BYTES",
+                   help="with --capture: keep the first BYTES of each frame (default 0: whole "
+                        "frames, so RoCE packets keep their ICRC; 128 keeps the headers of "
+                        "the longest RoCE packet and makes the files ~30x smaller)")
     p.add_argument("--keep", action="store_true", help="leave the fabric up afterwards")
     p.add_argument("--quiet", action="store_true", help="print only the run directory")
     return p
@@ -88,7 +93,8 @@ def run_one(path: str, args) -> int:
                   f"drops={totals.drops} max_queue={format_size(totals.max_backlog_bytes)}",
                   flush=True)
 
-    options = RunOptions(runs_root=Path(args.runs_dir), capture=args.capture, keep_up=args.keep,
+    options = RunOptions(runs_root=Path(args.runs_dir), capture=args.capture,
+                         capture_snaplen=args.capture_snaplen, keep_up=args.keep,
                          budget_bps=budget, say=say, on_sample=on_sample)
     live = Live(console=console, auto_refresh=False, transient=True) if live_ui else None
     if live is not None:

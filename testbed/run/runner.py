@@ -55,6 +55,7 @@ ROCE_LATE_TOLERANCE_NS = 20_000_000
 class RunOptions:
     runs_root: Path = Path("runs")
     capture: bool = False
+    capture_snaplen: int = 0        # bytes kept per frame; 0: whole frames
     keep_up: bool = False
     budget_bps: int | None = None
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
@@ -154,7 +155,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 fidelity.append(f"no port programs ({report.datapath[6:]}): no ECN marking, "
                                 "no virtual queues, no PFC, no PHY loss")
             if options.capture:
-                captures = _start_captures(plan, run_dir)
+                captures = _start_captures(plan, run_dir, options.capture_snaplen)
             fabric_endpoints: list[AgentEndpoint] = []
             if has_pfc(plan):
                 if _has_port_programs(plan):
@@ -300,7 +301,12 @@ def _has_port_programs(plan: Plan) -> bool:
                                                 node.interfaces[0].ifname).exists()
 
 
-def _start_captures(plan: Plan, run_dir: Path) -> list[AgentProcess]:
+def _start_captures(plan: Plan, run_dir: Path, snaplen: int = 0) -> list[AgentProcess]:
+    """tcpdump on every host NIC. Whole frames by default: a RoCE packet's ICRC is its
+    last four bytes, and a truncated capture cannot show it (tcpdump -s 0 = 262144).
+    --immediate-mode: without it libpcap hands packets over a ring block at a time (up
+    to a second late) and tcpdump stopped at the end of a run lost the last block.
+    -Z root: the files stay root's, like the rest of the run directory."""
     pcap = run_dir / "pcap"
     pcap.mkdir(mode=0o700)
     procs = []
@@ -308,7 +314,8 @@ def _start_captures(plan: Plan, run_dir: Path) -> list[AgentProcess]:
         for iface in host.interfaces:
             out = pcap / f"{host.name}-{iface.ifname}.pcap"
             procs.append(start_process(plan.lab, host.netns,
-                                       ["tcpdump", "-q", "-i", iface.ifname, "-s", "256", "-U",
+                                       ["tcpdump", "-q", "--immediate-mode", "-U", "-Z", "root",
+                                        "-i", iface.ifname, "-s", str(snaplen),
                                         "-w", str(out)], f"tcpdump-{host.name}-{iface.ifname}"))
     time.sleep(0.5)   # tcpdump needs a moment before it sees packets
     return procs
