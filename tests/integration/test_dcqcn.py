@@ -1,8 +1,8 @@
 """DCQCN end to end: RoCE QPs, ECN marks, CNPs and PFC on emulated fabrics, via `testbed run`.
 
 (a) Two QPs from h1 and h2 to h3 through one switch port (single switch, D = 1000,
-    3 ms of fabric time, samples every 20 us): their goodput converges to an
-    equal share (within 20 %), CNPs keep flowing, and the bottleneck queue (sw1's
+    10 ms of fabric time, samples every 20 us): their goodput over the last two
+    thirds is an equal share within 20 %, CNPs keep flowing, and the bottleneck queue (sw1's
     port to h3, TC3) peaks in or near the ECN band (Kmin .. 1.25 Kmax) instead of
     growing to PFC's XOFF, and PFC stays quiet after the first ms.
 (b) The 7:1 incast of configs/examples/dcqcn-{on,off}.yaml (default fabric,
@@ -47,7 +47,7 @@ workload:
   traffic:
     - {{name: two, kind: roce_incast, senders: [h1, h2], receiver: h3, duration: {duration_us}us}}
 """
-DURATION_NS = 3_000_000
+DURATION_NS = 10_000_000
 INCAST_DURATION_NS = 30_000_000     # configs/examples/dcqcn-{on,off}.yaml
 # A WRITE FIRST packet at path MTU 4096 as the qdisc counts it (no FCS):
 # Ethernet 14 + IPv4 20 + UDP 8 + BTH 12 + RETH 16 + payload 4096 + ICRC 4.
@@ -120,6 +120,10 @@ def test_two_qps_through_one_bottleneck_converge_to_equal_shares(two_flows):
     print(f"\nshares over {lo / 1e3:.0f}..{hi / 1e3:.0f} us: "
           + ", ".join(f"{n} {s:.3f}" for n, s in shares.items())
           + f"; goodput {[r['gbps'] for r in rows]} Gb/s")
+    # hpcc-ns3 cuts both QPs on the same 50 us ticks while the queue is above Kmin,
+    # which keeps their ratio; only the additive steps (20 Mb/s per 55 us) and the
+    # ticks one of them misses near Kmin even it out. Measured over 3.3..10 ms:
+    # 0.425..0.575 in 14 runs; over 1..3 ms of a 3 ms run up to 0.606.
     for name, share in shares.items():
         assert share == pytest.approx(0.5, rel=0.2), name
 
