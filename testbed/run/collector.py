@@ -25,6 +25,7 @@ from testbed.run.fidelity import PortWatchdog
 from testbed.run.store import Sample, Store
 
 SNAPSHOT_WORKERS = 8
+SNAPSHOT_TIMEOUT_S = 0.2      # wall: a slower agent's sample is skipped (and counted)
 
 
 @dataclass
@@ -34,6 +35,48 @@ class AgentEndpoint:
     sock_path: str
     events_path: str | None = None     # JSON lines the agent appends (PFC events)
     events_offset: int = 0
+    reads: int = 0                     # snapshot requests while its socket existed
+    failed_reads: int = 0              # ... that timed out or returned garbage
+
+
+def read_agent_samples(agent: AgentEndpoint,
+                       timeout_s: float = SNAPSHOT_TIMEOUT_S) -> list[Sample]:
+    """One agent's live snapshot as samples; [] (and a failed read counted) if it does not
+    answer in time. An agent without a socket (not started yet, or gone) is not asked."""
+    if not os.path.exists(agent.sock_path):
+        return []
+    agent.reads += 1
+    try:
+        snap = read_snapshot(agent.sock_path, timeout_s=timeout_s)
+    except FileNotFoundError:
+        agent.reads -= 1                # it exited between the check and the connect
+        return []
+    except (OSError, ValueError):
+        agent.failed_reads += 1
+        return []
+    mode = snap.get("mode", "agent")
+    out = [Sample(agent.node, agent.name, -1, f"{mode}.{k}", float(v))
+           for k, v in snap.items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    # Per (port, class) rows: counters of the node's own ports (PFC), stored
+    # under the same (node, port, tclass) as the kernel's class counters.
+    for row in snap.get("ports", []):
+        port, tc = row.get("port", ""), int(row.get("tclass", -1))
+        out += [Sample(agent.node, port, tc, k, float(v)) for k, v in row.items()
+                if k not in ("port", "tclass") and isinstance(v, int | float)]
+    return out
+
+
+def agent_read_notes(agents: list[AgentEndpoint]) -> list[str]:
+    """A fidelity note when agents did not answer some snapshot requests: their time
+    series have gaps there (a busy agent, or a machine too loaded for this dilation)."""
+    failed = sorted((a for a in agents if a.failed_reads), key=lambda a: -a.failed_reads)
+    if not failed:
+        return []
+    shown = ", ".join(f"{a.name} {a.failed_reads}/{a.reads}" for a in failed[:5])
+    more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+    return [f"{len(failed)} agent(s) did not answer the collector within "
+            f"{SNAPSHOT_TIMEOUT_S:g} s wall for some samples ({shown}{more}): their time "
+            "series have gaps there"]
 
 
 @dataclass
@@ -126,28 +169,10 @@ class Collector:
         """One agent's snapshot as samples (runs on a snapshot thread; its CPU is counted)."""
         cpu0 = time.thread_time_ns()
         try:
-            return self._read_agent(agent)
+            return read_agent_samples(agent)
         finally:
             with self._cpu_lock:
                 self.cpu_ns += time.thread_time_ns() - cpu0
-
-    def _read_agent(self, agent: AgentEndpoint) -> list[Sample]:
-        if not os.path.exists(agent.sock_path):
-            return []
-        try:
-            snap = read_snapshot(agent.sock_path, timeout_s=0.2)
-        except (OSError, ValueError):
-            return []
-        mode = snap.get("mode", "agent")
-        out = [Sample(agent.node, agent.name, -1, f"{mode}.{k}", float(v))
-               for k, v in snap.items() if isinstance(v, int | float) and not isinstance(v, bool)]
-        # Per (port, class) rows: counters of the node's own ports (PFC), stored
-        # under the same (node, port, tclass) as the kernel's class counters.
-        for row in snap.get("ports", []):
-            port, tc = row.get("port", ""), int(row.get("tclass", -1))
-            out += [Sample(agent.node, port, tc, k, float(v)) for k, v in row.items()
-                    if k not in ("port", "tclass") and isinstance(v, int | float)]
-        return out
 
     def _import_events(self, agent: AgentEndpoint) -> None:
         """Copy new complete lines of the agent's event file into the store."""

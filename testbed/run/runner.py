@@ -23,7 +23,7 @@ from testbed.net import apply_plan, destroy_lab
 from testbed.net.probe import probe_report
 from testbed.net.state import LabState
 from testbed.plan.model import Plan
-from testbed.run.collector import AgentEndpoint, Collector, LiveTotals
+from testbed.run.collector import AgentEndpoint, Collector, LiveTotals, agent_read_notes
 from testbed.run.fabric_agents import has_pfc, start_pfc_agents
 from testbed.run.fidelity import base_rtt_shortfall_ns
 from testbed.run.procs import AgentProcess, socket_path, start_agent, start_process
@@ -266,6 +266,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 if collector.late_ticks:
                     fidelity.append(f"the collector fell behind its period "
                                     f"{collector.late_ticks} times (samples are sparser there)")
+                fidelity += agent_read_notes(collector.agents)
             if not options.keep_up:
                 removed = destroy_lab(plan.lab)
                 say(f"down: removed {len(removed)} namespaces")
