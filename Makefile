@@ -27,7 +27,8 @@ $(VENV)/.bpf-built: $(VENV)/.installed $(BPF_SRC)
 
 system-deps: $(VENV)/.apt-done
 
-$(VENV)/.apt-done:
+# The stamps depend on this file: a package added here is installed by the next make.
+$(VENV)/.apt-done: Makefile
 	@if [ "$$(id -u)" != 0 ]; then echo "make: run as root (apt packages, namespaces)"; exit 1; fi
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	 optional=$$(for p in $(APT_OPTIONAL); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -56,7 +57,7 @@ test: setup test-deps
 
 test-deps: $(VENV)/.apt-test-done
 
-$(VENV)/.apt-test-done: $(VENV)/.apt-done
+$(VENV)/.apt-test-done: $(VENV)/.apt-done Makefile
 	@missing=$$(for p in $(TEST_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	 if [ -n "$$missing" ]; then \
 	   echo "installing test packages: $$missing"; \
