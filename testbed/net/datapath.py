@@ -30,9 +30,13 @@ def attach_port_programs(plan: Plan, apply_phy_loss: bool) -> int:
     fallback where sch_netem cannot).
     """
     obj = portprog.ensure_object()
+    portprog.load_programs([portprog.pin_dir_of(plan.lab, node.name, iface.ifname)
+                            for node in plan.nodes for iface in node.interfaces], obj)
     count = 0
     for node in plan.nodes:
         with IPRoute(use_socket=_route_socket(node.netns)) as ipr:
+            # one dump per node instead of a lookup per port
+            index = {link.get_attr("IFLA_IFNAME"): link["index"] for link in ipr.get_links()}
             for iface in node.interfaces:
                 loss = iface.loss_probability
                 if not apply_phy_loss:
@@ -41,7 +45,8 @@ def attach_port_programs(plan: Plan, apply_phy_loss: bool) -> int:
                     loss = 1 - (1 - loss) / (1 - phy) if phy < 1 else loss
                 handle = portprog.attach_port(plan.lab, node.name, node.netns, iface.ifname,
                                               portprog.params_from_egress(iface.egress, loss),
-                                              ipr=ipr, obj=obj)
+                                              ipr=ipr, obj=obj, loaded=True,
+                                              ifindex=index.get(iface.ifname))
                 handle.close()
                 count += 1
     return count

@@ -37,6 +37,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -271,13 +272,57 @@ def _rmtree(path: Path) -> None:
         os.rmdir(path)
 
 
-def _bpftool_load(obj: Path, pin_dir: Path) -> None:
+def _bpftool() -> str:
     bpftool = shutil.which("bpftool")
     if bpftool is None:
         raise PortProgError("bpftool not found, needed to load the port program: "
                             "install bpftool (Debian) or linux-tools (Ubuntu)")
-    argv = [bpftool, "prog", "load", str(obj), str(pin_dir / "prog"), "type", "classifier",
+    return bpftool
+
+
+def _load_args(obj: Path, pin_dir: Path) -> list[str]:
+    return ["prog", "load", str(obj), str(pin_dir / "prog"), "type", "classifier",
             "pinmaps", str(pin_dir / "maps")]
+
+
+def _prepare(pin_dir: Path) -> None:
+    _forget(pin_dir)
+    _rmtree(pin_dir)
+    pin_dir.mkdir(parents=True)
+
+
+def load_programs(pin_dirs: list[Path], obj: Path | None = None) -> None:
+    """Load a fresh program instance into each (emptied) pin dir with ONE `bpftool batch`.
+
+    A bpftool process per port cost ~5 ms, most of it the process; in one batch a load
+    costs ~0.75 ms (320 ports of a 128-host fabric: 0.24 s instead of 1.6 s). bpftool
+    1.1's batch mode can report a stale errno at the end of its file even when every
+    command ran, so success is judged by the pinned programs: any port whose program is
+    missing is loaded again on its own, which reports that port's own error.
+    """
+    if not pin_dirs:
+        return
+    obj = obj or ensure_object()
+    ensure_bpffs()
+    for pin_dir in pin_dirs:
+        _prepare(pin_dir)
+    for pin_dir in pin_dirs:
+        for part in (obj, pin_dir):
+            if any(c.isspace() or c in "\\'\"#" for c in str(part)):
+                raise PortProgError(f"{part}: a path bpftool's batch mode cannot quote")
+    with tempfile.NamedTemporaryFile("w", prefix="tb-bpftool-", suffix=".batch") as batch:
+        batch.write("".join(" ".join(_load_args(obj, d)) + "\n" for d in pin_dirs))
+        batch.flush()
+        subprocess.run([_bpftool(), "batch", "file", batch.name], capture_output=True,
+                       text=True)
+    for pin_dir in pin_dirs:
+        if not (pin_dir / "prog").exists():
+            _prepare(pin_dir)
+            _bpftool_load(obj, pin_dir)
+
+
+def _bpftool_load(obj: Path, pin_dir: Path) -> None:
+    argv = [_bpftool(), *_load_args(obj, pin_dir)]
     res = subprocess.run(argv, capture_output=True, text=True)
     if res.returncode != 0:
         tail = "\n".join(res.stderr.strip().splitlines()[-25:])
@@ -316,26 +361,29 @@ def _attach_tc(netns: str, ifname: str, pin: Path) -> None:
 
 
 def attach_port(lab: str, node: str, netns: str, ifname: str, params: PortParams, *,
-                ipr=None, obj: Path | None = None) -> PortHandle:
+                ipr=None, obj: Path | None = None, loaded: bool = False,
+                ifindex: int | None = None) -> PortHandle:
     """Load a fresh program instance for one port, configure it, attach it at clsact egress.
 
     `ipr` may be an open pyroute2 IPRoute inside `netns` (the builder's), else one
-    is opened. Attaching again replaces the port's program and state.
+    is opened. `loaded`: `load_programs` already loaded this port's instance (the
+    builder loads a whole lab's in one batch). `ifindex`: the port's, if the caller
+    knows it (saves a netlink request). Attaching again replaces the port's program
+    and state.
     """
     params.check()
     pin_dir = pin_dir_of(lab, node, ifname)
-    obj = obj or ensure_object()
-    ensure_bpffs()
-    _forget(pin_dir)
-    _rmtree(pin_dir)
-    pin_dir.mkdir(parents=True)
-    _bpftool_load(obj, pin_dir)
+    if not loaded:
+        obj = obj or ensure_object()
+        ensure_bpffs()
+        _prepare(pin_dir)
+        _bpftool_load(obj, pin_dir)
     maps = PortMaps(pin_dir)
     try:
         maps.write_params(params)
         prog_fd = obj_get(pin_dir / "prog")
         try:
-            method, ifindex = _attach(netns, ifname, prog_fd, pin_dir / "prog", ipr)
+            method, ifindex = _attach(netns, ifname, prog_fd, pin_dir / "prog", ipr, ifindex)
         finally:
             os.close(prog_fd)
     except BaseException:
@@ -345,7 +393,8 @@ def attach_port(lab: str, node: str, netns: str, ifname: str, params: PortParams
     return PortHandle(lab, node, netns, ifname, ifindex, pin_dir, method, maps)
 
 
-def _attach(netns: str, ifname: str, prog_fd: int, pin: Path, ipr) -> tuple[str, int]:
+def _attach(netns: str, ifname: str, prog_fd: int, pin: Path, ipr,
+            ifindex: int | None = None) -> tuple[str, int]:
     from pyroute2 import IPRoute
     from pyroute2.netlink.exceptions import NetlinkError
 
@@ -353,10 +402,11 @@ def _attach(netns: str, ifname: str, prog_fd: int, pin: Path, ipr) -> tuple[str,
     if own:
         ipr = IPRoute(netns=netns)
     try:
-        found = ipr.link_lookup(ifname=ifname)
-        if not found:
-            raise PortProgError(f"no interface {ifname!r} in namespace {netns!r}")
-        ifindex = found[0]
+        if ifindex is None:
+            found = ipr.link_lookup(ifname=ifname)
+            if not found:
+                raise PortProgError(f"no interface {ifname!r} in namespace {netns!r}")
+            ifindex = found[0]
         try:
             _attach_pyroute2(ipr, ifindex, prog_fd)
             return "pyroute2", ifindex

@@ -642,6 +642,31 @@ def test_batch_and_element_reads_agree(pair):
         maps.close()
 
 
+def test_load_programs_loads_a_lab_in_one_batch_and_names_a_port_that_fails(tmp_path):
+    lab = f"bpfbatch{os.getpid()}"
+    dirs = [portprog.pin_dir_of(lab, node, "eth0") for node in ("n1", "n2", "n3")]
+    try:
+        portprog.load_programs(dirs)
+        for d in dirs:
+            maps = portprog.PortMaps(d)             # a full instance: program and maps
+            try:
+                assert (d / "prog").exists() and maps.read()[TC].packets == 0
+            finally:
+                maps.close()
+        # loading again replaces every instance (fresh maps, nothing left over)
+        before = {d: os.stat(d / "maps" / "state").st_ino for d in dirs}
+        portprog.load_programs(dirs)
+        assert all(os.stat(d / "maps" / "state").st_ino != before[d] for d in dirs)
+        # a broken object: the batch loads nothing, the per-port retry says why
+        bad = tmp_path / "bad.o"
+        bad.write_bytes(b"not an ELF file")
+        with pytest.raises(portprog.PortProgError, match="bpftool prog load failed for .*n1"):
+            portprog.load_programs(dirs, bad)
+    finally:
+        portprog.detach_lab(lab)
+    assert not (portprog.PIN_ROOT / lab).exists()
+
+
 def test_detach_lab_works_after_the_attaching_process_was_killed(pair):
     lab = f"bpfkill{os.getpid()}"
     with IPRoute(netns=pair.a) as ipr:      # a spare port, so the fixture's stays as it is
