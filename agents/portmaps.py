@@ -40,12 +40,12 @@ PORT_CFG_FIELDS = ("rate_fp", "overhead_bytes", "default_tc")
 CLASS_CFG = struct.Struct("=5QII")
 CLASS_CFG_FIELDS = ("kmin_bytes", "kmax_bytes", "pmax_fp", "drop_fp", "limit_bytes",
                     "ecn_enabled", "pad")
-PAUSE = struct.Struct("=IIQQ")
-PAUSE_FIELDS = ("lock", "paused", "since_ns", "paused_total_ns")
-STATE = struct.Struct("=II13Q")
+PAUSE = struct.Struct("=IIQQQ")
+PAUSE_FIELDS = ("lock", "paused", "since_ns", "paused_total_ns", "credit_bytes")
+STATE = struct.Struct("=II14Q")
 STATE_FIELDS = ("lock", "pad", "vq_fp", "last_ns", "paused_seen_ns", "packets", "bytes",
                 "ect_packets", "ce_arrivals", "ce_marks", "would_mark", "drops", "vq_overflows",
-                "max_vq_bytes", "mark_errors")
+                "max_vq_bytes", "mark_errors", "credit_seen")
 #: C struct name -> (Python layout, field names), checked against the object's BTF in tests
 LAYOUTS = {
     "port_cfg": (PORT_CFG, PORT_CFG_FIELDS),
@@ -403,14 +403,19 @@ class PortMaps:
             self.class_cfg.update(tc, encode_class_cfg(params.classes.get(tc)))
         self.cfg.update(0, encode_port_cfg(params))
 
-    def set_paused(self, tc: int, paused: bool, now_ns: int | None = None) -> None:
-        _lock, was, since, total = PAUSE.unpack(self.pause.lookup(tc, BPF_F_LOCK))
+    def set_paused(self, tc: int, paused: bool, now_ns: int | None = None,
+                   credit_bytes: int = 0) -> None:
+        """Pause or resume class `tc`'s virtual queue. `credit_bytes`: what the class's
+        gate lets out at once as it changes (a TBF change refills the bucket): the
+        program takes it off the vq, which would otherwise keep it as queued."""
+        _lock, was, since, total, credit = PAUSE.unpack(self.pause.lookup(tc, BPF_F_LOCK))
         if bool(was) == paused:
             return
         now = time.monotonic_ns() if now_ns is None else now_ns
         if was:                     # resuming: the pause that just ended joins the total
             total += max(0, now - since)
-        self.pause.update(tc, PAUSE.pack(0, int(paused), now, total), BPF_F_LOCK)
+        self.pause.update(tc, PAUSE.pack(0, int(paused), now, total, credit + credit_bytes),
+                          BPF_F_LOCK)
 
     def reset(self) -> None:
         """Empty every virtual queue and zero every counter (pause state is kept)."""
@@ -431,12 +436,13 @@ class PortMaps:
         out = {}
         for slot, row in enumerate(STATE.iter_unpack(states)):
             (_lock, _pad, vq_fp, last_ns, paused_seen, packets, nbytes, ect, ce_in, marks,
-             would, drops, overflows, max_vq, mark_errors) = row
+             would, drops, overflows, max_vq, mark_errors, credit_seen) = row
             paused = False
             if slot < NUM_TC:
-                _l, flag, since, total = PAUSE.unpack_from(pauses, slot * PAUSE.size)
+                _l, flag, since, total, credit = PAUSE.unpack_from(pauses, slot * PAUSE.size)
                 paused = flag != 0
-                vq_fp = _drained(vq_fp, last_ns, paused_seen, flag, since, total, rate, now)
+                vq_fp = _drained(vq_fp, last_ns, paused_seen, flag, since, total, rate, now,
+                                 credit - credit_seen)
             out[slot] = ClassCounters(packets, nbytes, ect, ce_in, marks, would, drops,
                                       overflows, max_vq, mark_errors, vq_fp >> FP_SHIFT,
                                       paused, last_ns)
@@ -446,16 +452,17 @@ class PortMaps:
         """Class `tc`'s virtual queue now: `read()[tc].vq_bytes` in three element lookups
         instead of two batches and nine rows (the PFC agent asks for it on every poll)."""
         row = STATE.unpack(self.state.lookup(tc, BPF_F_LOCK))
-        _l, flag, since, total = PAUSE.unpack(self.pause.lookup(tc, BPF_F_LOCK))
+        _l, flag, since, total, credit = PAUSE.unpack(self.pause.lookup(tc, BPF_F_LOCK))
         rate = PORT_CFG.unpack(self.cfg.lookup(0))[0]
         return _drained(row[2], row[3], row[4], flag, since, total, rate,
-                        time.monotonic_ns()) >> FP_SHIFT
+                        time.monotonic_ns(), credit - row[15]) >> FP_SHIFT
 
 
 def _drained(vq_fp: int, last_ns: int, paused_seen_ns: int, paused: int, since_ns: int,
-             paused_total_ns: int, rate_fp: int, now_ns: int) -> int:
+             paused_total_ns: int, rate_fp: int, now_ns: int, credit_bytes: int = 0) -> int:
     """A class's virtual queue (fixed point) as the program would see it at `now_ns`:
-    drained at the port's rate over the time since its last arrival that was not paused."""
+    drained at the port's rate over the time since its last arrival that was not paused,
+    less the gate's credit the program has not taken yet."""
     if not vq_fp:
         return 0
     paused_now = paused_total_ns + now_ns - since_ns if paused and now_ns > since_ns \
@@ -465,6 +472,8 @@ def _drained(vq_fp: int, last_ns: int, paused_seen_ns: int, paused: int, since_n
         active -= paused_now - paused_seen_ns
     if active > 0:
         vq_fp = max(0, vq_fp - active * rate_fp)
+    if credit_bytes > 0:            # after the drain, as the program applies it
+        vq_fp = max(0, vq_fp - (credit_bytes << FP_SHIFT))
     return vq_fp
 
 

@@ -134,7 +134,11 @@ class Gate:
     def set(self, port: Port, tc: int, paused: bool) -> None:
         self._request(self.messages[(port.ifname, tc, paused)])
         if port.maps is not None:
-            port.maps.set_paused(tc, paused)
+            # A TBF change refills the bucket: closing lets out up to one frame,
+            # opening up to a burst, at once. The vq drains at the port rate and
+            # would keep those bytes as queued, a little more each pause.
+            port.maps.set_paused(tc, paused, credit_bytes=port.frame_bytes if paused
+                                 else port.burst_bytes)
         if not paused:
             # A closed TBF left its watchdog armed for when the gate's slow rate
             # would allow the next packet, seconds away; changing the rate back

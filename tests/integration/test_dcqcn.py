@@ -218,7 +218,7 @@ def test_dcqcn_sends_cnps_and_cuts_pause_frames_in_the_7_to_1_incast(incast_on, 
     assert n["late_off"] > 0
     # The start-up of seven line-rate QPs pauses whatever the CC (the first cut comes
     # ~50 us after the first CNP); once DCQCN holds the queue, PFC stays quiet.
-    # (measured 0 vs ~11 500; 1 % allowed for a VM that stalls a sender)
+    # (measured 0 vs ~6 200; 1 % allowed for a VM that stalls a sender)
     assert n["late_on"] * 100 <= n["late_off"]
     assert n["pause_on"] * 5 <= n["pause_off"]
 
@@ -239,17 +239,21 @@ def test_a_paused_nic_holds_a_packet_or_two_not_the_qps_data(incast_on, incast_o
     for _plan, run_dir, _summary in (incast_on, incast_off):
         store = Store(run_dir / "counters.sqlite")
         try:
+            paused_ns = {}
             for host in [f"h{i}" for i in range(1, 8)]:
                 (queue,) = store.series("backlog_bytes", node=host, port="eth0",
                                         tclass=LOSSLESS).values()
                 assert max(v for _t, v in queue) <= 2 * LARGEST_FRAME_BYTES, (run_dir.name, host)
-            paused = store.series("paused_ns", node="h1", port="eth0", tclass=LOSSLESS)
+                (paused,) = store.series("paused_ns", node=host, port="eth0",
+                                         tclass=LOSSLESS).values()
+                paused_ns[host] = paused[-1][1]
         finally:
             store.close()
         if run_dir == incast_off[1]:
-            # h1 really was paused (for most of the run): the bound above was tested
-            (series,) = paused.values()
-            assert series[-1][1] > INCAST_DURATION_NS / 4
+            # leaf2 pauses h5..h7 for most of the run: the bound above was tested.
+            # (h1..h4 are not paused: the spines hold what leaf2 refuses.)
+            assert all(paused_ns[h] > INCAST_DURATION_NS / 4 for h in ("h5", "h6", "h7")), \
+                paused_ns
 
 
 def test_the_collector_kept_sampling_the_agents_to_the_end(incast_on, incast_off):

@@ -63,12 +63,18 @@ struct class_cfg {
  * user space with BPF_F_LOCK. Cumulative paused time at instant t:
  *   P(t) = paused_total_ns + (paused ? t - since_ns : 0)
  * so the program can drain exactly over the un-paused part of any interval,
- * however many pause/resume pairs happened between two packets. */
+ * however many pause/resume pairs happened between two packets.
+ * credit_bytes: cumulative bytes the class's gate let out at once when it was
+ * closed or opened (a TBF change refills its bucket), which a fluid queue
+ * drained at the port rate does not see; the program takes what it has not
+ * seen yet off the vq. Without it a port paused thousands of times ran its vq
+ * up to the class limit while a few KB were really queued. */
 struct pause_state {
 	struct bpf_spin_lock lock;
 	__u32 paused;
 	__u64 since_ns;         /* CLOCK_MONOTONIC of the last change */
 	__u64 paused_total_ns;  /* paused time accumulated before since_ns */
+	__u64 credit_bytes;     /* cumulative; written by user space only */
 };
 
 /* State and counters of one class (pinned map `state`, NUM_SLOTS entries). */
@@ -88,12 +94,13 @@ struct class_state {
 	__u64 vq_overflows;     /* arrivals the leaf limit keeps out of the vq */
 	__u64 max_vq_bytes;     /* largest vq right after an arrival */
 	__u64 mark_errors;      /* bpf_skb_ecn_set_ce refused an ECT packet */
+	__u64 credit_seen;      /* pause.credit_bytes already taken off the vq */
 };
 
 _Static_assert(sizeof(struct port_cfg) == 16, "PORTPROG_PORT_CFG_SIZE");
 _Static_assert(sizeof(struct class_cfg) == 48, "PORTPROG_CLASS_CFG_SIZE");
-_Static_assert(sizeof(struct pause_state) == 24, "PORTPROG_PAUSE_SIZE");
-_Static_assert(sizeof(struct class_state) == 112, "PORTPROG_STATE_SIZE");
+_Static_assert(sizeof(struct pause_state) == 32, "PORTPROG_PAUSE_SIZE");
+_Static_assert(sizeof(struct class_state) == 120, "PORTPROG_STATE_SIZE");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -196,6 +203,7 @@ int port_egress(struct __sk_buff *skb)
 	__u64 paused_now = ps->paused_total_ns;
 	if (ps->paused && now > ps->since_ns)
 		paused_now += now - ps->since_ns;
+	__u64 credit = ps->credit_bytes;
 	bpf_spin_unlock(&ps->lock);
 
 	int mark = 0, shot = 0, queued = 0;
@@ -216,6 +224,14 @@ int port_egress(struct __sk_buff *skb)
 		st->last_ns = now;
 	if (paused_now > st->paused_seen_ns)
 		st->paused_seen_ns = paused_now;
+	if (credit > st->credit_seen) {
+		__u64 dcredit = credit - st->credit_seen;
+		if (dcredit >= (st->vq_fp >> FP_SHIFT))
+			st->vq_fp = 0;
+		else
+			st->vq_fp -= dcredit << FP_SHIFT;
+		st->credit_seen = credit;
+	}
 
 	st->packets += 1;
 	st->bytes += skb->len;
