@@ -1,7 +1,10 @@
 """The fidelity watchdog: did each port deliver its configured rate when it had work?
 
-A port is backlogged over an interval when its class queues held packets at
-both ends of the interval. Over such an interval an HTB port that keeps up
+A port is backlogged over an interval when its class queues held more than
+one HTB burst at both ends of the interval (a packet or two can be a sender's
+own pacing: a host NIC behind a small socket buffer holds two packets while
+its sender waits for ACKs, and is idle in between). Over such an interval an
+HTB port that keeps up
 sends at its wall rate; the watchdog measures the wire bytes it sent (link
 tx bytes plus the per-packet overhead HTB charges) and reports ports whose
 delivered rate fell below `MIN_RATIO` of the plan. Agents' late timers and
@@ -25,6 +28,7 @@ class PortRecord:
     port: str
     wall_rate_bps: int
     overhead_bytes: int
+    burst_bytes: int = 0
     intervals: int = 0
     bits: float = 0.0
     seconds: float = 0.0
@@ -48,7 +52,7 @@ class PortWatchdog:
             for iface in node.interfaces:
                 self.ports[(node.name, iface.ifname)] = PortRecord(
                     node.name, iface.ifname, iface.egress.wall_rate_bps,
-                    iface.egress.overhead_bytes)
+                    iface.egress.overhead_bytes, iface.egress.burst_bytes)
 
     def observe(self, mono_ns: int, samples: list[Sample]) -> None:
         now: dict[tuple[str, str], list[int]] = {}
@@ -75,7 +79,8 @@ class PortWatchdog:
                 paused_wall_s = max(0.0, paused_ns - p_paused) * self.dilation / 1e9
                 if paused_wall_s > 0.1 * dt:
                     dt = 0.0   # paused for a real part of the interval: not judged
-                if p_backlog > 0 and backlog > 0 and dt > 0:
+                deep = rec.burst_bytes
+                if p_backlog > deep and backlog > deep and dt > 0:
                     wire = (tx_bytes - p_bytes) + rec.overhead_bytes * (tx_packets - p_packets)
                     rec.intervals += 1
                     rec.bits += wire * 8

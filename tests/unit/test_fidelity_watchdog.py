@@ -1,0 +1,55 @@
+"""The port watchdog judges a port only over intervals it was really backlogged."""
+
+from __future__ import annotations
+
+from testbed.config import load_config_text
+from testbed.plan import compile_plan
+from testbed.run.fidelity import PortWatchdog
+from testbed.run.store import Sample
+
+CONFIG = """\
+name: wd
+dilation: 1000
+topology: {kind: single_switch, hosts: 2, host_link: {port: 100GBASE-CR1, length: 2m}}
+"""
+PERIOD_NS = 100_000_000     # wall, between samples
+
+
+def _watchdog():
+    plan = compile_plan(load_config_text(CONFIG, "wd.yaml"))
+    iface = plan.node("sw1").interfaces[0]
+    return PortWatchdog(plan), iface.ifname, iface.egress
+
+
+def _feed(wd, port, rate_share: float, backlog_bytes: int, samples: int = 6) -> None:
+    """Samples where sw1:`port` sends `rate_share` of its wall rate with `backlog_bytes`
+    in TC3 at every sample."""
+    rate = wd.ports[("sw1", port)].wall_rate_bps
+    sent = 0
+    for i in range(samples):
+        wd.observe(i * PERIOD_NS, [Sample("sw1", port, -1, "tx_bytes", sent),
+                                   Sample("sw1", port, -1, "tx_packets", 0),
+                                   Sample("sw1", port, 3, "backlog_bytes", backlog_bytes)])
+        sent += int(rate * rate_share * PERIOD_NS / 1e9 / 8)
+
+
+def test_a_deep_queue_sent_slowly_is_a_port_that_did_not_keep_up():
+    wd, port, egress = _watchdog()
+    _feed(wd, port, 0.5, 10 * egress.burst_bytes)
+    (note,) = wd.notes(1000)
+    assert note.startswith(f"port sw1:{port} delivered 50.0 % of its rate")
+
+
+def test_a_packet_or_two_queued_is_not_judged():
+    wd, port, egress = _watchdog()
+    _feed(wd, port, 0.2, 2 * 4170)          # a host NIC behind a small socket buffer
+    assert 2 * 4170 <= egress.burst_bytes
+    assert wd.notes(1000) == []
+    assert wd.ports[("sw1", port)].intervals == 0
+
+
+def test_a_deep_queue_at_line_rate_passes():
+    wd, port, egress = _watchdog()
+    _feed(wd, port, 1.0, 10 * egress.burst_bytes)
+    assert wd.notes(1000) == []
+    assert wd.ports[("sw1", port)].intervals == 5
