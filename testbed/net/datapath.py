@@ -12,7 +12,7 @@ import socket
 
 from pyroute2 import IPRoute
 
-from testbed.net import namespaces, portprog
+from testbed.net import batch, namespaces, portprog
 from testbed.plan.model import Plan
 
 
@@ -34,9 +34,9 @@ def attach_port_programs(plan: Plan, apply_phy_loss: bool) -> int:
                             for node in plan.nodes for iface in node.interfaces], obj)
     count = 0
     for node in plan.nodes:
-        with IPRoute(use_socket=_route_socket(node.netns)) as ipr:
-            # one dump per node instead of a lookup per port
-            index = {link.get_attr("IFLA_IFNAME"): link["index"] for link in ipr.get_links()}
+        sock = _route_socket(node.netns)
+        index = batch.dump_link_indexes(sock, node.name)   # not a lookup per port
+        with IPRoute(use_socket=sock) as ipr:
             for iface in node.interfaces:
                 loss = iface.loss_probability
                 if not apply_phy_loss:

@@ -303,13 +303,12 @@ def load_programs(pin_dirs: list[Path], obj: Path | None = None) -> None:
     if not pin_dirs:
         return
     obj = obj or ensure_object()
+    for part in (obj, *pin_dirs):
+        if any(c.isspace() or c in "\\'\"#" for c in str(part)):
+            raise PortProgError(f"{part}: a path bpftool's batch mode cannot quote")
     ensure_bpffs()
     for pin_dir in pin_dirs:
         _prepare(pin_dir)
-    for pin_dir in pin_dirs:
-        for part in (obj, pin_dir):
-            if any(c.isspace() or c in "\\'\"#" for c in str(part)):
-                raise PortProgError(f"{part}: a path bpftool's batch mode cannot quote")
     with tempfile.NamedTemporaryFile("w", prefix="tb-bpftool-", suffix=".batch") as batch:
         batch.write("".join(" ".join(_load_args(obj, d)) + "\n" for d in pin_dirs))
         batch.flush()

@@ -4,11 +4,10 @@ A port is backlogged over an interval when its class queues held more than
 one HTB burst at both ends of the interval (a packet or two can be a sender's
 own pacing: a host NIC behind a small socket buffer holds two packets while
 its sender waits for ACKs, and is idle in between). Over such an interval an
-HTB port that keeps up
-sends at its wall rate; the watchdog measures the wire bytes it sent (link
-tx bytes plus the per-packet overhead HTB charges) and reports ports whose
-delivered rate fell below `MIN_RATIO` of the plan. Agents' late timers and
-missing kernel features are added by the runner.
+HTB port that keeps up sends at its wall rate; the watchdog measures the wire
+bytes it sent (link tx bytes plus the per-packet overhead HTB charges) and
+reports ports whose delivered rate fell below `MIN_RATIO` of the plan. Agents'
+late timers and missing kernel features are added by the runner.
 """
 
 from __future__ import annotations
@@ -79,8 +78,7 @@ class PortWatchdog:
                 paused_wall_s = max(0.0, paused_ns - p_paused) * self.dilation / 1e9
                 if paused_wall_s > 0.1 * dt:
                     dt = 0.0   # paused for a real part of the interval: not judged
-                deep = rec.burst_bytes
-                if p_backlog > deep and backlog > deep and dt > 0:
+                if min(p_backlog, backlog) > rec.burst_bytes and dt > 0:
                     wire = (tx_bytes - p_bytes) + rec.overhead_bytes * (tx_packets - p_packets)
                     rec.intervals += 1
                     rec.bits += wire * 8
