@@ -39,6 +39,7 @@ import json
 import sys
 
 from agents import argtypes
+from agents.control import write_counters
 from agents.roce.cc import CC_KINDS
 from agents.roce.perftest import (
     DEFAULT_CONTROL_PORT,
@@ -49,7 +50,6 @@ from agents.roce.perftest import (
     run_client,
     run_server,
     snapshot_server,
-    write_out,
 )
 from agents.roce.qp import IB_MTUS, QpAttrs
 from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, NIC_SNDBUF_BYTES, SPIN_NS, Stopped
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.close()
-    write_out(args.out, counters)
+    write_counters(args.out, counters)
     print(json.dumps(counters, sort_keys=True, separators=(",", ":")), flush=True)
     return rc
 

@@ -32,7 +32,6 @@ import time
 import numpy as np
 
 from agents.control import SnapshotServer
-from agents.control import write_counters as write_out
 from agents.roce.cc import DCTCP_PRESETS, PRESETS, DcqcnNp, make_cc, preset
 from agents.roce.qp import WIRE_OVERHEAD_BYTES, MemoryRegion, QpAttrs, RcQp, WcStatus
 from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
@@ -844,4 +843,4 @@ def snapshot_server(path: str | None, live: Live) -> SnapshotServer | None:
 
 
 __all__ = ["CNP_DSCP", "DEFAULT_CONTROL_PORT", "TESTS", "Live", "TestError", "latency_stats",
-           "pattern", "run_client", "run_server", "slots_for", "snapshot_server", "write_out"]
+           "pattern", "run_client", "run_server", "slots_for", "snapshot_server"]

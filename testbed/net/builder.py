@@ -144,14 +144,14 @@ def _build(plan: Plan, report: BuildReport, say: Callable[[str], None]) -> None:
         timer.lap("routes")
 
         say("port programs (ECN marking, virtual queues, PHY loss)")
-        report.datapath = _attach_datapath(plan)
+        report.datapath = _attach_datapath(plan, ifindex)
         timer.lap("port programs")
     finally:
         for sock in sockets.values():
             sock.close()
 
 
-def _attach_datapath(plan: Plan) -> str:
+def _attach_datapath(plan: Plan, ifindex: dict[str, dict[str, int]]) -> str:
     """Step 5: the tc-BPF port program on every port, where this machine can load it.
 
     Without clang or bpftool the fabric still forwards and shapes, but has
@@ -161,7 +161,7 @@ def _attach_datapath(plan: Plan) -> str:
         portprog.ensure_object()
     except portprog.PortProgError as exc:
         return f"none: {exc}"
-    datapath.attach_port_programs(plan, apply_phy_loss=True)
+    datapath.attach_port_programs(plan, apply_phy_loss=True, ifindex=ifindex)
     return "bpf"
 
 

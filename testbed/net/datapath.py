@@ -23,11 +23,13 @@ def _route_socket(netns: str) -> socket.socket:
         return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, socket.NETLINK_ROUTE)
 
 
-def attach_port_programs(plan: Plan, apply_phy_loss: bool) -> int:
+def attach_port_programs(plan: Plan, apply_phy_loss: bool,
+                         ifindex: dict[str, dict[str, int]] | None = None) -> int:
     """Attach and configure the port program on every port; returns the number attached.
 
     `apply_phy_loss`: drop with each link's PHY frame-loss ratio here (the
-    fallback where sch_netem cannot).
+    fallback where sch_netem cannot). `ifindex`: node -> ifname -> ifindex, if
+    the caller has it (the builder dumped every node's links already).
     """
     obj = portprog.ensure_object()
     portprog.load_programs([portprog.pin_dir_of(plan.lab, node.name, iface.ifname)
@@ -35,7 +37,9 @@ def attach_port_programs(plan: Plan, apply_phy_loss: bool) -> int:
     count = 0
     for node in plan.nodes:
         sock = _route_socket(node.netns)
-        index = batch.dump_link_indexes(sock, node.name)   # not a lookup per port
+        index = (ifindex or {}).get(node.name)
+        if index is None:
+            index = batch.dump_link_indexes(sock, node.name)   # not a lookup per port
         with IPRoute(use_socket=sock) as ipr:
             for iface in node.interfaces:
                 loss = iface.loss_probability

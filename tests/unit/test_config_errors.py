@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from testbed.cli import main
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 CASES_DIR = Path("tests/config_errors")           # relative: messages name files as given
 CASES = sorted(p.stem for p in (REPO / CASES_DIR).glob("*.yaml"))
 LINE_RE = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): (?P<loc>\(top level\)|\S+): (?P<msg>.+)$")

@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,8 +51,8 @@ from agents.wire.roce import (
     opcode_info,
     parse_packet,
 )
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
 A_IP, B_IP = "10.0.0.1", "10.0.0.2"
 LINE = 100e9

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from testbed.config.schema import SCHEMA_DIALECT, fabric_schema, schema_text
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO / "configs" / "schema" / "fabric.schema.json"
 MODELINE_RE = re.compile(r"^# yaml-language-server: \$schema=(?P<path>\S+)\s*$")
 REGENERATE = "python -m testbed.config.schema > configs/schema/fabric.schema.json"

@@ -25,8 +25,8 @@ from agents.udp_logic import (
     tos_byte,
     unpack_header,
 )
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
 
 
