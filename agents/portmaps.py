@@ -1,28 +1,38 @@
 """The port program's maps, as user space reads and writes them.
 
 The tc-BPF port program (testbed/net/bpf/port.bpf.c) keeps its
-configuration, pause state, virtual queues and counters in pinned maps.
-This module is the contract with it: the C structs' layouts, the
-fixed-point encodings, and bpf(2) through ctypes (no libbpf in the
-process). It lives with the agents because the PFC agent reads queues
-and sets pause flags through it inside its namespace; `testbed/net/portprog`
-(the only code that compiles, loads and attaches the program) uses it too.
+configuration, queues, buffer accounting and counters in pinned maps. This
+module is the contract with it: the C structs' layouts, the fixed-point
+encodings, and bpf(2) through ctypes (no libbpf in the process). It lives
+with the agents because the PFC agent reads the node's buffer accounting and
+PFC events through it inside its namespace; `testbed/net/portprog` (the only
+code that compiles, loads and attaches the program) uses it too.
 
-Maps are read and written with BPF_OBJ_GET for a pin, MAP_LOOKUP/UPDATE_ELEM
-and MAP_LOOKUP_BATCH to read all classes of a port in one call. Values that
-hold a bpf_spin_lock are read and written with BPF_F_LOCK, so a reader never
-sees a half-updated queue.
+Two scopes of maps:
+- per PORT (`PortMaps`, pins under .../<node>/<ifname>/maps/): `cfg`,
+  `dscp_tc`, `class_cfg`, `state` (per class: admitted and departed bytes,
+  so queue = admitted - departed; counters), `ring` (the FIFO of ingress
+  slots of tracked classes), `port_ingress` (bytes per ingress slot);
+- per NODE (`NodeMaps`, pins under .../<node>/_node/): `node` (the buffer
+  model: mode, shared pool, per-(class, ingress slot) accounting), `node_lock`,
+  `ifslot` (ingress ifindex -> slot), `events` (ring buffer of PFC-relevant
+  transitions), `flow_drops` (drops by flow).
+
+`state`, `port_ingress` and `node` are mmap-able arrays: readers map them once
+and read a queue or an ingress's occupancy from memory, with no syscall. The
+program writes them under the node's spin lock; user space reads without it
+(every field is an aligned u64, so a read may be one packet stale, never torn).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import platform
 import struct
-import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -31,38 +41,83 @@ NUM_TC = 8
 OTHER = NUM_TC              #: read_counters key of non-IPv4 frames (ARP, PFC, IPv6)
 NUM_SLOTS = NUM_TC + 1
 NUM_DSCP = 64
+MAX_SLOTS = 512             #: ingress slots per node; slot 0 is the node's own traffic
+MAX_TRACKED = 2             #: lossless classes with per-ingress accounting per node
+RING = 16384                #: FIFO entries (packet descriptors) per (port, tracked class)
+NO_TRACK = 0xFF
 FP_SHIFT = 32
-FP_ONE = 1 << FP_SHIFT      #: probability 1.0; also 1 byte of vq / 1 byte per ns of rate
+FP_ONE = 1 << FP_SHIFT      #: probability 1.0
+ALPHA_SHIFT = 16            #: node alpha in units of 2^-16
 MAX_THRESHOLD_SPAN = 1 << 31  # kmax - kmin must stay below this (64-bit products in C)
+PAGE = mmap.PAGESIZE
 
-PORT_CFG = struct.Struct("=QII")
-PORT_CFG_FIELDS = ("rate_fp", "overhead_bytes", "default_tc")
-CLASS_CFG = struct.Struct("=5QII")
+MODES = {"none": 0, "static": 1, "shared": 2}
+EV_XOFF, EV_XON, EV_EGRESS_HOT, EV_EGRESS_COOL, EV_DROP = 1, 2, 3, 4, 5
+EVENT_NAMES = {EV_XOFF: "xoff", EV_XON: "xon", EV_EGRESS_HOT: "egress_hot",
+               EV_EGRESS_COOL: "egress_cool", EV_DROP: "drop"}
+F_WANT_PAUSE = 1
+F_HOT = 1
+
+PORT_CFG = struct.Struct("=II")
+PORT_CFG_FIELDS = ("default_tc", "port_slot")
+CLASS_CFG = struct.Struct("=7QII")
 CLASS_CFG_FIELDS = ("kmin_bytes", "kmax_bytes", "pmax_fp", "drop_fp", "limit_bytes",
-                    "ecn_enabled", "pad")
-PAUSE = struct.Struct("=IIQQQ")
-PAUSE_FIELDS = ("lock", "paused", "since_ns", "paused_total_ns", "credit_bytes")
-STATE = struct.Struct("=II14Q")
-STATE_FIELDS = ("lock", "pad", "vq_fp", "last_ns", "paused_seen_ns", "packets", "bytes",
-                "ect_packets", "ce_arrivals", "ce_marks", "would_mark", "drops", "vq_overflows",
-                "max_vq_bytes", "mark_errors", "credit_seen")
+                    "egress_xoff_bytes", "egress_xon_bytes", "ecn_enabled", "pad")
+STATE = struct.Struct("=22Q")
+STATE_FIELDS = ("enq_bytes", "enq_packets", "dep_bytes", "dep_packets", "packets", "bytes",
+                "ect_packets", "ce_arrivals", "ce_marks", "would_mark", "drops", "tail_drops",
+                "mmu_drops", "desc_drops", "max_queue_bytes", "mark_errors", "ring_head",
+                "ring_tail", "dep_mismatch", "dep_unmatched", "flags", "pad")
+INGRESS_ACCT = struct.Struct("=7Q6I")
+INGRESS_ACCT_FIELDS = ("bytes", "hdrm_bytes", "max_bytes", "max_hdrm_bytes", "drops",
+                       "xoff_events", "xon_events", "headroom_bytes", "xoff_bytes", "xon_bytes",
+                       "alpha_fp", "flags", "pad")
+NODE_HEAD = struct.Struct("=II5Q8B4Q")
+NODE_HEAD_FIELDS = ("mode", "alpha_fp", "buffer_bytes", "reserve_bytes", "resume_offset_bytes",
+                    "total_hdrm_bytes", "total_rsrv_bytes", "tracked", "shared_used_bytes",
+                    "max_shared_used_bytes", "events_lost", "pad")
+NODE_SIZE = NODE_HEAD.size + MAX_TRACKED * MAX_SLOTS * INGRESS_ACCT.size
+EVENT = struct.Struct("=QIIIIQ")
+EVENT_FIELDS = ("ts_ns", "kind", "tc", "slot", "port_slot", "bytes")
+FLOW_KEY = struct.Struct("=IIHHBBH")
+FLOW_KEY_FIELDS = ("saddr", "daddr", "sport", "dport", "proto", "tc", "pad")
+FLOW_DROPS = struct.Struct("=4Q")
+FLOW_DROPS_FIELDS = ("phy", "tail", "mmu", "desc")
+RING_SIZE = MAX_TRACKED * RING * 4
+PORT_INGRESS_SIZE = 2 * MAX_TRACKED * MAX_SLOTS * 8
+NODE_LOCK_SIZE = 8
+EVENTS_BYTES = 1 << 16
 #: C struct name -> (Python layout, field names), checked against the object's BTF in tests
+#: (`tracked` is a u8[8] array in C: eight B fields here)
 LAYOUTS = {
     "port_cfg": (PORT_CFG, PORT_CFG_FIELDS),
     "class_cfg": (CLASS_CFG, CLASS_CFG_FIELDS),
-    "pause_state": (PAUSE, PAUSE_FIELDS),
     "class_state": (STATE, STATE_FIELDS),
+    "ingress_acct": (INGRESS_ACCT, INGRESS_ACCT_FIELDS),
+    "event": (EVENT, EVENT_FIELDS),
+    "flow_key": (FLOW_KEY, FLOW_KEY_FIELDS),
+    "flow_drops": (FLOW_DROPS, FLOW_DROPS_FIELDS),
 }
-MAX_INGRESS = 64            #: ingress_ifindex slots per class in the `ingress` map
-#: map name -> (value size, entries); sizes are _Static_assert-ed in the C source too
-MAPS = {
-    "ingress": (8, NUM_TC * MAX_INGRESS),
+#: size of structs without a flat Python layout
+STRUCT_SIZES = {"node_acct": NODE_SIZE, "node_lock": NODE_LOCK_SIZE}
+#: map name -> (value size, entries) of a port's own maps
+PORT_MAPS = {
     "cfg": (PORT_CFG.size, 1),
     "dscp_tc": (4, NUM_DSCP),
     "class_cfg": (CLASS_CFG.size, NUM_TC),
-    "pause": (PAUSE.size, NUM_TC),
     "state": (STATE.size, NUM_SLOTS),
+    "ring": (RING_SIZE, 1),
+    "port_ingress": (PORT_INGRESS_SIZE, 1),
 }
+#: map name -> (value size, entries) of the maps all ports of a node share
+NODE_MAPS = {
+    "node": (NODE_SIZE, 1),
+    "node_lock": (NODE_LOCK_SIZE, 1),
+    "ifslot": (4, MAX_SLOTS),
+    "events": (0, EVENTS_BYTES),
+    "flow_drops": (FLOW_DROPS.size, 4096),
+}
+MAPS = {**PORT_MAPS, **NODE_MAPS}
 
 
 class PortMapError(RuntimeError):
@@ -78,25 +133,24 @@ class ClassParams:
     kmax_bytes: int = 0
     pmax: float | None = None        # None: this class never marks
     drop_probability: float = 0.0    # PHY frame loss or explicit impairment
-    limit_bytes: int = 0             # leaf buffer (arrivals beyond it skip the vq); 0: none
+    limit_bytes: int = 0             # this port's buffer for the class; 0: none (shared pool)
+    egress_xoff_bytes: int = 0       # static mode: a queue this deep pauses its contributors
+    egress_xon_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class PortParams:
-    wall_rate_bps: int
-    overhead_bytes: int = 24
     dscp_to_tc: Mapping[int, int] = field(default_factory=dict)
     default_tc: int = 0
     classes: Mapping[int, ClassParams] = field(default_factory=dict)
+    port_slot: int = 0               # this port's ingress slot at its node (1..)
 
     def problems(self) -> list[str]:
         out = []
-        if self.wall_rate_bps <= 0:
-            out.append(f"wall_rate_bps must be > 0, got {self.wall_rate_bps}")
-        if not 0 <= self.overhead_bytes < 1 << 16:
-            out.append(f"overhead_bytes out of range: {self.overhead_bytes}")
         if not 0 <= self.default_tc < NUM_TC:
             out.append(f"default_tc must be 0..{NUM_TC - 1}, got {self.default_tc}")
+        if not 0 <= self.port_slot < MAX_SLOTS:
+            out.append(f"port_slot must be 0..{MAX_SLOTS - 1}, got {self.port_slot}")
         for dscp, tc in self.dscp_to_tc.items():
             if not 0 <= dscp < NUM_DSCP or not 0 <= tc < NUM_TC:
                 out.append(f"dscp_to_tc[{dscp}] = {tc}: DSCP 0..63 to class 0..7")
@@ -106,8 +160,11 @@ class PortParams:
                 out.append(f"{where}: class must be 0..{NUM_TC - 1}")
             if not 0 <= cls.drop_probability <= 1:
                 out.append(f"{where}.drop_probability must be in [0, 1]")
-            if cls.limit_bytes < 0:
-                out.append(f"{where}.limit_bytes must be >= 0")
+            for name in ("limit_bytes", "egress_xoff_bytes", "egress_xon_bytes"):
+                if getattr(cls, name) < 0:
+                    out.append(f"{where}.{name} must be >= 0")
+            if cls.egress_xon_bytes > cls.egress_xoff_bytes:
+                out.append(f"{where}: egress_xon_bytes above egress_xoff_bytes")
             if cls.pmax is None:
                 continue
             if not 0 <= cls.pmax <= 1:
@@ -125,6 +182,66 @@ class PortParams:
             raise ValueError("invalid port parameters: " + "; ".join(problems))
 
 
+@dataclass(frozen=True)
+class IngressParams:
+    """Thresholds of one (ingress port, tracked class) of a node."""
+
+    headroom_bytes: int = 0          # shared mode: what the ingress may hold above XOFF
+    xoff_bytes: int = 0              # static XOFF (shared mode: of the shared part; 0 there:
+    xon_bytes: int = 0               # the dynamic alpha threshold); static mode 0: never
+    alpha: float = 0.0               # shared, dynamic: 0 takes the node's alpha
+
+
+@dataclass(frozen=True)
+class NodeParams:
+    """The buffer model of a node, shared by all its ports.
+
+    `tracked`: the classes (at most MAX_TRACKED) whose bytes are accounted per
+    ingress port (lossless classes with PFC). `ingress[(tc, slot)]`: thresholds
+    per tracked class and ingress slot. `slots`: ingress ifindex -> slot.
+    """
+
+    mode: str = "none"               # "none" (host), "static" or "shared"
+    tracked: tuple[int, ...] = ()
+    ingress: Mapping[tuple[int, int], IngressParams] = field(default_factory=dict)
+    slots: Mapping[int, int] = field(default_factory=dict)
+    buffer_bytes: int = 0
+    reserve_bytes: int = 0
+    alpha: float = 0.125
+    resume_offset_bytes: int = 0
+    total_hdrm_bytes: int = 0
+    total_rsrv_bytes: int = 0
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.mode not in MODES:
+            out.append(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
+        if len(self.tracked) > MAX_TRACKED or len(set(self.tracked)) != len(self.tracked):
+            out.append(f"at most {MAX_TRACKED} distinct tracked classes, got {self.tracked}")
+        if any(not 0 <= tc < NUM_TC for tc in self.tracked):
+            out.append(f"tracked classes must be 0..{NUM_TC - 1}")
+        for (tc, slot), p in self.ingress.items():
+            if tc not in self.tracked or not 0 < slot < MAX_SLOTS:
+                out.append(f"ingress[{tc}, {slot}]: class not tracked or slot outside "
+                           f"1..{MAX_SLOTS - 1}")
+            if p.xon_bytes > p.xoff_bytes:
+                out.append(f"ingress[{tc}, {slot}]: xon above xoff")
+            for name in ("headroom_bytes", "xoff_bytes", "xon_bytes"):
+                if not 0 <= getattr(p, name) < 1 << 32:
+                    out.append(f"ingress[{tc}, {slot}].{name} must fit in 32 bits")
+        for ifindex, slot in self.slots.items():
+            if ifindex <= 0 or not 0 < slot < MAX_SLOTS:
+                out.append(f"slots[{ifindex}] = {slot}: slot must be 1..{MAX_SLOTS - 1}")
+        if not 0 < self.alpha < (1 << (32 - ALPHA_SHIFT)):
+            out.append(f"alpha must be in (0, {1 << (32 - ALPHA_SHIFT)}), got {self.alpha}")
+        return out
+
+    def check(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid node parameters: " + "; ".join(problems))
+
+
 # --- fixed-point encodings ---------------------------------------------------------------
 
 
@@ -135,39 +252,62 @@ def probability_fp(p: float) -> int:
     return round(p * FP_ONE)
 
 
-def rate_fp(wall_rate_bps: int) -> int:
-    """Wall bits per second as bytes per nanosecond, 32.32 fixed point (rounded)."""
-    return ((wall_rate_bps << FP_SHIFT) + 4_000_000_000) // 8_000_000_000
+def alpha_fp(alpha: float) -> int:
+    """The node's alpha in units of 2^-16 (1/8 -> 8192), as the C side multiplies it."""
+    return round(alpha * (1 << ALPHA_SHIFT))
 
 
-def mark_probability(vq_bytes: int, kmin_bytes: int, kmax_bytes: int, pmax: float) -> float:
-    """Exact probability that the program marks a packet finding `vq_bytes` queued."""
-    if vq_bytes > kmax_bytes:
+def mark_probability(q_bytes: int, kmin_bytes: int, kmax_bytes: int, pmax: float) -> float:
+    """Exact probability that the program marks a packet finding `q_bytes` queued."""
+    if q_bytes > kmax_bytes:
         return 1.0
-    if vq_bytes <= kmin_bytes:
+    if q_bytes <= kmin_bytes:
         return 0.0
-    # hits: r in [0, 2^32) with r * span < pmax_fp * (vq - kmin)
+    # hits: r in [0, 2^32) with r * span < pmax_fp * (q - kmin)
     span = kmax_bytes - kmin_bytes
-    hits = -(-probability_fp(pmax) * (vq_bytes - kmin_bytes) // span)
+    hits = -(-probability_fp(pmax) * (q_bytes - kmin_bytes) // span)
     return min(hits, FP_ONE) / FP_ONE
 
 
+def shared_threshold(buffer_bytes: int, total_hdrm_bytes: int, total_rsrv_bytes: int,
+                     shared_used_bytes: int, alpha: float) -> int:
+    """HPCC's dynamic XOFF threshold as the program computes it: alpha x free shared bytes."""
+    free = max(0, buffer_bytes - total_hdrm_bytes - total_rsrv_bytes - shared_used_bytes)
+    return (free * alpha_fp(alpha)) >> ALPHA_SHIFT
+
+
 def encode_port_cfg(params: PortParams) -> bytes:
-    return PORT_CFG.pack(rate_fp(params.wall_rate_bps), params.overhead_bytes, params.default_tc)
+    return PORT_CFG.pack(params.default_tc, params.port_slot)
 
 
 def encode_class_cfg(cls: ClassParams | None) -> bytes:
     if cls is None:
-        return CLASS_CFG.pack(0, 0, 0, 0, 0, 0, 0)
+        return CLASS_CFG.pack(0, 0, 0, 0, 0, 0, 0, 0, 0)
     ecn = cls.pmax is not None
     return CLASS_CFG.pack(cls.kmin_bytes if ecn else 0, cls.kmax_bytes if ecn else 0,
                           probability_fp(cls.pmax) if ecn else 0,
-                          probability_fp(cls.drop_probability), cls.limit_bytes, int(ecn), 0)
+                          probability_fp(cls.drop_probability), cls.limit_bytes,
+                          cls.egress_xoff_bytes, cls.egress_xon_bytes, int(ecn), 0)
+
+
+def encode_node_head(params: NodeParams) -> bytes:
+    tracked = [NO_TRACK] * NUM_TC
+    for i, tc in enumerate(params.tracked):
+        tracked[tc] = i
+    return NODE_HEAD.pack(MODES[params.mode], alpha_fp(params.alpha), params.buffer_bytes,
+                          params.reserve_bytes, params.resume_offset_bytes,
+                          params.total_hdrm_bytes, params.total_rsrv_bytes, *tracked,
+                          0, 0, 0, 0)
 
 
 def dscp_table(params: PortParams) -> list[int]:
     """Class of every DSCP, the default class filled in where the map is silent."""
     return [params.dscp_to_tc.get(d, params.default_tc) for d in range(NUM_DSCP)]
+
+
+def acct_offset(tracked_index: int, slot: int) -> int:
+    """Byte offset of node.in[tracked_index][slot] in the node map's value."""
+    return NODE_HEAD.size + (tracked_index * MAX_SLOTS + slot) * INGRESS_ACCT.size
 
 
 # --- bpf(2) ------------------------------------------------------------------------------
@@ -250,15 +390,16 @@ class BpfMap:
         self._batch_checked = False
 
     @classmethod
-    def open_pinned(cls, path: Path, value_size: int, entries: int) -> BpfMap:
+    def open_pinned(cls, path: Path, value_size: int, entries: int,
+                    key_size: int = 4) -> BpfMap:
         fd = obj_get(path)
         try:
-            _kind, key_size, got_size, got_entries, name = map_info(fd)
-            if (key_size, got_size, got_entries) != (4, value_size, entries):
+            _kind, got_key, got_size, got_entries, name = map_info(fd)
+            if (got_key, got_size, got_entries) != (key_size, value_size, entries):
                 raise PortMapError(
-                    f"{path}: map has key/value/entries {key_size}/{got_size}/{got_entries}, "
-                    f"this testbed expects 4/{value_size}/{entries}; it was loaded from another "
-                    "version of port.bpf.c - detach the lab and attach again")
+                    f"{path}: map has key/value/entries {got_key}/{got_size}/{got_entries}, "
+                    f"this testbed expects {key_size}/{value_size}/{entries}; it was loaded "
+                    "from another version of port.bpf.c - detach the lab and attach again")
         except BaseException:
             os.close(fd)
             raise
@@ -350,6 +491,72 @@ class BpfMap:
         return memoryview(self.values).cast("B")[:size]
 
 
+# --- mmap-able arrays and the ring buffer ------------------------------------------------
+
+
+class MmapArray:
+    """An mmap-able BPF array (BPF_F_MMAPABLE), mapped once: values read from memory."""
+
+    def __init__(self, fd: int, value_size: int, entries: int, writable: bool = False) -> None:
+        self.stride = (value_size + 7) & ~7
+        self.value_size = value_size
+        self.entries = entries
+        size = -(-self.stride * entries // PAGE) * PAGE
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self.mem = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        self.view = memoryview(self.mem)
+
+    def close(self) -> None:
+        self.view.release()
+        self.mem.close()
+
+
+RINGBUF_BUSY = 1 << 31
+RINGBUF_DISCARD = 1 << 30
+RINGBUF_HDR = 8
+
+
+class RingBuffer:
+    """Consumer of a BPF_MAP_TYPE_RINGBUF: poll its fd (select/epoll) for readability,
+    then `read()` the records that are complete."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        if size & (size - 1) or size % PAGE:
+            raise ValueError(f"ring buffer size {size} is not a power of two of pages")
+        self.fd = fd
+        self.mask = size - 1
+        self.cons = mmap.mmap(fd, PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # producer position page, then the data pages mapped twice (a record that wraps
+        # reads as one piece)
+        self.prod = mmap.mmap(fd, PAGE + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ,
+                              offset=PAGE)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def read(self, limit: int = 1 << 20) -> list[bytes]:
+        out: list[bytes] = []
+        cons = struct.unpack_from("=Q", self.cons, 0)[0]
+        prod = struct.unpack_from("=Q", self.prod, 0)[0]
+        while cons < prod and len(out) < limit:
+            at = PAGE + (cons & self.mask)
+            hdr = struct.unpack_from("=I", self.prod, at)[0]
+            if hdr & RINGBUF_BUSY:
+                break
+            length = hdr & ~(RINGBUF_BUSY | RINGBUF_DISCARD)
+            if not hdr & RINGBUF_DISCARD:
+                out.append(bytes(self.prod[at + RINGBUF_HDR:at + RINGBUF_HDR + length]))
+            cons += (length + RINGBUF_HDR + 7) & ~7
+            struct.pack_into("=Q", self.cons, 0, cons)
+            if cons >= prod:
+                prod = struct.unpack_from("=Q", self.prod, 0)[0]
+        return out
+
+    def close(self) -> None:
+        self.cons.close()
+        self.prod.close()
+
+
 # --- counters ----------------------------------------------------------------------------
 
 
@@ -360,37 +567,119 @@ class ClassCounters(NamedTuple):
     ce_arrivals: int        # arrivals already CE
     ce_marks: int           # ECT -> CE done at this port
     would_mark: int         # non-ECT arrivals the curve picked
-    drops: int              # dropped by drop_probability (never queued)
-    vq_overflows: int       # arrivals beyond limit_bytes (the leaf tail-drops them)
-    max_vq_bytes: int
+    drops: int              # dropped by drop_probability (PHY loss, impairment)
+    tail_drops: int         # refused by the port's limit_bytes
+    mmu_drops: int          # refused by the node's shared buffer
+    desc_drops: int         # refused: the FIFO ring of the class was full
+    max_vq_bytes: int       # largest queue right after an admission
     mark_errors: int
-    vq_bytes: int           # virtual queue now (drained up to the read)
-    paused: bool
-    last_ns: int            # CLOCK_MONOTONIC of the last arrival
+    vq_bytes: int           # the queue now: admitted - departed (frame bytes)
+    vq_packets: int
+    enq_bytes: int          # admitted
+    enq_packets: int
+    dep_bytes: int          # departed: seen at the peer's ingress
+    dep_packets: int
+    dep_mismatch: int       # departures whose length was not their FIFO entry's
+    dep_unmatched: int      # departures with nothing admitted (not counted)
+
+    @property
+    def refused(self) -> int:
+        """Every packet the program dropped: PHY/impairment loss and refused admissions."""
+        return self.drops + self.tail_drops + self.mmu_drops + self.desc_drops
 
 
-_INGRESS_ROW = struct.Struct(f"={MAX_INGRESS}Q")
+def _class_counters(row: tuple) -> ClassCounters:
+    (enq_b, enq_p, dep_b, dep_p, packets, nbytes, ect, ce_in, marks, would, drops, tail, mmu,
+     desc, max_q, mark_err, _head, _tail, mismatch, unmatched, _flags, _pad) = row
+    return ClassCounters(packets, nbytes, ect, ce_in, marks, would, drops, tail, mmu, desc,
+                         max_q, mark_err, max(0, enq_b - dep_b), max(0, enq_p - dep_p),
+                         enq_b, enq_p, dep_b, dep_p, mismatch, unmatched)
+
+
+class IngressAcct(NamedTuple):
+    bytes: int
+    hdrm_bytes: int
+    max_bytes: int
+    max_hdrm_bytes: int
+    drops: int
+    xoff_events: int
+    xon_events: int
+    headroom_bytes: int
+    xoff_bytes: int
+    xon_bytes: int
+    alpha_fp: int
+    flags: int
+    pad: int
+
+    @property
+    def want_pause(self) -> bool:
+        return bool(self.flags & F_WANT_PAUSE)
+
+
+class NodeHead(NamedTuple):
+    mode: str
+    alpha: float
+    buffer_bytes: int
+    reserve_bytes: int
+    resume_offset_bytes: int
+    total_hdrm_bytes: int
+    total_rsrv_bytes: int
+    tracked: tuple[int, ...]        # tracked index -> class
+    shared_used_bytes: int
+    max_shared_used_bytes: int
+    events_lost: int
+
+    def threshold_bytes(self, alpha: float | None = None) -> int:
+        """The shared mode's dynamic XOFF threshold now (the node's alpha by default)."""
+        return shared_threshold(self.buffer_bytes, self.total_hdrm_bytes, self.total_rsrv_bytes,
+                                self.shared_used_bytes, alpha or self.alpha)
+
+
+class Event(NamedTuple):
+    ts_ns: int              # CLOCK_MONOTONIC of the packet that caused it
+    kind: str               # xoff, xon, egress_hot, egress_cool, drop
+    tc: int
+    slot: int               # ingress slot
+    port_slot: int          # egress port's slot
+    bytes: int
+
+
+def decode_event(raw: bytes) -> Event:
+    ts, kind, tc, slot, port_slot, nbytes = EVENT.unpack_from(raw)
+    return Event(ts, EVENT_NAMES.get(kind, str(kind)), tc, slot, port_slot, nbytes)
+
+
+def _open(pin_dir: Path, name: str, size: int, entries: int) -> BpfMap:
+    key_size = FLOW_KEY.size if name == "flow_drops" else 4
+    return BpfMap.open_pinned(pin_dir / name, size, entries, key_size)
 
 
 class PortMaps:
-    """The open maps of one port's program instance."""
+    """The open maps of one port's program instance (pins in `pin_dir`/maps)."""
 
     def __init__(self, pin_dir: Path) -> None:
         self.pin_dir = Path(pin_dir)
         self.maps: dict[str, BpfMap] = {}
+        self.state_mem: MmapArray | None = None
+        self.ingress_mem: MmapArray | None = None
         try:
-            for name, (size, entries) in MAPS.items():
-                self.maps[name] = BpfMap.open_pinned(self.pin_dir / "maps" / name, size, entries)
+            for name, (size, entries) in PORT_MAPS.items():
+                self.maps[name] = _open(self.pin_dir / "maps", name, size, entries)
+            self.state_mem = MmapArray(self.maps["state"].fd, STATE.size, NUM_SLOTS,
+                                       writable=True)
+            self.ingress_mem = MmapArray(self.maps["port_ingress"].fd, PORT_INGRESS_SIZE, 1)
         except BaseException:
             self.close()
             raise
         self.cfg, self.dscp_tc = self.maps["cfg"], self.maps["dscp_tc"]
-        self.class_cfg, self.pause, self.state = (self.maps["class_cfg"], self.maps["pause"],
-                                                  self.maps["state"])
-        self.ingress = self.maps["ingress"]
+        self.class_cfg, self.state = self.maps["class_cfg"], self.maps["state"]
         self.ino = _ino(self.pin_dir / "maps" / "state")
 
     def close(self) -> None:
+        for mem in (self.state_mem, self.ingress_mem):
+            if mem is not None:
+                mem.close()
+        self.state_mem = self.ingress_mem = None
         for m in self.maps.values():
             m.close()
         self.maps.clear()
@@ -403,78 +692,167 @@ class PortMaps:
             self.class_cfg.update(tc, encode_class_cfg(params.classes.get(tc)))
         self.cfg.update(0, encode_port_cfg(params))
 
-    def set_paused(self, tc: int, paused: bool, now_ns: int | None = None,
-                   credit_bytes: int = 0) -> None:
-        """Pause or resume class `tc`'s virtual queue. `credit_bytes`: what the class's
-        gate lets out at once as it changes (a TBF change refills the bucket): the
-        program takes it off the vq, which would otherwise keep it as queued."""
-        _lock, was, since, total, credit = PAUSE.unpack(self.pause.lookup(tc, BPF_F_LOCK))
-        if bool(was) == paused:
-            return
-        now = time.monotonic_ns() if now_ns is None else now_ns
-        if was:                     # resuming: the pause that just ended joins the total
-            total += max(0, now - since)
-        self.pause.update(tc, PAUSE.pack(0, int(paused), now, total, credit + credit_bytes),
-                          BPF_F_LOCK)
-
     def reset(self) -> None:
-        """Empty every virtual queue and zero every counter (pause state is kept)."""
-        zero = bytes(STATE.size)
-        for slot in range(NUM_SLOTS):
-            self.state.update(slot, zero, BPF_F_LOCK)
+        """Zero every queue and counter of the port. Only while no packet moves: the
+        program updates these under the node lock, which user space cannot take."""
+        self.state_mem.view[:NUM_SLOTS * self.state_mem.stride] = bytes(
+            NUM_SLOTS * self.state_mem.stride)
 
-    def ingress_bytes(self, tc: int) -> dict[int, int]:
-        """Cumulative wire bytes each ingress ifindex put into class `tc` (0: sent locally)."""
-        rows = self.ingress.lookup_range(tc * MAX_INGRESS, MAX_INGRESS)
-        return {slot: value for slot, value in enumerate(_INGRESS_ROW.unpack(rows)) if value}
+    def row(self, slot: int) -> tuple:
+        return STATE.unpack_from(self.state_mem.view, slot * self.state_mem.stride)
 
     def read(self) -> dict[int, ClassCounters]:
-        states = self.state.lookup_all(BPF_F_LOCK)
-        pauses = self.pause.lookup_all(BPF_F_LOCK)
-        rate = PORT_CFG.unpack(self.cfg.lookup(0))[0]
-        now = time.monotonic_ns()
-        out = {}
-        for slot, row in enumerate(STATE.iter_unpack(states)):
-            (_lock, _pad, vq_fp, last_ns, paused_seen, packets, nbytes, ect, ce_in, marks,
-             would, drops, overflows, max_vq, mark_errors, credit_seen) = row
-            paused = False
-            if slot < NUM_TC:
-                _l, flag, since, total, credit = PAUSE.unpack_from(pauses, slot * PAUSE.size)
-                paused = flag != 0
-                vq_fp = _drained(vq_fp, last_ns, paused_seen, flag, since, total, rate, now,
-                                 credit - credit_seen)
-            out[slot] = ClassCounters(packets, nbytes, ect, ce_in, marks, would, drops,
-                                      overflows, max_vq, mark_errors, vq_fp >> FP_SHIFT,
-                                      paused, last_ns)
-        return out
+        return {slot: _class_counters(self.row(slot)) for slot in range(NUM_SLOTS)}
 
     def vq_bytes(self, tc: int) -> int:
-        """Class `tc`'s virtual queue now: `read()[tc].vq_bytes` in three element lookups
-        instead of two batches and nine rows (the PFC agent asks for it on every poll)."""
-        row = STATE.unpack(self.state.lookup(tc, BPF_F_LOCK))
-        _l, flag, since, total, credit = PAUSE.unpack(self.pause.lookup(tc, BPF_F_LOCK))
-        rate = PORT_CFG.unpack(self.cfg.lookup(0))[0]
-        return _drained(row[2], row[3], row[4], flag, since, total, rate,
-                        time.monotonic_ns(), credit - row[15]) >> FP_SHIFT
+        """Class `tc`'s queue now (admitted - departed), from memory."""
+        enq, _p, dep = struct.unpack_from("=3Q", self.state_mem.view, tc * self.state_mem.stride)
+        return max(0, enq - dep)
+
+    def hot(self, tc: int) -> bool:
+        """Static mode: the class's egress protection is on (queue reached egress XOFF)."""
+        return bool(self.row(tc)[20] & F_HOT)
+
+    def ingress_queued(self, tracked_index: int) -> dict[int, int]:
+        """Bytes of this port's queue of a tracked class, per ingress slot (slot 0: local)."""
+        view = self.ingress_mem.view
+        row = MAX_SLOTS * 8
+        adm = struct.unpack_from(f"={MAX_SLOTS}Q", view, tracked_index * row)
+        dep = struct.unpack_from(f"={MAX_SLOTS}Q", view, (MAX_TRACKED + tracked_index) * row)
+        return {slot: a - d for slot, (a, d) in enumerate(zip(adm, dep, strict=True)) if a > d}
 
 
-def _drained(vq_fp: int, last_ns: int, paused_seen_ns: int, paused: int, since_ns: int,
-             paused_total_ns: int, rate_fp: int, now_ns: int, credit_bytes: int = 0) -> int:
-    """A class's virtual queue (fixed point) as the program would see it at `now_ns`:
-    drained at the port's rate over the time since its last arrival that was not paused,
-    less the gate's credit the program has not taken yet."""
-    if not vq_fp:
-        return 0
-    paused_now = paused_total_ns + now_ns - since_ns if paused and now_ns > since_ns \
-        else paused_total_ns
-    active = now_ns - last_ns if now_ns > last_ns else 0
-    if paused_now > paused_seen_ns:
-        active -= paused_now - paused_seen_ns
-    if active > 0:
-        vq_fp = max(0, vq_fp - active * rate_fp)
-    if credit_bytes > 0:            # after the drain, as the program applies it
-        vq_fp = max(0, vq_fp - (credit_bytes << FP_SHIFT))
-    return vq_fp
+class NodeMaps:
+    """The maps all ports of a node share (pins in `node_dir`): buffer model, events."""
+
+    def __init__(self, node_dir: Path, events: bool = False) -> None:
+        self.node_dir = Path(node_dir)
+        self.maps: dict[str, BpfMap] = {}
+        self.mem: MmapArray | None = None
+        self.ring: RingBuffer | None = None
+        try:
+            for name, (size, entries) in NODE_MAPS.items():
+                if name == "events":
+                    continue
+                self.maps[name] = _open(self.node_dir, name, size, entries)
+            self.mem = MmapArray(self.maps["node"].fd, NODE_SIZE, 1, writable=True)
+            if events:
+                fd = obj_get(self.node_dir / "events")
+                self.events_fd = fd
+                self.ring = RingBuffer(fd, EVENTS_BYTES)
+        except BaseException:
+            self.close()
+            raise
+        self.ino = _ino(self.node_dir / "node")
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            os.close(self.ring.fd)
+            self.ring = None
+        if self.mem is not None:
+            self.mem.close()
+            self.mem = None
+        for m in self.maps.values():
+            m.close()
+        self.maps.clear()
+
+    def write_params(self, params: NodeParams) -> None:
+        """The node's buffer model and ingress thresholds; counters are kept."""
+        params.check()
+        view = self.mem.view
+        head = encode_node_head(params)
+        cfg_bytes = NODE_HEAD.size - 4 * 8           # the state words after `tracked` stay
+        view[:cfg_bytes] = head[:cfg_bytes]
+        tracked_index = {tc: i for i, tc in enumerate(params.tracked)}
+        cfg_at = 7 * 8                      # headroom, xoff, xon, alpha inside an entry
+        for t in range(MAX_TRACKED):
+            for slot in range(MAX_SLOTS):
+                struct.pack_into("=4I", view, acct_offset(t, slot) + cfg_at, 0, 0, 0, 0)
+        for (tc, slot), p in params.ingress.items():
+            struct.pack_into("=4I", view, acct_offset(tracked_index[tc], slot) + cfg_at,
+                             p.headroom_bytes, p.xoff_bytes, p.xon_bytes,
+                             alpha_fp(p.alpha) if p.alpha else 0)
+        for ifindex, slot in params.slots.items():
+            self.maps["ifslot"].update(ifindex, struct.pack("=I", slot))
+
+    def head(self) -> NodeHead:
+        v = NODE_HEAD.unpack_from(self.mem.view, 0)
+        tracked = tuple(tc for i in range(MAX_TRACKED) for tc in range(NUM_TC)
+                        if v[7 + tc] == i)
+        mode = {n: m for m, n in MODES.items()}.get(v[0], str(v[0]))
+        return NodeHead(mode, v[1] / (1 << ALPHA_SHIFT), v[2], v[3], v[4], v[5], v[6], tracked,
+                        v[15], v[16], v[17])
+
+    def acct(self, tracked_index: int, slot: int) -> IngressAcct:
+        return IngressAcct(*INGRESS_ACCT.unpack_from(self.mem.view,
+                                                     acct_offset(tracked_index, slot)))
+
+    def accts(self, tracked_index: int, slots: int) -> list[IngressAcct]:
+        """Entries of slots 0 .. slots-1 of one tracked class."""
+        return [self.acct(tracked_index, s) for s in range(slots)]
+
+    def reset(self) -> None:
+        """Zero the node's accounting (not its configuration). Only while no packet moves."""
+        view = self.mem.view
+        struct.pack_into("=4Q", view, NODE_HEAD.size - 4 * 8, 0, 0, 0, 0)
+        for t in range(MAX_TRACKED):
+            for slot in range(MAX_SLOTS):
+                struct.pack_into("=7Q", view, acct_offset(t, slot), 0, 0, 0, 0, 0, 0, 0)
+                struct.pack_into("=I", view, acct_offset(t, slot) + 7 * 8 + 16, 0)  # flags
+
+    def events(self) -> list[Event]:
+        if self.ring is None:
+            raise PortMapError("node maps were opened without events=True")
+        return [decode_event(raw) for raw in self.ring.read()]
+
+    def flow_drops(self) -> dict[tuple, tuple[int, int, int, int]]:
+        """Drops by flow: (saddr, daddr, sport, dport, proto, tc) -> (phy, tail, mmu, desc),
+        addresses as dotted strings."""
+        out = {}
+        m = self.maps["flow_drops"]
+        for key in iter_keys(m.fd, FLOW_KEY.size):
+            try:
+                value = lookup_raw(m.fd, key, FLOW_DROPS.size)
+            except OSError:
+                continue
+            saddr, daddr, sport, dport, proto, tc, _ = FLOW_KEY.unpack(key)
+            out[(_ip(saddr), _ip(daddr), sport, dport, proto, tc)] = FLOW_DROPS.unpack(value)
+        return out
+
+
+def _ip(raw: int) -> str:
+    return ".".join(str(b) for b in struct.pack("=I", raw))
+
+
+def iter_keys(fd: int, key_size: int) -> Iterator[bytes]:
+    """Every key of a hash map (BPF_MAP_GET_NEXT_KEY), any key size."""
+    bpf = _Bpf()
+    key = ctypes.create_string_buffer(key_size)
+    nxt = ctypes.create_string_buffer(key_size)
+    first = True
+    for _ in range(1 << 20):
+        bpf.clear()
+        struct.pack_into("=IIQQ", bpf.attr, 0, fd, 0, 0 if first else ctypes.addressof(key),
+                         ctypes.addressof(nxt))
+        try:
+            bpf.call(BPF_MAP_GET_NEXT_KEY, "MAP_GET_NEXT_KEY")
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return
+            raise
+        first = False
+        yield nxt.raw
+        ctypes.memmove(key, nxt, key_size)
+
+
+def lookup_raw(fd: int, key: bytes, value_size: int) -> bytes:
+    bpf = _Bpf()
+    k = ctypes.create_string_buffer(key, len(key))
+    v = ctypes.create_string_buffer(value_size)
+    struct.pack_into("=IIQQQ", bpf.attr, 0, fd, 0, ctypes.addressof(k), ctypes.addressof(v), 0)
+    bpf.call(BPF_MAP_LOOKUP_ELEM, "MAP_LOOKUP_ELEM")
+    return v.raw
 
 
 def _ino(path: Path) -> int:

@@ -3,14 +3,19 @@
 Started inside the node's namespace with `nsenter --net` (not `ip netns
 exec`, which remounts /sys and hides the pinned BPF maps). It
 
-- polls the node's egress queues (the port programs' virtual queues and
-  per-ingress arrival counters) no later than any queue could reach XOFF,
-  attributes each queue to the ingress ports that fed it, and sends real
-  802.1Qbb frames out of those ingress ports: XOFF (65535 quanta, refreshed
-  at half its lifetime while congested), XON (0) on resume;
-- receives PFC frames on every port and pauses that port's egress class:
-  the TBF gate goes to near zero and the virtual queue freezes, until the
-  pause expires or XON arrives;
+- (switches) sleeps on the node's PFC event ring buffer: the port program
+  accounts the buffer per (ingress port, priority) at every packet and posts
+  an event when an ingress crosses its XOFF or XON threshold, or (static
+  mode) when an egress queue reaches its own XOFF (egress protection: every
+  ingress holding bytes in it is paused). The agent sends real 802.1Qbb
+  frames out of those ingress ports at once: XOFF (65535 quanta, refreshed at
+  half its lifetime while the reason lasts), XON (0) when no reason is left.
+  The event only wakes it: the decision is re-read from the node's map, so a
+  lost event (full ring) cannot leave a pause stuck, and a full rescan runs
+  every RESCAN_WALL_NS;
+- receives PFC frames on every port and pauses that port's egress class: its
+  TBF gate closes (agents/pfc/gate.py: nothing leaves), until the pause expires
+  or XON arrives;
 - with `--watchdog-ns`, declares a class paused longer than that stormed and
   forwards it regardless until the pauses stop (what switch OSes ship);
 - serves per-(port, priority) counters on --control-sock and appends every
@@ -35,8 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents.control import SnapshotServer
-from agents.pfc.logic import PauseDecider, PauseTimer, Thresholds, safe_poll_interval_ns
-from agents.portmaps import PortMaps
+from agents.pfc import gate as gates
+from agents.pfc.logic import INGRESS, PauseRequests, PauseTimer, egress_reason
+from agents.portmaps import NodeMaps, PortMaps
 from agents.timebase import Dilation
 from agents.udp import Lifecycle
 from agents.wire import pfc as pfcwire
@@ -44,12 +50,10 @@ from agents.wire import pfc as pfcwire
 SOL_PACKET = 263             # not in Python's socket module
 PACKET_QDISC_BYPASS = 20      # a PFC frame is a MAC control frame: it skips the port's queues
 PIN_ROOT = Path("/sys/fs/bpf/tb")
-# A closed gate (testbed/net/qdisc.py explains the figures): 20 kbit/s with a
-# one-frame bucket, the slowest TBF the kernel accepts for 9 KB frames.
-PAUSED_RATE_BPS = 20_000
+NODE_DIR = "_node"
 NLMSG_ERROR, NLM_F_ACK = 2, 0x4
-MIN_POLL_WALL_NS = 500_000
-MAX_POLL_WALL_NS = 20_000_000
+RESCAN_WALL_NS = 20_000_000   # full rescan of the node's flags (a lost event, new contributors)
+MAX_WAIT_WALL_NS = 20_000_000
 
 
 @dataclass
@@ -64,6 +68,7 @@ class PortCounters:
 class Port:
     ifname: str
     ifindex: int
+    slot: int                          # ingress slot at this node (1..)
     mac: bytes
     peer_node: str
     peer_port: str
@@ -76,38 +81,28 @@ class Port:
     kick: socket.socket                # same port, through its qdisc (see Gate.set)
     maps: PortMaps | None
     counters: dict[int, PortCounters] = field(default_factory=dict)
-    last_ingress: dict[int, dict[int, int]] = field(default_factory=dict)
 
 
 class Gate:
-    """Open and close one egress class: the TBF leaf's rate and the BPF pause flag.
+    """Open and close one egress class's TBF gate (agents/pfc/gate.py).
 
-    The two tc requests of every (port, class) are encoded once, at start, by
-    pyroute2's batch compiler; a pause then costs one raw netlink write and
-    its ack (~20 us of wall time) instead of pyroute2's ~1.5 ms per request,
-    which at D = 2000 is most of a microsecond of fabric time.
+    The two tc requests of every (port, class) are encoded once, at start; a
+    pause then costs one raw netlink write and its ack (~20 us of wall time)
+    instead of pyroute2's ~1.5 ms per request, which at D = 2000 is most of a
+    microsecond of fabric time.
     """
 
     def __init__(self, ports: list[Port]) -> None:
-        from pyroute2 import IPBatch  # a message compiler: it sends nothing
-
         self.messages: dict[tuple[str, int, bool], bytes] = {}
-        ipb = IPBatch()
-        try:
-            for port in ports:
-                for tc, cls in port.pfc_classes.items():
-                    major, minor = cls["classid"].split(":")
-                    leaf = int(cls["leaf_handle"].rstrip(":"), 16) << 16
-                    for paused in (False, True):
-                        rate = PAUSED_RATE_BPS if paused else port.wall_rate_bps
-                        burst = port.frame_bytes if paused else port.burst_bytes
-                        ipb.reset()
-                        ipb.tc("change", "tbf", port.ifindex, leaf,
-                               parent=(int(major, 16) << 16) | int(minor, 16),
-                               rate=f"{rate}bit", burst=burst, limit=cls["limit_bytes"])
-                        self.messages[(port.ifname, tc, paused)] = bytes(ipb.batch)
-        finally:
-            ipb.close()
+        for port in ports:
+            for tc, cls in port.pfc_classes.items():
+                major, minor = cls["classid"].split(":")
+                leaf = int(cls["leaf_handle"].rstrip(":"), 16) << 16
+                opened, closed = gates.tbf_messages(
+                    port.ifindex, leaf, (int(major, 16) << 16) | int(minor, 16),
+                    port.wall_rate_bps, port.burst_bytes, port.frame_bytes, cls["limit_bytes"])
+                self.messages[(port.ifname, tc, False)] = opened
+                self.messages[(port.ifname, tc, True)] = closed
         self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
         self.sock.bind((0, 0))
         self.sock.settimeout(2.0)
@@ -133,19 +128,12 @@ class Gate:
 
     def set(self, port: Port, tc: int, paused: bool) -> None:
         self._request(self.messages[(port.ifname, tc, paused)])
-        if port.maps is not None:
-            # A TBF change refills the bucket: closing lets out up to one frame,
-            # opening up to a burst, at once. The vq drains at the port rate and
-            # would keep those bytes as queued, a little more each pause.
-            port.maps.set_paused(tc, paused, credit_bytes=port.frame_bytes if paused
-                                 else port.burst_bytes)
         if not paused:
-            # A closed TBF left its watchdog armed for when the gate's slow rate
-            # would allow the next packet, seconds away; changing the rate back
-            # does not reschedule the port, and a sender blocked on its full
-            # queue enqueues nothing that would. One frame through the port's
-            # qdisc (a PFC frame that enables no priority: receivers ignore it)
-            # makes it dequeue at once.
+            # A closed TBF left its watchdog armed for when its slow rate would allow
+            # the next packet, seconds away; changing the rate back does not reschedule
+            # the port, and a sender blocked on its full queue enqueues nothing that
+            # would. One frame through the port's qdisc (a PFC frame that enables no
+            # priority: receivers ignore it) makes it dequeue at once.
             port.kick.send(pfcwire.encode(port.mac, {}))
 
     def close(self) -> None:
@@ -164,7 +152,7 @@ def _open_sock(ifname: str, bypass: bool = True) -> socket.socket:
 def load_ports(plan: dict, node: str, lab: str) -> tuple[dict, list[Port]]:
     me = next(n for n in plan["nodes"] if n["name"] == node)
     ports = []
-    for iface in me["interfaces"]:
+    for slot, iface in enumerate(me["interfaces"], start=1):
         egress = iface["egress"]
         pfc_classes = {c["tc"]: c for c in egress["classes"] if c.get("pfc")}
         maps = None
@@ -172,7 +160,7 @@ def load_ports(plan: dict, node: str, lab: str) -> tuple[dict, list[Port]]:
         if pin.exists():
             maps = PortMaps(pin)
         ports.append(Port(
-            ifname=iface["ifname"], ifindex=socket.if_nametoindex(iface["ifname"]),
+            ifname=iface["ifname"], ifindex=socket.if_nametoindex(iface["ifname"]), slot=slot,
             mac=pfcwire.mac_bytes(iface["mac"]), peer_node=iface["peer"]["node"],
             peer_port=iface["peer"]["ifname"], rate_bps=egress["rate_bps"],
             wall_rate_bps=egress["wall_rate_bps"], burst_bytes=egress["burst_bytes"],
@@ -191,38 +179,27 @@ class Agent:
         self.dilation = Dilation(self.plan["dilation"]["factor"])
         self.me, self.ports = load_ports(self.plan, self.node, self.lab)
         self.by_name = {p.ifname: p for p in self.ports}
-        self.by_index = {p.ifindex: p for p in self.ports}
+        self.by_slot = {p.slot: p for p in self.ports}
         self.is_switch = self.me["role"] == "switch"
         self.t0 = time.monotonic_ns()
         self.events = open(args.events, "a", buffering=1) if args.events else None
         self.gate = Gate(self.ports)
         watchdog = args.watchdog_ns if args.watchdog_ns else None
         self.timer = PauseTimer(watchdog_ns=watchdog)
-        thresholds: dict[int, Thresholds] = {}
-        refresh: dict[str, float] = {}
-        # Dynamic mode shares the node's buffer of a priority: every port's share.
-        shared: dict[int, int] = {}
-        for port in self.ports:
-            for tc, cls in port.pfc_classes.items():
-                shared[tc] = shared.get(tc, 0) + cls["limit_bytes"] - cls["pfc"]["headroom_bytes"]
-        for port in self.ports:
-            refresh[port.ifname] = 0.5 * pfcwire.MAX_QUANTA * pfcwire.quantum_ns(port.rate_bps)
-            for tc, cls in port.pfc_classes.items():
-                p = cls["pfc"]
-                thresholds.setdefault(tc, Thresholds(
-                    xoff_bytes=p["xoff_bytes"], xon_bytes=p["xon_bytes"],
-                    headroom_bytes=p["headroom_bytes"], egress_xoff_bytes=p["xoff_bytes"],
-                    egress_xon_bytes=p["xon_bytes"], mode=p.get("mode", "static"),
-                    alpha=p.get("alpha", 0.125), shared_buffer_bytes=shared[tc]))
-        self.decider = PauseDecider(thresholds, refresh)
-        # The fastest any egress queue can fill: every other port sending into
-        # it while it drains nothing (it may be paused itself).
-        total = sum(p.rate_bps for p in self.ports)
-        self.fill_bps = {p.ifname: max(0, total - p.rate_bps) for p in self.ports}
+        refresh = {p.ifname: 0.5 * pfcwire.MAX_QUANTA * pfcwire.quantum_ns(p.rate_bps)
+                   for p in self.ports}
+        self.requests = PauseRequests(refresh)
+        self.tracked: list[int] = list(self.me.get("buffer", {}).get("tracked", []))
+        self.node_maps: NodeMaps | None = None
+        node_dir = PIN_ROOT / self.lab / self.node / NODE_DIR
+        if self.is_switch and self.tracked and node_dir.exists():
+            self.node_maps = NodeMaps(node_dir, events=True)
+        self.hot: dict[tuple[int, int], bool] = {}       # (port slot, tc) -> egress protection
         self.paused_state: dict[tuple[str, int], bool] = {}
-        # (egress, tc) -> (fabric ns, depth) of the last two polls, to estimate
-        # when a queue crossed XOFF between them (for the reaction-time bench).
-        self.depths: dict[tuple[str, int], tuple[float, int, float, int]] = {}
+        self.events_lost_seen = 0
+        self.next_rescan = 0
+        self.rescans = 0
+        self.wakeups = 0
 
     def now_fabric_ns(self) -> float:
         return self.dilation.to_fabric_ns(time.monotonic_ns() - self.t0)
@@ -259,67 +236,78 @@ class Agent:
                      peer_node=port.peer_node, peer_port=port.peer_port, quanta=quanta)
 
     # -- sending pauses ---------------------------------------------------------------
-    def poll(self) -> float:
-        """Observe every egress queue; send XOFF/XON; return the next poll delay (wall ns)."""
-        now = self.now_fabric_ns()
-        delay = float(MAX_POLL_WALL_NS)
-        for port in self.ports:
-            if port.maps is None or not port.pfc_classes:
-                continue
-            for tc in port.pfc_classes:
-                depth = port.maps.vq_bytes(tc)
-                totals = port.maps.ingress_bytes(tc)
-                prev = port.last_ingress.get(tc, {})
-                arrivals = {}
-                for ifindex, total in totals.items():
-                    src = self.by_index.get(ifindex)
-                    if src is not None and total > prev.get(ifindex, 0):
-                        arrivals[src.ifname] = total - prev.get(ifindex, 0)
-                port.last_ingress[tc] = totals
-                self.decider.observe(port.ifname, tc, depth, arrivals)
-                last = self.depths.get((port.ifname, tc))
-                prev_t, prev_d = (last[2], last[3]) if last else (now, depth)
-                self.depths[(port.ifname, tc)] = (prev_t, prev_d, now, depth)
-                xoff = port.pfc_classes[tc]["pfc"]["xoff_bytes"]
-                wait_fabric = safe_poll_interval_ns(depth, xoff, self.fill_bps[port.ifname],
-                                                    0, 1e18)
-                delay = min(delay, self.dilation.to_wall_ns(wait_fabric))
-        for action in self.decider.decide(now):
-            port = self.by_name.get(action.ingress)
-            if port is None or action.priority not in port.pfc_classes:
-                continue
-            crossed = self._crossed_ns_ago(action.ingress, action.priority, now)
-            quanta = pfcwire.MAX_QUANTA if action.xoff else 0
-            port.sock.send(pfcwire.encode(port.mac, {action.priority: quanta}))
-            c = port.counters[action.priority]
-            if action.xoff:
-                c.xoff_tx += 1
-            else:
-                c.xon_tx += 1
-            self.log("pfc_xoff" if action.xoff else "pfc_xon", port.ifname, action.priority,
-                     peer_node=port.peer_node, peer_port=port.peer_port, quanta=quanta,
-                     occupancy_bytes=action.occupancy_bytes, reason=action.reason,
-                     crossed_ns_ago=crossed)
-        return max(MIN_POLL_WALL_NS, min(delay, MAX_POLL_WALL_NS))
+    def _send(self, action, occupancy: int | None = None,
+              crossed_mono_ns: int | None = None) -> None:
+        port = self.by_name.get(action.ingress)
+        if port is None or action.priority not in port.pfc_classes:
+            return
+        quanta = pfcwire.MAX_QUANTA if action.xoff else 0
+        port.sock.send(pfcwire.encode(port.mac, {action.priority: quanta}))
+        c = port.counters[action.priority]
+        if action.xoff:
+            c.xoff_tx += 1
+        else:
+            c.xon_tx += 1
+        crossed = (None if crossed_mono_ns is None else
+                   self.dilation.to_fabric_ns(max(0, time.monotonic_ns() - crossed_mono_ns)))
+        self.log("pfc_xoff" if action.xoff else "pfc_xon", port.ifname, action.priority,
+                 peer_node=port.peer_node, peer_port=port.peer_port, quanta=quanta,
+                 occupancy_bytes=occupancy, reason=action.reason, crossed_ns_ago=crossed)
 
-    def _crossed_ns_ago(self, ingress: str, prio: int, now: float) -> float | None:
-        """Fabric ns since the deepest queue this ingress feeds crossed XOFF (interpolated
-        between the last two polls), or None if no queue it feeds is above XOFF."""
-        best = None
-        for (egress, tc), fifo in self.decider.fifos.items():
-            if tc != prio or ingress not in fifo.by_ingress:
+    def _ingress_flag(self, tc: int, slot: int, now: float, crossed: int | None) -> None:
+        """Make the "ingress" reason of (slot, tc) what the node's map says."""
+        port = self.by_slot.get(slot)
+        if port is None or self.node_maps is None:
+            return
+        acct = self.node_maps.acct(self.tracked.index(tc), slot)
+        action = self.requests.set(port.ifname, tc, INGRESS, acct.want_pause, now)
+        if action:
+            self._send(action, acct.bytes + acct.hdrm_bytes, crossed)
+
+    def _egress_flag(self, tc: int, port_slot: int, now: float, crossed: int | None) -> None:
+        """Static mode: pause every ingress holding bytes in a hot egress queue."""
+        port = self.by_slot.get(port_slot)
+        if port is None or port.maps is None:
+            return
+        hot = port.maps.hot(tc)
+        holders: set[str] = set()
+        if hot:
+            queued = port.maps.ingress_queued(self.tracked.index(tc))
+            holders = {self.by_slot[s].ifname for s in queued if s in self.by_slot}
+        self.hot[(port_slot, tc)] = hot
+        for action in self.requests.replace(egress_reason(port.ifname), tc, holders, now):
+            self._send(action, port.maps.vq_bytes(tc), crossed)
+
+    def on_events(self) -> None:
+        """Wake-up by the ring buffer: re-read what each event names, act on it."""
+        self.wakeups += 1
+        now = self.now_fabric_ns()
+        for ev in self.node_maps.events():
+            if ev.tc not in self.tracked:
                 continue
-            t0, d0, t1, d1 = self.depths.get((egress, tc), (now, 0, now, 0))
-            xoff = self.by_name[egress].pfc_classes[tc]["pfc"]["xoff_bytes"]
-            if d1 < xoff:
-                continue
-            if d0 >= xoff or d1 == d0:
-                crossed_at = t0 if d0 >= xoff else t1
-            else:
-                crossed_at = t0 + (xoff - d0) / (d1 - d0) * (t1 - t0)
-            ago = now - crossed_at
-            best = ago if best is None else max(best, ago)
-        return best
+            if ev.kind in ("xoff", "xon"):
+                self._ingress_flag(ev.tc, ev.slot, now, ev.ts_ns if ev.kind == "xoff" else None)
+            elif ev.kind in ("egress_hot", "egress_cool"):
+                self._egress_flag(ev.tc, ev.port_slot, now,
+                                  ev.ts_ns if ev.kind == "egress_hot" else None)
+            elif ev.kind == "drop":
+                port = self.by_slot.get(ev.port_slot)
+                self.log("lossless_drop", port.ifname if port else "", ev.tc,
+                         ingress=self.by_slot[ev.slot].ifname if ev.slot in self.by_slot
+                         else "local", occupancy_bytes=ev.bytes)
+
+    def rescan(self) -> None:
+        """Every tracked (slot, class) and hot egress queue, from the maps: catches a lost
+        event, and new contributors to a queue under egress protection."""
+        self.rescans += 1
+        now = self.now_fabric_ns()
+        head = self.node_maps.head()
+        self.events_lost_seen = head.events_lost
+        for tc in self.tracked:
+            for port in self.ports:
+                self._ingress_flag(tc, port.slot, now, None)
+                if port.maps is not None and (port.maps.hot(tc) or self.hot.get((port.slot, tc))):
+                    self._egress_flag(tc, port.slot, now, None)
 
     def expire(self) -> None:
         now = self.now_fabric_ns()
@@ -330,6 +318,8 @@ class Agent:
                 self.log("pfc_storm", port_name, prio, peer_node=port.peer_node,
                          peer_port=port.peer_port)
             self._apply(port, prio, now)
+        for action in self.requests.refresh(now):
+            self._send(action)
 
     def snapshot(self) -> dict:
         now = self.now_fabric_ns()
@@ -341,23 +331,35 @@ class Agent:
                              "paused_ns": round(self.timer.paused_ns(port.ifname, tc, now)),
                              "paused": int(self.timer.is_paused(port.ifname, tc, now)),
                              "storms": c.storms})
-        return {"mode": "pfc", "node": self.node, "ports": rows}
+        return {"mode": "pfc", "node": self.node, "ports": rows, "wakeups": self.wakeups,
+                "rescans": self.rescans}
 
     def run(self, life: Lifecycle) -> None:
-        socks = {p.sock.fileno(): p for p in self.ports}
-        next_poll = time.monotonic_ns()
+        socks: dict[int, Port | None] = {p.sock.fileno(): p for p in self.ports}
+        if self.node_maps is not None:
+            socks[self.node_maps.ring.fileno()] = None
+            self.rescan()
+            self.node_maps.events()          # stale ones: the rescan read the truth
         while not life.should_stop():
             now_wall = time.monotonic_ns()
-            if self.is_switch and now_wall >= next_poll:
-                next_poll = now_wall + int(self.poll())
-            deadline = self.timer.next_deadline_ns()
-            wait_wall = (next_poll - now_wall) if self.is_switch else MAX_POLL_WALL_NS
-            if deadline is not None:
-                wait_wall = min(wait_wall, self.dilation.to_wall_ns(
-                    max(0.0, deadline - self.now_fabric_ns())))
+            if self.node_maps is not None and now_wall >= self.next_rescan:
+                self.next_rescan = now_wall + RESCAN_WALL_NS
+                self.rescan()
+            wait_wall = MAX_WAIT_WALL_NS
+            for deadline in (self.timer.next_deadline_ns(), self.requests.next_refresh_ns()):
+                if deadline is not None:
+                    wait_wall = min(wait_wall, self.dilation.to_wall_ns(
+                        max(0.0, deadline - self.now_fabric_ns())))
+            if self.node_maps is not None:
+                wait_wall = min(wait_wall, max(0, self.next_rescan - now_wall))
             ready, _, _ = select.select(list(socks), [], [], max(0, wait_wall) / 1e9)
             for fd in ready:
                 port = socks[fd]
+                if port is None:
+                    self.on_events()
+                    if self.node_maps.head().events_lost != self.events_lost_seen:
+                        self.rescan()
+                    continue
                 while True:
                     try:
                         data = port.sock.recv(2048)
@@ -380,6 +382,8 @@ class Agent:
             port.kick.close()
             if port.maps is not None:
                 port.maps.close()
+        if self.node_maps is not None:
+            self.node_maps.close()
         if self.events is not None:
             self.events.close()
 

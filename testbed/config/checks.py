@@ -14,6 +14,9 @@ from testbed.config.models import Fabric
 from testbed.config.topology import Expanded
 from testbed.units import format_size
 
+# agents.portmaps.MAX_TRACKED: lossless classes the port program accounts per ingress port.
+MAX_LOSSLESS_CLASSES = 2
+
 
 def _suggest(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1)
@@ -97,6 +100,20 @@ def check_qos(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
             yield (loc + ("pfc", "xon"),
                    f"{format_size(pfc.xon_bytes)} is above xoff {format_size(pfc.xoff_bytes)}; "
                    "set xon below xoff")
+        if pfc.enabled and pfc.mode == "dynamic" and fabric.switch_buffer is None:
+            yield (loc + ("pfc", "mode"), "dynamic PFC thresholds draw on a shared switch "
+                   "buffer, and this fabric has none; add switch_buffer: {size: 2MB} (HPCC's "
+                   "ns-3 switch) or use mode: static")
+    lossless = [t.tc for t in fabric.traffic_classes if t.lossless]
+    if len(lossless) > MAX_LOSSLESS_CLASSES:
+        i = next(i for i, t in enumerate(fabric.traffic_classes)
+                 if t.tc == lossless[MAX_LOSSLESS_CLASSES])
+        yield (("traffic_classes", i, "lossless"), f"at most {MAX_LOSSLESS_CLASSES} lossless "
+               f"classes are accounted per ingress port (TC{_tc_list(lossless)} are "
+               "lossless); make this one lossy")
+    buf = fabric.switch_buffer
+    if buf is not None and buf.size_bytes <= 0:
+        yield (("switch_buffer", "size"), "the shared pool must be larger than 0")
 
 
 def check_topology(fabric: Fabric, expanded: Expanded,

@@ -119,10 +119,14 @@ class PfcConfig(Strict):
         description="PFC watchdog: a class paused this long (fabric time) is declared stormed "
                     "and forwarded regardless until the pauses stop; off by default")
     mode: Literal["static", "dynamic"] = Field(
-        "static", description="static: xoff/xon bytes per ingress port and priority; dynamic: "
-                              "XOFF when an ingress holds more than alpha x the free shared "
-                              "buffer (HPCC's ns-3 switch)")
-    alpha: float = Field(0.125, gt=0, le=8, description="dynamic mode: threshold fraction")
+        "static", description="static: XOFF when an ingress port holds xoff bytes of the "
+                              "priority (of the shared pool's part with switch_buffer), XON at "
+                              "xon; dynamic: XOFF when an ingress's use of the shared pool "
+                              "passes alpha x the pool's free space (HPCC's ns-3 SwitchMmu); "
+                              "needs switch_buffer")
+    alpha: float = Field(0.125, gt=0, le=8,
+                         description="dynamic mode: XOFF above alpha x the free shared buffer "
+                                     "(HPCC: 1/8, pfc_a_shift 3)")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -370,6 +374,31 @@ class Impairment(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SwitchBuffer(Strict):
+    """The shared buffer of every switch: a Broadcom-style MMU, as HPCC's ns-3 SwitchMmu.
+
+    Lossless (PFC) classes at switches draw from one pool per switch. Each ingress
+    port and lossless priority has a reserved minimum and a headroom (the port
+    class's pfc.headroom) set aside; the rest is shared. An ingress is paused when
+    its use of the shared part passes its threshold (pfc.mode dynamic: alpha x the
+    free shared space; static: pfc.xoff) and resumed when it falls resume_offset
+    below it. What the headroom cannot take is dropped, and counted.
+    Lossy classes keep their per-port buffers (qos.<class>.buffer).
+    """
+
+    size_bytes: SizeBytes = Field(alias="size", description="the pool, per switch "
+                                  "(HPCC's BUFFER_SIZE)")
+    reserve_bytes: SizeBytes = Field(
+        4096, alias="reserve", description="reserved minimum per ingress port and lossless "
+                                           "priority (HPCC: 4 KB)")
+    resume_offset_bytes: SizeBytes = Field(
+        3072, alias="resume_offset",
+        description="dynamic mode: XON when the ingress's shared use is this far below the "
+                    "threshold (HPCC: 3 KB)")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
 class Fabric(Strict):
     """A whole fabric: what `testbed validate/plan/up` read."""
 
@@ -391,6 +420,9 @@ class Fabric(Strict):
     nodes: list[Node] = Field(default_factory=list)
     links: list[Link] = Field(default_factory=list)
     impairments: list[Impairment] = Field(default_factory=list)
+    switch_buffer: SwitchBuffer | None = Field(
+        None, description="a shared buffer per switch for the lossless classes (absent: every "
+                          "port keeps its own buffer per class, qos.<class>.buffer)")
     workload: Workload | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 from pyroute2 import IPRoute
 
+from testbed.net import namespaces
 from testbed.plan.model import Plan
 
 
@@ -78,3 +79,85 @@ def read_counters(plan: Plan) -> tuple[list[InterfaceCounters], list[ClassCounte
 def counters_as_dicts(plan: Plan) -> dict:
     ifaces, classes = read_counters(plan)
     return {"interfaces": [asdict(c) for c in ifaces], "classes": [asdict(c) for c in classes]}
+
+
+def udp_errors(plan: Plan) -> dict[str, dict[str, int]]:
+    """Per host: the namespace's UDP receive errors (/proc/net/snmp `Udp:` line):
+    RcvbufErrors (a socket's receive buffer was full: the packet was dropped at the
+    host, not by the fabric) and InErrors. Read from a thread inside each namespace
+    (/proc/thread-self/net is the thread's namespace's)."""
+    out: dict[str, dict[str, int]] = {}
+    for host in plan.hosts():
+        try:
+            with namespaces.inside(host.netns):
+                with open("/proc/thread-self/net/snmp") as fh:
+                    lines = [line.split() for line in fh if line.startswith("Udp:")]
+        except (OSError, ValueError):
+            continue
+        if len(lines) >= 2:
+            values = dict(zip(lines[0][1:], lines[1][1:], strict=False))
+            out[host.name] = {k: int(values.get(k, 0)) for k in ("RcvbufErrors", "InErrors")}
+    return out
+
+
+def datapath_snapshot(plan: Plan) -> dict:
+    """Everything the port programs counted, at one moment (the end of a run), as JSON data:
+    per port and class their counters; per node the buffer model's state, per (lossless
+    class, ingress port) the accounting and its peaks; drops by flow."""
+    from testbed.net import portprog
+
+    ports: list[dict] = []
+    nodes: list[dict] = []
+    flows: list[dict] = []
+    for node in plan.nodes:
+        for iface in node.interfaces:
+            try:
+                maps = portprog.open_port(portprog.pin_dir_of(plan.lab, node.name,
+                                                              iface.ifname))
+            except (OSError, portprog.PortProgError):
+                continue
+            try:
+                counters = maps.read()
+            finally:
+                maps.close()
+            for cls in iface.egress.classes:
+                ports.append({"node": node.name, "port": iface.ifname, "tclass": cls.tc,
+                              **counters[cls.tc]._asdict()})
+        if not node.buffer.tracked:
+            continue
+        try:
+            nm = portprog.open_node(plan.lab, node.name)
+        except (OSError, portprog.PortProgError):
+            continue
+        try:
+            head = nm.head()
+            ingress = []
+            for t, tc in enumerate(node.buffer.tracked):
+                for slot, iface in enumerate(node.interfaces, start=1):
+                    a = nm.acct(t, slot)
+                    ingress.append({"port": iface.ifname, "tclass": tc, **a._asdict()})
+            nodes.append({"node": node.name, **head._asdict(), "ingress": ingress})
+            for key, (phy, tail, mmu, desc) in nm.flow_drops().items():
+                saddr, daddr, sport, dport, proto, tc = key
+                flows.append({"node": node.name, "saddr": saddr, "daddr": daddr,
+                              "sport": sport, "dport": dport, "proto": proto, "tclass": tc,
+                              "phy": phy, "tail": tail, "mmu": mmu, "desc": desc})
+        finally:
+            nm.close()
+    # hosts' drops by flow too (a host NIC's PHY loss, its own tail drops)
+    for node in plan.hosts():
+        if not node.interfaces:
+            continue
+        try:
+            nm = portprog.open_node(plan.lab, node.name)
+        except (OSError, portprog.PortProgError):
+            continue
+        try:
+            for key, (phy, tail, mmu, desc) in nm.flow_drops().items():
+                saddr, daddr, sport, dport, proto, tc = key
+                flows.append({"node": node.name, "saddr": saddr, "daddr": daddr,
+                              "sport": sport, "dport": dport, "proto": proto, "tclass": tc,
+                              "phy": phy, "tail": tail, "mmu": mmu, "desc": desc})
+        finally:
+            nm.close()
+    return {"ports": ports, "nodes": nodes, "flow_drops": flows}

@@ -27,32 +27,46 @@ def attach_port_programs(plan: Plan, apply_phy_loss: bool,
                          ifindex: dict[str, dict[str, int]] | None = None) -> int:
     """Attach and configure the port program on every port; returns the number attached.
 
-    `apply_phy_loss`: drop with each link's PHY frame-loss ratio here (the
-    fallback where sch_netem cannot). `ifindex`: node -> ifname -> ifindex, if
-    the caller has it (the builder dumped every node's links already).
+    Every instance is loaded first (one bpftool batch; the first port of each node
+    makes the node's shared maps), then each node's buffer model is written, then
+    per port the departure program goes on its peer's ingress and the egress program
+    on the port. `apply_phy_loss`: drop with each link's PHY frame-loss ratio here (the
+    fallback where sch_netem cannot). `ifindex`: node -> ifname -> ifindex, if the
+    caller has it (the builder dumped every node's links already).
     """
     obj = portprog.ensure_object()
     portprog.load_programs([portprog.pin_dir_of(plan.lab, node.name, iface.ifname)
                             for node in plan.nodes for iface in node.interfaces], obj)
+    sockets = {node.name: _route_socket(node.netns) for node in plan.nodes}
+    iprs = {name: IPRoute(use_socket=sock) for name, sock in sockets.items()}
     count = 0
-    for node in plan.nodes:
-        sock = _route_socket(node.netns)
-        index = (ifindex or {}).get(node.name)
-        if index is None:
-            index = batch.dump_link_indexes(sock, node.name)   # not a lookup per port
-        with IPRoute(use_socket=sock) as ipr:
-            for iface in node.interfaces:
+    try:
+        index = {node.name: (ifindex or {}).get(node.name)
+                 or batch.dump_link_indexes(sockets[node.name], node.name)
+                 for node in plan.nodes}
+        for node in plan.nodes:
+            portprog.configure_node(plan.lab, node.name,
+                                    portprog.node_params_from_plan(node, index[node.name]))
+        for node in plan.nodes:
+            for slot, iface in enumerate(node.interfaces, start=1):
                 loss = iface.loss_probability
                 if not apply_phy_loss:
                     # netem applies the PHY's share; the port program keeps the rest
                     phy = plan.links[iface.link].frame_loss_ratio
                     loss = 1 - (1 - loss) / (1 - phy) if phy < 1 else loss
-                handle = portprog.attach_port(plan.lab, node.name, node.netns, iface.ifname,
-                                              portprog.params_from_egress(iface.egress, loss),
-                                              ipr=ipr, obj=obj, loaded=True,
-                                              ifindex=index.get(iface.ifname))
+                peer = plan.node(iface.peer.node)
+                handle = portprog.attach_port(
+                    plan.lab, node.name, node.netns, iface.ifname,
+                    portprog.params_from_egress(iface.egress, loss, port_slot=slot),
+                    peer=(peer.netns, iface.peer.ifname), ipr=iprs[node.name],
+                    peer_ipr=iprs[peer.name], obj=obj, loaded=True,
+                    ifindex=index[node.name].get(iface.ifname),
+                    peer_ifindex=index[peer.name].get(iface.peer.ifname))
                 handle.close()
                 count += 1
+    finally:
+        for ipr in iprs.values():
+            ipr.close()
     return count
 
 

@@ -1,27 +1,23 @@
 """The port program: compile, load, attach, configure and read it.
 
-One instance of `testbed/net/bpf/port.bpf.c` runs at clsact egress of every
-fabric port. It keeps a virtual queue per traffic class (drained at the
-port's wall rate, frozen while the class is paused), marks CE on the
-DCQCN curve, drops with a configured probability and counts per class
-(docs/datapath.md). This module is the only code that loads BPF:
+One instance of `testbed/net/bpf/port.bpf.c` serves every fabric port: its
+`port_egress` program at clsact egress of the port (admission, tail drop,
+ECN marking, counters) and its `port_departure` program at clsact ingress of
+the port's veth peer (what arrives there has left the port's queue), so the
+queue it decides on is admitted - departed, the real one (docs/datapath.md).
+All ports of a node share the node's maps (buffer model, PFC events, drops by
+flow). This module is the only code that loads BPF:
 
     obj = ensure_object()                               # clang, cached by source hash
-    handle = attach_port(lab, node, netns, ifname, params_from_egress(egress, loss))
-    set_paused(handle, 3, True)                         # a PFC agent's gate
-    read_counters(handle)[3].ce_marks                   # a few syscalls, no netlink
+    handle = attach_port(lab, node, netns, ifname, params, peer=(peer_netns, peer_ifname))
+    configure_node(lab, node, node_params)              # buffer model, thresholds, slots
+    read_counters(handle)[3].vq_bytes                   # from memory, no syscall
     detach_lab(lab)                                     # rm -r /sys/fs/bpf/tb/<lab>
 
 Each port gets its own program instance, its maps pinned under
-/sys/fs/bpf/tb/<lab>/<node>/<ifname>/maps/ (the program at .../prog), so
-ports never share state and a lab's pins go with one directory removal, even
-after the process that made them was killed.
-
-Maps are read and written with the bpf(2) syscall through ctypes (no libbpf
-in the process): BPF_OBJ_GET for a pin, MAP_LOOKUP/UPDATE_ELEM, and
-MAP_LOOKUP_BATCH to read all classes of a port in one call. Values that hold
-a bpf_spin_lock are read and written with BPF_F_LOCK, so a reader never sees
-a half-updated queue.
+/sys/fs/bpf/tb/<lab>/<node>/<ifname>/maps/ (its programs under .../progs/), the
+node's shared maps under /sys/fs/bpf/tb/<lab>/<node>/_node/, so a lab's pins go
+with one directory removal, even after the process that made them was killed.
 """
 
 from __future__ import annotations
@@ -43,15 +39,21 @@ from pathlib import Path
 
 from agents.portmaps import (  # re-exported (see __all__): one module for the port program
     CLASS_CFG,
-    FP_SHIFT,
     LAYOUTS,
     MAPS,
+    MAX_SLOTS,
+    MAX_TRACKED,
+    NODE_MAPS,
     NUM_DSCP,
     NUM_SLOTS,
     NUM_TC,
     OTHER,
+    PORT_MAPS,
     ClassCounters,
     ClassParams,
+    IngressParams,
+    NodeMaps,
+    NodeParams,
     PortMapError,
     PortMaps,
     PortParams,
@@ -61,20 +63,19 @@ from agents.portmaps import (  # re-exported (see __all__): one module for the p
     mark_probability,
     obj_get,
     probability_fp,
-    rate_fp,
 )
 from testbed.net.bpf import PORT_SOURCE
-from testbed.plan.model import EgressPlan
-
-# --- layouts shared with port.bpf.c ------------------------------------------------------
+from testbed.plan.model import EgressPlan, NodePlan
 
 __all__ = [
-    "CLASS_CFG", "FP_SHIFT", "LAYOUTS", "MAPS", "NUM_DSCP", "NUM_SLOTS", "NUM_TC", "OTHER",
-    "ClassCounters", "ClassParams", "PortHandle", "PortMapError", "PortMaps", "PortParams",
-    "PortProgError", "attach_port", "detach_lab", "detach_port", "dscp_table",
-    "encode_class_cfg", "ensure_object", "mark_probability", "obj_get", "object_path",
+    "CLASS_CFG", "LAYOUTS", "MAPS", "MAX_SLOTS", "MAX_TRACKED", "NODE_MAPS", "NUM_DSCP",
+    "NUM_SLOTS", "NUM_TC", "OTHER", "PORT_MAPS", "ClassCounters", "ClassParams",
+    "IngressParams", "NodeMaps", "NodeParams", "PortHandle", "PortMapError", "PortMaps",
+    "PortParams", "PortProgError", "attach_port", "configure_node", "detach_lab",
+    "detach_port", "dscp_table", "encode_class_cfg", "ensure_object", "mark_probability",
+    "node_dir_of", "node_params_from_plan", "obj_get", "object_path", "open_node",
     "open_port", "params_from_egress", "pin_dir_of", "pinned_labs", "probability_fp",
-    "rate_fp", "read_counters", "reset_state", "set_paused", "update_params",
+    "read_counters", "reset_state", "update_params",
 ]
 
 
@@ -86,38 +87,66 @@ BPFFS = Path("/sys/fs/bpf")
 PIN_ROOT = BPFFS / "tb"
 CACHE_DIR = Path("/var/cache/testbed/bpf")
 CLSACT_EGRESS = 0xFFFFFFF3      # "ffff:fff3"
+CLSACT_INGRESS = 0xFFFFFFF2     # "ffff:fff2"
 FILTER_PRIO = 1
 FILTER_HANDLE = 1
 ETH_P_ALL = 0x0003
+NODE_DIR = "_node"              # not a port name: ports are eth<N> / swp<N>
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")
 
 
-
-
-def params_from_egress(egress: EgressPlan, drop_probability: float = 0.0) -> PortParams:
+def params_from_egress(egress: EgressPlan, drop_probability: float = 0.0,
+                       port_slot: int = 0) -> PortParams:
     """Port program parameters of one planned egress port.
 
     `drop_probability` applies to every class (a link's frame-loss ratio hits
     all traffic alike). DSCPs no class lists go to the plan's default class,
-    the one HTB's `default` sends unclassified traffic to.
+    the one HTB's `default` sends unclassified traffic to. A class in the
+    node's shared pool has no limit of its own (limit_bytes 0: the MMU admits).
     """
     default_tc = next((c.tc for c in egress.classes if c.classid == egress.default_classid),
                       None)
     if default_tc is None:
         raise ValueError(f"default class {egress.default_classid} is not among the classes")
     return PortParams(
-        wall_rate_bps=egress.wall_rate_bps,
-        overhead_bytes=egress.overhead_bytes,
         dscp_to_tc={d: c.tc for c in egress.classes for d in c.dscp},
         default_tc=default_tc,
+        port_slot=port_slot,
         classes={c.tc: ClassParams(
             kmin_bytes=c.ecn.kmin_bytes if c.ecn else 0,
             kmax_bytes=c.ecn.kmax_bytes if c.ecn else 0,
             pmax=c.ecn.pmax if c.ecn else None,
             drop_probability=drop_probability,
-            limit_bytes=c.limit_bytes,
+            limit_bytes=0 if c.shared else c.limit_bytes,
+            egress_xoff_bytes=c.pfc.egress_xoff_bytes if c.pfc else 0,
+            egress_xon_bytes=c.pfc.egress_xon_bytes if c.pfc else 0,
         ) for c in egress.classes},
     )
+
+
+def node_params_from_plan(node: NodePlan, ifindex: dict[str, int]) -> NodeParams:
+    """The node's buffer model and per-(class, ingress port) thresholds, as planned.
+
+    Slot k + 1 is the node's k-th interface (slot 0: its own traffic). The
+    thresholds of an ingress port are those of the link it belongs to (one port
+    class for both ends of a link).
+    """
+    buf = node.buffer
+    ingress: dict[tuple[int, int], IngressParams] = {}
+    for k, iface in enumerate(node.interfaces):
+        for cls in iface.egress.classes:
+            if cls.tc in buf.tracked and cls.pfc is not None:
+                ingress[(cls.tc, k + 1)] = IngressParams(
+                    headroom_bytes=cls.pfc.headroom_bytes,
+                    xoff_bytes=cls.pfc.xoff_bytes if buf.mode == "static" else 0,
+                    xon_bytes=cls.pfc.xon_bytes if buf.mode == "static" else 0)
+    slots = {ifindex[i.ifname]: k + 1 for k, i in enumerate(node.interfaces)
+             if i.ifname in ifindex}
+    return NodeParams(mode=buf.mode, tracked=tuple(buf.tracked), ingress=ingress, slots=slots,
+                      buffer_bytes=buf.pool_bytes, reserve_bytes=buf.reserve_bytes,
+                      alpha=buf.alpha, resume_offset_bytes=buf.resume_offset_bytes,
+                      total_hdrm_bytes=buf.total_headroom_bytes,
+                      total_rsrv_bytes=buf.total_reserve_bytes)
 
 
 _open: dict[str, PortMaps] = {}
@@ -234,7 +263,16 @@ def _check_name(kind: str, name: str) -> None:
 def pin_dir_of(lab: str, node: str, ifname: str) -> Path:
     for kind, name in (("lab", lab), ("node", node), ("ifname", ifname)):
         _check_name(kind, name)
+    if ifname == NODE_DIR:
+        raise ValueError(f"ifname {ifname!r} is the node's shared-map directory")
     return PIN_ROOT / lab / node / ifname
+
+
+def node_dir_of(lab: str, node: str) -> Path:
+    """Where the maps all ports of a node share are pinned."""
+    for kind, name in (("lab", lab), ("node", node)):
+        _check_name(kind, name)
+    return PIN_ROOT / lab / node / NODE_DIR
 
 
 @dataclass
@@ -247,6 +285,7 @@ class PortHandle:
     pin_dir: Path
     attach_method: str              # "pyroute2" or "tc" (nsenter fallback)
     maps: PortMaps = field(repr=False)
+    peer: tuple[str, str, int] | None = None     # (netns, ifname, ifindex) of the departure hook
 
     def close(self) -> None:
         self.maps.close()
@@ -280,9 +319,20 @@ def _bpftool() -> str:
     return bpftool
 
 
-def _load_args(obj: Path, pin_dir: Path) -> list[str]:
-    return ["prog", "load", str(obj), str(pin_dir / "prog"), "type", "classifier",
-            "pinmaps", str(pin_dir / "maps")]
+def _load_args(obj: Path, pin_dir: Path, node_dir: Path, reuse: bool) -> list[str]:
+    """One instance of the object: both programs pinned in pin_dir/progs, every map in
+    pin_dir/maps; with `reuse`, the node's shared maps are the ones pinned in node_dir."""
+    argv = ["prog", "loadall", str(obj), str(pin_dir / "progs"), "type", "classifier"]
+    if reuse:
+        for name in NODE_MAPS:
+            argv += ["map", "name", name, "pinned", str(node_dir / name)]
+    return argv + ["pinmaps", str(pin_dir / "maps")]
+
+
+def _pin_node_args(pin_dir: Path, node_dir: Path) -> list[list[str]]:
+    """The first instance of a node hands its shared maps to the node directory."""
+    return [["map", "pin", "pinned", str(pin_dir / "maps" / name), str(node_dir / name)]
+            for name in NODE_MAPS]
 
 
 def _prepare(pin_dir: Path) -> None:
@@ -291,14 +341,24 @@ def _prepare(pin_dir: Path) -> None:
     pin_dir.mkdir(parents=True)
 
 
+def _loaded(pin_dir: Path) -> bool:
+    return all((pin_dir / "progs" / p).exists() for p in ("port_egress", "port_departure"))
+
+
+def _node_ready(node_dir: Path) -> bool:
+    return all((node_dir / name).exists() for name in NODE_MAPS)
+
+
 def load_programs(pin_dirs: list[Path], obj: Path | None = None) -> None:
     """Load a fresh program instance into each (emptied) pin dir with ONE `bpftool batch`.
 
-    A bpftool process per port cost ~5 ms, most of it the process; in one batch a load
-    costs ~0.75 ms (320 ports of a 128-host fabric: 0.24 s instead of 1.6 s). bpftool
-    1.1's batch mode can report a stale errno at the end of its file even when every
-    command ran, so success is judged by the pinned programs: any port whose program is
-    missing is loaded again on its own, which reports that port's own error.
+    Pin dirs are /sys/fs/bpf/tb/<lab>/<node>/<ifname>; the first port of each node
+    creates the node's shared maps and pins them in <node>/_node, the node's other
+    ports reuse them. A bpftool process per port cost ~5 ms, most of it the process;
+    in one batch a load costs ~1 ms. bpftool 7.1's batch mode can report a stale errno
+    at the end of its file even when every command ran, so success is judged by the
+    pins: a port whose programs are missing is loaded again on its own, which reports
+    that port's own error.
     """
     if not pin_dirs:
         return
@@ -307,29 +367,50 @@ def load_programs(pin_dirs: list[Path], obj: Path | None = None) -> None:
         if any(c.isspace() or c in "\\'\"#" for c in str(part)):
             raise PortProgError(f"{part}: a path bpftool's batch mode cannot quote")
     ensure_bpffs()
+    lines: list[list[str]] = []
+    fresh: set[Path] = set()
     for pin_dir in pin_dirs:
+        node_dir = pin_dir.parent / NODE_DIR
         _prepare(pin_dir)
+        if node_dir not in fresh:
+            fresh.add(node_dir)
+            _forget(node_dir)
+            _rmtree(node_dir)
+            node_dir.mkdir(parents=True)
+            lines.append(_load_args(obj, pin_dir, node_dir, reuse=False))
+            lines += _pin_node_args(pin_dir, node_dir)
+        else:
+            lines.append(_load_args(obj, pin_dir, node_dir, reuse=True))
     with tempfile.NamedTemporaryFile("w", prefix="tb-bpftool-", suffix=".batch") as batch:
-        batch.write("".join(" ".join(_load_args(obj, d)) + "\n" for d in pin_dirs))
+        batch.write("".join(" ".join(line) + "\n" for line in lines))
         batch.flush()
         subprocess.run([_bpftool(), "batch", "file", batch.name], capture_output=True,
                        text=True)
     for pin_dir in pin_dirs:
-        if not (pin_dir / "prog").exists():
+        if not _loaded(pin_dir):
             _prepare(pin_dir)
             _bpftool_load(obj, pin_dir)
 
 
 def _bpftool_load(obj: Path, pin_dir: Path) -> None:
-    argv = [_bpftool(), *_load_args(obj, pin_dir)]
-    res = subprocess.run(argv, capture_output=True, text=True)
-    if res.returncode != 0:
-        tail = "\n".join(res.stderr.strip().splitlines()[-25:])
-        raise PortProgError(f"bpftool prog load failed for {pin_dir} (exit {res.returncode}):"
-                            f"\n{tail}")
+    """One instance on its own: reuses the node's shared maps if they are pinned, else
+    creates and pins them."""
+    node_dir = pin_dir.parent / NODE_DIR
+    reuse = _node_ready(node_dir)
+    commands = [_load_args(obj, pin_dir, node_dir, reuse)]
+    if not reuse:
+        _rmtree(node_dir)
+        node_dir.mkdir(parents=True)
+        commands += _pin_node_args(pin_dir, node_dir)
+    for args in commands:
+        res = subprocess.run([_bpftool(), *args], capture_output=True, text=True)
+        if res.returncode != 0:
+            tail = "\n".join(res.stderr.strip().splitlines()[-25:])
+            raise PortProgError(f"bpftool {' '.join(args[:2])} failed for {pin_dir} "
+                                f"(exit {res.returncode}):\n{tail}")
 
 
-def _attach_pyroute2(ipr, ifindex: int, prog_fd: int) -> None:
+def _attach_pyroute2(ipr, ifindex: int, prog_fd: int, parent: int, name: str) -> None:
     from pyroute2.netlink.exceptions import NetlinkError
 
     try:
@@ -337,12 +418,12 @@ def _attach_pyroute2(ipr, ifindex: int, prog_fd: int) -> None:
     except NetlinkError as exc:
         if exc.code != errno.EEXIST:
             raise
-    ipr.tc("replace-filter", "bpf", ifindex, FILTER_HANDLE, fd=prog_fd, name="port_egress",
-           parent=CLSACT_EGRESS, prio=FILTER_PRIO, protocol=ETH_P_ALL, classid=1,
+    ipr.tc("replace-filter", "bpf", ifindex, FILTER_HANDLE, fd=prog_fd, name=name,
+           parent=parent, prio=FILTER_PRIO, protocol=ETH_P_ALL, classid=1,
            direct_action=True)
 
 
-def _attach_tc(netns: str, ifname: str, pin: Path) -> None:
+def _attach_tc(netns: str, ifname: str, pin: Path, direction: str) -> None:
     # nsenter --net switches only the network namespace: bpffs stays visible
     # (`ip netns exec` remounts /sys and would hide /sys/fs/bpf).
     nsenter = ["nsenter", f"--net=/var/run/netns/{netns}", "tc"]
@@ -351,7 +432,7 @@ def _attach_tc(netns: str, ifname: str, pin: Path) -> None:
     if res.returncode != 0 and "File exists" not in res.stderr:
         raise PortProgError(f"tc qdisc add clsact on {netns}/{ifname} failed: "
                             f"{res.stderr.strip()}")
-    res = subprocess.run([*nsenter, "filter", "replace", "dev", ifname, "egress", "prio",
+    res = subprocess.run([*nsenter, "filter", "replace", "dev", ifname, direction, "prio",
                           str(FILTER_PRIO), "handle", str(FILTER_HANDLE), "bpf", "da",
                           "pinned", str(pin)], capture_output=True, text=True)
     if res.returncode != 0:
@@ -360,15 +441,18 @@ def _attach_tc(netns: str, ifname: str, pin: Path) -> None:
 
 
 def attach_port(lab: str, node: str, netns: str, ifname: str, params: PortParams, *,
-                ipr=None, obj: Path | None = None, loaded: bool = False,
-                ifindex: int | None = None) -> PortHandle:
-    """Load a fresh program instance for one port, configure it, attach it at clsact egress.
+                peer: tuple[str, str], ipr=None, peer_ipr=None, obj: Path | None = None,
+                loaded: bool = False, ifindex: int | None = None,
+                peer_ifindex: int | None = None) -> PortHandle:
+    """Load a program instance for one port, configure it, attach `port_departure` at
+    the clsact ingress of its veth peer `peer` = (netns, ifname), then `port_egress` at
+    the port's clsact egress (departures first: nothing admitted goes unseen).
 
-    `ipr` may be an open pyroute2 IPRoute inside `netns` (the builder's), else one
-    is opened. `loaded`: `load_programs` already loaded this port's instance (the
-    builder loads a whole lab's in one batch). `ifindex`: the port's, if the caller
-    knows it (saves a netlink request). Attaching again replaces the port's program
-    and state.
+    `ipr` / `peer_ipr` may be open pyroute2 IPRoutes inside the two namespaces (the
+    builder's), else they are opened. `loaded`: `load_programs` already loaded this
+    port's instance. `ifindex` / `peer_ifindex`: if the caller knows them. The node's
+    shared maps are reused when pinned, else made; configure them with
+    `configure_node`. Attaching again replaces the port's programs and state.
     """
     params.check()
     pin_dir = pin_dir_of(lab, node, ifname)
@@ -380,20 +464,29 @@ def attach_port(lab: str, node: str, netns: str, ifname: str, params: PortParams
     maps = PortMaps(pin_dir)
     try:
         maps.write_params(params)
-        prog_fd = obj_get(pin_dir / "prog")
+        dep_fd = obj_get(pin_dir / "progs" / "port_departure")
         try:
-            method, ifindex = _attach(netns, ifname, prog_fd, pin_dir / "prog", ipr, ifindex)
+            _method, peer_index = _attach(peer[0], peer[1], dep_fd,
+                                          pin_dir / "progs" / "port_departure", peer_ipr,
+                                          peer_ifindex, CLSACT_INGRESS, "port_departure")
+        finally:
+            os.close(dep_fd)
+        prog_fd = obj_get(pin_dir / "progs" / "port_egress")
+        try:
+            method, ifindex = _attach(netns, ifname, prog_fd, pin_dir / "progs" / "port_egress",
+                                      ipr, ifindex, CLSACT_EGRESS, "port_egress")
         finally:
             os.close(prog_fd)
     except BaseException:
         maps.close()
         raise
     _open[str(pin_dir)] = maps
-    return PortHandle(lab, node, netns, ifname, ifindex, pin_dir, method, maps)
+    return PortHandle(lab, node, netns, ifname, ifindex, pin_dir, method, maps,
+                      (peer[0], peer[1], peer_index))
 
 
-def _attach(netns: str, ifname: str, prog_fd: int, pin: Path, ipr,
-            ifindex: int | None = None) -> tuple[str, int]:
+def _attach(netns: str, ifname: str, prog_fd: int, pin: Path, ipr, ifindex: int | None,
+            parent: int, name: str) -> tuple[str, int]:
     from pyroute2 import IPRoute
     from pyroute2.netlink.exceptions import NetlinkError
 
@@ -407,7 +500,7 @@ def _attach(netns: str, ifname: str, prog_fd: int, pin: Path, ipr,
                 raise PortProgError(f"no interface {ifname!r} in namespace {netns!r}")
             ifindex = found[0]
         try:
-            _attach_pyroute2(ipr, ifindex, prog_fd)
+            _attach_pyroute2(ipr, ifindex, prog_fd, parent, name)
             return "pyroute2", ifindex
         except NetlinkError as exc:
             first = exc
@@ -415,21 +508,36 @@ def _attach(netns: str, ifname: str, prog_fd: int, pin: Path, ipr,
         if own:
             ipr.close()
     try:
-        _attach_tc(netns, ifname, pin)
+        _attach_tc(netns, ifname, pin, "ingress" if parent == CLSACT_INGRESS else "egress")
     except PortProgError as exc:
         raise PortProgError(f"attaching to {netns}/{ifname}: pyroute2 said {first}; {exc}") \
             from None
     return "tc", ifindex
 
 
+def configure_node(lab: str, node: str, params: NodeParams) -> None:
+    """Write a node's buffer model, ingress thresholds and ifindex -> slot map."""
+    maps = NodeMaps(node_dir_of(lab, node))
+    try:
+        maps.write_params(params)
+    finally:
+        maps.close()
+
+
 def detach_port(handle: PortHandle) -> None:
-    """Take the program off the port (the clsact qdisc goes too) and unpin its maps."""
+    """Take the programs off the port (its clsact qdisc goes too) and off its peer
+    (the departure filter only: the peer's own program stays), and unpin the port."""
     from pyroute2 import IPRoute
     from pyroute2.netlink.exceptions import NetlinkError
 
     with contextlib.suppress(NetlinkError, OSError):   # namespace or link may be gone
         with IPRoute(netns=handle.netns) as ipr:
             ipr.tc("del", "clsact", handle.ifindex)
+    if handle.peer is not None:
+        with contextlib.suppress(NetlinkError, OSError):
+            with IPRoute(netns=handle.peer[0]) as ipr:
+                ipr.tc("del-filter", "bpf", handle.peer[2], FILTER_HANDLE,
+                       parent=CLSACT_INGRESS, prio=FILTER_PRIO, protocol=ETH_P_ALL)
     _forget(handle.pin_dir)
     _rmtree(handle.pin_dir)
 
@@ -468,26 +576,23 @@ def open_port(pin_dir: str | Path) -> PortMaps:
     return PortMaps(Path(pin_dir))
 
 
-def set_paused(target: PortHandle | PortMaps | str | Path, tc: int, paused: bool,
-               now_ns: int | None = None) -> None:
-    """Freeze (paused=True) or restart the drain of class `tc`'s virtual queue."""
-    if not 0 <= tc < NUM_TC:
-        raise ValueError(f"class must be 0..{NUM_TC - 1}, got {tc}")
-    _maps(target).set_paused(tc, paused, now_ns)
+def open_node(lab: str, node: str, events: bool = False) -> NodeMaps:
+    """Open a node's shared maps (close() when done); `events`: also its ring buffer."""
+    return NodeMaps(node_dir_of(lab, node), events=events)
 
 
 def update_params(target: PortHandle | PortMaps | str | Path, params: PortParams) -> None:
-    """Rewrite rate, thresholds, probabilities and the DSCP map; queues and counters stay."""
+    """Rewrite thresholds, probabilities and the DSCP map; queues and counters stay."""
     _maps(target).write_params(params)
 
 
 def reset_state(target: PortHandle | PortMaps | str | Path) -> None:
-    """Empty the virtual queues and zero the counters of a port."""
+    """Empty the queues and zero the counters of a port (only while no packet moves)."""
     _maps(target).reset()
 
 
 def read_counters(target: PortHandle | PortMaps | str | Path) -> dict[int, ClassCounters]:
-    """Counters of classes 0..7 and of non-IPv4 frames (key OTHER), vq drained to now."""
+    """Counters of classes 0..7 and of non-IPv4 frames (key OTHER)."""
     return _maps(target).read()
 
 

@@ -35,21 +35,13 @@ def dscp_key(dscp: int) -> str:
     return f"0x{dscp << 18:08x}/0x00fc0000+0"
 
 
-# A paused gate: TBF at 20 kbit/s with a one-frame bucket. The kernel caps
-# TBF's bucket at 2^32 ns (4.29 s) and drops every packet larger than what
-# the rate can send in it, so the rate must carry one full frame (9038 B)
-# within 4.29 s: 20 kbit/s does in 3.6 s. A change refills the bucket, so
-# one frame may still leave as the gate closes; after that nothing leaves
-# for 3.6 s of wall time, longer than any refreshed pause lasts.
-# (agents/pfc/__main__.py closes gates with the same figures.)
-PAUSED_RATE_BPS = 20_000
+def tbf_gate(egress: EgressPlan, limit_bytes: int) -> dict:
+    """TBF parameters of an open class gate: the port rate and burst.
 
-
-def tbf_gate(egress: EgressPlan, limit_bytes: int, paused: bool) -> dict:
-    """TBF parameters of a class gate: open at the port rate, or paused."""
-    if paused:
-        return {"rate": f"{PAUSED_RATE_BPS}bit", "burst": egress.quantum_bytes,
-                "limit": limit_bytes}
+    The PFC agent closes and reopens it (agents/pfc/gate.py says how and why).
+    The limit is the class's buffer: the port program refuses what would pass it
+    (it owns tail drop), so the leaf never drops on its own.
+    """
     return {"rate": f"{egress.wall_rate_bps}bit", "burst": egress.burst_bytes,
             "limit": limit_bytes}
 
@@ -73,7 +65,7 @@ def install_port_queues(ipr, ifindex: int, egress: EgressPlan) -> int:
                overhead=egress.overhead_bytes, quantum=egress.quantum_bytes)
         if cls.leaf_kind == "tbf":
             ipr.tc("add", "tbf", ifindex, parse_handle(cls.leaf_handle), parent=classid,
-                   **tbf_gate(egress, cls.limit_bytes, paused=False))
+                   **tbf_gate(egress, cls.limit_bytes))
         else:
             ipr.tc("add", "bfifo", ifindex, parse_handle(cls.leaf_handle), parent=classid,
                    limit=cls.limit_bytes)

@@ -39,6 +39,7 @@ TCA_STATS_BASIC, TCA_STATS_QUEUE = 1, 3
 STATS64 = struct.Struct("=8Q")
 BASIC = struct.Struct("=QI")                 # bytes, packets
 QUEUE = struct.Struct("=5I")                 # qlen, backlog, drops, requeues, overlimits
+DUMP_ATTEMPTS = 3
 
 
 def _attrs(buf: memoryview, offset: int, end: int):
@@ -105,30 +106,59 @@ class KernelSampler:
             self._leaf[node.name] = {
                 (index[i.ifname], parse_handle(c.leaf_handle)): (i.ifname, c.tc)
                 for i in node.interfaces if i.ifname in index for c in i.egress.classes}
-        # Port programs' maps, where the lab has them: ECN marks, BPF drops and
-        # the virtual queue per class (about 20 us per port through bpf(2)).
-        self._bpf: list[tuple[str, str, portprog.PortMaps, list[int]]] = []
+        # Port programs' maps, where the lab has them: the queue the datapath decides on
+        # (admitted - departed), ECN marks, drops by cause (a few us per port: mmap).
+        self._bpf: dict[str, list[tuple[str, portprog.PortMaps, list[int]]]] = {}
+        self._nodes: dict[str, tuple[portprog.NodeMaps, list[int], list[str]]] = {}
         for node in plan.nodes:
+            ports = []
             for iface in node.interfaces:
                 try:
                     maps = portprog.open_port(portprog.pin_dir_of(plan.lab, node.name,
                                                                   iface.ifname))
                 except (OSError, portprog.PortProgError):
                     continue
-                self._bpf.append((node.name, iface.ifname, maps,
-                                  [c.tc for c in iface.egress.classes]))
+                ports.append((iface.ifname, maps, [c.tc for c in iface.egress.classes]))
+            self._bpf[node.name] = ports
+            if node.buffer.tracked:
+                try:
+                    nm = portprog.open_node(plan.lab, node.name)
+                except (OSError, portprog.PortProgError):
+                    continue
+                self._nodes[node.name] = (nm, list(node.buffer.tracked),
+                                          [i.ifname for i in node.interfaces])
+        #: (node, port, tclass) -> (lowest, highest) queue the port program can have had
+        #: while the last sample's qdisc dump ran (admitted and departed read before and
+        #: after it): the kernel's backlog must lie in between
+        self.brackets: dict[tuple[str, str, int], tuple[int, int]] = {}
+        #: a bracket wider than this (bytes that moved during the dump) is read again
+        self.bracket_tolerance_bytes = plan.mtu_bytes + 24
 
     def close(self) -> None:
         for dumper in self._dumpers.values():
             dumper.close()
         self._dumpers.clear()
-        for _node, _ifname, maps, _tcs in self._bpf:
-            maps.close()
+        for ports in self._bpf.values():
+            for _ifname, maps, _tcs in ports:
+                maps.close()
         self._bpf.clear()
+        for nm, _t, _p in self._nodes.values():
+            nm.close()
+        self._nodes.clear()
+
+    def _queues(self, node: str) -> dict[tuple[str, int], tuple[int, int]]:
+        """(port, class) -> (admitted, departed) bytes now, from the mmap-ed state."""
+        out = {}
+        for ifname, maps, tcs in self._bpf.get(node, ()):
+            for tc in tcs:
+                row = maps.row(tc)
+                out[(ifname, tc)] = (row[0], row[2])
+        return out
 
     def sample(self) -> list[Sample]:
         out: list[Sample] = []
         append = out.append
+        brackets: dict[tuple[str, str, int], tuple[int, int]] = {}
         for node, dumper in self._dumpers.items():
             names = self._ifname[node]
             body = IF_STATS_MSG.pack(socket.AF_UNSPEC, 0, 0, 0, 1 << (IFLA_STATS_LINK_64 - 1))
@@ -148,35 +178,89 @@ class KernelSampler:
                         append(Sample(node, name, -1, "rx_packets", rxp))
                         append(Sample(node, name, -1, "tx_dropped", txd))
                         append(Sample(node, name, -1, "rx_dropped", rxd))
-            leaf = self._leaf[node]
-            for kind, view, off, end in dumper.dump(RTM_GETQDISC, TCMSG.pack(0, 0, 0, 0, 0, 0, 0)):
-                if kind != RTM_NEWQDISC:
+            # The kernel's backlog and the program's queue are read as close together as
+            # possible: admitted and departed just before and just after the qdisc dump.
+            # A thread preempted in between (2 cores, a loaded run) leaves a wide bracket;
+            # then the node is read again, at most DUMP_ATTEMPTS times, keeping the
+            # tightest, so a stored vq_bytes and backlog_bytes describe one instant.
+            best = None
+            for _attempt in range(DUMP_ATTEMPTS):
+                before = self._queues(node)
+                rows = self._qdisc_rows(node, dumper)
+                after = self._queues(node)
+                width = max((e1 - e0 + d1 - d0 for (e0, d0), (e1, d1) in
+                             zip(before.values(), after.values(), strict=True)), default=0)
+                if best is None or width < best[0]:
+                    best = (width, before, rows, after)
+                if width <= self.bracket_tolerance_bytes:
+                    break
+            width, before, rows, after = best
+            out.extend(rows)
+            for (ifname, tc), (enq1, dep1) in after.items():
+                enq0, dep0 = before[(ifname, tc)]
+                brackets[(node, ifname, tc)] = (max(0, enq0 - dep1), max(0, enq1 - dep0))
+                append(Sample(node, ifname, tc, "vq_bytes", max(0, enq1 - dep1)))
+            for ifname, maps, tcs in self._bpf.get(node, ()):
+                counters = maps.read()
+                for tc in tcs:
+                    c = counters[tc]
+                    append(Sample(node, ifname, tc, "max_vq_bytes", c.max_vq_bytes))
+                    append(Sample(node, ifname, tc, "ecn_marks", c.ce_marks))
+                    append(Sample(node, ifname, tc, "bpf_drops", c.drops))
+                    append(Sample(node, ifname, tc, "tail_drops", c.tail_drops))
+                    append(Sample(node, ifname, tc, "mmu_drops", c.mmu_drops))
+                    append(Sample(node, ifname, tc, "desc_drops", c.desc_drops))
+                    append(Sample(node, ifname, tc, "enq_packets", c.enq_packets))
+                    append(Sample(node, ifname, tc, "dep_packets", c.dep_packets))
+            if node in self._nodes:
+                out += self._node_samples(node)
+        self.brackets = brackets
+        return out
+
+    def _qdisc_rows(self, node: str, dumper: _NetlinkDumper) -> list[Sample]:
+        """Per-class counters of the node's leaf qdiscs, from one RTM_GETQDISC dump."""
+        out: list[Sample] = []
+        append = out.append
+        leaf = self._leaf[node]
+        for kind, view, off, end in dumper.dump(RTM_GETQDISC, TCMSG.pack(0, 0, 0, 0, 0, 0, 0)):
+            if kind != RTM_NEWQDISC:
+                continue
+            _f, _p1, _p2, ifindex, handle, _parent, _info = TCMSG.unpack_from(view, off)
+            where = leaf.get((ifindex, handle))
+            if where is None:
+                continue
+            name, tc = where
+            for attr, start, stop in _attrs(view, off + TCMSG.size, end):
+                if attr != TCA_STATS2:
                     continue
-                _f, _p1, _p2, ifindex, handle, _parent, _info = TCMSG.unpack_from(view, off)
-                where = leaf.get((ifindex, handle))
-                if where is None:
-                    continue
-                name, tc = where
-                for attr, start, stop in _attrs(view, off + TCMSG.size, end):
-                    if attr != TCA_STATS2:
-                        continue
-                    for sub, s0, _s1 in _attrs(view, start, stop):
-                        if sub == TCA_STATS_BASIC:
-                            nbytes, packets = BASIC.unpack_from(view, s0)
-                            append(Sample(node, name, tc, "class_bytes", nbytes))
-                            append(Sample(node, name, tc, "class_packets", packets))
-                        elif sub == TCA_STATS_QUEUE:
-                            qlen, backlog, drops, _rq, _ol = QUEUE.unpack_from(view, s0)
-                            append(Sample(node, name, tc, "class_drops", drops))
-                            append(Sample(node, name, tc, "backlog_bytes", backlog))
-                            append(Sample(node, name, tc, "backlog_packets", qlen))
-        for node, ifname, maps, tcs in self._bpf:
-            counters = portprog.read_counters(maps)
-            for tc in tcs:
-                c = counters[tc]
-                append(Sample(node, ifname, tc, "ecn_marks", c.ce_marks))
-                append(Sample(node, ifname, tc, "bpf_drops", c.drops))
-                append(Sample(node, ifname, tc, "vq_bytes", c.vq_bytes))
+                for sub, s0, _s1 in _attrs(view, start, stop):
+                    if sub == TCA_STATS_BASIC:
+                        nbytes, packets = BASIC.unpack_from(view, s0)
+                        append(Sample(node, name, tc, "class_bytes", nbytes))
+                        append(Sample(node, name, tc, "class_packets", packets))
+                    elif sub == TCA_STATS_QUEUE:
+                        qlen, backlog, drops, _rq, _ol = QUEUE.unpack_from(view, s0)
+                        append(Sample(node, name, tc, "class_drops", drops))
+                        append(Sample(node, name, tc, "backlog_bytes", backlog))
+                        append(Sample(node, name, tc, "backlog_packets", qlen))
+        return out
+
+    def _node_samples(self, node: str) -> list[Sample]:
+        """The node's buffer accounting: shared pool use and, per (ingress port, lossless
+        class), the bytes it holds at the node and in headroom."""
+        nm, tracked, ifnames = self._nodes[node]
+        head = nm.head()
+        out = []
+        if head.mode == "shared":
+            out.append(Sample(node, "", -1, "shared_used_bytes", head.shared_used_bytes))
+            out.append(Sample(node, "", -1, "shared_threshold_bytes", head.threshold_bytes()))
+        for t, tc in enumerate(tracked):
+            for slot, ifname in enumerate(ifnames, start=1):
+                a = nm.acct(t, slot)
+                out.append(Sample(node, ifname, tc, "ingress_bytes", a.bytes + a.hdrm_bytes))
+                if head.mode == "shared":
+                    out.append(Sample(node, ifname, tc, "headroom_used_bytes", a.hdrm_bytes))
+                out.append(Sample(node, ifname, tc, "ingress_drops", a.drops))
         return out
 
 

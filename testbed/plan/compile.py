@@ -27,6 +27,7 @@ from testbed.plan.model import (
     LinkEndPlan,
     LinkPlan,
     NextHopPlan,
+    NodeBufferPlan,
     NodePlan,
     PeerPlan,
     PfcPlan,
@@ -34,7 +35,8 @@ from testbed.plan.model import (
     RoutePlan,
     TrafficClassPlan,
 )
-from testbed.plan.qos import ETH_WIRE_OVERHEAD_BYTES, resolve_port_qos
+from testbed.plan.qos import ETH_WIRE_OVERHEAD_BYTES, headroom_bytes, resolve_port_qos
+from testbed.units import format_size
 
 # A conservative wall-rate budget per port for `dilation: auto` when the
 # config says none and `testbed calibrate` has not measured this machine.
@@ -119,7 +121,17 @@ class _Allocator:
         return ipaddress.IPv4Network((start, 32 - int(math.log2(size))))
 
 
-def _egress(rate_bps: int, dilation: Dilation, classes_qos, tclasses, mtu_bytes: int) -> EgressPlan:
+@dataclass(frozen=True)
+class _EndRole:
+    """What an egress port's node changes in its classes."""
+
+    host: bool              # a host NIC: no ECN marking (RNICs do not mark their own packets)
+    pool_bytes: int = 0     # > 0: lossless PFC classes draw from the switch's shared pool
+    fan_in: int = 0         # other ports of the node that can fill this port (static mode)
+
+
+def _egress(rate_bps: int, dilation: Dilation, classes_qos, tclasses, mtu_bytes: int,
+            end: _EndRole) -> EgressPlan:
     wall = dilation.to_wall_bps(rate_bps)
     frame = mtu_bytes + ETH_WIRE_OVERHEAD_BYTES
     strict = [t for t in tclasses if t.strict]
@@ -136,16 +148,29 @@ def _egress(rate_bps: int, dilation: Dilation, classes_qos, tclasses, mtu_bytes:
         if tclass.default:
             default_classid = classid
         share = strict_wall if tclass.strict else max(8_000, left * tclass.weight // total_weight)
+        shared = bool(end.pool_bytes and q.pfc and not end.host)
+        pfc = None
+        if q.pfc:
+            egress_xoff = egress_xon = 0
+            if not end.host and not shared:
+                # Egress protection: a queue at egress_xoff pauses every ingress holding
+                # bytes in it; each may then still put its headroom in, so the buffer must
+                # hold egress_xoff + fan-in x headroom.
+                egress_xoff = max(0, min(q.pfc.xoff_bytes,
+                                         q.limit_bytes - end.fan_in * q.pfc.headroom_bytes))
+                egress_xon = max(0, egress_xoff - 2 * frame) if egress_xoff else 0
+            pfc = PfcPlan(**vars(q.pfc), egress_xoff_bytes=egress_xoff,
+                          egress_xon_bytes=egress_xon)
         classes.append(ClassPlan(
             tc=tclass.tc, name=tclass.name, dscp=sorted(tclass.dscp), classid=classid,
             leaf_handle=f"{0x100 + tclass.tc:x}:", prio=0 if tclass.strict else 1,
-            # A PFC class gets a TBF leaf: pausing changes its rate to near zero
-            # and back, which (unlike an HTB class change) resets its tokens.
+            # A PFC class gets a TBF leaf: the pause gate (testbed/net/qdisc.py).
             leaf_kind="tbf" if q.pfc else "bfifo",
-            wall_rate_bps=share, wall_ceil_bps=wall, limit_bytes=q.limit_bytes,
+            wall_rate_bps=share, wall_ceil_bps=wall,
+            limit_bytes=end.pool_bytes if shared else q.limit_bytes, shared=shared,
             lossless=tclass.lossless,
-            ecn=EcnPlan(**vars(q.ecn)) if q.ecn else None,
-            pfc=PfcPlan(**vars(q.pfc)) if q.pfc else None,
+            ecn=EcnPlan(**vars(q.ecn)) if q.ecn and not end.host else None,
+            pfc=pfc,
         ))
     # A burst of two frames, or 100 us of wall time at low rates' timer granularity.
     burst = max(2 * frame, wall // 8 // 10_000)
@@ -236,18 +261,30 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
     link_plans: list[LinkPlan] = []
     egress: dict[tuple[int, str], EgressPlan] = {}
     tclasses = list(fabric.traffic_classes)
+    pool = fabric.switch_buffer.size_bytes if fabric.switch_buffer else 0
+    ports_of: dict[str, int] = defaultdict(int)
+    for link in links:
+        ports_of[link.a] += 1
+        ports_of[link.b] += 1
     for i, (link, phy) in enumerate(zip(links, phys, strict=True)):
         port_class = fabric.qos[link.qos]
         classes_qos, qos_problems = resolve_port_qos(
-            port_class, tclasses, phy.mac_rate_bps, round(phy.delay_ns), fabric.mtu_bytes)
+            port_class, tclasses, phy.mac_rate_bps, round(phy.delay_ns), fabric.mtu_bytes,
+            shared_pool=bool(pool))
         for qp in qos_problems:
             loc = ("qos", link.qos, *qp.field.split("."))
             msg = f"{qp.message} (link {link.a}-{link.b}, {link.port})"
             if not any(p.loc == loc for p in problems):
                 problems.append(Problem(loaded.lines.line_for(loc), loc, msg))
         for end in ("a", "b"):
+            name = getattr(link, end)
             egress[(i, end)] = _egress(phy.mac_rate_bps, dilation, classes_qos, tclasses,
-                                       fabric.mtu_bytes)
+                                       fabric.mtu_bytes, _EndRole(
+                                           host=role[name] == "host", pool_bytes=pool,
+                                           fan_in=ports_of[name] - 1))
+        if not pool:
+            warnings += _fan_in_warnings(link, classes_qos, ports_of, role, fabric.mtu_bytes)
+        warnings += _headroom_warnings(link, port_class, classes_qos, phy, fabric.mtu_bytes)
         link_plans.append(LinkPlan(
             index=i, a=LinkEndPlan(node=link.a, ifname=ifnames[(i, "a")]),
             b=LinkEndPlan(node=link.b, ifname=ifnames[(i, "b")]), subnet=str(subnets[i]),
@@ -277,9 +314,13 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
                     egress=egress[(i, end)]))
         node_plans.append(NodePlan(
             name=node.name, role=node.role, netns=netns_name(fabric.name, node.name),
+            buffer=_node_buffer(node.role, interfaces, fabric.switch_buffer),
             sysctls=dict(SWITCH_SYSCTLS if node.role == "switch" else HOST_SYSCTLS),
             interfaces=interfaces, routes=routes.get(node.name, [])))
 
+    problems += _pool_problems(loaded, node_plans)
+    if problems:
+        raise ConfigError(loaded.path, problems)
     for link in link_plans:
         warnings += [f"link {link.index} {link.a.node}-{link.b.node}: {w}"
                      for w in link.phy_warnings]
@@ -289,6 +330,89 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
         roce_mtu_bytes=fabric.roce_mtu_bytes, dilation=dplan,
         traffic_classes=[TrafficClassPlan(**t.model_dump()) for t in tclasses],
         nodes=node_plans, links=link_plans, warnings=warnings)
+
+
+def _node_buffer(role: str, interfaces: list[InterfacePlan], switch_buffer) -> NodeBufferPlan:
+    """A host NIC accounts nothing per ingress; a switch accounts its lossless PFC classes
+    per ingress port, in per-port buffers or in the shared pool."""
+    if role == "host":
+        return NodeBufferPlan(mode="none", tracked=[])
+    tracked = sorted({c.tc for i in interfaces for c in i.egress.classes
+                      if c.lossless and c.pfc is not None})
+    if switch_buffer is None:
+        return NodeBufferPlan(mode="static", tracked=tracked)
+    entries = [c.pfc for i in interfaces for c in i.egress.classes
+               if c.tc in tracked and c.pfc is not None]
+    alphas = sorted({p.alpha for p in entries}) or [0.125]
+    return NodeBufferPlan(
+        mode="shared", tracked=tracked, pool_bytes=switch_buffer.size_bytes,
+        reserve_bytes=switch_buffer.reserve_bytes,
+        resume_offset_bytes=switch_buffer.resume_offset_bytes,
+        total_headroom_bytes=sum(p.headroom_bytes for p in entries),
+        total_reserve_bytes=switch_buffer.reserve_bytes * len(entries), alpha=alphas[0])
+
+
+def _pool_problems(loaded: LoadedConfig, nodes: list[NodePlan]) -> list[Problem]:
+    """A shared pool must leave room to share once every headroom and reserve is set aside."""
+    out = []
+    loc = ("switch_buffer", "size")
+    for node in nodes:
+        b = node.buffer
+        if b.mode != "shared":
+            continue
+        set_aside = b.total_headroom_bytes + b.total_reserve_bytes
+        if b.pool_bytes <= set_aside:
+            out.append(Problem(loaded.lines.line_for(loc), loc, (
+                f"{format_size(b.pool_bytes)} leaves nothing to share on {node.name}: its "
+                f"{len(node.interfaces)} ports set aside {format_size(b.total_headroom_bytes)} "
+                f"of headroom and {format_size(b.total_reserve_bytes)} of reserve; raise it "
+                f"above {format_size(set_aside)} or lower pfc.headroom / switch_buffer.reserve")))
+            break
+    return out
+
+
+def _fan_in_warnings(link, classes_qos, ports_of: dict[str, int], role: dict[str, str],
+                     mtu_bytes: int) -> list[str]:
+    """Per-port buffers: can a switch port's buffer take what its fan-in puts in after the
+    egress queue pauses them all? (Each paused ingress still sends its headroom.)"""
+    out = []
+    frame = mtu_bytes + ETH_WIRE_OVERHEAD_BYTES
+    for name in (link.a, link.b):
+        if role[name] != "switch":
+            continue
+        fan_in = ports_of[name] - 1
+        for q in classes_qos:
+            if q.pfc is None:
+                continue
+            room = q.limit_bytes - fan_in * q.pfc.headroom_bytes
+            if room < frame:
+                out.append(
+                    f"qos.{link.qos}: TC{q.tc} buffer {format_size(q.limit_bytes)} on "
+                    f"{name} cannot absorb its {fan_in} upstream ports' PFC headroom "
+                    f"({fan_in} x {format_size(q.pfc.headroom_bytes)}): a fan-in can overflow "
+                    "this lossless queue; raise the buffer or use a shared switch_buffer")
+            elif room < q.pfc.xoff_bytes:
+                out.append(
+                    f"qos.{link.qos}: TC{q.tc} on {name}: egress protection pauses the "
+                    f"upstream ports at {format_size(room)}, below pfc.xoff "
+                    f"{format_size(q.pfc.xoff_bytes)}, so that {fan_in} ports' headroom "
+                    f"({format_size(q.pfc.headroom_bytes)} each) fits the "
+                    f"{format_size(q.limit_bytes)} buffer")
+    return out
+
+
+def _headroom_warnings(link, port_class, classes_qos, phy, mtu_bytes: int) -> list[str]:
+    """An explicit headroom below what the link can put in flight after XOFF."""
+    given = port_class.pfc.headroom_bytes
+    if given is None:
+        return []
+    need = headroom_bytes(phy.mac_rate_bps, round(phy.delay_ns), mtu_bytes)
+    if given >= need or not any(q.pfc for q in classes_qos):
+        return []
+    return [f"qos.{link.qos}: pfc.headroom {format_size(given)} is below what link "
+            f"{link.a}-{link.b} ({phy.mac_rate_bps / 1e9:g} Gb/s) can put in flight after an "
+            f"XOFF ({format_size(need)}: two frames, the round trip and the 802.1Qbb response "
+            "time): the lossless class may drop"]
 
 
 def _egress_loss(fabric, link, sender: str, phy_loss: float) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2
 
 
 class PlanModel(BaseModel):
@@ -24,12 +24,14 @@ class EcnPlan(PlanModel):
 
 class PfcPlan(PlanModel):
     priority: int
-    xoff_bytes: int
-    xon_bytes: int
-    headroom_bytes: int
+    xoff_bytes: int             # static: bytes an ingress port may hold (with a shared
+    xon_bytes: int              #   buffer: of the pool's shared part) before XOFF / at XON
+    headroom_bytes: int         # what the ingress may still put in after its XOFF
     watchdog_ns: int | None     # fabric time paused before a storm is declared; None: off
     mode: str                   # "static" or "dynamic"
     alpha: float                # dynamic: XOFF above alpha x free shared buffer
+    egress_xoff_bytes: int = 0  # per-port buffers: a queue this deep pauses every ingress
+    egress_xon_bytes: int = 0   #   holding bytes in it (egress protection); 0: off
 
 
 class ClassPlan(PlanModel):
@@ -42,7 +44,8 @@ class ClassPlan(PlanModel):
     prio: int             # HTB priority: strict classes 0, weighted classes 1
     wall_rate_bps: int    # guaranteed share
     wall_ceil_bps: int    # may borrow up to the port rate
-    limit_bytes: int      # buffer of this class on this port
+    limit_bytes: int      # buffer of this class on this port (shared: the node's pool)
+    shared: bool = False  # draws from the switch's shared pool (switch_buffer)
     lossless: bool
     ecn: EcnPlan | None
     pfc: PfcPlan | None
@@ -85,10 +88,25 @@ class RoutePlan(PlanModel):
     nexthops: list[NextHopPlan]
 
 
+class NodeBufferPlan(PlanModel):
+    """How a node accounts its buffer (the port program's node maps)."""
+
+    mode: str                   # "none" (a host NIC), "static" (per-port buffers, static
+                                # per-ingress XOFF), "shared" (switch_buffer's pool)
+    tracked: list[int]          # lossless PFC classes accounted per ingress port
+    pool_bytes: int = 0         # shared: the pool
+    reserve_bytes: int = 0      # shared: per (ingress port, tracked class)
+    resume_offset_bytes: int = 0
+    total_headroom_bytes: int = 0   # shared: set aside for every ingress port's headroom
+    total_reserve_bytes: int = 0    # shared: set aside for every ingress port's reserve
+    alpha: float = 0.125        # shared: default alpha (ports may set their own)
+
+
 class NodePlan(PlanModel):
     name: str
     role: str
     netns: str
+    buffer: NodeBufferPlan
     sysctls: dict[str, str]
     interfaces: list[InterfacePlan]
     routes: list[RoutePlan]

@@ -94,9 +94,14 @@ def _default_buffer(tclass: TrafficClass) -> int:
 
 
 def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_bps: int,
-                     one_way_delay_ns: int, mtu_bytes: int
+                     one_way_delay_ns: int, mtu_bytes: int, shared_pool: bool = False
                      ) -> tuple[list[ClassQos], list[QosProblem]]:
-    """Concrete settings for every traffic class on one port, and any problems found."""
+    """Concrete settings for every traffic class on one port, and any problems found.
+
+    `shared_pool`: the fabric has a switch_buffer, so lossless classes at switches
+    draw from it rather than from their per-port buffer: the per-port XOFF and
+    headroom checks do not apply, and PFC defaults to the dynamic threshold.
+    """
     problems: list[QosProblem] = []
     pfc_cfg = port_class.pfc
     lossless_tcs = [t.tc for t in tclasses if t.lossless]
@@ -111,11 +116,13 @@ def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_b
             headroom = pfc_cfg.headroom_bytes
             if headroom is None:
                 headroom = headroom_bytes(rate_bps, one_way_delay_ns, mtu_bytes)
+            mode = pfc_cfg.mode if "mode" in pfc_cfg.model_fields_set else (
+                "dynamic" if shared_pool else "static")
             xoff = pfc_cfg.xoff_bytes if pfc_cfg.xoff_bytes is not None else limit // 2
             xon = pfc_cfg.xon_bytes
             if xon is None:
                 xon = max(0, xoff - 2 * (mtu_bytes + ETH_WIRE_OVERHEAD_BYTES))
-            if xoff + headroom > limit:
+            if not shared_pool and xoff + headroom > limit:
                 problems.append(QosProblem(
                     f"buffer.{tclass.tc}",
                     f"TC{tclass.tc} buffer {format_size(limit)} cannot hold XOFF "
@@ -126,15 +133,16 @@ def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_b
                 problems.append(QosProblem(
                     "pfc.xon", f"{format_size(xon)} is above XOFF {format_size(xoff)}; "
                     "set xon below xoff"))
-            if ecn_here is not None and ecn_here.kmin_bytes >= xoff:
+            if ecn_here is not None and ecn_here.kmin_bytes >= xoff and mode == "static":
                 problems.append(QosProblem(
                     "ecn.kmin",
                     f"{format_size(ecn_here.kmin_bytes)} is not below pfc.xoff "
                     f"{format_size(xoff)} on TC{tclass.tc} at {rate_bps / 1e9:g} Gb/s, so PFC "
                     "will fire before ECN marks; lower ecn.kmin or raise pfc.xoff"))
             pfc_here = PfcSettings(tclass.tc, xoff, xon, headroom, pfc_cfg.watchdog_ns,
-                                   pfc_cfg.mode, pfc_cfg.alpha)
-        if ecn_here is not None and ecn_here.kmin_bytes > limit:
+                                   mode, pfc_cfg.alpha)
+        if ecn_here is not None and ecn_here.kmin_bytes > limit and not (
+                shared_pool and pfc_here is not None):
             problems.append(QosProblem(
                 "ecn.kmin", f"{format_size(ecn_here.kmin_bytes)} is above the TC{tclass.tc} "
                 f"buffer {format_size(limit)} at {rate_bps / 1e9:g} Gb/s, so the class drops "

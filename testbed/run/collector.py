@@ -22,6 +22,7 @@ from agents.timebase import Dilation
 from testbed.net.sampler import KernelSampler
 from testbed.plan.model import Plan
 from testbed.run.fidelity import PortWatchdog
+from testbed.run.invariants import InvariantMonitor
 from testbed.run.store import Sample, Store
 
 SNAPSHOT_WORKERS = 8
@@ -103,6 +104,7 @@ class Collector:
         self.agents = list(agents or [])
         self.sampler = KernelSampler(plan)
         self.watchdog = PortWatchdog(plan)
+        self.invariants = InvariantMonitor(plan)
         self.totals = LiveTotals()
         self.cpu_ns = 0
         self.wall_active_ns = 0
@@ -160,6 +162,7 @@ class Collector:
             for agent in self.agents:
                 self._import_events(agent)
             self.watchdog.observe(mono, samples)
+            self.invariants.observe(ts_fabric, samples, self.sampler.brackets)
             self._update_totals(ts_fabric, samples)
             self.cpu_ns += time.thread_time_ns() - cpu0
         if self.on_sample is not None:

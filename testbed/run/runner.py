@@ -20,9 +20,11 @@ from pathlib import Path
 from agents.timebase import Dilation
 from testbed.config import LoadedConfig
 from testbed.net import apply_plan, destroy_lab
+from testbed.net.counters import datapath_snapshot, udp_errors
 from testbed.net.probe import probe_report
 from testbed.net.state import LabState
 from testbed.plan.model import Plan
+from testbed.run.accounts import stream_accounts
 from testbed.run.collector import AgentEndpoint, Collector, LiveTotals, agent_read_notes
 from testbed.run.fabric_agents import has_pfc, start_pfc_agents
 from testbed.run.fidelity import base_rtt_shortfall_ns
@@ -141,6 +143,8 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
     t0 = time.monotonic_ns()
     t0_realtime_ns = time.time_ns()
     results_written = False
+    udp_start: dict[str, dict[str, int]] = {}
+    invariants: dict | None = None
     with _Interrupt() as stop:
         try:
             store.add_event(0, time.monotonic_ns(), "phase", phase="up")
@@ -151,6 +155,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 state.save()
             say(f"up: lab {plan.lab!r} in {sum(report.seconds.values()):.2f}s, "
                 f"D={plan.dilation.factor}")
+            udp_start = udp_errors(plan)
             if report.datapath.startswith("none"):
                 fidelity.append(f"no port programs ({report.datapath[6:]}): no ECN marking, "
                                 "no virtual queues, no PFC, no PHY loss")
@@ -262,6 +267,12 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
             except Exception as exc:   # results are best effort on an interrupted run
                 fidelity.append(f"could not collect agent results: {exc!r}")
             if collector is not None:
+                try:
+                    invariants = _check_invariants(run_dir, plan, store, collector, agents,
+                                                   results, udp_start)
+                    fidelity += invariants["notes"]
+                except Exception as exc:   # the run's data is kept; say why it is unchecked
+                    fidelity.append(f"could not check the run's invariants: {exc!r}")
                 fidelity += collector.watchdog.notes(plan.dilation.factor)
                 if collector.late_ticks:
                     fidelity.append(f"the collector fell behind its period "
@@ -287,11 +298,33 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
         extra={"collector": {"samples": collector.totals.samples if collector else 0,
                              "period_fabric_ns": period_ns,
                              "cpu_fraction_of_one_core": round(overhead, 4)},
-               "results_complete": results_written})
+               "results_complete": results_written,
+               **({"invariants": {k: v for k, v in invariants.items() if k != "notes"}}
+                  if invariants else {})})
     write_json(run_dir / "summary.json", summary)
     store.close()
     _build_report(run_dir, say)
     return RunResult(run_dir, summary, interrupted, overhead)
+
+
+def _check_invariants(run_dir: Path, plan: Plan, store: Store, collector: Collector, agents,
+                      results: dict, udp_start: dict[str, dict[str, int]]) -> dict:
+    """Read the port programs' final counters (kept in datapath.json), account every
+    stream, and judge the run's invariants (testbed/run/invariants.py)."""
+    snapshot = datapath_snapshot(plan) if _has_port_programs(plan) else None
+    if snapshot is not None:
+        write_json(run_dir / "datapath.json", snapshot)
+    udp_end = udp_errors(plan)
+    host_errors = {h: v.get("RcvbufErrors", 0) - udp_start.get(h, {}).get("RcvbufErrors", 0)
+                   for h, v in udp_end.items()}
+    streams = stream_accounts(plan, agents, results,
+                              snapshot["flow_drops"] if snapshot else [])
+    last = {name: store.last_values(name) for name in
+            ("class_drops", "class_packets", "backlog_packets", "tx_dropped")}
+    out = collector.invariants.finish(snapshot, last, streams, host_errors)
+    out["streams"] = streams
+    out["host_socket_drops"] = {h: n for h, n in host_errors.items() if n}
+    return out
 
 
 def _has_port_programs(plan: Plan) -> bool:

@@ -1,87 +1,60 @@
-"""PFC decisions without sockets: FIFO attribution, XOFF/XON, refresh, pause timers, storms."""
+"""PFC decisions without sockets: reasons to pause, XOFF/XON, refresh, pause timers, storms."""
 
 from __future__ import annotations
 
 import pytest
 
-from agents.pfc.logic import (
-    FifoAttribution,
-    PauseDecider,
-    PauseTimer,
-    Thresholds,
-    safe_poll_interval_ns,
-)
+from agents.pfc.logic import INGRESS, PauseRequests, PauseTimer, egress_reason
 
 
-def test_fifo_attribution_keeps_the_newest_bytes():
-    fifo = FifoAttribution()
-    fifo.update({"swp1": 100, "swp2": 50}, depth_bytes=150)
-    assert fifo.by_ingress == {"swp1": 100, "swp2": 50}
-    # 30 bytes left the queue: the oldest (swp1's) go first.
-    fifo.update({}, depth_bytes=120)
-    assert fifo.by_ingress == {"swp1": 70, "swp2": 50}
-    fifo.update({"swp3": 40}, depth_bytes=60)
-    assert fifo.by_ingress == {"swp2": 20, "swp3": 40}
-    fifo.update({}, depth_bytes=0)
-    assert fifo.by_ingress == {}
+def test_first_reason_sends_xoff_last_reason_gone_sends_xon():
+    r = PauseRequests(refresh_ns={"swp1": 100.0})
+    a = r.set("swp1", 3, INGRESS, True, now_ns=0)
+    assert (a.ingress, a.priority, a.xoff, a.reason) == ("swp1", 3, True, INGRESS)
+    assert r.set("swp1", 3, INGRESS, True, now_ns=10) is None        # already paused
+    assert r.set("swp1", 3, egress_reason("swp4"), True, now_ns=20) is None
+    assert r.set("swp1", 3, INGRESS, False, now_ns=30) is None       # egress still holds it
+    xon = r.set("swp1", 3, egress_reason("swp4"), False, now_ns=40)
+    assert xon.xoff is False and not r.paused("swp1", 3)
+    req = r.requests[("swp1", 3)]
+    assert (req.xoff_sent, req.xon_sent) == (1, 1)
+    assert r.set("swp1", 3, INGRESS, False, now_ns=50) is None       # nothing to resume
 
 
-TH = Thresholds(xoff_bytes=1000, xon_bytes=600, headroom_bytes=200,
-                egress_xoff_bytes=5000, egress_xon_bytes=4000)
+def test_a_paused_ingress_is_refreshed_before_its_pause_expires():
+    r = PauseRequests(refresh_ns={"swp1": 100.0, "swp2": 1000.0})
+    r.set("swp1", 3, INGRESS, True, now_ns=0)
+    r.set("swp2", 3, INGRESS, True, now_ns=0)
+    assert r.next_refresh_ns() == 100.0
+    assert r.refresh(now_ns=50) == []
+    again = r.refresh(now_ns=120)
+    assert [(a.ingress, a.xoff, a.reason) for a in again] == [("swp1", True, "refresh")]
+    assert r.next_refresh_ns() == 220.0
+    r.set("swp1", 3, INGRESS, False, now_ns=130)
+    assert r.next_refresh_ns() == 1000.0
+    assert r.requests[("swp1", 3)].refreshes == 1
 
 
-def test_ingress_over_xoff_is_paused_refreshed_then_resumed():
-    d = PauseDecider({3: TH}, refresh_ns={"swp1": 100.0, "swp2": 100.0})
-    d.observe("swp4", 3, 1500, {"swp1": 1200, "swp2": 300})
-    actions = d.decide(now_ns=0)
-    assert [(a.ingress, a.xoff) for a in actions] == [("swp1", True)]
-    assert d.decide(now_ns=50) == []                      # paused, refresh not yet due
-    again = d.decide(now_ns=120)
-    assert [(a.ingress, a.xoff) for a in again] == [("swp1", True)]   # re-sent before expiry
-    d.observe("swp4", 3, 500, {})                         # drained: swp1 holds 200 B
-    resumed = d.decide(now_ns=130)
-    assert [(a.ingress, a.xoff) for a in resumed] == [("swp1", False)]
-    assert d.state[("swp1", 3)].xoff_sent == 2 and d.state[("swp1", 3)].xon_sent == 1
+def test_replace_makes_a_reason_held_by_exactly_the_given_ingresses():
+    r = PauseRequests(refresh_ns={})
+    hot = egress_reason("swp9")
+    paused = r.replace(hot, 3, {"swp1", "swp2", "swp3"}, now_ns=0)
+    assert sorted(a.ingress for a in paused if a.xoff) == ["swp1", "swp2", "swp3"]
+    r.set("swp2", 3, INGRESS, True, now_ns=1)        # swp2 also over its own XOFF
+    changed = r.replace(hot, 3, {"swp1", "swp4"}, now_ns=2)
+    assert sorted((a.ingress, a.xoff) for a in changed) == [("swp3", False), ("swp4", True)]
+    assert r.paused("swp2", 3)                        # held by its own reason
+    cooled = r.replace(hot, 3, set(), now_ns=3)
+    assert sorted(a.ingress for a in cooled if not a.xoff) == ["swp1", "swp4"]
+    assert r.paused("swp2", 3) and not r.paused("swp1", 3)
 
 
-def test_occupancy_sums_over_egress_queues():
-    d = PauseDecider({3: TH}, refresh_ns={})
-    d.observe("swp4", 3, 600, {"swp1": 600})
-    d.observe("swp5", 3, 600, {"swp1": 600})
-    assert d.occupancy(3) == {"swp1": 1200}
-    assert [a.ingress for a in d.decide(0) if a.xoff] == ["swp1"]
-
-
-def test_a_full_egress_queue_pauses_every_contributor():
-    d = PauseDecider({3: TH}, refresh_ns={})
-    d.observe("swp9", 3, 5000, {f"swp{i}": 700 for i in range(1, 8)} | {"swp8": 100})
-    paused = sorted(a.ingress for a in d.decide(0) if a.xoff)
-    assert paused == [f"swp{i}" for i in range(1, 9)]
-    assert {d.state[(f"swp{i}", 3)].reason for i in range(1, 8)} == {"egress queue"}
-    # Between egress XON and XOFF the pause holds even though each ingress is low.
-    d.observe("swp9", 3, 4500, {})
-    assert d.decide(1) == []
-    # Below egress XON, each ingress resumes once its own bytes are below XON:
-    # at 3000 B the newest 700 B of swp4..swp7 each still exceed XON (600 B).
-    d.observe("swp9", 3, 3000, {})
-    assert sorted(a.ingress for a in d.decide(2) if not a.xoff) == ["swp1", "swp2", "swp3",
-                                                                    "swp8"]
-    d.observe("swp9", 3, 500, {})
-    assert sorted(a.ingress for a in d.decide(3) if not a.xoff) == [f"swp{i}"
-                                                                    for i in range(4, 8)]
-
-
-def test_dynamic_threshold_shrinks_as_the_shared_buffer_fills():
-    th = Thresholds(xoff_bytes=0, xon_bytes=0, headroom_bytes=0, egress_xoff_bytes=10**9,
-                    egress_xon_bytes=10**9, mode="dynamic", alpha=0.125,
-                    shared_buffer_bytes=8_000_000)
-    d = PauseDecider({3: th}, refresh_ns={})
-    d.observe("swp4", 3, 800_000, {"swp1": 800_000})
-    # threshold = (8 MB - 0.8 MB) / 8 = 900 KB > 800 KB: no pause yet
-    assert d.decide(0) == []
-    d.observe("swp4", 3, 900_000, {"swp1": 100_000})
-    # threshold = (8 MB - 0.9 MB) / 8 = 887.5 KB <= 900 KB: pause
-    assert [a.xoff for a in d.decide(1)] == [True]
+def test_priorities_are_independent():
+    r = PauseRequests(refresh_ns={})
+    r.set("swp1", 3, INGRESS, True, now_ns=0)
+    assert r.set("swp1", 4, INGRESS, True, now_ns=0).xoff
+    assert r.set("swp1", 3, INGRESS, False, now_ns=1).priority == 3
+    assert r.paused("swp1", 4)
 
 
 def test_pause_timer_expiry_xon_and_paused_time():
@@ -107,11 +80,3 @@ def test_watchdog_declares_a_storm_and_stops_honouring_pauses():
     assert t.expire(600.0) == [("swp2", 3, "storm")]
     assert not t.is_paused("swp2", 3, 600.0)
     assert t.classes[("swp2", 3)].storms == 1
-
-
-def test_safe_poll_interval_never_lets_a_queue_cross_unseen():
-    # 1 MB of room filling at 700 Gb/s: 11.43 us until XOFF at the earliest.
-    ns = safe_poll_interval_ns(0, 1_000_000, 700e9, floor_ns=100, ceiling_ns=1e9)
-    assert ns == pytest.approx(1_000_000 * 8 / 700e9 * 1e9)
-    assert safe_poll_interval_ns(2_000_000, 1_000_000, 700e9, 100, 1e9) == 100
-    assert safe_poll_interval_ns(0, 1_000_000, 0, 100, 5e4) == 5e4

@@ -1,31 +1,44 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * Port program: one instance per fabric egress port, attached at clsact
- * egress in direct-action mode (so it runs in dev_queue_xmit, before the
- * port's HTB root sees the packet).
+ * Port program: one instance per fabric egress port. Two entry points share
+ * the instance's maps:
  *
- * Per traffic class it keeps a VIRTUAL QUEUE in bytes: every packet handed
- * to the qdisc adds skb->len + overhead_bytes; the queue drains at the port's
- * wall rate, except while the class is paused (user space sets that in the
- * `pause` map). On that queue it
- *   - marks CE on ECT packets with the DCQCN/RED curve (instantaneous queue,
- *     decided at ENQUEUE on the backlog the packet finds ahead of it, itself
- *     excluded - what sch_red does),
- *   - drops with a configured probability (PHY frame loss / impairment),
- *   - counts packets, bytes, marks, drops and the largest queue seen.
- * Non-IPv4 frames (ARP, PFC 0x8808, IPv6) pass untouched and are counted in
- * the OTHER slot only.
+ *   port_egress     at clsact egress of the port, in direct-action mode (it
+ *                   runs in dev_queue_xmit, before the port's HTB root sees
+ *                   the packet): admission, tail drop, ECN marking, counters;
+ *   port_departure  at clsact INGRESS of the port's veth PEER, in the other
+ *                   node's namespace: every IPv4 packet that arrives there
+ *                   has left this port's queue.
  *
- * The virtual-queue state is shared by all CPUs and guarded by a
- * bpf_spin_lock in the map value; helpers cannot be called under the lock,
- * so the clock and the random numbers are drawn before taking it and CE is
- * written to the packet after releasing it. See docs/datapath.md.
+ * So the queue this program decides on is the real one:
+ *     queue(class) = bytes admitted at egress - bytes departed at the peer
+ * in frame bytes (skb->len, what the kernel's qdisc backlog counts), with no
+ * fluid model, no drain rate and nothing for pauses to freeze. The program
+ * owns tail drop (the leaf qdiscs are sized so they never drop on their own),
+ * so every admitted byte is in the qdisc, on the veth, or at the peer.
  *
- * Layouts below are mirrored in testbed/net/portprog.py; the sizes are
- * asserted on both sides (PORTPROG_* constants).
+ * Buffer accounting happens per NODE, in maps every port instance of a node
+ * shares (loaded with bpftool's map reuse): a switch's per-(ingress port,
+ * priority) occupancy, and with a shared buffer the MMU of HPCC's ns-3
+ * SwitchMmu (reserve, shared pool with a dynamic alpha threshold, headroom).
+ * A packet's ingress port is not visible at the peer (veth clears the skb's
+ * metadata), so each port keeps, per tracked (lossless) class, a FIFO ring
+ * of (ingress slot, length) in admission order; a departure takes the
+ * oldest entry, as a FIFO queue really drains. All node state is guarded by
+ * one spin lock per node; helpers cannot be called under it, so the clock,
+ * the random numbers and every map lookup come first, and CE marking and
+ * event output after.
+ *
+ * PFC decisions are taken here, at the packet that crosses a threshold, and
+ * sent to the node's PFC agent through a ring buffer (`events`): the agent
+ * sleeps on it and sends the frame at once instead of polling queues.
+ *
+ * Layouts below are mirrored in agents/portmaps.py; the sizes are asserted
+ * on both sides and against the object's BTF in tests. See docs/datapath.md.
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
+#include <linux/in.h>
 #include <linux/pkt_cls.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
@@ -34,73 +47,162 @@
 #define OTHER_SLOT NUM_TC              /* state slot of non-IPv4 frames */
 #define NUM_SLOTS (NUM_TC + 1)
 #define NUM_DSCP 64
-#define FP_SHIFT 32                    /* vq and rate: 32.32 fixed point */
-#define VQ_MAX_BYTES (1ULL << 31)      /* saturation of a class without a limit */
+#define MAX_SLOTS 512                  /* ingress slots per node (0: sent by the node itself) */
+#define MAX_TRACKED 2                  /* lossless classes with per-ingress accounting */
+#define RING 16384                     /* FIFO entries per (port, tracked class) */
+#define NO_TRACK 0xff
 #define ETH_HLEN_ 14
-#define MAX_INGRESS 64                 /* ingress_ifindex slots per class (0: local/unknown) */
+#define ALPHA_SHIFT 16                 /* alpha_fp: units of 2^-16 */
+
+#define MODE_NONE 0                    /* host NIC: per-port limits, no PFC sending */
+#define MODE_STATIC 1                  /* per-port limits, static per-ingress XOFF/XON */
+#define MODE_SHARED 2                  /* shared pool, reserve, headroom, dynamic XOFF */
+
+#define EV_XOFF 1                      /* an ingress (slot, class) wants to pause */
+#define EV_XON 2                       /* ... may resume */
+#define EV_EGRESS_HOT 3                /* static: an egress queue reached its XOFF */
+#define EV_EGRESS_COOL 4               /* ... fell to its XON */
+#define EV_DROP 5                      /* a lossless (tracked) class refused a packet */
+
+#define F_WANT_PAUSE 1                 /* node ingress entry: XOFF state */
+#define F_HOT 1                        /* class state: egress protection active */
 
 /* Configuration of the port (pinned map `cfg`, one entry). */
 struct port_cfg {
-	__u64 rate_fp;          /* drain rate: wall bytes per ns, 32.32 fixed point */
-	__u32 overhead_bytes;   /* added to skb->len per packet (HTB's `overhead`) */
 	__u32 default_tc;       /* class of a DSCP whose dscp_tc entry is >= NUM_TC */
+	__u32 port_slot;        /* this port's ingress slot at its own node */
 };
 
 /* Configuration of one class (pinned map `class_cfg`, NUM_TC entries). */
 struct class_cfg {
 	__u64 kmin_bytes;
-	__u64 kmax_bytes;       /* kmin == kmax: step, mark iff vq > kmin */
+	__u64 kmax_bytes;       /* kmin == kmax: step, mark iff queue > kmin */
 	__u64 pmax_fp;          /* probability in units of 2^-32: 1.0 == 1 << 32 */
-	__u64 drop_fp;          /* drop probability, same encoding */
-	__u64 limit_bytes;      /* leaf buffer; an arrival that would overflow it is
-	                         * tail-dropped by the leaf and does not enter the vq.
-	                         * 0: no limit */
+	__u64 drop_fp;          /* drop probability (PHY loss, impairment), same encoding */
+	__u64 limit_bytes;      /* this port's buffer for the class (tail drop); 0: none
+	                         * (a shared-pool class: the node's MMU admits) */
+	__u64 egress_xoff_bytes; /* static mode: queue that pauses every contributor; 0: off */
+	__u64 egress_xon_bytes;
 	__u32 ecn_enabled;
 	__u32 pad;
 };
 
-/* Pause state of one class (pinned map `pause`, NUM_TC entries), written by
- * user space with BPF_F_LOCK. Cumulative paused time at instant t:
- *   P(t) = paused_total_ns + (paused ? t - since_ns : 0)
- * so the program can drain exactly over the un-paused part of any interval,
- * however many pause/resume pairs happened between two packets.
- * credit_bytes: cumulative bytes the class's gate let out at once when it was
- * closed or opened (a TBF change refills its bucket), which a fluid queue
- * drained at the port rate does not see; the program takes what it has not
- * seen yet off the vq. Without it a port paused thousands of times ran its vq
- * up to the class limit while a few KB were really queued. */
-struct pause_state {
-	struct bpf_spin_lock lock;
-	__u32 paused;
-	__u64 since_ns;         /* CLOCK_MONOTONIC of the last change */
-	__u64 paused_total_ns;  /* paused time accumulated before since_ns */
-	__u64 credit_bytes;     /* cumulative; written by user space only */
-};
-
-/* State and counters of one class (pinned map `state`, NUM_SLOTS entries). */
+/* State and counters of one class of this port (pinned map `state`, NUM_SLOTS
+ * entries, mmap-able; written under the node lock, read by user space
+ * without it: every field is a naturally aligned u64). */
 struct class_state {
-	struct bpf_spin_lock lock;
-	__u32 pad;
-	__u64 vq_fp;            /* virtual queue after the last update, bytes 32.32 */
-	__u64 last_ns;          /* CLOCK_MONOTONIC of the last update */
-	__u64 paused_seen_ns;   /* P(last_ns) */
+	__u64 enq_bytes;        /* admitted: queue = enq_bytes - dep_bytes */
+	__u64 enq_packets;
+	__u64 dep_bytes;        /* departed (seen at the peer's ingress) */
+	__u64 dep_packets;
 	__u64 packets;          /* arrivals, drops included */
 	__u64 bytes;            /* skb->len of arrivals, drops included */
 	__u64 ect_packets;      /* arrivals with ECT(0) or ECT(1) */
 	__u64 ce_arrivals;      /* arrivals already CE */
 	__u64 ce_marks;         /* ECT -> CE done here */
 	__u64 would_mark;       /* non-ECT arrivals the curve picked (not changed) */
-	__u64 drops;            /* TC_ACT_SHOT by drop_fp */
-	__u64 vq_overflows;     /* arrivals the leaf limit keeps out of the vq */
-	__u64 max_vq_bytes;     /* largest vq right after an arrival */
+	__u64 drops;            /* TC_ACT_SHOT by drop_fp (PHY loss, impairment) */
+	__u64 tail_drops;       /* refused: the port's limit_bytes */
+	__u64 mmu_drops;        /* refused: the node's shared buffer (headroom full) */
+	__u64 desc_drops;       /* refused: the FIFO ring (packet descriptors) is full */
+	__u64 max_queue_bytes;  /* largest queue right after an admission */
 	__u64 mark_errors;      /* bpf_skb_ecn_set_ce refused an ECT packet */
-	__u64 credit_seen;      /* pause.credit_bytes already taken off the vq */
+	__u64 ring_head;        /* FIFO: next entry to take */
+	__u64 ring_tail;        /* FIFO: next entry to fill */
+	__u64 dep_mismatch;     /* a departure whose length is not its FIFO entry's */
+	__u64 dep_unmatched;    /* a departure with nothing admitted (not counted) */
+	__u64 flags;            /* F_HOT */
+	__u64 pad;
 };
 
-_Static_assert(sizeof(struct port_cfg) == 16, "PORTPROG_PORT_CFG_SIZE");
-_Static_assert(sizeof(struct class_cfg) == 48, "PORTPROG_CLASS_CFG_SIZE");
-_Static_assert(sizeof(struct pause_state) == 32, "PORTPROG_PAUSE_SIZE");
-_Static_assert(sizeof(struct class_state) == 120, "PORTPROG_STATE_SIZE");
+/* Per-node, per-(tracked class, ingress slot) accounting. */
+struct ingress_acct {
+	__u64 bytes;            /* queued at the node from this ingress and class (HPCC's
+	                         * ingress_bytes: reserve + shared part) */
+	__u64 hdrm_bytes;       /* shared mode: of this ingress's bytes, those in headroom */
+	__u64 max_bytes;        /* largest bytes + hdrm_bytes seen */
+	__u64 max_hdrm_bytes;
+	__u64 drops;            /* arrivals refused (any reason) */
+	__u64 xoff_events;
+	__u64 xon_events;
+	__u32 headroom_bytes;   /* cfg, shared mode: headroom of this ingress port */
+	__u32 xoff_bytes;       /* cfg: static XOFF (bytes held; shared mode: of the shared
+	                         * part); 0 in shared mode: the dynamic alpha threshold */
+	__u32 xon_bytes;        /* cfg: static XON */
+	__u32 alpha_fp;         /* cfg, shared mode: this ingress's alpha (2^-16 units) */
+	__u32 flags;            /* F_WANT_PAUSE */
+	__u32 pad;
+};
+
+/* The node's buffer model (pinned map `node`, one entry, mmap-able). */
+struct node_acct {
+	__u32 mode;             /* MODE_* */
+	__u32 alpha_fp;         /* shared: XOFF above (alpha_fp >> 16) x free shared bytes */
+	__u64 buffer_bytes;     /* shared: the pool */
+	__u64 reserve_bytes;    /* shared: per (ingress port, class) minimum */
+	__u64 resume_offset_bytes;
+	__u64 total_hdrm_bytes; /* shared: headroom of every ingress port, set aside */
+	__u64 total_rsrv_bytes; /* shared: reserve of every ingress port, set aside */
+	__u8 tracked[NUM_TC];   /* class -> tracked index, NO_TRACK if none */
+	__u64 shared_used_bytes;
+	__u64 max_shared_used_bytes;
+	__u64 events_lost;      /* ring buffer full: the agent rescans flags */
+	__u64 pad;
+	struct ingress_acct in[MAX_TRACKED][MAX_SLOTS];
+};
+
+/* The node's lock (pinned map `node_lock`): a map of its own because
+ * mmap-able maps cannot hold a bpf_spin_lock. */
+struct node_lock {
+	struct bpf_spin_lock lock;
+	__u32 pad;
+};
+
+/* One PFC-relevant transition, for the node's PFC agent (map `events`). */
+struct event {
+	__u64 ts_ns;            /* CLOCK_MONOTONIC of the packet that caused it */
+	__u32 kind;             /* EV_* */
+	__u32 tc;
+	__u32 slot;             /* ingress slot (XOFF/XON/DROP) */
+	__u32 port_slot;        /* the egress port (EGRESS_*, DROP) */
+	__u64 bytes;            /* occupancy that decided */
+};
+
+struct ring {
+	__u32 e[MAX_TRACKED][RING];     /* (slot << 16) | frame length */
+};
+
+struct port_ingress {
+	__u64 adm[MAX_TRACKED][MAX_SLOTS];
+	__u64 dep[MAX_TRACKED][MAX_SLOTS];
+};
+
+/* A drop, by flow (map `flow_drops`): conservation checks per stream. */
+struct flow_key {
+	__u32 saddr;
+	__u32 daddr;
+	__u16 sport;
+	__u16 dport;
+	__u8 proto;
+	__u8 tc;
+	__u16 pad;
+};
+
+struct flow_drops {
+	__u64 phy;              /* drop_fp */
+	__u64 tail;             /* port limit */
+	__u64 mmu;              /* shared buffer */
+	__u64 desc;             /* FIFO ring */
+};
+
+_Static_assert(sizeof(struct port_cfg) == 8, "PORTPROG_PORT_CFG_SIZE");
+_Static_assert(sizeof(struct class_cfg) == 64, "PORTPROG_CLASS_CFG_SIZE");
+_Static_assert(sizeof(struct class_state) == 176, "PORTPROG_STATE_SIZE");
+_Static_assert(sizeof(struct ingress_acct) == 80, "PORTPROG_INGRESS_ACCT_SIZE");
+_Static_assert(sizeof(struct node_acct) == 82008, "PORTPROG_NODE_SIZE");
+_Static_assert(sizeof(struct event) == 32, "PORTPROG_EVENT_SIZE");
+_Static_assert(sizeof(struct flow_key) == 16, "PORTPROG_FLOW_KEY_SIZE");
+_Static_assert(sizeof(struct flow_drops) == 32, "PORTPROG_FLOW_DROPS_SIZE");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -125,27 +227,62 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, NUM_TC);
-	__type(key, __u32);
-	__type(value, struct pause_state);
-} pause SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, NUM_SLOTS);
+	__uint(map_flags, BPF_F_MMAPABLE);
 	__type(key, __u32);
 	__type(value, struct class_state);
 } state SEC(".maps");
 
-/* Bytes each ingress port put into each class's queue (pinned map `ingress`,
- * key tc * MAX_INGRESS + ingress_ifindex): the PFC agent attributes the
- * queue to the ports that fed it. Slot 0 takes locally sent packets. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, NUM_TC * MAX_INGRESS);
+	__uint(max_entries, 1);
 	__type(key, __u32);
-	__type(value, __u64);
-} ingress SEC(".maps");
+	__type(value, struct ring);
+} ring SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__uint(map_flags, BPF_F_MMAPABLE);
+	__type(key, __u32);
+	__type(value, struct port_ingress);
+} port_ingress SEC(".maps");
+
+/* Node-level maps: the first port of a node creates them, the others reuse them. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__uint(map_flags, BPF_F_MMAPABLE);
+	__type(key, __u32);
+	__type(value, struct node_acct);
+} node SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct node_lock);
+} node_lock SEC(".maps");
+
+/* ingress ifindex -> slot of the node's ports */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_SLOTS);
+	__type(key, __u32);
+	__type(value, __u32);
+} ifslot SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 16);
+} events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct flow_key);
+	__type(value, struct flow_drops);
+} flow_drops SEC(".maps");
 
 static __always_inline void count_other(struct __sk_buff *skb)
 {
@@ -158,128 +295,256 @@ static __always_inline void count_other(struct __sk_buff *skb)
 	}
 }
 
-SEC("tc")
-int port_egress(struct __sk_buff *skb)
+/* Class of an IPv4 packet, and its TOS byte; -1 if not IPv4. */
+static __always_inline int classify(struct __sk_buff *skb, __u32 default_tc, __u8 *tos)
 {
-	__u32 zero = 0, tc;
 	__u8 hdr[2];                /* version/IHL, TOS */
 
 	if (skb->protocol != bpf_htons(ETH_P_IP) ||
-	    bpf_skb_load_bytes(skb, ETH_HLEN_, hdr, sizeof(hdr)) < 0 ||
-	    (hdr[0] >> 4) != 4) {
-		count_other(skb);
-		return TC_ACT_OK;
+	    bpf_skb_load_bytes(skb, ETH_HLEN_, hdr, sizeof(hdr)) < 0 || (hdr[0] >> 4) != 4)
+		return -1;
+	*tos = hdr[1];
+	__u32 dscp = hdr[1] >> 2;
+	__u32 *mapped = bpf_map_lookup_elem(&dscp_tc, &dscp);
+	__u32 tc = mapped ? *mapped : NUM_TC;
+	if (tc >= NUM_TC)
+		tc = default_tc;
+	if (tc >= NUM_TC)
+		tc = 0;
+	return tc;
+}
+
+/* HPCC's GetPfcThreshold for one ingress: alpha x the free part of the shared
+ * pool, or the ingress's static XOFF. */
+static __always_inline __u64 shared_threshold(struct node_acct *n, struct ingress_acct *a)
+{
+	if (a->xoff_bytes)
+		return a->xoff_bytes;
+	__u64 set_aside = n->total_hdrm_bytes + n->total_rsrv_bytes + n->shared_used_bytes;
+	__u64 free = n->buffer_bytes > set_aside ? n->buffer_bytes - set_aside : 0;
+	__u64 alpha = a->alpha_fp ? a->alpha_fp : n->alpha_fp;
+	return (free * alpha) >> ALPHA_SHIFT;
+}
+
+static __always_inline __u64 shared_part(struct node_acct *n, struct ingress_acct *a)
+{
+	return a->bytes > n->reserve_bytes ? a->bytes - n->reserve_bytes : 0;
+}
+
+static __always_inline void emit(__u32 kind, __u64 now, __u32 tc, __u32 slot, __u32 port_slot,
+				 __u64 bytes, struct node_acct *n)
+{
+	struct event ev = {.ts_ns = now, .kind = kind, .tc = tc, .slot = slot,
+			   .port_slot = port_slot, .bytes = bytes};
+
+	if (bpf_ringbuf_output(&events, &ev, sizeof(ev), 0))
+		__sync_fetch_and_add(&n->events_lost, 1);
+}
+
+/* Which counter of `flow_drops` a refused or dropped packet goes to. */
+#define DROP_PHY 1
+#define DROP_TAIL 2
+#define DROP_MMU 3
+#define DROP_DESC 4
+
+static __always_inline void count_flow_drop(struct __sk_buff *skb, __u32 tc, int why)
+{
+	__u8 ip[20];
+	__u16 ports[2] = {0, 0};
+	struct flow_key key = {};
+	struct flow_drops zero = {}, *d;
+
+	if (bpf_skb_load_bytes(skb, ETH_HLEN_, ip, sizeof(ip)) < 0)
+		return;
+	__u32 ihl = (ip[0] & 0xf) * 4;
+	key.proto = ip[9];
+	__builtin_memcpy(&key.saddr, &ip[12], 4);
+	__builtin_memcpy(&key.daddr, &ip[16], 4);
+	if ((key.proto == IPPROTO_UDP || key.proto == IPPROTO_TCP) && ihl >= 20 && ihl <= 60 &&
+	    bpf_skb_load_bytes(skb, ETH_HLEN_ + ihl, ports, sizeof(ports)) == 0) {
+		key.sport = bpf_ntohs(ports[0]);
+		key.dport = bpf_ntohs(ports[1]);
 	}
+	key.tc = tc;
+	d = bpf_map_lookup_elem(&flow_drops, &key);
+	if (!d) {
+		bpf_map_update_elem(&flow_drops, &key, &zero, BPF_NOEXIST);
+		d = bpf_map_lookup_elem(&flow_drops, &key);
+		if (!d)
+			return;
+	}
+	if (why == DROP_PHY)
+		__sync_fetch_and_add(&d->phy, 1);
+	else if (why == DROP_TAIL)
+		__sync_fetch_and_add(&d->tail, 1);
+	else if (why == DROP_MMU)
+		__sync_fetch_and_add(&d->mmu, 1);
+	else
+		__sync_fetch_and_add(&d->desc, 1);
+}
+
+SEC("tc")
+int port_egress(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	__u8 tos = 0;
 
 	struct port_cfg *pc = bpf_map_lookup_elem(&cfg, &zero);
 	if (!pc)
 		return TC_ACT_OK;
-	__u32 dscp = hdr[1] >> 2;
-	__u32 ecn = hdr[1] & 3;
-	__u32 *mapped = bpf_map_lookup_elem(&dscp_tc, &dscp);
-	tc = mapped ? *mapped : NUM_TC;
-	if (tc >= NUM_TC)
-		tc = pc->default_tc;
-	if (tc >= NUM_TC)
-		tc = 0;
+	int tci = classify(skb, pc->default_tc, &tos);
+	if (tci < 0) {
+		count_other(skb);
+		return TC_ACT_OK;
+	}
+	__u32 tc = tci & (NUM_TC - 1);
 
 	struct class_cfg *cc = bpf_map_lookup_elem(&class_cfg, &tc);
-	struct pause_state *ps = bpf_map_lookup_elem(&pause, &tc);
 	struct class_state *st = bpf_map_lookup_elem(&state, &tc);
-	if (!cc || !ps || !st)
+	struct node_acct *n = bpf_map_lookup_elem(&node, &zero);
+	struct node_lock *nl = bpf_map_lookup_elem(&node_lock, &zero);
+	struct ring *rg = bpf_map_lookup_elem(&ring, &zero);
+	struct port_ingress *pin = bpf_map_lookup_elem(&port_ingress, &zero);
+	if (!cc || !st || !n || !nl || !rg || !pin)
 		return TC_ACT_OK;
 
 	/* Everything that needs a helper happens before the lock. */
 	__u64 now = bpf_ktime_get_ns();
 	__u32 r_drop = cc->drop_fp ? bpf_get_prandom_u32() : 0;
 	__u32 r_mark = cc->ecn_enabled ? bpf_get_prandom_u32() : 0;
-	__u64 rate_fp = pc->rate_fp;
-	__u64 wire = (__u64)skb->len + pc->overhead_bytes;
-	__u64 kmin = cc->kmin_bytes, kmax = cc->kmax_bytes, pmax_fp = cc->pmax_fp;
-	__u64 drop_fp = cc->drop_fp, limit = cc->limit_bytes;
-	__u32 ecn_enabled = cc->ecn_enabled;
-
-	bpf_spin_lock(&ps->lock);
-	__u64 paused_now = ps->paused_total_ns;
-	if (ps->paused && now > ps->since_ns)
-		paused_now += now - ps->since_ns;
-	__u64 credit = ps->credit_bytes;
-	bpf_spin_unlock(&ps->lock);
-
-	int mark = 0, shot = 0, queued = 0;
-
-	bpf_spin_lock(&st->lock);
-	/* Drain over the un-paused part of (last_ns, now]. Another CPU may have
-	 * updated with a later timestamp than ours: never go back in time. */
-	__u64 elapsed = now > st->last_ns ? now - st->last_ns : 0;
-	__u64 dpaused = paused_now > st->paused_seen_ns ? paused_now - st->paused_seen_ns : 0;
-	__u64 active = elapsed > dpaused ? elapsed - dpaused : 0;
-	if (active && rate_fp) {
-		if (active >= ~0ULL / rate_fp || active * rate_fp >= st->vq_fp)
-			st->vq_fp = 0;
-		else
-			st->vq_fp -= active * rate_fp;
+	__u32 in = skb->ingress_ifindex, slot = 0;
+	if (in) {
+		__u32 *s = bpf_map_lookup_elem(&ifslot, &in);
+		if (s)
+			slot = *s & (MAX_SLOTS - 1);
 	}
-	if (now > st->last_ns)
-		st->last_ns = now;
-	if (paused_now > st->paused_seen_ns)
-		st->paused_seen_ns = paused_now;
-	if (credit > st->credit_seen) {
-		__u64 dcredit = credit - st->credit_seen;
-		if (dcredit >= (st->vq_fp >> FP_SHIFT))
-			st->vq_fp = 0;
-		else
-			st->vq_fp -= dcredit << FP_SHIFT;
-		st->credit_seen = credit;
-	}
+	__u64 len = skb->len;
+	__u32 ecn = tos & 3;
 
+	int mark = 0, dropped = 0, ev = 0, ev2 = 0;
+	__u64 ev_bytes = 0, ev2_bytes = 0;
+
+	bpf_spin_lock(&nl->lock);
+	__u32 tr = n->tracked[tc];
 	st->packets += 1;
-	st->bytes += skb->len;
-	if ((__u64)r_drop < drop_fp) {
+	st->bytes += len;
+	if ((__u64)r_drop < cc->drop_fp) {
 		st->drops += 1;
-		shot = 1;
-	} else {
-		__u64 vq = st->vq_fp >> FP_SHIFT;      /* backlog ahead of this packet */
-		if (ecn_enabled) {
-			if (vq > kmax)
-				mark = 1;
-			else if (vq > kmin)            /* here kmin < vq <= kmax */
-				/* r / 2^32 < pmax (vq - kmin) / (kmax - kmin), in integers;
-				 * kmax - kmin < 2^31 and pmax_fp <= 2^32 keep it in 64 bits */
-				mark = (__u64)r_mark * (kmax - kmin) < pmax_fp * (vq - kmin);
+		dropped = DROP_PHY;
+		goto unlock;
+	}
+	__u64 q = st->enq_bytes - st->dep_bytes;   /* real queue ahead of this packet */
+	struct ingress_acct *a = 0;
+	__u64 thresh = 0;
+	if (tr < MAX_TRACKED) {
+		a = &n->in[tr & (MAX_TRACKED - 1)][slot];
+		if (st->ring_tail - st->ring_head >= RING) {
+			st->desc_drops += 1;
+			dropped = DROP_DESC;
+		} else if (n->mode == MODE_SHARED && !cc->limit_bytes) {
+			/* HPCC CheckIngressAdmission: refuse when the headroom cannot take
+			 * it and the shared pool is over this ingress's threshold. */
+			thresh = shared_threshold(n, a);
+			if (len + a->hdrm_bytes > a->headroom_bytes &&
+			    len + shared_part(n, a) > thresh) {
+				st->mmu_drops += 1;
+				dropped = DROP_MMU;
+			}
 		}
-		if (limit && vq + wire > limit) {
-			st->vq_overflows += 1;
-		} else {
-			queued = 1;
-			if (vq + wire > VQ_MAX_BYTES)
-				st->vq_fp = VQ_MAX_BYTES << FP_SHIFT;
-			else
-				st->vq_fp += wire << FP_SHIFT;
-		}
-		vq = st->vq_fp >> FP_SHIFT;
-		if (vq > st->max_vq_bytes)
-			st->max_vq_bytes = vq;
-		if (ecn == 1 || ecn == 2) {
-			st->ect_packets += 1;
-		} else {
-			if (ecn == 3)
-				st->ce_arrivals += 1;
-			else if (mark)
-				st->would_mark += 1;
-			mark = 0;
+		if (dropped) {
+			a->drops += 1;
+			ev = EV_DROP;
+			ev_bytes = a->bytes + a->hdrm_bytes;
+			goto unlock;
 		}
 	}
-	bpf_spin_unlock(&st->lock);
+	if (cc->limit_bytes && q + len > cc->limit_bytes) {
+		st->tail_drops += 1;
+		dropped = DROP_TAIL;
+		if (a) {
+			a->drops += 1;
+			ev = EV_DROP;
+			ev_bytes = q;
+		}
+		goto unlock;
+	}
 
-	if (shot)
+	if (cc->ecn_enabled) {
+		__u64 kmin = cc->kmin_bytes, kmax = cc->kmax_bytes;
+		if (q > kmax)
+			mark = 1;
+		else if (q > kmin)            /* here kmin < q <= kmax */
+			/* r / 2^32 < pmax (q - kmin) / (kmax - kmin), in integers;
+			 * kmax - kmin < 2^31 and pmax_fp <= 2^32 keep it in 64 bits */
+			mark = (__u64)r_mark * (kmax - kmin) < cc->pmax_fp * (q - kmin);
+	}
+	st->enq_bytes += len;
+	st->enq_packets += 1;
+	q += len;
+	if (q > st->max_queue_bytes)
+		st->max_queue_bytes = q;
+	if (ecn == 1 || ecn == 2) {
+		st->ect_packets += 1;
+	} else {
+		if (ecn == 3)
+			st->ce_arrivals += 1;
+		else if (mark)
+			st->would_mark += 1;
+		mark = 0;
+	}
+
+	if (a) {
+		__u32 t = tr & (MAX_TRACKED - 1);
+		rg->e[t][st->ring_tail & (RING - 1)] = (slot << 16) | (__u32)(len & 0xffff);
+		st->ring_tail += 1;
+		pin->adm[t][slot] += len;
+		int want;
+		if (n->mode == MODE_SHARED && !cc->limit_bytes) {
+			/* HPCC UpdateIngressAdmission, then CheckShouldPause */
+			__u64 nb = a->bytes + len;
+			if (nb <= n->reserve_bytes) {
+				a->bytes += len;
+			} else if (nb - n->reserve_bytes > thresh) {
+				a->hdrm_bytes += len;
+			} else {
+				__u64 over = nb - n->reserve_bytes;
+				a->bytes += len;
+				n->shared_used_bytes += over < len ? over : len;
+			}
+			if (n->shared_used_bytes > n->max_shared_used_bytes)
+				n->max_shared_used_bytes = n->shared_used_bytes;
+			want = a->hdrm_bytes > 0 || shared_part(n, a) >= shared_threshold(n, a);
+		} else {
+			a->bytes += len;
+			want = a->xoff_bytes && a->bytes >= a->xoff_bytes;
+		}
+		__u64 held = a->bytes + a->hdrm_bytes;
+		if (held > a->max_bytes)
+			a->max_bytes = held;
+		if (a->hdrm_bytes > a->max_hdrm_bytes)
+			a->max_hdrm_bytes = a->hdrm_bytes;
+		if (want && !(a->flags & F_WANT_PAUSE)) {
+			a->flags |= F_WANT_PAUSE;
+			a->xoff_events += 1;
+			ev = EV_XOFF;
+			ev_bytes = held;
+		}
+		if (cc->egress_xoff_bytes && q >= cc->egress_xoff_bytes && !(st->flags & F_HOT)) {
+			st->flags |= F_HOT;
+			ev2 = EV_EGRESS_HOT;
+			ev2_bytes = q;
+		}
+	}
+unlock:
+	bpf_spin_unlock(&nl->lock);
+
+	if (ev)
+		emit(ev, now, tc, slot, pc->port_slot, ev_bytes, n);
+	if (ev2)
+		emit(ev2, now, tc, slot, pc->port_slot, ev2_bytes, n);
+	if (dropped) {
+		count_flow_drop(skb, tc, dropped);
 		return TC_ACT_SHOT;
-	if (queued) {
-		__u32 in = skb->ingress_ifindex;
-		__u32 key = tc * MAX_INGRESS + (in < MAX_INGRESS ? in : 0);
-		__u64 *cnt = bpf_map_lookup_elem(&ingress, &key);
-		if (cnt)
-			__sync_fetch_and_add(cnt, wire);
 	}
 	if (mark) {
 		if (bpf_skb_ecn_set_ce(skb))
@@ -287,6 +552,103 @@ int port_egress(struct __sk_buff *skb)
 		else
 			__sync_fetch_and_add(&st->mark_errors, 1);
 	}
+	return TC_ACT_OK;
+}
+
+SEC("tc")
+int port_departure(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	__u8 tos = 0;
+
+	struct port_cfg *pc = bpf_map_lookup_elem(&cfg, &zero);
+	if (!pc)
+		return TC_ACT_OK;
+	int tci = classify(skb, pc->default_tc, &tos);
+	if (tci < 0)
+		return TC_ACT_OK;
+	__u32 tc = tci & (NUM_TC - 1);
+
+	struct class_cfg *cc = bpf_map_lookup_elem(&class_cfg, &tc);
+	struct class_state *st = bpf_map_lookup_elem(&state, &tc);
+	struct node_acct *n = bpf_map_lookup_elem(&node, &zero);
+	struct node_lock *nl = bpf_map_lookup_elem(&node_lock, &zero);
+	struct ring *rg = bpf_map_lookup_elem(&ring, &zero);
+	struct port_ingress *pin = bpf_map_lookup_elem(&port_ingress, &zero);
+	if (!cc || !st || !n || !nl || !rg || !pin)
+		return TC_ACT_OK;
+	__u64 now = bpf_ktime_get_ns();
+	__u64 len = skb->len;
+	int ev = 0, ev2 = 0;
+	__u32 slot = 0;
+	__u64 ev_bytes = 0, ev2_bytes = 0;
+
+	bpf_spin_lock(&nl->lock);
+	__u32 tr = n->tracked[tc];
+	if (tr < MAX_TRACKED) {
+		__u32 t = tr & (MAX_TRACKED - 1);
+		if (st->ring_head == st->ring_tail) {
+			st->dep_unmatched += 1;
+			goto unlock;
+		}
+		__u32 e = rg->e[t][st->ring_head & (RING - 1)];
+		st->ring_head += 1;
+		slot = (e >> 16) & (MAX_SLOTS - 1);
+		__u64 plen = e & 0xffff;
+		if (plen != len)
+			st->dep_mismatch += 1;
+		st->dep_bytes += plen;
+		st->dep_packets += 1;
+		pin->dep[t][slot] += plen;
+		struct ingress_acct *a = &n->in[t][slot];
+		int resume;
+		if (n->mode == MODE_SHARED && !cc->limit_bytes) {
+			/* HPCC RemoveFromIngressAdmission, then CheckShouldResume */
+			__u64 from_hdrm = a->hdrm_bytes < plen ? a->hdrm_bytes : plen;
+			__u64 rest = plen - from_hdrm;
+			__u64 sh = shared_part(n, a);
+			__u64 from_shared = sh < rest ? sh : rest;
+			a->hdrm_bytes -= from_hdrm;
+			a->bytes = a->bytes > rest ? a->bytes - rest : 0;
+			n->shared_used_bytes = n->shared_used_bytes > from_shared ?
+				n->shared_used_bytes - from_shared : 0;
+			sh = shared_part(n, a);
+			if (a->xoff_bytes)
+				resume = a->hdrm_bytes == 0 && sh <= a->xon_bytes;
+			else
+				resume = a->hdrm_bytes == 0 &&
+					 (sh == 0 || sh + n->resume_offset_bytes <=
+					  shared_threshold(n, a));
+		} else {
+			a->bytes = a->bytes > plen ? a->bytes - plen : 0;
+			resume = a->bytes <= a->xon_bytes;
+		}
+		if (resume && (a->flags & F_WANT_PAUSE)) {
+			a->flags &= ~F_WANT_PAUSE;
+			a->xon_events += 1;
+			ev = EV_XON;
+			ev_bytes = a->bytes + a->hdrm_bytes;
+		}
+		__u64 q = st->enq_bytes - st->dep_bytes;
+		if ((st->flags & F_HOT) && q <= cc->egress_xon_bytes) {
+			st->flags &= ~F_HOT;
+			ev2 = EV_EGRESS_COOL;
+			ev2_bytes = q;
+		}
+	} else {
+		if (st->enq_bytes - st->dep_bytes < len) {
+			st->dep_unmatched += 1;
+			goto unlock;
+		}
+		st->dep_bytes += len;
+		st->dep_packets += 1;
+	}
+unlock:
+	bpf_spin_unlock(&nl->lock);
+	if (ev)
+		emit(ev, now, tc, slot, pc->port_slot, ev_bytes, n);
+	if (ev2)
+		emit(ev2, now, tc, slot, pc->port_slot, ev2_bytes, n);
 	return TC_ACT_OK;
 }
 

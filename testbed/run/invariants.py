@@ -1,0 +1,323 @@
+"""The run's own invariants: did the emulated fabric behave as the fabric it models?
+
+Every run checks five things and names each violation, with its place, its
+fabric time where a sample shows it, and its size:
+
+- (a) `queue`: the queue the port program decides on (ECN, PFC, tail drop) is
+  the kernel's real queue: |vq_bytes - backlog_bytes| stays within two frames.
+  The sampler reads the program's admitted/departed bytes just before and just
+  after each qdisc dump, so a sample is judged against the range the program's
+  queue can have had while the kernel was read (not against one instant).
+- (b) `headroom`: no lossless queue passes its threshold plus its headroom
+  (static: an ingress port's bytes at the switch <= pfc.xoff + headroom;
+  shared pool: its headroom use <= its headroom).
+- (c) `lossless_drop`: no packet of a lossless class is dropped by a queue
+  (tail drop, shared-buffer refusal, descriptor exhaustion, or the kernel's
+  qdisc). PHY and impairment losses are counted apart: a lossless fabric still
+  loses frames to bit errors, and they are configured, not emulator faults.
+- (d) `reorder`: no flow's packets arrive out of order without a loss to
+  explain it (UDP receivers count it per flow; a RoCE responder's out-of-order
+  drops with nothing lost on its flow are reordering).
+- (e) `conservation`: every packet sent is received or has a counted place:
+  per stream sent = received + drops of its flow in the fabric (PHY,
+  impairment, tail, shared buffer, descriptors; by 5-tuple) + drops in the
+  receiving host's socket (SO_RXQ_OVFL / the namespace's UDP RcvbufErrors) +
+  still queued at the end; and per port and class, the program's admitted
+  packets = what the qdisc sent + holds + dropped, and what it sent = what the
+  peer's ingress saw + the veth's own drops.
+
+`InvariantMonitor.observe` runs on every sample (the collector calls it);
+`InvariantMonitor.finish` runs once after the run with the port programs' final
+counters (testbed/net/counters.datapath_snapshot) and the agents' results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from testbed.plan.model import Plan
+from testbed.run.store import Sample
+from testbed.units import format_size
+
+INVARIANTS = {
+    "queue": "(a) the queue ECN and PFC decide on is the real queue",
+    "headroom": "(b) lossless queues stay within threshold + headroom",
+    "lossless_drop": "(c) lossless classes lose nothing in a queue",
+    "reorder": "(d) no flow is reordered by the emulator",
+    "conservation": "(e) every lost packet has a counted place",
+}
+MAX_NOTES_PER_INVARIANT = 6
+FRAME_OVERHEAD_BYTES = 24        # FCS, preamble, IFG: the issue's tolerance counts them
+
+
+@dataclass
+class Violation:
+    invariant: str              # a key of INVARIANTS
+    where: str                  # "leaf2:swp4 TC3", "stream incast h1->h8"
+    amount: float
+    unit: str                   # "B", "packets"
+    detail: str
+    ts_fabric_ns: int | None = None
+    count: int = 1              # samples or events that showed it
+
+    def note(self) -> str:
+        when = "" if self.ts_fabric_ns is None else f" (first at {self.ts_fabric_ns / 1e3:.1f} us)"
+        return f"invariant {INVARIANTS[self.invariant]} violated at {self.where}{when}: " \
+               f"{self.detail}"
+
+
+@dataclass
+class _Worst:
+    amount: float = 0.0
+    ts: int | None = None
+    first_ts: int | None = None
+    count: int = 0
+    info: dict = field(default_factory=dict)
+
+
+def _where(node: str, port: str, tc: int) -> str:
+    return f"{node}:{port} TC{tc}"
+
+
+class InvariantMonitor:
+    """Checks (a)-(c) on every sample; (b)-(e) again at the end from exact counters."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.tolerance_bytes = 2 * (plan.mtu_bytes + FRAME_OVERHEAD_BYTES)
+        self.lossless = {t.tc for t in plan.traffic_classes if t.lossless}
+        self.samples = 0
+        # (a): per port class, the largest naive |vq - backlog| and the violations
+        self.queue_diff: dict[tuple[str, str, int], _Worst] = {}
+        self.queue_bad: dict[tuple[str, str, int], _Worst] = {}
+        # (b): per (node, ingress port, class) bound
+        self.bound: dict[tuple[str, str, int], tuple[int, str]] = {}
+        for node in plan.switches():
+            for iface in node.interfaces:
+                for cls in iface.egress.classes:
+                    if cls.tc not in node.buffer.tracked or cls.pfc is None:
+                        continue
+                    if node.buffer.mode == "shared":
+                        self.bound[(node.name, iface.ifname, cls.tc)] = (
+                            cls.pfc.headroom_bytes, "headroom_used_bytes")
+                    else:
+                        self.bound[(node.name, iface.ifname, cls.tc)] = (
+                            cls.pfc.xoff_bytes + cls.pfc.headroom_bytes, "ingress_bytes")
+        self.headroom_bad: dict[tuple[str, str, int], _Worst] = {}
+        # (c): first time a lossless queue counter moved
+        self.drop_prev: dict[tuple[str, str, int, str], float] = {}
+        self.drop_first: dict[tuple[str, str, int], int] = {}
+
+    # -- live ---------------------------------------------------------------------------
+    def observe(self, ts_fabric_ns: int, samples: list[Sample],
+                brackets: dict[tuple[str, str, int], tuple[int, int]]) -> None:
+        self.samples += 1
+        backlog: dict[tuple[str, str, int], float] = {}
+        vq: dict[tuple[str, str, int], float] = {}
+        for s in samples:
+            key = (s.node, s.port, s.tclass)
+            if s.counter == "backlog_bytes":
+                backlog[key] = s.value
+            elif s.counter == "vq_bytes":
+                vq[key] = s.value
+            elif s.counter in ("ingress_bytes", "headroom_used_bytes"):
+                bound = self.bound.get(key)
+                if bound is not None and bound[1] == s.counter and s.value > bound[0]:
+                    w = self.headroom_bad.setdefault(key, _Worst())
+                    w.count += 1
+                    w.first_ts = w.first_ts if w.first_ts is not None else ts_fabric_ns
+                    if s.value - bound[0] > w.amount:
+                        w.amount, w.ts = s.value - bound[0], ts_fabric_ns
+                        w.info = {"value": s.value, "bound": bound[0]}
+            elif (s.tclass in self.lossless and s.counter in
+                  ("class_drops", "tail_drops", "mmu_drops", "desc_drops")):
+                dkey = (s.node, s.port, s.tclass, s.counter)
+                if s.value > self.drop_prev.get(dkey, 0) and key not in self.drop_first:
+                    self.drop_first[key] = ts_fabric_ns
+                self.drop_prev[dkey] = s.value
+        for key, b in backlog.items():
+            if key not in vq:
+                continue
+            diff = abs(vq[key] - b)
+            w = self.queue_diff.setdefault(key, _Worst())
+            if diff > w.amount:
+                w.amount, w.ts, w.info = diff, ts_fabric_ns, {"vq": vq[key], "backlog": b}
+            lo, hi = brackets.get(key, (vq[key], vq[key]))
+            off = max(lo - b, b - hi, 0)
+            if off > self.tolerance_bytes:
+                bad = self.queue_bad.setdefault(key, _Worst())
+                bad.count += 1
+                bad.first_ts = bad.first_ts if bad.first_ts is not None else ts_fabric_ns
+                if off > bad.amount:
+                    bad.amount, bad.ts = off, ts_fabric_ns
+                    bad.info = {"vq": vq[key], "backlog": b, "lo": lo, "hi": hi}
+
+    # -- at the end ---------------------------------------------------------------------
+    def finish(self, snapshot: dict | None, last: dict[str, dict[tuple[str, str, int], float]],
+               streams: list[dict], host_udp_errors: dict[str, int]) -> dict:
+        """Every invariant's verdict: {"violations": [...], "checks": {...}}.
+
+        `snapshot`: datapath_snapshot() at the end (None without port programs);
+        `last`: the store's last value per counter; `streams`: one dict per stream
+        (see testbed/run/runner.py `_stream_accounts`); `host_udp_errors`: per host,
+        UDP RcvbufErrors during the run."""
+        out: list[Violation] = []
+        out += self._queue_violations()
+        out += self._headroom_violations(snapshot)
+        out += self._drop_violations(snapshot, last)
+        out += _reorder_violations(streams)
+        out += _conservation_violations(streams, host_udp_errors, snapshot, last,
+                                        self.plan)
+        checks = {name: {"label": label, "held": not any(v.invariant == name for v in out)}
+                  for name, label in INVARIANTS.items()}
+        worst = max(self.queue_diff.items(), key=lambda kv: kv[1].amount, default=None)
+        checks["queue"].update({
+            "tolerance_bytes": self.tolerance_bytes, "samples": self.samples,
+            "max_abs_diff_bytes": int(worst[1].amount) if worst else 0,
+            "max_abs_diff_at": _where(*worst[0]) if worst else None,
+            "max_abs_diff_ts_fabric_ns": worst[1].ts if worst else None,
+        })
+        if snapshot is None:
+            checks["queue"]["held"] = None
+            checks["queue"]["note"] = "no port programs: nothing to compare"
+        checks["conservation"]["streams"] = len(streams)
+        return {"checks": checks, "violations": [asdict(v) for v in out],
+                "notes": _notes(out)}
+
+    def _queue_violations(self) -> list[Violation]:
+        out = []
+        for key, w in sorted(self.queue_bad.items(), key=lambda kv: -kv[1].amount):
+            i = w.info
+            out.append(Violation(
+                "queue", _where(*key), w.amount, "B",
+                f"the kernel's backlog was {format_size(i['backlog'])} while the port program's "
+                f"queue was {format_size(i['lo'])}..{format_size(i['hi'])} "
+                f"({format_size(w.amount)} beyond the {format_size(self.tolerance_bytes)} "
+                f"tolerance, in {w.count} of {self.samples} samples)", w.first_ts, w.count))
+        return out
+
+    def _headroom_violations(self, snapshot: dict | None) -> list[Violation]:
+        out = []
+        seen = set()
+        for key, w in sorted(self.headroom_bad.items(), key=lambda kv: -kv[1].amount):
+            seen.add(key)
+            out.append(Violation(
+                "headroom", f"{key[0]} ingress {key[1]} TC{key[2]}", w.amount, "B",
+                f"held {format_size(w.info['value'])}, {format_size(w.amount)} above its "
+                f"threshold + headroom {format_size(w.info['bound'])} "
+                f"({w.count} samples)", w.first_ts, w.count))
+        for node in (snapshot or {}).get("nodes", []):
+            for a in node["ingress"]:
+                key = (node["node"], a["port"], a["tclass"])
+                bound = self.bound.get(key)
+                if bound is None or key in seen:
+                    continue
+                peak = a["max_hdrm_bytes"] if bound[1] == "headroom_used_bytes" \
+                    else a["max_bytes"]
+                if peak > bound[0]:
+                    out.append(Violation(
+                        "headroom", f"{key[0]} ingress {key[1]} TC{key[2]}", peak - bound[0],
+                        "B", f"peaked at {format_size(peak)}, above its threshold + headroom "
+                        f"{format_size(bound[0])} (between samples)"))
+        return out
+
+    def _drop_violations(self, snapshot: dict | None,
+                         last: dict[str, dict[tuple[str, str, int], float]]) -> list[Violation]:
+        out = []
+        drops: dict[tuple[str, str, int], dict[str, int]] = {}
+        for key, value in last.get("class_drops", {}).items():
+            if key[2] in self.lossless and value:
+                drops.setdefault(key, {})["qdisc"] = int(value)
+        for row in (snapshot or {}).get("ports", []):
+            key = (row["node"], row["port"], row["tclass"])
+            if key[2] not in self.lossless:
+                continue
+            for name in ("tail_drops", "mmu_drops", "desc_drops"):
+                if row[name]:
+                    drops.setdefault(key, {})[name.replace("_drops", "")] = row[name]
+        for key, parts in sorted(drops.items(), key=lambda kv: -sum(kv[1].values())):
+            total = sum(parts.values())
+            how = ", ".join(f"{n} {k}" for k, n in sorted(parts.items()))
+            out.append(Violation("lossless_drop", _where(*key), total, "packets",
+                                 f"{total} packets dropped ({how})",
+                                 self.drop_first.get(key)))
+        return out
+
+
+def _reorder_violations(streams: list[dict]) -> list[Violation]:
+    out = []
+    for s in streams:
+        if s.get("reordered"):
+            out.append(Violation("reorder", f"stream {s['name']}", s["reordered"], "packets",
+                                 f"{s['reordered']} packets arrived out of order"
+                                 + ("" if s.get("lost_counted") else
+                                    " with nothing lost on the flow")))
+    return out
+
+
+def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int],
+                             snapshot: dict | None, last: dict, plan: Plan) -> list[Violation]:
+    out = []
+    # per stream, then per receiving host (a host's socket drops are not per stream)
+    unexplained: dict[str, list[tuple[dict, int]]] = {}
+    for s in streams:
+        missing = s["sent"] - s["received"] - s["fabric_drops"] - s.get("socket_drops", 0)
+        if missing < 0:
+            out.append(Violation("conservation", f"stream {s['name']}", -missing, "packets",
+                                 f"received {s['received']} of {s['sent']} sent, with "
+                                 f"{s['fabric_drops']} counted drops: {-missing} more arrived "
+                                 "than were sent less the drops"))
+        elif missing:
+            unexplained.setdefault(s["dst"], []).append((s, missing))
+    for host, items in unexplained.items():
+        budget = host_udp_errors.get(host, 0)
+        for s, missing in sorted(items, key=lambda x: -x[1]):
+            covered = min(budget, missing)
+            budget -= covered
+            if missing > covered:
+                out.append(Violation(
+                    "conservation", f"stream {s['name']}", missing - covered, "packets",
+                    f"sent {s['sent']}, received {s['received']}, {s['fabric_drops']} dropped in "
+                    f"the fabric, {s.get('socket_drops', 0) + covered} in {host}'s sockets: "
+                    f"{missing - covered} packets have no counted place"))
+    if snapshot is None:
+        return out
+    default_tcs = {c.tc for n in plan.nodes for i in n.interfaces for c in i.egress.classes
+                   if c.classid == i.egress.default_classid}
+    sent = last.get("class_packets", {})
+    held = last.get("backlog_packets", {})
+    qdrops = last.get("class_drops", {})
+    for row in snapshot.get("ports", []):
+        key = (row["node"], row["port"], row["tclass"])
+        if key not in sent or key[2] in default_tcs:
+            continue          # the default class also carries ARP and the PFC agents' kicks
+        qdisc = int(sent[key] + held.get(key, 0) + qdrops.get(key, 0))
+        if row["enq_packets"] != qdisc:
+            out.append(Violation(
+                "conservation", _where(*key), abs(row["enq_packets"] - qdisc), "packets",
+                f"the port program admitted {row['enq_packets']} packets, the qdisc sent, "
+                f"holds or dropped {qdisc}"))
+        transit = int(sent[key]) - row["dep_packets"]
+        if transit > 0 and not held.get(key, 0):
+            out.append(Violation(
+                "conservation", _where(*key), transit, "packets",
+                f"the qdisc sent {int(sent[key])} packets and the peer's ingress saw "
+                f"{row['dep_packets']}: {transit} vanished between them (veth drops: "
+                f"{int(last.get('tx_dropped', {}).get((key[0], key[1], -1), 0))})"))
+        if row["dep_unmatched"]:
+            out.append(Violation(
+                "conservation", _where(*key), row["dep_unmatched"], "packets",
+                f"the peer's ingress saw {row['dep_unmatched']} packets the port never "
+                "admitted"))
+    return out
+
+
+def _notes(violations: list[Violation]) -> list[str]:
+    notes = []
+    for name in INVARIANTS:
+        mine = [v for v in violations if v.invariant == name]
+        notes += [v.note() for v in mine[:MAX_NOTES_PER_INVARIANT]]
+        if len(mine) > MAX_NOTES_PER_INVARIANT:
+            notes.append(f"invariant {INVARIANTS[name]}: {len(mine) - MAX_NOTES_PER_INVARIANT} "
+                         "more places (summary.json `invariants`)")
+    return notes
