@@ -667,7 +667,8 @@ class PortMaps:
                 self.maps[name] = _open(self.pin_dir / "maps", name, size, entries)
             self.state_mem = MmapArray(self.maps["state"].fd, STATE.size, NUM_SLOTS,
                                        writable=True)
-            self.ingress_mem = MmapArray(self.maps["port_ingress"].fd, PORT_INGRESS_SIZE, 1)
+            self.ingress_mem = MmapArray(self.maps["port_ingress"].fd, PORT_INGRESS_SIZE, 1,
+                                         writable=True)
         except BaseException:
             self.close()
             raise
@@ -697,6 +698,7 @@ class PortMaps:
         program updates these under the node lock, which user space cannot take."""
         self.state_mem.view[:NUM_SLOTS * self.state_mem.stride] = bytes(
             NUM_SLOTS * self.state_mem.stride)
+        self.ingress_mem.view[:PORT_INGRESS_SIZE] = bytes(PORT_INGRESS_SIZE)
 
     def row(self, slot: int) -> tuple:
         return STATE.unpack_from(self.state_mem.view, slot * self.state_mem.stride)

@@ -33,7 +33,6 @@ import json
 import os
 import select
 import socket
-import struct
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,7 +50,6 @@ SOL_PACKET = 263             # not in Python's socket module
 PACKET_QDISC_BYPASS = 20      # a PFC frame is a MAC control frame: it skips the port's queues
 PIN_ROOT = Path("/sys/fs/bpf/tb")
 NODE_DIR = "_node"
-NLMSG_ERROR, NLM_F_ACK = 2, 0x4
 RESCAN_WALL_NS = 20_000_000   # full rescan of the node's flags (a lost event, new contributors)
 MAX_WAIT_WALL_NS = 20_000_000
 
@@ -103,31 +101,10 @@ class Gate:
                     port.wall_rate_bps, port.burst_bytes, port.frame_bytes, cls["limit_bytes"])
                 self.messages[(port.ifname, tc, False)] = opened
                 self.messages[(port.ifname, tc, True)] = closed
-        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
-        self.sock.bind((0, 0))
-        self.sock.settimeout(2.0)
-        self.seq = 0
-
-    def _request(self, message: bytes) -> None:
-        self.seq = (self.seq + 1) & 0x7FFFFFFF
-        data = bytearray(message)
-        struct.pack_into("=HI", data, 6, struct.unpack_from("=H", data, 6)[0] | NLM_F_ACK,
-                         self.seq)
-        self.sock.send(data)
-        while True:
-            reply = self.sock.recv(65536)
-            offset = 0
-            while offset + 16 <= len(reply):
-                length, kind, _flags, seq = struct.unpack_from("=IHHI", reply, offset)
-                if kind == NLMSG_ERROR and seq == self.seq:
-                    code = struct.unpack_from("=i", reply, offset + 16)[0]
-                    if code:
-                        raise OSError(-code, f"tbf change refused: {os.strerror(-code)}")
-                    return
-                offset += max(16, (length + 3) & ~3)
+        self.netlink = gates.Requester()
 
     def set(self, port: Port, tc: int, paused: bool) -> None:
-        self._request(self.messages[(port.ifname, tc, paused)])
+        self.netlink.request(self.messages[(port.ifname, tc, paused)])
         if not paused:
             # A closed TBF left its watchdog armed for when its slow rate would allow
             # the next packet, seconds away; changing the rate back does not reschedule
@@ -137,7 +114,7 @@ class Gate:
             port.kick.send(pfcwire.encode(port.mac, {}))
 
     def close(self) -> None:
-        self.sock.close()
+        self.netlink.close()
 
 
 def _open_sock(ifname: str, bypass: bool = True) -> socket.socket:

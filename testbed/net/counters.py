@@ -81,10 +81,40 @@ def counters_as_dicts(plan: Plan) -> dict:
     return {"interfaces": [asdict(c) for c in ifaces], "classes": [asdict(c) for c in classes]}
 
 
+class QueueProbe:
+    """Bytes still queued anywhere in the fabric, from the port programs' maps (kept
+    open: a read is a few us per port). A run drains until this is 0."""
+
+    def __init__(self, plan: Plan) -> None:
+        from testbed.net import portprog
+
+        self.ports = []
+        for node in plan.nodes:
+            for iface in node.interfaces:
+                try:
+                    maps = portprog.open_port(portprog.pin_dir_of(plan.lab, node.name,
+                                                                  iface.ifname))
+                except (OSError, portprog.PortProgError):
+                    continue
+                self.ports.append((maps, [c.tc for c in iface.egress.classes]))
+
+    def queued_bytes(self) -> int:
+        return sum(maps.vq_bytes(tc) for maps, tcs in self.ports for tc in tcs)
+
+    def close(self) -> None:
+        for maps, _tcs in self.ports:
+            maps.close()
+        self.ports.clear()
+
+
+UDP_ERRORS = ("RcvbufErrors", "InErrors", "NoPorts")
+
+
 def udp_errors(plan: Plan) -> dict[str, dict[str, int]]:
     """Per host: the namespace's UDP receive errors (/proc/net/snmp `Udp:` line):
     RcvbufErrors (a socket's receive buffer was full: the packet was dropped at the
-    host, not by the fabric) and InErrors. Read from a thread inside each namespace
+    host, not by the fabric), InErrors, and NoPorts (nobody listened: a datagram that
+    arrived after its receiver stopped). Read from a thread inside each namespace
     (/proc/thread-self/net is the thread's namespace's)."""
     out: dict[str, dict[str, int]] = {}
     for host in plan.hosts():
@@ -96,7 +126,7 @@ def udp_errors(plan: Plan) -> dict[str, dict[str, int]]:
             continue
         if len(lines) >= 2:
             values = dict(zip(lines[0][1:], lines[1][1:], strict=False))
-            out[host.name] = {k: int(values.get(k, 0)) for k in ("RcvbufErrors", "InErrors")}
+            out[host.name] = {k: int(values.get(k, 0)) for k in UDP_ERRORS}
     return out
 
 

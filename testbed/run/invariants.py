@@ -278,8 +278,9 @@ def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int
                 out.append(Violation(
                     "conservation", f"stream {s['name']}", missing - covered, "packets",
                     f"sent {s['sent']}, received {s['received']}, {s['fabric_drops']} dropped in "
-                    f"the fabric, {s.get('socket_drops', 0) + covered} in {host}'s sockets: "
-                    f"{missing - covered} packets have no counted place"))
+                    f"the fabric, {s.get('socket_drops', 0) + covered} in {host}'s sockets (a "
+                    f"full receive buffer, or no receiver): {missing - covered} packets have "
+                    "no counted place"))
     if snapshot is None:
         return out
     default_tcs = {c.tc for n in plan.nodes for i in n.interfaces for c in i.egress.classes

@@ -20,7 +20,7 @@ from pathlib import Path
 from agents.timebase import Dilation
 from testbed.config import LoadedConfig
 from testbed.net import apply_plan, destroy_lab
-from testbed.net.counters import datapath_snapshot, udp_errors
+from testbed.net.counters import QueueProbe, datapath_snapshot, udp_errors
 from testbed.net.probe import probe_report
 from testbed.net.state import LabState
 from testbed.plan.model import Plan
@@ -40,6 +40,7 @@ from testbed.run.workload import (
     expand_workload,
     workload_span_ns,
 )
+from testbed.units import format_size
 
 # Wall time allowed for agents to start before the common start time t0.
 STARTUP_BASE_S = 0.8
@@ -232,6 +233,9 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 drain_end = time.monotonic_ns() + dilation.to_wall_ns(drain_ns)
                 while time.monotonic_ns() < drain_end and not stop.event.is_set():
                     stop.event.wait(0.05)
+                # Receivers stop only once the fabric is empty: a datagram that arrives
+                # after its receiver closed would be lost to the measurement, not the fabric.
+                fidelity += _drain_fabric(plan, stop.event, dilation, drain_ns)
         except BaseException as exc:
             fidelity.append(f"run failed: {exc!r}")
             say(f"run: failed: {exc}")
@@ -307,6 +311,34 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
     return RunResult(run_dir, summary, interrupted, overhead)
 
 
+# A drain that outlasts this many times the configured drain (and DRAIN_CAP_WALL_S) gives up.
+DRAIN_CAP_FACTOR = 20
+DRAIN_CAP_WALL_S = 30.0
+
+
+def _drain_fabric(plan: Plan, stop: threading.Event, dilation: Dilation,
+                  drain_ns: int) -> list[str]:
+    """Wait until no port program holds a queued byte; a note if that never happened."""
+    if not _has_port_programs(plan):
+        return []
+    probe = QueueProbe(plan)
+    try:
+        start = time.monotonic()
+        cap_s = min(DRAIN_CAP_WALL_S, DRAIN_CAP_FACTOR * dilation.to_wall_s(drain_ns))
+        while not stop.is_set():
+            left = probe.queued_bytes()
+            if left == 0:
+                return []
+            if time.monotonic() - start > cap_s:
+                return [f"the fabric still held {format_size(left)} "
+                        f"{dilation.to_fabric_ns(cap_s * 1e9) / 1e3:.0f} us fabric after the "
+                        "drain; the receivers were stopped anyway (a stuck pause?)"]
+            stop.wait(0.02)
+        return []
+    finally:
+        probe.close()
+
+
 def _check_invariants(run_dir: Path, plan: Plan, store: Store, collector: Collector, agents,
                       results: dict, udp_start: dict[str, dict[str, int]]) -> dict:
     """Read the port programs' final counters (kept in datapath.json), account every
@@ -315,7 +347,8 @@ def _check_invariants(run_dir: Path, plan: Plan, store: Store, collector: Collec
     if snapshot is not None:
         write_json(run_dir / "datapath.json", snapshot)
     udp_end = udp_errors(plan)
-    host_errors = {h: v.get("RcvbufErrors", 0) - udp_start.get(h, {}).get("RcvbufErrors", 0)
+    host_errors = {h: sum(v.get(k, 0) - udp_start.get(h, {}).get(k, 0)
+                          for k in ("RcvbufErrors", "NoPorts"))
                    for h, v in udp_end.items()}
     streams = stream_accounts(plan, agents, results,
                               snapshot["flow_drops"] if snapshot else [])
