@@ -21,7 +21,7 @@ from testbed.plan import PLAN_FORMAT_VERSION, Plan
 from testbed.run import rundir as run_rundir
 from testbed.run.rundir import RUN_FORMAT_VERSION  # summary.json and metadata.json
 from testbed.run.store import STORE_FORMAT_VERSION, Store, StoreVersionError
-from testbed.run.summary import totals, workload_rows
+from testbed.run.summary import port_rows, totals, workload_rows
 
 SUMMARY, PLAN, METADATA, COUNTERS = "summary.json", "plan.json", "metadata.json", "counters.sqlite"
 _RUN_DIR_NAME_RE = re.compile(r"^(?P<ts>\d{8}T\d{6}Z)-(?P<name>.+)$")
@@ -188,11 +188,9 @@ def rebuild_summary(run_dir: Path, plan: Plan | None, store: Store | None,
                     metadata: dict) -> dict:
     """A summary.json built from the counters database, for a run that did not write one.
 
-    Ports come from the last values of `class_bytes`, `class_packets`,
-    `class_drops` (and `ecn_marks`, `pause_tx`, `pause_rx`, `paused_ns` where
-    sampled) and the largest sampled `backlog_bytes`; every egress port and
-    class of the plan is listed, zero where nothing was sampled. A run that
-    did not write its summary did not finish, so it counts as interrupted.
+    Ports are built as a finished run builds them (testbed/run/summary.port_rows):
+    every egress port and class of the plan, zero where nothing was sampled. A run
+    that did not write its summary did not finish, so it counts as interrupted.
     """
     meta = store.meta() if store is not None else {}
     name, _ = run_name_and_time(run_dir)
@@ -203,27 +201,7 @@ def rebuild_summary(run_dir: Path, plan: Plan | None, store: Store | None,
     def last(counter: str) -> dict[tuple[str, str, int], float]:
         return store.last_values(counter) if store is not None else {}
 
-    fields = {"tx_bytes": last("class_bytes"), "tx_packets": last("class_packets"),
-              "drops": last("class_drops"), "ecn_marks": last("ecn_marks"),
-              "pause_tx": last("pause_tx"), "pause_rx": last("pause_rx"),
-              "paused_ns": last("paused_ns")}
-    max_queue: dict[tuple[str, str, int], float] = {}
-    if store is not None:
-        for key, points in store.series("backlog_bytes").items():
-            max_queue[key] = max(v for _, v in points)
-    keys: set[tuple[str, str, int]] = set(max_queue)
-    for values in fields.values():
-        keys.update(k for k in values if k[2] >= 0)
-    if plan is not None:
-        for node in plan.nodes:
-            for iface in node.interfaces:
-                keys.update((node.name, iface.ifname, c.tc) for c in iface.egress.classes)
-    ports = []
-    for key in sorted(keys):
-        row = {"node": key[0], "port": key[1], "tclass": key[2]}
-        row.update({f: int(values.get(key, 0)) for f, values in fields.items()})
-        row["max_queue_bytes"] = int(max_queue.get(key, 0))
-        ports.append(row)
+    ports = port_rows(plan, store) if store is not None else []
 
     workloads = workload_rows(store.results()) if store is not None else []
     rows = [r for w in workloads for r in w["results"]]

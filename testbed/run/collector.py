@@ -24,8 +24,10 @@ from testbed.plan.model import Plan
 from testbed.run.fidelity import PortWatchdog
 from testbed.run.invariants import InvariantMonitor
 from testbed.run.store import Sample, Store
+from testbed.run.summary import PHY_DROP_COUNTERS, QUEUE_DROP_COUNTERS
 
 SNAPSHOT_WORKERS = 8
+DROP_COUNTERS = (*QUEUE_DROP_COUNTERS, *PHY_DROP_COUNTERS)
 SNAPSHOT_TIMEOUT_S = 0.2      # wall: a slower agent's sample is skipped (and counted)
 
 
@@ -205,8 +207,10 @@ class Collector:
         t.samples += 1
         t.last_sample_fabric_ns = ts_fabric
         delivered = sum(int(s.value) for s in samples if s.counter == "recv.bytes")
-        t.drops = sum(int(s.value) for s in samples if s.counter == "class_drops")
-        backlog = max((int(s.value) for s in samples if s.counter == "backlog_bytes"), default=0)
+        t.drops = sum(int(s.value) for s in samples if s.counter in DROP_COUNTERS)
+        backlog = max((int(s.value) for s in samples if s.counter in ("backlog_bytes",
+                                                                       "max_vq_bytes")),
+                      default=0)
         t.max_backlog_bytes = max(t.max_backlog_bytes, backlog)
         if self._prev_delivered is not None and ts_fabric > self._prev_delivered[0]:
             dt = ts_fabric - self._prev_delivered[0]

@@ -31,7 +31,7 @@ from testbed.run.fidelity import base_rtt_shortfall_ns
 from testbed.run.procs import AgentProcess, socket_path, start_agent, start_process
 from testbed.run.rundir import create_run_dir, machine_metadata, write_json, write_private
 from testbed.run.store import Store
-from testbed.run.summary import build_summary
+from testbed.run.summary import PHY_DROP_COUNTERS, QUEUE_DROP_COUNTERS, build_summary
 from testbed.run.workload import (
     DEFAULT_DRAIN_WALL_NS,
     DEFAULT_SAMPLE_PERIOD_WALL_NS,
@@ -264,7 +264,8 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 results_written = True
                 paused = {n for (n, _p, _t), v in store.last_values("pause_rx").items() if v}
                 fidelity += _agent_fidelity(plan, agents, results, dilation, paused)
-                drops = sum(v for (_n, _p, tc), v in store.last_values("class_drops").items()
+                drops = sum(v for counter in (*QUEUE_DROP_COUNTERS, *PHY_DROP_COUNTERS)
+                            for (_n, _p, tc), v in store.last_values(counter).items()
                             if tc in _lossless_tcs(plan))
                 fidelity += _roce_fidelity(run_dir, agents, results, dilation,
                                            t0_realtime_ns, lossless_drops=drops)
