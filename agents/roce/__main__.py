@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="congestion control of the requester(s) and CNP policy of the "
                              "responder(s) (default %(default)s)")
     common.add_argument("--cc-preset", metavar="NAME",
-                        help="DCQCN preset (paper, ns3-rdma, hpcc-ns3; default paper) or DCTCP "
-                             "preset (rfc8257, hpcc-ns3; default rfc8257)")
+                        help="DCQCN preset (paper, ns3-rdma, hpcc-ns3, hpcc-ns3-paper, "
+                             "hpcc-ns3-config; default paper) or DCTCP preset (rfc8257, "
+                             "hpcc-ns3; default rfc8257)")
     common.add_argument("--line-rate-bps", type=argtypes.positive_float, default=100e9,
                         metavar="FABRIC_BPS",
                         help="NIC line rate in fabric bit/s: the pacing rate without CC and "

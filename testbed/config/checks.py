@@ -153,7 +153,8 @@ def check_fabric(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
 # What each shape of traffic needs; the kind's prefix (udp_ / roce_) picks the agents.
 _SHAPE_FIELDS = {"incast": ("senders", "receiver"), "all_to_all": ("hosts",),
                  "pairs": ("pairs",)}
-_CC_PRESETS = {"dcqcn": ("hpcc-ns3", "ns3-rdma", "paper"), "dctcp": ("hpcc-ns3", "rfc8257")}
+_CC_PRESETS = {"dcqcn": ("hpcc-ns3", "hpcc-ns3-config", "hpcc-ns3-paper", "ns3-rdma", "paper"),
+               "dctcp": ("hpcc-ns3", "rfc8257")}
 ROCE_MAX_MESSAGE_BYTES = (1 << 31) - 1
 
 

@@ -224,8 +224,11 @@ class UdpTraffic(Strict):
 RoceKind = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
 # agents.roce.cc's PRESETS (DCQCN) and DCTCP_PRESETS; check_workload pairs them with `cc`
 # and tests/unit/test_workload_roce.py keeps this list equal to the agent's.
-CcPresetName = Literal["hpcc-ns3", "paper", "ns3-rdma", "rfc8257"]
-DEFAULT_CC_PRESETS = {"dcqcn": "hpcc-ns3", "dctcp": "rfc8257"}
+CcPresetName = Literal["hpcc-ns3-paper", "hpcc-ns3", "hpcc-ns3-config", "paper", "ns3-rdma",
+                       "rfc8257"]
+# hpcc-ns3-paper (HPCC run.py's dcqcn_paper) is the half of the setting whose switch marking
+# the default port class uses; docs/config.md says why it, not run.py's dcqcn, is the default.
+DEFAULT_CC_PRESETS = {"dcqcn": "hpcc-ns3-paper", "dctcp": "rfc8257"}
 
 
 class RoceTraffic(Strict):
@@ -235,8 +238,8 @@ class RoceTraffic(Strict):
     and its own server on the destination; `qps` queue pairs per stream. Start
     and duration are fabric time: a client posts messages for `duration`, then
     waits for the outstanding ones. `cc` is the sender's rate controller and the
-    receiver's CNP policy (DCQCN by default, with the HPCC ns-3 parameter set,
-    which matches the default port class's ECN curve).
+    receiver's CNP policy (DCQCN by default, with HPCC's ns-3 "dcqcn_paper" parameter set,
+    whose switch half is the default port class's ECN curve).
     """
 
     name: str = Field(pattern=NAME_RE)
@@ -254,8 +257,8 @@ class RoceTraffic(Strict):
     cc: Literal["dcqcn", "dctcp", "none"] = Field(
         "dcqcn", description="congestion control: sender rate control and receiver CNPs")
     cc_preset: CcPresetName | None = Field(
-        None, description="parameter set: DCQCN hpcc-ns3 (default), paper, ns3-rdma; "
-                          "DCTCP rfc8257 (default), hpcc-ns3")
+        None, description="parameter set: DCQCN hpcc-ns3-paper (default), hpcc-ns3, "
+                          "hpcc-ns3-config, paper, ns3-rdma; DCTCP rfc8257 (default), hpcc-ns3")
     cnp_interval_ns: DurationNs | None = Field(
         None, alias="cnp_interval",
         description="receiver: at most one CNP per QP per this fabric time (default: the "

@@ -69,7 +69,7 @@ def test_roce_entry_defaults():
     assert isinstance(t, RoceTraffic)
     assert (t.test, t.size_bytes, t.qps, t.cc, t.cc_preset, t.tclass, t.verify) == (
         "write_bw", 65536, 1, "dcqcn", None, "roce", True)
-    assert t.preset == "hpcc-ns3"
+    assert t.preset == "hpcc-ns3-paper"     # HPCC run.py's dcqcn_paper: the default's timers
     assert t.start_ns == 0 and t.duration_ns == 1_000_000
 
 
@@ -245,7 +245,7 @@ def test_snapshot_numbers_sum_over_qps_for_time_series():
 def test_one_result_row_per_stream_from_client_and_server(tmp_path):
     loaded, plan = _load(INCAST)
     specs = expand_workload(loaded.fabric, plan)
-    client = {"role": "client", "cc": "dcqcn", "cc_preset": "hpcc-ns3", "qp_count": 1,
+    client = {"role": "client", "cc": "dcqcn", "cc_preset": "hpcc-ns3-paper", "qp_count": 1,
               "bytes": 4 << 20, "messages": 64, "elapsed_fabric_ns": 400_000,
               "bw_fabric_bps": (4 << 20) * 8 / 400e-6, "verified": True, "error": None,
               "qps": {"770": _qp(770)}}
@@ -262,7 +262,7 @@ def test_one_result_row_per_stream_from_client_and_server(tmp_path):
     assert row["gbps"] == pytest.approx(83.886, abs=1e-3)
     assert (row["retransmissions"], row["naks"], row["timeouts"]) == (2, 1, 1)
     assert (row["cnps_sent"], row["cnps_received"], row["ce_received"]) == (3, 3, 4)
-    assert row["verified"] is True and row["cc"] == "dcqcn/hpcc-ns3"
+    assert row["verified"] is True and row["cc"] == "dcqcn/hpcc-ns3-paper"
     assert (row["tx_packets"], row["rx_packets"], row["lost"]) == (10, 9, 1)
     assert row["rx_bytes"] == 37_000
     assert row["rx_fabric_bps"] == round((37_000 + 66 * 9) * 8 / 400e-6)
