@@ -174,8 +174,9 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 argv = list(spec.argv)
                 sock = socket_path(run_dir / "agents", spec.name, plan.lab)
                 argv += ["--control-sock", sock]
-                if _is_roce(spec):
-                    argv += ["--ready-file", str(_ready_file(run_dir, spec))]
+                if _is_roce(spec):       # its final JSON stays in the run directory
+                    argv += ["--ready-file", str(_ready_file(run_dir, spec)),
+                             "--out", str(run_dir / "agents" / f"{spec.name}.json")]
                 if t0 is not None:
                     argv += ["--start-at-mono-ns",
                              str(t0 + dilation.to_wall_ns(spec.start_ns))]
@@ -450,6 +451,7 @@ def _write_roce_results(store: Store, agents, results: dict) -> None:
         store.add_result(spec.traffic, spec.kind, {
             "src": spec.src, "dst": spec.dst,
             "cc": "/".join(str(x) for x in (c.get("cc"), c.get("cc_preset")) if x),
+            "cc_overrides": c.get("cc_overrides") or None,
             "qps": c.get("qp_count", 0),
             "bytes": int(c.get("bytes", 0)), "messages": int(c.get("messages", 0)),
             "time_us": round(fabric_ns / 1e3, 3),

@@ -19,6 +19,7 @@ argv is in fabric units (agents convert with the dilation they are given).
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 
 from testbed.config.models import Fabric, RoceTraffic, UdpTraffic
@@ -139,6 +140,9 @@ def _roce_specs(fabric: Fabric, plan: Plan, t: RoceTraffic, pairs: list[tuple[st
     dscp = str(dscp_of(fabric, t.tclass))
     cnp = cnp_dscp_of(fabric)
     cc = ["--cc", t.cc] + (["--cc-preset", t.preset] if t.preset else [])
+    overrides = t.cc_overrides()       # DcqcnParams / DctcpParams names, absolute values
+    if overrides:
+        cc += ["--cc-params", json.dumps(overrides, sort_keys=True, separators=(",", ":"))]
     common = ["--mtu", str(fabric.roce_mtu_bytes), "--dscp", dscp, *cc,
               *(["--cnp-dscp", str(cnp)] if cnp is not None else []),
               "--dilation", d, "--connect-timeout-s", str(ROCE_CONNECT_TIMEOUT_S),

@@ -16,7 +16,9 @@ import pytest
 
 from agents.roce.cc import (
     CC_KINDS,
+    DCQCN_TUNABLE,
     DCTCP_PRESETS,
+    DCTCP_TUNABLE,
     PRESETS,
     DcqcnNp,
     DcqcnParams,
@@ -26,8 +28,10 @@ from agents.roce.cc import (
     NoCc,
     RateController,
     dctcp_preset,
+    effective_params,
     make_cc,
     preset,
+    with_overrides,
 )
 
 G = 10**9
@@ -122,6 +126,58 @@ def test_unknown_preset_and_bad_params_say_what_is_allowed():
         replace(PRESETS["paper"], increase_rule="linux")
     with pytest.raises(ValueError, match="min_rate_bps 1e\\+09 is above the line rate"):
         DcqcnRp(PRESETS["hpcc-ns3"], 100 * M, 0)
+
+
+# --- per-workload overrides --------------------------------------------------------------
+
+
+def test_overrides_are_absolute_for_the_link_after_the_preset_is_scaled():
+    # hpcc-ns3 at 100G: R_AI 5 -> 20 Mb/s, R_HAI 50 -> 200 Mb/s; an R_AI override is the
+    # value this link gets, not a per-25G figure
+    p = effective_params("dcqcn", "hpcc-ns3", 100 * G, {"rai_bps": 7 * M,
+                                                         "byte_counter_bytes": 1_000_000})
+    assert (p.rai_bps, p.rhai_bps, p.byte_counter_bytes) == (7 * M, 200 * M, 1_000_000)
+    assert (p.name, p.source) == ("hpcc-ns3", PRESETS["hpcc-ns3"].source)
+    assert p.kmin_bytes == 400_000                      # the scaling still applies elsewhere
+    # an overridden [check] value is the caller's now
+    q = with_overrides(PRESETS["paper"], {"g": 1 / 16, "alpha_timer_ns": 1 * US})
+    assert "g" not in q.checks and "alpha_timer_ns" not in q.checks and "rai_bps" in q.checks
+    d = effective_params("dctcp", "rfc8257", 100 * G, {"window_ns": 13 * US, "rai_bps": None})
+    assert d.window_ns == 13 * US and d.additive_increase_bps == 1024 * 8 * 1e9 / (13 * US)
+    assert effective_params("none", None, 100 * G) is None
+    assert effective_params("dcqcn", "paper", 40 * G, {}) is PRESETS["paper"]
+
+
+def test_overrides_drive_the_controller():
+    r = make_cc("dcqcn", "paper", 40 * G, 0, {"initial_alpha": 0.5,
+                                               "cut_with_updated_alpha": True})
+    r.on_cnp(0)  # alpha = (255/256)(1/2) + 1/256 = 257/512 first, then the cut
+    assert r.rate_bps == approx(40 * G * (1 - Fr(257, 1024)))
+
+
+def test_tunables_are_every_behaviour_field_and_nothing_else():
+    assert {"name", "source", "checks", "scaling", "reference_rate_bps", "kmin_bytes",
+            "kmax_bytes", "pmax"}.isdisjoint(DCQCN_TUNABLE)
+    assert len(DCQCN_TUNABLE) == len(fields(DcqcnParams)) - 8
+    assert set(DCTCP_TUNABLE) == {"window_ns", "g", "rai_bps", "mss_bytes", "min_rate_bps",
+                                  "initial_alpha", "cnp_marked_bytes"}
+
+
+@pytest.mark.parametrize(("kind", "overrides", "words"), [
+    ("dcqcn", {"alpha_timr_ns": 1}, ["unknown DCQCN parameter 'alpha_timr_ns'",
+                                     "did you mean 'alpha_timer_ns'", "DCQCN parameters: "]),
+    ("dcqcn", {"window_ns": 1}, ["window_ns is a DCTCP parameter"]),
+    ("dctcp", {"kmin_bytes": 1}, ["kmin_bytes is the switch's ECN marking"]),
+    ("dcqcn", {"g": 2}, ["g must be in (0, 1]"]),
+    ("dcqcn", {"name": "x"}, ["unknown DCQCN parameter 'name'"]),
+    ("none", {"g": 0.1}, ["no parameters"]),
+])
+def test_bad_overrides_say_which_and_what_is_allowed(kind, overrides, words):
+    name = {"dcqcn": "paper", "dctcp": "rfc8257", "none": None}[kind]
+    with pytest.raises(ValueError) as exc:
+        effective_params(kind, name, 40 * G, overrides)
+    for w in words:
+        assert w in str(exc.value)
 
 
 # --- DCQCN RP: hand-computed sequences, one per preset -----------------------------------

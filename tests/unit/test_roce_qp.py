@@ -806,6 +806,22 @@ def test_loopback_write_bw_with_injected_loss_is_byte_exact_with_retransmissions
     assert len({q["sport"] for q in qps}) == 2
 
 
+def test_loopback_agents_record_the_parameters_they_ran_with(tmp_path):
+    cc = ["--cc", "dcqcn", "--cc-preset", "hpcc-ns3", "--line-rate-bps", "1e9",
+          "--cc-params", json.dumps({"rai_bps": 7e6, "np_mode": "timer", "g": 0.0625})]
+    c, s, c_err, _ = _run_pair(tmp_path, "write_bw", ["--size", "65536", "--iters", "4", *cc],
+                               cc)
+    for side in (c, s):
+        p = side["cc_params"]
+        # hpcc-ns3 at 1G: R_HAI 50 Mb/s per 25G -> 2 Mb/s; R_AI as given (absolute)
+        assert (p["rai_bps"], p["rhai_bps"], p["g"], p["np_mode"]) == (7e6, 2e6, 0.0625,
+                                                                        "timer")
+        assert (p["name"], p["alpha_timer_ns"]) == ("hpcc-ns3", 1000)
+        assert "run.py --cc dcqcn " in p["source"]
+        assert side["cc_overrides"] == {"rai_bps": 7e6, "np_mode": "timer", "g": 0.0625}
+    assert "dcqcn/hpcc-ns3 + 3 overrides" in c_err
+
+
 def test_loopback_send_bw_verifies_every_message(tmp_path):
     c, s, _, _ = _run_pair(tmp_path, "send_bw",
                            ["--size", "10000", "--iters", "200", "--verify",
@@ -909,7 +925,10 @@ def test_server_exits_when_its_parent_dies(tmp_path):
 
 @pytest.mark.parametrize("args,word", [(["--mtu", "1500"], "--mtu"),
                                        (["--cc", "dctcp", "--cc-preset", "paper"], "DCTCP"),
-                                       (["--retry-cnt", "9"], "retry")])
+                                       (["--retry-cnt", "9"], "retry"),
+                                       (["--cc-params", '{"window_ns": 1}'],
+                                        "window_ns is a DCTCP parameter"),
+                                       (["--cc-params", "[1]"], "expected a JSON object")])
 def test_bad_arguments_exit_2(args, word):
     res = subprocess.run([sys.executable, "-m", "agents.roce", "client", "write_bw", "--server",
                           LOOPBACK, *args], cwd=REPO, capture_output=True, text=True)

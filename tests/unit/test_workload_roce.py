@@ -13,11 +13,18 @@ from typing import get_args
 import pytest
 
 from agents.roce import __main__ as roce_main
-from agents.roce.cc import DCTCP_PRESETS, PRESETS
-from agents.roce.perftest import flat_counters
+from agents.roce.cc import DCQCN_TUNABLE, DCTCP_PRESETS, DCTCP_TUNABLE, PRESETS
+from agents.roce.perftest import cc_params, cc_settings, flat_counters, make_np
 from testbed.config import ConfigError, load_config_text
 from testbed.config.checks import _CC_PRESETS
-from testbed.config.models import CcPresetName, RoceTraffic, UdpTraffic
+from testbed.config.models import (
+    CcPresetName,
+    DcqcnCcParams,
+    DctcpCcParams,
+    RoceTraffic,
+    UdpTraffic,
+    cc_param_keys,
+)
 from testbed.plan import compile_plan
 from testbed.run.runner import _roce_fidelity, _write_roce_results
 from testbed.run.store import Store
@@ -168,6 +175,46 @@ def test_preset_names_are_the_agents_and_match_their_kind():
     assert set(_CC_PRESETS["dctcp"]) == set(DCTCP_PRESETS)
 
 
+def test_cc_params_names_are_the_agents_tunables_without_unit_suffixes():
+    assert set(DcqcnCcParams.model_fields) == set(DCQCN_TUNABLE)
+    assert set(DctcpCcParams.model_fields) == set(DCTCP_TUNABLE)
+    for model, kind in ((DcqcnCcParams, "dcqcn"), (DctcpCcParams, "dctcp")):
+        for name, key in zip(model.model_fields, cc_param_keys(kind), strict=True):
+            assert name.removesuffix("_ns").removesuffix("_bps").removesuffix("_bytes") == key
+
+
+def test_cc_params_reach_both_agents_and_apply_as_absolute_values_on_the_scaled_preset():
+    loaded, plan = _load("    - {name: t, kind: roce_pairs, pairs: [[h1, h6]], duration: 1ms, "
+                         "cc_preset: hpcc-ns3, cc_params: {rai: 7Mbps, alpha_timer: 2us, "
+                         "byte_counter: 1MB, rate_decrease_interval: none, np_mode: timer, "
+                         "g: 0.0625}}")
+    server, client = expand_workload(loaded.fabric, plan)
+    parser = roce_main.build_parser()
+    want = {"rai_bps": 7_000_000, "alpha_timer_ns": 2_000, "byte_counter_bytes": 1_000_000,
+            "rate_decrease_interval_ns": None, "np_mode": "timer", "g": 0.0625}
+    for spec in (server, client):
+        args = parser.parse_args(spec.argv)
+        assert args.cc_params == want
+        p = cc_params(args, cc_settings(args))
+        # hpcc-ns3 is per 25G: R_HAI 50 -> 200 Mb/s on the 100G NIC, R_AI as given
+        assert (p.rai_bps, p.rhai_bps, p.alpha_timer_ns, p.g) == (7e6, 200e6, 2_000, 0.0625)
+        assert p.rate_decrease_interval_ns is None and p.byte_counter_bytes == 1_000_000
+    np_ = make_np(parser.parse_args(server.argv), "dcqcn", p)
+    assert (np_.cnp_interval_ns, np_.mode) == (0, "timer")
+    # no cc_params: no --cc-params, the agents run the preset as it is
+    loaded, plan = _load(INCAST)
+    assert all("--cc-params" not in s.argv for s in expand_workload(loaded.fabric, plan))
+
+
+def test_cnp_interval_keeps_the_presets_np_mode():
+    loaded, plan = _load("    - {name: t, kind: roce_pairs, pairs: [[h1, h6]], duration: 1ms, "
+                         "cc_preset: ns3-rdma, cnp_interval: 80us}")
+    server, _ = expand_workload(loaded.fabric, plan)
+    args = roce_main.build_parser().parse_args(server.argv)
+    np_ = make_np(args, "dcqcn", cc_params(args, cc_settings(args)))
+    assert (np_.cnp_interval_ns, np_.mode) == (80_000, "timer")     # ns3-rdma's mode
+
+
 @pytest.mark.parametrize(("entry", "expected"), [
     ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_preset: rfc8257}",
      "workload.traffic[0].cc_preset: 'rfc8257' is not a DCQCN preset"),
@@ -190,10 +237,43 @@ def test_preset_names_are_the_agents_and_match_their_kind():
      "roce_incast needs senders: [...] and receiver:"),
     ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, qps: 0}",
      "workload.traffic[0].qps: 0 is too small"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {g: 0.1, "
+     "incrase_timer: 55us}}", "workload.traffic[0].cc_params.incrase_timer: unknown DCQCN "
+     "parameter 'incrase_timer'; did you mean 'increase_timer'? (DCQCN parameters: alpha_timer, "
+     "increase_timer, "),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc: dctcp, "
+     "cc_params: {byte_counter: 10MB}}", "workload.traffic[0].cc_params.byte_counter: "
+     "byte_counter is a DCQCN parameter, but this entry has cc: dctcp; DCTCP parameters: "
+     "window, g, rai, mss, min_rate, initial_alpha, cnp_marked"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {alpha_timer: "
+     "5 fortnights}}", "workload.traffic[0].cc_params.alpha_timer: unknown unit"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {rai: 5MB}}",
+     "workload.traffic[0].cc_params.rai: '5MB' looks like bytes per second"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {kmax: 1MB}}",
+     "cc_params.kmax: kmax is the switch's ECN marking, not a DCQCN parameter; set it on the "
+     "port class (qos.<class>.ecn.kmax)"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc: none, "
+     "cc_params: {g: 0.1}}", "workload.traffic[0].cc_params: cc: none has no parameters"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cnp_interval: 4us, "
+     "cc_params: {cnp_interval: 10us}}", "cc_params.cnp_interval: cnp_interval is given twice"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {min_rate: "
+     "200Gbps}}", "cc_params.min_rate: 200Gbps is above the line rate of sender h1 (100Gbps)"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {fast_recovery"
+     "_steps: 0, byte_counter: none, initial_alpha: 1.5}}",
+     "cc_params.fast_recovery_steps: 0 is too small; use a value >= 1"),
 ])
 def test_roce_config_problems_name_the_field(entry, expected):
     problems = _problems(f"    - {entry}")
     assert any(expected in p for p in problems), problems
+
+
+def test_every_cc_params_problem_is_reported_at_once():
+    problems = _problems("    - {name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
+                         "cc_params: {alpha_timr: 1us, window: 5us, g: 0, initial_alpha: 2, "
+                         "increase_timer: 5uss, min_rate: none}}")
+    fields = [p.split(": ")[1] for p in problems]
+    assert fields == [f"workload.traffic[0].cc_params.{k}" for k in (
+        "alpha_timr", "g", "increase_timer", "initial_alpha", "min_rate", "window")]
 
 
 def test_a_misspelt_required_field_is_reported_once():
@@ -246,6 +326,7 @@ def test_one_result_row_per_stream_from_client_and_server(tmp_path):
     loaded, plan = _load(INCAST)
     specs = expand_workload(loaded.fabric, plan)
     client = {"role": "client", "cc": "dcqcn", "cc_preset": "hpcc-ns3-paper", "qp_count": 1,
+              "cc_overrides": {"g": 0.0625},
               "bytes": 4 << 20, "messages": 64, "elapsed_fabric_ns": 400_000,
               "bw_fabric_bps": (4 << 20) * 8 / 400e-6, "verified": True, "error": None,
               "qps": {"770": _qp(770)}}
@@ -263,6 +344,7 @@ def test_one_result_row_per_stream_from_client_and_server(tmp_path):
     assert (row["retransmissions"], row["naks"], row["timeouts"]) == (2, 1, 1)
     assert (row["cnps_sent"], row["cnps_received"], row["ce_received"]) == (3, 3, 4)
     assert row["verified"] is True and row["cc"] == "dcqcn/hpcc-ns3-paper"
+    assert row["cc_overrides"] == {"g": 0.0625}
     assert (row["tx_packets"], row["rx_packets"], row["lost"]) == (10, 9, 1)
     assert row["rx_bytes"] == 37_000
     assert row["rx_fabric_bps"] == round((37_000 + 66 * 9) * 8 / 400e-6)
