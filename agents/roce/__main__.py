@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "the DCQCN preset's; DCTCP: every CE packet)")
     common.add_argument("--window-packets", type=argtypes.positive_int,
                         default=_DEFAULTS.window_packets,
-                        help="most unacknowledged packets per QP (default %(default)s)")
+                        help="most unacknowledged packets per QP, at most 2^22 (default "
+                             "%(default)s, rxe's; `testbed run` sizes it to the fabric)")
     common.add_argument("--ack-every", type=argtypes.positive_int, default=_DEFAULTS.ack_every,
                         help="responder: one ACK per this many packets at most "
                              "(default %(default)s)")

@@ -491,7 +491,7 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
             "qps": {str(b.qp.qpn): b.counters() for b in bindings},
             "malformed": _sum_malformed(endpoints),
             "endpoints": [ep.counters() for ep in endpoints],
-            "qp_attrs": attrs.to_dict(),
+            "qp_attrs": attrs.to_dict(), "window_packets": attrs.window_packets,
             "engine": {"steps": engine.steps, "waits": engine.waits},
             "stopped_by": life.stop_reason or ("duration" if result["duration_ended"]
                                                else "done"),
@@ -768,7 +768,7 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
             "first_mismatch": result.pop("first_mismatch", None), **result,
             "qps": {str(b.qp.qpn): b.counters() for b in bindings},
             "malformed": dict(ep.malformed), "endpoints": [ep.counters()],
-            "qp_attrs": attrs.to_dict(),
+            "qp_attrs": attrs.to_dict(), "window_packets": attrs.window_packets,
             "engine": {"steps": engine.steps, "waits": engine.waits},
             "stopped_by": life.stop_reason or "done", "error": error,
         }

@@ -223,6 +223,8 @@ class UdpTraffic(Strict):
 
 
 RoceKind = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
+# agents.roce.qp.MAX_WINDOW_PACKETS: the most unacknowledged packets a QP may have.
+MAX_ROCE_WINDOW_PACKETS = 1 << 22
 
 
 # --- cc_params: per-workload DCQCN / DCTCP parameters ----------------------------------
@@ -418,6 +420,12 @@ class RoceTraffic(Strict):
         "write_bw", description="RDMA WRITE or SEND bandwidth test (as perftest's ib_*_bw)")
     size_bytes: SizeBytes = Field(65536, alias="size", description="message bytes")
     qps: int = Field(1, ge=1, le=16, description="queue pairs per sender->receiver stream")
+    window_packets: Annotated[int, Field(ge=1, le=MAX_ROCE_WINDOW_PACKETS)] | Literal[
+        "auto"] = Field(
+        "auto", alias="window",
+        description="most unacknowledged packets per QP, 1..2^22, or auto: enough not to bind "
+                    "at line rate over the fabric's longest round trip with every lossless "
+                    "queue on it full (docs/roce.md, 'In-flight window')")
     start_ns: DurationNs = Field(0, alias="start")
     duration_ns: DurationNs = Field(alias="duration")
     cc: Literal["dcqcn", "dctcp", "none"] = Field(
@@ -436,6 +444,18 @@ class RoceTraffic(Strict):
     verify: bool = Field(True, description="the receiver checks every byte written or sent")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("window_packets", mode="before")
+    @classmethod
+    def _window(cls, value: object) -> object:
+        # One clear message instead of one per member of the int | 'auto' union.
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)
+                               and 1 <= value <= MAX_ROCE_WINDOW_PACKETS):
+            return value
+        hint = (" (DCTCP's window, a time, is cc_params.window)"
+                if isinstance(value, str) and value != "auto" else "")
+        raise ValueError(f"expected a whole number of packets, 1..2^22 ({MAX_ROCE_WINDOW_PACKETS}),"
+                         f" or auto, got {value!r}{hint}")
 
     @field_validator("cc_params", mode="before")
     @classmethod

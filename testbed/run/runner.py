@@ -452,6 +452,7 @@ def _write_roce_results(store: Store, agents, results: dict) -> None:
             "src": spec.src, "dst": spec.dst,
             "cc": "/".join(str(x) for x in (c.get("cc"), c.get("cc_preset")) if x),
             "cc_overrides": c.get("cc_overrides") or None,
+            "window_packets": c.get("window_packets"),
             "qps": c.get("qp_count", 0),
             "bytes": int(c.get("bytes", 0)), "messages": int(c.get("messages", 0)),
             "time_us": round(fabric_ns / 1e3, 3),

@@ -13,26 +13,32 @@ RDMA traffic on UDP ROCE_UDP_PORT + n (4791, RoCEv2's, for the first). The
 clients' QPs send from rxe-style source ports 0xC000 | hash(QPN). Below
 BASE_PORT, so RoCE and UDP agents never collide.
 
+A RoCE entry's in-flight window (`window: auto`, the default) is computed from
+the plan by `roce_window_packets`; docs/roce.md, "In-flight window", gives the
+formula and a worked example.
+
 argv is in fabric units (agents convert with the dilation they are given).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 from dataclasses import dataclass
+from fractions import Fraction
 
-from testbed.config.models import Fabric, RoceTraffic, UdpTraffic
-from testbed.plan.model import Plan
+from testbed.config.models import MAX_ROCE_WINDOW_PACKETS, Fabric, RoceTraffic, UdpTraffic
+from testbed.plan.model import InterfacePlan, NodePlan, Plan
 
 BASE_PORT = 20000
 ROCE_SETUP_PORT = 18515     # TCP, perftest's default port
 ROCE_UDP_PORT = 4791        # RoCEv2
 ROCE_MAX_STREAMS_PER_HOST = BASE_PORT - ROCE_SETUP_PORT
-# A client keeps about this many message bytes posted per QP (at least two
-# messages): more than the window (128 x 4 KB) so the pipe never empties between
-# messages, little enough that the tail after `duration` is short.
-ROCE_POSTED_BYTES = 1 << 20
+# The auto window is never below rxe's RXE_MAX_UNACKED_PSNS (what the transport had
+# before the window was sized to the fabric) and never above what the transport allows.
+ROCE_MIN_WINDOW_PACKETS = 128
+ROCE_MAX_WINDOW_PACKETS = MAX_ROCE_WINDOW_PACKETS      # 2^22
 # Bytes of message slots per QP (at least one message): what a server verifies.
 ROCE_BUFFER_BYTES = 8 << 20
 # Wall seconds either side may wait for the other during set-up and tear-down.
@@ -133,6 +139,79 @@ def roce_ports(n: int) -> tuple[int, int]:
     return ROCE_SETUP_PORT + n, ROCE_UDP_PORT + n
 
 
+def tc_of(fabric: Fabric, tclass: str | int) -> int:
+    for t in fabric.traffic_classes:
+        if tclass in (t.name, t.tc):
+            return t.tc
+    raise KeyError(f"unknown traffic class {tclass!r}")
+
+
+def _egress_toward(node: NodePlan, address: str) -> list[InterfacePlan]:
+    """The interfaces `node` sends a packet for `address` out of: the link to it, or the
+    next hops of the longest matching route (several: ECMP)."""
+    for iface in node.interfaces:
+        if iface.peer.address == address:
+            return [iface]
+    ip = ipaddress.IPv4Address(address)
+    best: tuple[int, list[str]] | None = None
+    for route in node.routes:
+        net = ipaddress.IPv4Network(route.dst)
+        if ip in net and (best is None or net.prefixlen > best[0]):
+            best = (net.prefixlen, [h.ifname for h in route.nexthops])
+    by_name = {i.ifname: i for i in node.interfaces}
+    return [by_name[name] for name in (best[1] if best else []) if name in by_name]
+
+
+def egress_paths(plan: Plan, src: str, dst: str) -> list[list[InterfacePlan]]:
+    """Every path the plan's routes can take from host `src` to host `dst`, each as the
+    egress ports on the way (the sender's NIC first); ECMP next hops branch."""
+    address = address_of(plan, dst)
+    paths: list[list[InterfacePlan]] = []
+
+    def walk(node: str, path: list[InterfacePlan], seen: set[str]) -> None:
+        for iface in _egress_toward(plan.node(node), address):
+            nxt = iface.peer.node
+            if nxt == dst:
+                paths.append(path + [iface])
+            elif nxt not in seen and plan.node(nxt).role == "switch":   # hosts do not forward
+                walk(nxt, path + [iface], seen | {nxt})
+
+    walk(src, [], {src})
+    return paths
+
+
+def _port_time_ns(plan: Plan, iface: InterfacePlan, tc: int) -> Fraction:
+    """One egress port's share of a round trip: its link's delay there and back, plus the
+    time to drain what class `tc` can hold there at the port's rate (XOFF + headroom where
+    PFC protects the class, else its byte limit)."""
+    held = 0
+    for c in iface.egress.classes:
+        if c.tc == tc:
+            held = c.limit_bytes if c.pfc is None else min(
+                c.limit_bytes, c.pfc.xoff_bytes + c.pfc.headroom_bytes)
+    return 2 * plan.links[iface.link].delay_ns + Fraction(held * 8 * 10**9,
+                                                          iface.egress.rate_bps)
+
+
+def roce_round_trip_ns(plan: Plan, tc: int) -> Fraction:
+    """The longest round trip class `tc` can see between two hosts: over every host pair
+    and every ECMP path between them, the base RTT (each link's delay, there and back)
+    plus the time to drain every egress port's buffer of the class on the way."""
+    hosts = [h.name for h in plan.hosts()]
+    return max((sum((_port_time_ns(plan, i, tc) for i in path), Fraction(0))
+                for src, dst in itertools.permutations(hosts, 2)
+                for path in egress_paths(plan, src, dst)), default=Fraction(0))
+
+
+def roce_window_packets(line_rate_bps: int, round_trip_ns: Fraction, mtu_bytes: int) -> int:
+    """The default in-flight window: RoCE MTU packets that a sender at `line_rate_bps` puts
+    on the wire in `round_trip_ns` (roce_round_trip_ns), rounded up, within
+    [ROCE_MIN_WINDOW_PACKETS, ROCE_MAX_WINDOW_PACKETS]."""
+    bits = line_rate_bps * round_trip_ns / 10**9
+    packets = -(-bits // (8 * mtu_bytes))
+    return int(min(ROCE_MAX_WINDOW_PACKETS, max(ROCE_MIN_WINDOW_PACKETS, packets)))
+
+
 def _roce_specs(fabric: Fabric, plan: Plan, t: RoceTraffic, pairs: list[tuple[str, str]],
                 per_host: dict[str, int]) -> list[AgentSpec]:
     """A server (receiver) and a client (sender) per stream; servers come first."""
@@ -151,10 +230,20 @@ def _roce_specs(fabric: Fabric, plan: Plan, t: RoceTraffic, pairs: list[tuple[st
     cnp_interval = ([] if t.cnp_interval_ns is None or t.cc == "none"
                     else ["--cnp-interval-ns", str(t.cnp_interval_ns)])
     buffer_bytes = max(t.size_bytes, ROCE_BUFFER_BYTES)
-    depth = min(128, max(2, -(-ROCE_POSTED_BYTES // t.size_bytes)))
+    mtu = fabric.roce_mtu_bytes
+    per_message = -(-t.size_bytes // mtu)             # packets of one message
+    rtt_ns = roce_round_trip_ns(plan, tc_of(fabric, t.tclass)) if t.window_packets == "auto" \
+        else None
     servers: list[AgentSpec] = []
     clients: list[AgentSpec] = []
     for j, (src, dst) in enumerate(pairs):
+        line_bps = plan.node(src).interfaces[0].egress.rate_bps
+        window = (t.window_packets if rtt_ns is None
+                  else roce_window_packets(line_bps, rtt_ns, mtu))
+        # Messages a client keeps posted per QP: a full window and one message more, so
+        # the window, not the posting, bounds what is in flight and the pipe never empties
+        # between messages; no more, so the tail after `duration` stays short.
+        depth = max(2, -(-window // per_message) + 1)
         n = per_host.get(dst, 0)
         per_host[dst] = n + 1
         tcp_port, udp_port = roce_ports(n)
@@ -164,7 +253,8 @@ def _roce_specs(fabric: Fabric, plan: Plan, t: RoceTraffic, pairs: list[tuple[st
             src=src, dst=dst, module="agents.roce",
             argv=["server", t.test, "--bind", address_of(plan, dst), "--port", str(tcp_port),
                   "--roce-port", str(udp_port), *verify, *cnp_interval, "--line-rate-bps",
-                  str(plan.node(dst).interfaces[0].egress.rate_bps), *common]))
+                  str(plan.node(dst).interfaces[0].egress.rate_bps),
+                  "--window-packets", str(window), *common]))
         clients.append(AgentSpec(
             name=name, node=src, role="sender", traffic=t.name, kind=t.kind,
             start_ns=t.start_ns, duration_ns=t.duration_ns, src=src, dst=dst,
@@ -173,8 +263,8 @@ def _roce_specs(fabric: Fabric, plan: Plan, t: RoceTraffic, pairs: list[tuple[st
                   "--bind", address_of(plan, src), "--size", str(t.size_bytes),
                   "--qps", str(t.qps), "--duration-ns", str(t.duration_ns),
                   "--tx-depth", str(depth), "--buffer-bytes", str(buffer_bytes),
-                  "--seed", str(1 + 16 * j), *verify, "--line-rate-bps",
-                  str(plan.node(src).interfaces[0].egress.rate_bps), *common]))
+                  "--seed", str(1 + 16 * j), *verify, "--line-rate-bps", str(line_bps),
+                  "--window-packets", str(window), *common]))
     return servers + clients
 
 

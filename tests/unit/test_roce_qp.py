@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ import pytest
 from agents.control import read_snapshot
 from agents.roce.cc import DcqcnNp, DcqcnRp, NoCc, make_cc, preset
 from agents.roce.qp import (
+    MAX_WINDOW_PACKETS,
     PKT_ACK,
     PKT_CNP,
     WIRE_OVERHEAD_BYTES,
@@ -450,6 +452,68 @@ def test_many_small_messages_complete_in_order_with_a_small_window():
     assert [c.wr_id for c in w.a.requester.completions] == list(range(50))
     for i, m in enumerate(msgs):
         assert bytes(w.mem[i * 256:i * 256 + len(m)]) == m
+
+
+def test_a_window_of_thousands_of_packets_fills_keeps_no_copies_and_goes_back_n():
+    # 300 us each way at 100G with 1 KB packets: ~6700 packets would be in flight, so the
+    # 3000-packet window binds; the PSNs wrap while it is full. One packet (PSN offset 1000)
+    # is lost once: ONE NAK, and the requester resends everything from the NAK's PSN.
+    window, n, lost_at = 3000, 6000, 1000
+    base = PSN_MASK - 1500
+    lost: list[int] = []
+
+    def drop(p, k):
+        if p.src == "A" and p.kind == 0 and p.psn == (base + lost_at) & PSN_MASK and not lost:
+            lost.append(k)
+            return True
+        return False
+
+    w = Wire(QpAttrs(mtu=1024, window_packets=window, timeout_ns=10_000 * US),
+             psn_a=base, mr_bytes=n * 1024, delay_ns=300 * US, drop=drop)
+    data = pattern(n * 1024)
+    rq, rs = w.a.requester, w.b.responder
+    peak = {"outstanding": 0, "qp_bytes": None}
+    tracemalloc.start()
+    try:
+        write(w, data)
+
+        def done() -> bool:
+            out = rq.outstanding_packets
+            if out > peak["outstanding"]:
+                peak["outstanding"] = out
+                if out == window and peak["qp_bytes"] is None:
+                    snap = tracemalloc.take_snapshot().filter_traces(
+                        [tracemalloc.Filter(True, "*agents/roce/qp.py")])
+                    peak["qp_bytes"] = sum(s.size for s in snap.statistics("filename"))
+            return rq.idle
+
+        w.run(until=done, max_ns=1e8)
+    finally:
+        tracemalloc.stop()
+    assert bytes(w.mem) == data
+    assert peak["outstanding"] == window                 # the window filled, and bound
+    # 3000 packets (3 MB) in flight, but the QPs hold only their own state: no copies
+    assert 0 < peak["qp_bytes"] < 256 * 1024, peak
+    naks = [p for p in w.acks_from("B") if p.syndrome == 0x60 | NakCode.PSN_SEQUENCE_ERROR]
+    assert len(naks) == 1 and naks[0].psn == (base + lost_at) & PSN_MASK
+    sent = [((p.psn - base) & PSN_MASK) for p in w.data_from("A")]
+    first_resend = sent.index(lost_at, lost_at + 1)
+    highest_before = max(sent[:first_resend])
+    # the window was full when the NAK came: everything after the last ACK before the loss
+    acked = [(p.psn - base) & PSN_MASK for p in w.log[:w.log.index(naks[0])]
+             if p.src == "B" and p.syndrome == 0x1F]
+    assert max(acked) < lost_at and highest_before == max(acked) + window
+    assert sent[first_resend:] == list(range(lost_at, n))
+    assert rq.retransmissions == highest_before - lost_at + 1
+    assert rs.ooo_drops == highest_before - lost_at
+    assert (rq.naks_received, rq.timeouts, rs.duplicates) == (1, 0, 0)
+    assert rq.completions.popleft() == (1, WcStatus.SUCCESS, "write", n * 1024)
+
+
+def test_window_is_at_most_2_to_the_22():
+    assert QpAttrs(window_packets=1 << 22).window_packets == MAX_WINDOW_PACKETS == 1 << 22
+    with pytest.raises(ValueError, match="window_packets must be 1..2\\^22"):
+        QpAttrs(window_packets=(1 << 22) + 1)
 
 
 def test_window_limits_unacknowledged_packets():

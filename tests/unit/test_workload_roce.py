@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from fractions import Fraction as Fr
 from typing import get_args
 
 import pytest
@@ -31,10 +32,14 @@ from testbed.run.store import Store
 from testbed.run.workload import (
     ROCE_SETUP_PORT,
     ROCE_UDP_PORT,
+    egress_paths,
     expand_workload,
     roce_ports,
+    roce_round_trip_ns,
+    roce_window_packets,
     workload_span_ns,
 )
+from tests.conftest import REPO
 
 FABRIC = """\
 name: rocewl
@@ -173,6 +178,66 @@ def test_preset_names_are_the_agents_and_match_their_kind():
     assert set(get_args(CcPresetName)) == set(PRESETS) | set(DCTCP_PRESETS)
     assert set(_CC_PRESETS["dcqcn"]) == set(PRESETS)
     assert set(_CC_PRESETS["dctcp"]) == set(DCTCP_PRESETS)
+
+
+# --- the in-flight window --------------------------------------------------------------
+
+def _default_fabric_with(traffic: str):
+    """configs/default.yaml with its workload replaced by `traffic` (one YAML list line)."""
+    text = (REPO / "configs" / "default.yaml").read_text(encoding="utf-8")
+    text = text[:text.index("workload:")] + f"workload:\n  traffic:\n{traffic}\n"
+    loaded = load_config_text(text, "default.yaml")
+    return loaded, compile_plan(loaded)
+
+
+def test_auto_window_on_the_default_fabric_is_642_packets():
+    loaded, plan = _default_fabric_with(
+        "    - {name: inc, kind: roce_incast, senders: [h1, h5], receiver: h8, duration: 1ms}")
+    # Longest host-to-host path: h1 -> leaf1 -> spine -> leaf2 -> h8 (either spine), four
+    # egress ports: h1 eth0 (100G), leaf1 uplink (400G), spine downlink (400G), leaf2 swp4
+    # (100G). Links: 2 m 100GBASE-CR1 120 ns, 100 m 400GBASE-DR4 600 ns one way.
+    # Base RTT = 2 (120 + 600 + 600 + 120) = 2880 ns.
+    # TC3 (roce, lossless) on every port: XOFF 1 MB (half the 2 MB buffer) + headroom
+    # (2 x 9038 B frames + 2 x delay x rate + 3840 B response): 100G 24 916 B, 400G 81 916 B.
+    # Drain: 100G 1 024 916 B x 8 / 100 Gb/s = 81 993.28 ns, 400G 1 081 916 B x 8 / 400 Gb/s
+    # = 21 638.32 ns; twice each: 207 263.2 ns. Round trip 210 143.2 ns.
+    # At h1's 100 Gb/s: 100e9 x 210 143.2e-9 / 8 = 2 626 790 B = 641.3 packets of 4096 B.
+    assert {tuple(i.ifname for i in p) for p in egress_paths(plan, "h1", "h8")} == {
+        ("eth0", "swp5", "swp2", "swp4"), ("eth0", "swp6", "swp2", "swp4")}
+    assert roce_round_trip_ns(plan, 3) == Fr("210143.2")
+    assert roce_window_packets(100 * 10**9, roce_round_trip_ns(plan, 3), 4096) == 642
+    parser = roce_main.build_parser()
+    for spec in expand_workload(loaded.fabric, plan):
+        args = parser.parse_args(spec.argv)
+        assert args.window_packets == 642, spec.name
+        if spec.role == "sender":   # a full window posted, and one 64 KiB message more
+            assert args.tx_depth == 642 // 16 + 1 + 1 == 42
+
+
+def test_window_is_at_least_rxes_and_at_most_2_to_the_22():
+    assert roce_window_packets(10**9, Fr(1000), 4096) == 128           # 1 Gb/s x 1 us: 0.03
+    assert roce_window_packets(10**12, Fr(10**9), 256) == 1 << 22      # 1 Tb/s x 1 s
+    assert roce_window_packets(100 * 10**9, Fr(8 * 4096 * 200, 100), 4096) == 200   # exact
+
+
+def test_a_given_window_goes_to_both_agents():
+    loaded, plan = _load("    - {name: w, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
+                         "window: 4096, size: 4096}")
+    server, client = expand_workload(loaded.fabric, plan)
+    parser = roce_main.build_parser()
+    assert parser.parse_args(server.argv).window_packets == 4096
+    c = parser.parse_args(client.argv)
+    assert (c.window_packets, c.tx_depth) == (4096, 4097)
+
+
+@pytest.mark.parametrize("value", ["0", "5000000", "13us", "true", "1.5"])
+def test_a_bad_window_says_what_it_takes(value):
+    problems = _problems(f"    - {{name: w, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
+                         f"window: {value}}}")
+    assert len(problems) == 1 and "workload.traffic[0].window: expected a whole number of " \
+        "packets, 1..2^22 (4194304), or auto" in problems[0], problems
+    if value == "13us":
+        assert "DCTCP's window, a time, is cc_params.window" in problems[0]
 
 
 def test_cc_params_names_are_the_agents_tunables_without_unit_suffixes():
@@ -326,7 +391,7 @@ def test_one_result_row_per_stream_from_client_and_server(tmp_path):
     loaded, plan = _load(INCAST)
     specs = expand_workload(loaded.fabric, plan)
     client = {"role": "client", "cc": "dcqcn", "cc_preset": "hpcc-ns3-paper", "qp_count": 1,
-              "cc_overrides": {"g": 0.0625},
+              "cc_overrides": {"g": 0.0625}, "window_packets": 642,
               "bytes": 4 << 20, "messages": 64, "elapsed_fabric_ns": 400_000,
               "bw_fabric_bps": (4 << 20) * 8 / 400e-6, "verified": True, "error": None,
               "qps": {"770": _qp(770)}}
@@ -344,7 +409,7 @@ def test_one_result_row_per_stream_from_client_and_server(tmp_path):
     assert (row["retransmissions"], row["naks"], row["timeouts"]) == (2, 1, 1)
     assert (row["cnps_sent"], row["cnps_received"], row["ce_received"]) == (3, 3, 4)
     assert row["verified"] is True and row["cc"] == "dcqcn/hpcc-ns3-paper"
-    assert row["cc_overrides"] == {"g": 0.0625}
+    assert row["cc_overrides"] == {"g": 0.0625} and row["window_packets"] == 642
     assert (row["tx_packets"], row["rx_packets"], row["lost"]) == (10, 9, 1)
     assert row["rx_bytes"] == 37_000
     assert row["rx_fabric_bps"] == round((37_000 + 66 * 9) * 8 / 400e-6)
