@@ -482,8 +482,13 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
                 verify["verify_error"] = str(e)
         error = next((b.qp.requester.error or b.qp.responder.error for b in bindings
                       if b.qp.requester.error or b.qp.responder.error), None)
+        # how long after --start-at-mono-ns the first message was posted, fabric ns
+        late = (round(dilation.to_fabric_ns(result["first_post_mono_ns"]
+                                            - args.start_at_mono_ns))
+                if args.start_at_mono_ns else None)
         counters = {
             "role": "client", "test": test, "server": args.server, "local_ip": local_ip,
+            "start_late_fabric_ns": late,
             "size": size, "iters": iters, "duration_ns": args.duration_ns, "qp_count": args.qps,
             "mtu": args.mtu, "slots": slots, "seed": args.seed, "dilation": dilation.factor,
             **cc_record(args, cc, params), "line_rate_bps": args.line_rate_bps,
@@ -600,7 +605,7 @@ def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
     msgs = sum(completed)
     return {"messages": msgs, "bytes": total, "per_qp_messages": completed,
             "data_packets_sent": packets, "completion_error": state["failed"],
-            "duration_ended": state["duration_ended"],
+            "duration_ended": state["duration_ended"], "first_post_mono_ns": start,
             **_rates(dilation, total, msgs, packets, wall_ns)}
 
 
@@ -641,6 +646,7 @@ def _client_lat(args, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarr
     msgs = len(samples)
     return {"messages": msgs, "bytes": msgs * size, "per_qp_messages": [msgs],
             "data_packets_sent": r.packets_sent, "duration_ended": ended,
+            "first_post_mono_ns": start,
             "latency_fabric_us": latency_stats([dilation.to_fabric_ns(x) for x in half]),
             "latency_wall_us": latency_stats(half),
             **_rates(dilation, msgs * size, msgs, r.packets_sent, wall_ns)}

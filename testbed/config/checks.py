@@ -182,7 +182,7 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
             yield (loc + ("tclass",), f"unknown traffic class {t.tclass!r}; use a class name or "
                    f"number from traffic_classes: "
                    f"{', '.join(f'{c.name} ({c.tc})' for c in fabric.traffic_classes)}")
-        if t.duration_ns <= 0:
+        if t.duration_ns is not None and t.duration_ns <= 0:
             yield loc + ("duration",), "duration must be above 0"
         if family == "roce":
             yield from _check_roce(t, loc, classes.get(t.tclass))
@@ -217,6 +217,12 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
 
 
 def _check_roce(t, loc: tuple, tclass) -> Iterator[tuple[tuple, str]]:
+    if t.duration_ns is None and t.messages is None:
+        yield (loc, f"{t.kind} needs duration: (post messages for that long) or messages: "
+               "(post exactly that many per QP)")
+    elif t.duration_ns is not None and t.messages is not None:
+        yield (loc + ("messages",), "duration and messages are both given; give one: "
+               "duration posts messages for that long, messages exactly that many per QP")
     if t.cc == "none" and t.cc_preset is not None:
         yield (loc + ("cc_preset",), f"cc_preset {t.cc_preset!r} does nothing with cc: none; "
                "remove it or pick cc: dcqcn or dctcp")

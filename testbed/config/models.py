@@ -405,9 +405,10 @@ class RoceTraffic(Strict):
     Each (source, destination) stream is one perftest-style client on the source
     and its own server on the destination; `qps` queue pairs per stream. Start
     and duration are fabric time: a client posts messages for `duration`, then
-    waits for the outstanding ones. `cc` is the sender's rate controller and the
-    receiver's CNP policy (DCQCN by default, with HPCC's ns-3 "dcqcn_paper" parameter set,
-    whose switch half is the default port class's ECN curve).
+    waits for the outstanding ones; or it posts exactly `messages` per QP. `cc`
+    is the sender's rate controller and the receiver's CNP policy (DCQCN by
+    default, with HPCC's ns-3 "dcqcn_paper" parameter set, whose switch half is
+    the default port class's ECN curve).
     """
 
     name: str = Field(pattern=NAME_RE)
@@ -427,7 +428,13 @@ class RoceTraffic(Strict):
                     "at line rate over the fabric's longest round trip with every lossless "
                     "queue on it full (docs/roce.md, 'In-flight window')")
     start_ns: DurationNs = Field(0, alias="start")
-    duration_ns: DurationNs = Field(alias="duration")
+    duration_ns: DurationNs | None = Field(
+        None, alias="duration",
+        description="post messages for this fabric time, then wait for the outstanding ones "
+                    "(give this or messages)")
+    messages: int | None = Field(
+        None, ge=1, description="post exactly this many messages per QP, then wait for them "
+                                "(give this or duration)")
     cc: Literal["dcqcn", "dctcp", "none"] = Field(
         "dcqcn", description="congestion control: sender rate control and receiver CNPs")
     cc_preset: CcPresetName | None = Field(

@@ -255,21 +255,46 @@ def _roce_specs(fabric: Fabric, plan: Plan, t: RoceTraffic, pairs: list[tuple[st
                   "--roce-port", str(udp_port), *verify, *cnp_interval, "--line-rate-bps",
                   str(plan.node(dst).interfaces[0].egress.rate_bps),
                   "--window-packets", str(window), *common]))
+        stop = (["--iters", str(t.messages)] if t.messages is not None
+                else ["--duration-ns", str(t.duration_ns)])
         clients.append(AgentSpec(
             name=name, node=src, role="sender", traffic=t.name, kind=t.kind,
-            start_ns=t.start_ns, duration_ns=t.duration_ns, src=src, dst=dst,
+            start_ns=t.start_ns, duration_ns=t.duration_ns or 0, src=src, dst=dst,
             module="agents.roce",
             argv=["client", t.test, "--server", address_of(plan, dst), "--port", str(tcp_port),
                   "--bind", address_of(plan, src), "--size", str(t.size_bytes),
-                  "--qps", str(t.qps), "--duration-ns", str(t.duration_ns),
+                  "--qps", str(t.qps), *stop,
                   "--tx-depth", str(depth), "--buffer-bytes", str(buffer_bytes),
                   "--seed", str(1 + 16 * j), *verify, "--line-rate-bps", str(line_bps),
                   "--window-packets", str(window), *common]))
     return servers + clients
 
 
-def workload_span_ns(fabric: Fabric) -> int:
-    """Fabric time from t0 until the last sender is scheduled to stop."""
+def workload_span_ns(fabric: Fabric, plan: Plan | None = None) -> int:
+    """Fabric time from t0 until the last sender is scheduled to stop. An entry that
+    posts a number of messages has no schedule: it counts from its start for as long as
+    its busiest host takes to move its bytes at line rate (with a plan; 0 without)."""
     if fabric.workload is None:
         return 0
-    return max((t.start_ns + t.duration_ns for t in fabric.workload.traffic), default=0)
+    hosts = [h.name for h in plan.hosts()] if plan is not None else []
+    ends = []
+    for t in fabric.workload.traffic:
+        if t.duration_ns is not None:
+            ends.append(t.start_ns + t.duration_ns)
+        else:
+            ends.append(t.start_ns + (_line_rate_time_ns(plan, t, streams(t, hosts))
+                                      if plan is not None else 0))
+    return max(ends, default=0)
+
+
+def _line_rate_time_ns(plan: Plan, t: RoceTraffic, pairs: list[tuple[str, str]]) -> int:
+    """Fabric time the busiest host of a `messages` entry needs at its NIC's line rate."""
+    mtu = plan.roce_mtu_bytes
+    per_message = t.size_bytes + 16 + -(-t.size_bytes // mtu) * (12 + 4 + WIRE_OVERHEAD_BYTES)
+    wire_bytes = per_message * t.messages * t.qps      # RETH 16, BTH 12, ICRC 4, headers
+    load: dict[str, int] = {}
+    for src, dst in pairs:
+        load[src] = load.get(src, 0) + wire_bytes
+        load[dst] = load.get(dst, 0) + wire_bytes
+    return max((-(-n * 8 * 10**9 // plan.node(h).interfaces[0].egress.rate_bps)
+                for h, n in load.items()), default=0)

@@ -144,6 +144,42 @@ def test_argv_carries_the_config_in_fabric_units_and_parses():
                                      "/tmp/x.ready", "--start-at-mono-ns", "1"])
 
 
+def test_messages_post_exactly_n_per_qp_and_the_span_is_the_busiest_host_at_line_rate():
+    # 7 senders each write one 1 MB message to h8 at t = 0 (an FCT run)
+    loaded, plan = _load("    - {name: fct, kind: roce_incast, senders: [h1, h2, h3, h4, h5, h6, "
+                         "h7], receiver: h8, size: 1MB, messages: 1}\n"
+                         "    - {name: two, kind: roce_pairs, pairs: [[h1, h2]], messages: 3, "
+                         "qps: 2, size: 4096, start: 10us}")
+    t = loaded.fabric.workload.traffic[0]
+    assert (t.messages, t.duration_ns) == (1, None)
+    parser = roce_main.build_parser()
+    clients = [s for s in expand_workload(loaded.fabric, plan) if s.role == "sender"]
+    for spec in clients:
+        assert "--duration-ns" not in spec.argv and spec.duration_ns == 0
+        c = parser.parse_args(spec.argv)
+        assert (c.iters, c.duration_ns) == ((1, None) if spec.traffic == "fct" else (3, None))
+    # h8 receives 7 x 1 MB: 245 packets of 4096 B each (the last 576 B), each with BTH 12 +
+    # ICRC 4 + 66 B of UDP/IP/Ethernet, and one RETH of 16: 1 000 000 + 245 x 82 + 16 =
+    # 1 020 106 B; 7 x that = 7 140 742 B at 100 Gb/s = 571 259.36 ns -> 571 260 ns.
+    # `two`: h1 sends 2 QPs x 3 x (4096 + 82 + 16) B = 25 164 B from 10 us: 10 us + 2013.12 ns.
+    assert workload_span_ns(loaded.fabric, plan) == 571_260
+    assert workload_span_ns(loaded.fabric) == 10_000        # without a plan: starts only
+
+
+def test_duration_or_messages_exactly_one():
+    both = _problems("    - {name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
+                     "messages: 4}")
+    assert both == ["roce.yaml:12: workload.traffic[0].messages: duration and messages are both "
+                    "given; give one: duration posts messages for that long, messages exactly "
+                    "that many per QP"]
+    neither = _problems("    - {name: x, kind: roce_pairs, pairs: [[h1, h2]]}")
+    assert neither == ["roce.yaml:12: workload.traffic[0]: roce_pairs needs duration: (post "
+                       "messages for that long) or messages: (post exactly that many per QP)"]
+    zero = _problems("    - {name: x, kind: roce_pairs, pairs: [[h1, h2]], messages: 0}")
+    assert zero == ["roce.yaml:12: workload.traffic[0].messages: 0 is too small; use a value "
+                    ">= 1"]
+
+
 def test_cc_none_passes_no_preset_and_verify_is_asked_by_both_sides():
     loaded, plan = _load("    - {name: n, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
                          "cc: none}")
@@ -392,6 +428,7 @@ def test_one_result_row_per_stream_from_client_and_server(tmp_path):
     specs = expand_workload(loaded.fabric, plan)
     client = {"role": "client", "cc": "dcqcn", "cc_preset": "hpcc-ns3-paper", "qp_count": 1,
               "cc_overrides": {"g": 0.0625}, "window_packets": 642,
+              "start_late_fabric_ns": 1_500,
               "bytes": 4 << 20, "messages": 64, "elapsed_fabric_ns": 400_000,
               "bw_fabric_bps": (4 << 20) * 8 / 400e-6, "verified": True, "error": None,
               "qps": {"770": _qp(770)}}
@@ -405,6 +442,8 @@ def test_one_result_row_per_stream_from_client_and_server(tmp_path):
     row = rows[0]
     assert row["workload"] == "inc" and row["kind"] == "roce_incast"
     assert row["bytes"] == 4 << 20 and row["time_us"] == 400.0
+    # posted 1.5 us after the common start (the entry starts at 0), done 400 us later
+    assert (row["start_us"], row["end_us"]) == (1.5, 401.5)
     assert row["gbps"] == pytest.approx(83.886, abs=1e-3)
     assert (row["retransmissions"], row["naks"], row["timeouts"]) == (2, 1, 1)
     assert (row["cnps_sent"], row["cnps_received"], row["ce_received"]) == (3, 3, 4)
