@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from testbed.config.models import MAX_ROCE_WINDOW_PACKETS, Fabric, RoceTraffic, UdpTraffic
-from testbed.plan.model import InterfacePlan, NodePlan, Plan
+from testbed.plan.model import InterfacePlan, Plan
 
 BASE_PORT = 20000
 ROCE_SETUP_PORT = 18515     # TCP, perftest's default port
@@ -96,9 +96,10 @@ def expand_workload(fabric: Fabric, plan: Plan) -> list[AgentSpec]:
     hosts = [h.name for h in plan.hosts()]
     specs: list[AgentSpec] = []
     roce_streams: dict[str, int] = {}      # destination host -> RoCE streams into it so far
+    round_trips: dict[int, Fraction] = {}  # traffic class -> roce_round_trip_ns
     for k, t in enumerate(fabric.workload.traffic):
         if isinstance(t, RoceTraffic):
-            specs += _roce_specs(fabric, plan, t, streams(t, hosts), roce_streams)
+            specs += _roce_specs(fabric, plan, t, streams(t, hosts), roce_streams, round_trips)
             continue
         port = BASE_PORT + k
         pairs = streams(t, hosts)
@@ -146,34 +147,50 @@ def tc_of(fabric: Fabric, tclass: str | int) -> int:
     raise KeyError(f"unknown traffic class {tclass!r}")
 
 
-def _egress_toward(node: NodePlan, address: str) -> list[InterfacePlan]:
-    """The interfaces `node` sends a packet for `address` out of: the link to it, or the
-    next hops of the longest matching route (several: ECMP)."""
-    for iface in node.interfaces:
-        if iface.peer.address == address:
-            return [iface]
-    ip = ipaddress.IPv4Address(address)
-    best: tuple[int, list[str]] | None = None
-    for route in node.routes:
-        net = ipaddress.IPv4Network(route.dst)
-        if ip in net and (best is None or net.prefixlen > best[0]):
-            best = (net.prefixlen, [h.ifname for h in route.nexthops])
-    by_name = {i.ifname: i for i in node.interfaces}
-    return [by_name[name] for name in (best[1] if best else []) if name in by_name]
+class _Routes:
+    """The plan's forwarding, for walking paths: nodes by name, each node's routes as one
+    {network: next-hop interfaces} table per prefix length, longest first."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.nodes = {n.name: n for n in plan.nodes}
+        self._peers = {n.name: {i.peer.address: i for i in n.interfaces} for n in plan.nodes}
+        self._tables: dict[str, list[tuple[int, dict[int, list[InterfacePlan]]]]] = {}
+        for n in plan.nodes:
+            by_name = {i.ifname: i for i in n.interfaces}
+            lengths: dict[int, dict[int, list[InterfacePlan]]] = {}
+            for r in n.routes:
+                net = ipaddress.IPv4Network(r.dst)
+                lengths.setdefault(net.prefixlen, {})[int(net.network_address)] = [
+                    by_name[h.ifname] for h in r.nexthops if h.ifname in by_name]
+            self._tables[n.name] = sorted(lengths.items(), reverse=True)
+
+    def egress_toward(self, node: str, address: str) -> list[InterfacePlan]:
+        """The interfaces `node` sends a packet for `address` out of: the link to it, or
+        the next hops of the longest matching route (several: ECMP)."""
+        direct = self._peers[node].get(address)
+        if direct is not None:
+            return [direct]
+        ip = int(ipaddress.IPv4Address(address))
+        for length, table in self._tables[node]:
+            hops = table.get(ip & ((0xFFFFFFFF << (32 - length)) & 0xFFFFFFFF))
+            if hops is not None:
+                return hops
+        return []
 
 
 def egress_paths(plan: Plan, src: str, dst: str) -> list[list[InterfacePlan]]:
     """Every path the plan's routes can take from host `src` to host `dst`, each as the
     egress ports on the way (the sender's NIC first); ECMP next hops branch."""
+    routes = _Routes(plan)
     address = address_of(plan, dst)
     paths: list[list[InterfacePlan]] = []
 
     def walk(node: str, path: list[InterfacePlan], seen: set[str]) -> None:
-        for iface in _egress_toward(plan.node(node), address):
+        for iface in routes.egress_toward(node, address):
             nxt = iface.peer.node
             if nxt == dst:
                 paths.append(path + [iface])
-            elif nxt not in seen and plan.node(nxt).role == "switch":   # hosts do not forward
+            elif nxt not in seen and routes.nodes[nxt].role == "switch":  # hosts don't forward
                 walk(nxt, path + [iface], seen | {nxt})
 
     walk(src, [], {src})
@@ -193,14 +210,52 @@ def _port_time_ns(plan: Plan, iface: InterfacePlan, tc: int) -> Fraction:
                                                           iface.egress.rate_bps)
 
 
+def _longest_to(plan: Plan, routes: _Routes, dst: str, address: str, node: str, tc: int,
+                memo: dict[str, Fraction | None],
+                port_ns: dict[tuple[str, str], Fraction]) -> Fraction | None:
+    """Longest time from `node` to host `dst` along the routes (None: no way there);
+    `memo` holds the nodes already done for this destination."""
+    if node in memo:
+        return memo[node]
+    memo[node] = None                       # a routing loop reads as no way
+    best = None
+    for iface in routes.egress_toward(node, address):
+        nxt = iface.peer.node
+        if nxt == dst:
+            rest = Fraction(0)
+        elif routes.nodes[nxt].role == "switch":  # hosts do not forward
+            rest = _longest_to(plan, routes, dst, address, nxt, tc, memo, port_ns)
+        else:
+            rest = None
+        if rest is None:
+            continue
+        key = (node, iface.ifname)
+        if key not in port_ns:
+            port_ns[key] = _port_time_ns(plan, iface, tc)
+        if best is None or port_ns[key] + rest > best:
+            best = port_ns[key] + rest
+    memo[node] = best
+    return best
+
+
 def roce_round_trip_ns(plan: Plan, tc: int) -> Fraction:
     """The longest round trip class `tc` can see between two hosts: over every host pair
-    and every ECMP path between them, the base RTT (each link's delay, there and back)
-    plus the time to drain every egress port's buffer of the class on the way."""
+    and every ECMP path between them (`egress_paths`), the base RTT (each link's delay,
+    there and back) plus the time to drain every egress port's buffer of the class on the
+    way. One pass per destination with each node's longest remaining time memoised, so
+    the cost grows with hosts x nodes, not with the number of paths."""
     hosts = [h.name for h in plan.hosts()]
-    return max((sum((_port_time_ns(plan, i, tc) for i in path), Fraction(0))
-                for src, dst in itertools.permutations(hosts, 2)
-                for path in egress_paths(plan, src, dst)), default=Fraction(0))
+    routes = _Routes(plan)
+    port_ns: dict[tuple[str, str], Fraction] = {}
+    worst = Fraction(0)
+    for dst in hosts:
+        address = routes.nodes[dst].interfaces[0].address.split("/")[0]
+        memo: dict[str, Fraction | None] = {}
+        for src in hosts:
+            if src != dst:
+                found = _longest_to(plan, routes, dst, address, src, tc, memo, port_ns)
+                worst = max(worst, found or Fraction(0))
+    return worst
 
 
 def roce_window_packets(line_rate_bps: int, round_trip_ns: Fraction, mtu_bytes: int) -> int:
@@ -213,7 +268,7 @@ def roce_window_packets(line_rate_bps: int, round_trip_ns: Fraction, mtu_bytes: 
 
 
 def _roce_specs(fabric: Fabric, plan: Plan, t: RoceTraffic, pairs: list[tuple[str, str]],
-                per_host: dict[str, int]) -> list[AgentSpec]:
+                per_host: dict[str, int], round_trips: dict[int, Fraction]) -> list[AgentSpec]:
     """A server (receiver) and a client (sender) per stream; servers come first."""
     d = str(plan.dilation.factor)
     dscp = str(dscp_of(fabric, t.tclass))
@@ -232,8 +287,12 @@ def _roce_specs(fabric: Fabric, plan: Plan, t: RoceTraffic, pairs: list[tuple[st
     buffer_bytes = max(t.size_bytes, ROCE_BUFFER_BYTES)
     mtu = fabric.roce_mtu_bytes
     per_message = -(-t.size_bytes // mtu)             # packets of one message
-    rtt_ns = roce_round_trip_ns(plan, tc_of(fabric, t.tclass)) if t.window_packets == "auto" \
-        else None
+    rtt_ns = None
+    if t.window_packets == "auto":
+        tc = tc_of(fabric, t.tclass)
+        if tc not in round_trips:
+            round_trips[tc] = roce_round_trip_ns(plan, tc)
+        rtt_ns = round_trips[tc]
     servers: list[AgentSpec] = []
     clients: list[AgentSpec] = []
     for j, (src, dst) in enumerate(pairs):

@@ -250,6 +250,26 @@ def test_auto_window_on_the_default_fabric_is_642_packets():
             assert args.tx_depth == 642 // 16 + 1 + 1 == 42
 
 
+def _brute_port_ns(plan, iface, tc: int = 3) -> Fr:
+    """An egress port's term of the round trip, spelt out: delay there and back, plus its
+    class's XOFF + headroom (PFC) or limit (no PFC) drained at the port's rate."""
+    c = next(c for c in iface.egress.classes if c.tc == tc)
+    held = c.limit_bytes if c.pfc is None else min(c.limit_bytes,
+                                                   c.pfc.xoff_bytes + c.pfc.headroom_bytes)
+    return 2 * plan.links[iface.link].delay_ns + Fr(held * 8 * 10**9, iface.egress.rate_bps)
+
+
+@pytest.mark.parametrize("name", ["default", "explicit", "ring", "single"])
+def test_round_trip_is_the_longest_over_every_path_the_routes_allow(name):
+    loaded = load_config_text((REPO / "tests" / "golden" / f"{name}.yaml").read_text(), name)
+    plan = compile_plan(loaded)
+    hosts = [h.name for h in plan.hosts()]
+    paths = [p for a in hosts for b in hosts if a != b for p in egress_paths(plan, a, b)]
+    assert paths and all(p[0].ifname.startswith("eth") for p in paths)   # a host NIC first
+    brute = max(sum(_brute_port_ns(plan, i) for i in p) for p in paths)
+    assert roce_round_trip_ns(plan, 3) == brute
+
+
 def test_window_is_at_least_rxes_and_at_most_2_to_the_22():
     assert roce_window_packets(10**9, Fr(1000), 4096) == 128           # 1 Gb/s x 1 us: 0.03
     assert roce_window_packets(10**12, Fr(10**9), 256) == 1 << 22      # 1 Tb/s x 1 s
