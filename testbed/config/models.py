@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+from collections.abc import Callable
 from typing import Annotated, Literal, get_args
 
 from pydantic import (
@@ -234,7 +235,8 @@ MAX_ROCE_WINDOW_PACKETS = 1 << 22
 # absolute for the sender's link (a per-25G preset is scaled first, then overridden).
 # tests/unit/test_workload_roce.py keeps the field names equal to the agent's tunables.
 
-def _none_or(parse):
+def _none_or(parse: Callable[[object], object]) -> Callable[[object], object]:
+    """`parse`, but None and 'none' mean none (a parameter the agents take as None)."""
     def parse_or_none(value: object) -> object:
         if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
             return None
@@ -425,8 +427,8 @@ class RoceTraffic(Strict):
         "auto"] = Field(
         "auto", alias="window",
         description="most unacknowledged packets per QP, 1..2^22, or auto: enough not to bind "
-                    "at line rate over the fabric's longest round trip with every lossless "
-                    "queue on it full (docs/roce.md, 'In-flight window')")
+                    "at line rate over the fabric's longest round trip with every queue of "
+                    "the class on it full (docs/roce.md, 'In-flight window')")
     start_ns: DurationNs = Field(0, alias="start")
     duration_ns: DurationNs | None = Field(
         None, alias="duration",
