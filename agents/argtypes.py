@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def positive_int(text: str) -> int:
@@ -44,4 +45,15 @@ def probability(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    """A JSON object (`{"g": 0.0625}`); anything else is an argument error."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value

@@ -9,7 +9,7 @@ through `agents.timebase.Dilation`)::
         [--bind IP] [--size BYTES] [--qps N] [--iters N | --duration-ns FABRIC_NS]
         [--tx-depth 128] [--buffer-bytes 67108864] [--seed 1] [--verify]
         [--start-at-mono-ns MONO_NS] [common options]
-    common: [--mtu 4096] [--cc {dcqcn,dctcp,none}] [--cc-preset NAME]
+    common: [--mtu 4096] [--cc {dcqcn,dctcp,none}] [--cc-preset NAME] [--cc-params JSON]
         [--line-rate-bps FABRIC_BPS] [--dscp 26] [--cnp-dscp 48] [--cnp-interval-ns NS]
         [--window-packets 128] [--ack-every 16] [--ack-req-every 64] [--timeout-ns NS]
         [--retry-cnt 7] [--max-burst-bytes 16384] [--spin-ns 150000] [--dilation D]
@@ -46,6 +46,7 @@ from agents.roce.perftest import (
     TESTS,
     Live,
     TestError,
+    cc_params,
     cc_settings,
     run_client,
     run_server,
@@ -73,8 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="congestion control of the requester(s) and CNP policy of the "
                              "responder(s) (default %(default)s)")
     common.add_argument("--cc-preset", metavar="NAME",
-                        help="DCQCN preset (paper, ns3-rdma, hpcc-ns3; default paper) or DCTCP "
-                             "preset (rfc8257, hpcc-ns3; default rfc8257)")
+                        help="DCQCN preset (paper, ns3-rdma, hpcc-ns3, hpcc-ns3-paper, "
+                             "hpcc-ns3-config; default paper) or DCTCP preset (rfc8257, "
+                             "hpcc-ns3; default rfc8257)")
+    common.add_argument("--cc-params", type=argtypes.json_object, default={}, metavar="JSON",
+                        help="parameters in place of the preset's, by DcqcnParams / DctcpParams "
+                             "field name (e.g. '{\"alpha_timer_ns\": 1000, \"g\": 0.0625}'): "
+                             "absolute values for --line-rate-bps, applied after the preset is "
+                             "scaled to it (docs/dcqcn.md)")
     common.add_argument("--line-rate-bps", type=argtypes.positive_float, default=100e9,
                         metavar="FABRIC_BPS",
                         help="NIC line rate in fabric bit/s: the pacing rate without CC and "
@@ -89,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "the DCQCN preset's; DCTCP: every CE packet)")
     common.add_argument("--window-packets", type=argtypes.positive_int,
                         default=_DEFAULTS.window_packets,
-                        help="most unacknowledged packets per QP (default %(default)s)")
+                        help="most unacknowledged packets per QP, at most 2^22 (default "
+                             "%(default)s, rxe's; `testbed run` sizes it to the fabric)")
     common.add_argument("--ack-every", type=argtypes.positive_int, default=_DEFAULTS.ack_every,
                         help="responder: one ACK per this many packets at most "
                              "(default %(default)s)")
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     try:
-        cc_settings(args)
+        cc_params(args, cc_settings(args))
     except TestError as e:
         parser.error(str(e))
 

@@ -4,7 +4,8 @@
 - `DcqcnNp`: DCQCN notification point (receiver side, one per QP): when to send a CNP;
 - `DctcpRp`: a rate-based DCTCP with the same transport-facing interface;
 - `NoCc`: always line rate, same interface;
-- `DcqcnParams` / `PRESETS` / `preset()`: named parameter sets (paper, ns3-rdma, hpcc-ns3);
+- `DcqcnParams` / `PRESETS` / `preset()`: named parameter sets (paper, ns3-rdma, hpcc-ns3,
+  hpcc-ns3-paper, hpcc-ns3-config), each naming its source in `source`;
 - `DctcpParams` / `DCTCP_PRESETS` / `dctcp_preset()`;
 - `make_cc(kind, preset_name, line_rate_bps, now_ns)`: the factory the transport calls.
 
@@ -23,8 +24,10 @@ is a field of `DcqcnParams` / `DctcpParams`.
 
 from __future__ import annotations
 
+import difflib
 import math
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal, Protocol, runtime_checkable
 
 US = 1_000  # fabric ns per fabric microsecond
@@ -87,6 +90,7 @@ class DcqcnParams:
     reference_rate_bps: float | None = None
     scaling: Scaling = "absolute"
     checks: tuple[str, ...] = ()  # fields whose value only a secondary source gives
+    source: str = ""  # where the values come from (file, setting)
 
     def __post_init__(self) -> None:
         problems = []
@@ -128,8 +132,30 @@ class DcqcnParams:
         return asdict(self)
 
 
+#: HPCC's ns-3 DCQCN (rdma-hw.cc, CC_MODE 1, "Mellanox's version of DCQCN"): the knobs its
+#: code fixes, whatever the timers. Its run.py and config.txt set the rest.
+_HPCC_MLX = dict(
+    byte_counter_bytes=None,  # no byte counter in rdma-hw.cc
+    g=1 / 256,  # EWMA_GAIN 0.00390625
+    fast_recovery_steps=1,  # FAST_RECOVERY_TIMES 1
+    initial_alpha=1.0,  # cnp_received_mlx: alpha = 1 on the first CNP
+    cnp_interval_ns=0,  # L2_ACK_INTERVAL 1: every ACK of a CE packet carries the CNP flag
+    np_mode="interval",
+    pmax=0.2,  # PMAX_MAP 0.2
+    alpha_update="periodic",
+    cut_with_updated_alpha=False,
+    target_clamp="after_increase",  # CLAMP_TARGET_RATE 0
+    increase_rule="mlx",
+    hyper_scaled=False,
+    hyper_halves_periods=False,
+    rt_shrink_quirk=False,
+    checks=(),
+)
+_HPCC = "alibaba-edu/High-Precision-Congestion-Control simulation/"
+
 #: The named DCQCN parameter sets, with rates/sizes as the source gives them at its
 #: `reference_rate_bps`. Use `preset(name, line_rate_bps)` to get one for a link.
+#: docs/dcqcn.md tabulates them with their sources.
 PRESETS: dict[str, DcqcnParams] = {
     # DCQCN paper (Zhu et al., SIGCOMM 2015), 40 Gb/s testbed. Every value of the paper's
     # row in FACTS.md is [check]; R_HAI, min rate and initial alpha are not in that row
@@ -155,6 +181,8 @@ PRESETS: dict[str, DcqcnParams] = {
         checks=("alpha_timer_ns", "increase_timer_ns", "byte_counter_bytes", "g",
                 "fast_recovery_steps", "rai_bps", "rhai_bps", "min_rate_bps", "initial_alpha",
                 "kmin_bytes", "kmax_bytes", "pmax"),
+        source="DCQCN paper (Zhu et al., SIGCOMM 2015) as shared/FACTS.md gives it "
+               "[check]; R_HAI and min rate from bobzhuyb/ns3-rdma",
     ),
     # bobzhuyb/ns3-rdma: qbb-net-device.cc + mix/config.txt (40 Gb/s topology).
     "ns3-rdma": DcqcnParams(
@@ -183,36 +211,63 @@ PRESETS: dict[str, DcqcnParams] = {
         reference_rate_bps=40 * GBPS,
         scaling="absolute",
         checks=("kmin_bytes", "kmax_bytes"),
+        source="bobzhuyb/ns3-rdma src/point-to-point/model/qbb-net-device.cc + "
+               "windows/ns-3-dev/mix/config.txt (40 Gb/s topology)",
     ),
-    # alibaba-edu/High-Precision-Congestion-Control: run.py "dcqcn_paper" + rdma-hw.cc (the
-    # Mellanox model, CC_MODE 1). Rates and ECN thresholds are given per 25 Gb/s.
+    # HPCC's run.py `--cc dcqcn`: ALPHA_RESUME_INTERVAL 1, RATE_DECREASE_INTERVAL 4,
+    # RP_TIMER 300 (us); RATE_AI 5 x bw/25, RATE_HAI 50 x bw/25 Mb/s (per 25G), MIN_RATE
+    # 1000Mb/s (not scaled), KMIN/KMAX 100/400 KB x bw/25.
     "hpcc-ns3": DcqcnParams(
         name="hpcc-ns3",
-        alpha_timer_ns=50 * US,
-        increase_timer_ns=55 * US,
-        byte_counter_bytes=None,
-        g=1 / 256,
-        fast_recovery_steps=1,
+        alpha_timer_ns=1 * US,
+        increase_timer_ns=300 * US,
+        rate_decrease_interval_ns=4 * US,
         rai_bps=5 * MBPS,
         rhai_bps=50 * MBPS,
         min_rate_bps=1 * GBPS,
-        initial_alpha=1.0,
-        cnp_interval_ns=0,
-        np_mode="interval",
         kmin_bytes=100_000,
         kmax_bytes=400_000,
-        pmax=0.2,
-        alpha_update="periodic",
-        cut_with_updated_alpha=False,
-        rate_decrease_interval_ns=50 * US,
-        target_clamp="after_increase",
-        increase_rule="mlx",
-        hyper_scaled=False,
-        hyper_halves_periods=False,
-        rt_shrink_quirk=False,
         reference_rate_bps=25 * GBPS,
         scaling="per_reference",
-        checks=(),
+        source=_HPCC + "run.py --cc dcqcn (CC_MODE 1) + src/point-to-point/model/rdma-hw.cc",
+        **_HPCC_MLX,
+    ),
+    # HPCC's run.py `--cc dcqcn_paper`: the same but ALPHA_RESUME_INTERVAL 50,
+    # RATE_DECREASE_INTERVAL 50, RP_TIMER 55 (us). The default DCQCN preset of a workload.
+    "hpcc-ns3-paper": DcqcnParams(
+        name="hpcc-ns3-paper",
+        alpha_timer_ns=50 * US,
+        increase_timer_ns=55 * US,
+        rate_decrease_interval_ns=50 * US,
+        rai_bps=5 * MBPS,
+        rhai_bps=50 * MBPS,
+        min_rate_bps=1 * GBPS,
+        kmin_bytes=100_000,
+        kmax_bytes=400_000,
+        reference_rate_bps=25 * GBPS,
+        scaling="per_reference",
+        source=_HPCC + "run.py --cc dcqcn_paper (CC_MODE 1) + "
+                       "src/point-to-point/model/rdma-hw.cc",
+        **_HPCC_MLX,
+    ),
+    # HPCC's example simulation/mix/config.txt: its DCQCN keys (the file itself runs
+    # CC_MODE 3, HPCC) for its 100 Gb/s topology.txt, as absolute values: RP_TIMER 900,
+    # RATE_AI 50Mb/s, RATE_HAI 100Mb/s, MIN_RATE 100Mb/s; KMIN/KMAX at 100G 400/1600 KB.
+    "hpcc-ns3-config": DcqcnParams(
+        name="hpcc-ns3-config",
+        alpha_timer_ns=1 * US,
+        increase_timer_ns=900 * US,
+        rate_decrease_interval_ns=4 * US,
+        rai_bps=50 * MBPS,
+        rhai_bps=100 * MBPS,
+        min_rate_bps=100 * MBPS,
+        kmin_bytes=400_000,
+        kmax_bytes=1_600_000,
+        reference_rate_bps=100 * GBPS,
+        scaling="absolute",
+        source=_HPCC + "mix/config.txt (DCQCN keys; the file runs CC_MODE 3) + "
+                       "src/point-to-point/model/rdma-hw.cc",
+        **_HPCC_MLX,
     ),
 }
 
@@ -262,6 +317,7 @@ class DctcpParams:
     reference_rate_bps: float | None = None
     scaling: Scaling = "absolute"
     checks: tuple[str, ...] = ()
+    source: str = ""  # where the values come from (file, setting)
 
     def __post_init__(self) -> None:
         problems = []
@@ -314,9 +370,12 @@ DCTCP_PRESETS: dict[str, DctcpParams] = {
         reference_rate_bps=10 * GBPS,
         scaling="absolute",
         checks=("window_ns", "k_bytes"),
+        source="RFC 8257 (g = 1/16, one cut per window); K: Linux's guidance of 65 packets "
+               "at 10 Gb/s [check]; the window is ours",
     ),
-    # HPCC ns-3 run.py "dctcp" (CC_MODE 8): 615 Mb/s = one 1 KB MTU per 13 us RTT,
-    # K = 30 KB per 10G (Kmin = Kmax, Pmax 1), min rate 1 Gb/s.
+    # HPCC ns-3 run.py "dctcp" (CC_MODE 8): EWMA_GAIN 0.0625, DCTCP_RATE_AI 615 Mb/s (run.py:
+    # one 1 KB MTU per 13 us RTT, which is also our window), K = 30 KB per 10G (KMIN = KMAX,
+    # PMAX 1), MIN_RATE 1000Mb/s, PACKET_PAYLOAD_SIZE 1000.
     "hpcc-ns3": DctcpParams(
         name="hpcc-ns3",
         window_ns=13 * US,
@@ -329,6 +388,7 @@ DCTCP_PRESETS: dict[str, DctcpParams] = {
         reference_rate_bps=10 * GBPS,
         scaling="per_reference",
         checks=(),
+        source=_HPCC + "run.py --cc dctcp (CC_MODE 8) + src/point-to-point/model/rdma-hw.cc",
     ),
 }
 
@@ -345,6 +405,71 @@ def dctcp_preset(name: str, line_rate_bps: float, *, scale: bool | None = None) 
     if not do_scale or p.reference_rate_bps is None:
         return p
     return replace(p, k_bytes=round(p.k_bytes * line_rate_bps / p.reference_rate_bps))
+
+
+# --- per-workload overrides --------------------------------------------------------------
+
+# Not tunable: bookkeeping, and the switch's marking curve (the CP), which the controllers
+# never read; a fabric sets that on its port classes (qos.<class>.ecn).
+_BOOKKEEPING = ("name", "reference_rate_bps", "scaling", "checks", "source")
+SWITCH_FIELDS = ("kmin_bytes", "kmax_bytes", "pmax", "k_bytes")
+#: The fields `with_overrides` may set, per kind: every behaviour a preset fixes.
+DCQCN_TUNABLE = tuple(f.name for f in fields(DcqcnParams)
+                      if f.name not in _BOOKKEEPING + SWITCH_FIELDS)
+DCTCP_TUNABLE = tuple(f.name for f in fields(DctcpParams)
+                      if f.name not in _BOOKKEEPING + SWITCH_FIELDS)
+
+
+def with_overrides(params: DcqcnParams | DctcpParams,
+                   overrides: Mapping[str, object] | None) -> DcqcnParams | DctcpParams:
+    """`params` with `overrides` (field name -> value) in place of its values.
+
+    The values are absolute, for the link `params` was made for: apply them to what
+    `preset()` / `dctcp_preset()` returned for the sender's line rate, so a per-25G preset
+    is scaled first and an overridden R_AI is the R_AI this link gets. An overridden field
+    leaves `checks` (its value is the caller's now). Unknown or untunable names, and values
+    the parameter set refuses, raise ValueError naming them.
+    """
+    if not overrides:
+        return params
+    dcqcn = isinstance(params, DcqcnParams)
+    tunable = DCQCN_TUNABLE if dcqcn else DCTCP_TUNABLE
+    other = DCTCP_TUNABLE if dcqcn else DCQCN_TUNABLE
+    kind = "DCQCN" if dcqcn else "DCTCP"
+    problems = []
+    for name in overrides:
+        if name in tunable:
+            continue
+        if name in SWITCH_FIELDS:
+            problems.append(f"{name} is the switch's ECN marking, not a {kind} parameter")
+        elif name in other:
+            problems.append(f"{name} is a {'DCTCP' if dcqcn else 'DCQCN'} parameter, not a "
+                            f"{kind} one")
+        else:
+            close = difflib.get_close_matches(name, tunable, n=1)
+            problems.append(f"unknown {kind} parameter {name!r}"
+                            + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if problems:
+        raise ValueError(f"{kind} overrides: {'; '.join(problems)}; {kind} parameters: "
+                         f"{', '.join(tunable)}")
+    return replace(params, **overrides,
+                   checks=tuple(c for c in params.checks if c not in overrides))
+
+
+def effective_params(kind: str, preset_name: str | None, line_rate_bps: float,
+                     overrides: Mapping[str, object] | None = None
+                     ) -> DcqcnParams | DctcpParams | None:
+    """The parameter set a QP of `kind` runs with on a link of `line_rate_bps`: the preset,
+    scaled to the link, then the overrides (absolute values). None for kind "none"."""
+    if kind == "dcqcn":
+        return with_overrides(preset(preset_name, line_rate_bps), overrides)
+    if kind == "dctcp":
+        return with_overrides(dctcp_preset(preset_name, line_rate_bps), overrides)
+    if kind == "none":
+        if overrides:
+            raise ValueError("congestion control 'none' has no parameters to override")
+        return None
+    raise _unknown("congestion control kind", kind, CC_KINDS)
 
 
 # --- the transport-facing interface ------------------------------------------------------
@@ -868,17 +993,17 @@ class NoCc:
 CC_KINDS = ("dcqcn", "dctcp", "none")
 
 
-def make_cc(kind: str, preset_name: str | None, line_rate_bps: float,
-            now_ns: float) -> DcqcnRp | DctcpRp | NoCc:
+def make_cc(kind: str, preset_name: str | None, line_rate_bps: float, now_ns: float,
+            overrides: Mapping[str, object] | None = None) -> DcqcnRp | DctcpRp | NoCc:
     """A congestion controller for one QP on a link of `line_rate_bps`, born at `now_ns`.
 
     kind "dcqcn" takes a name from PRESETS, "dctcp" one from DCTCP_PRESETS, "none"
-    ignores the preset name.
+    ignores the preset name. `overrides` replace preset values (`effective_params`).
     """
-    if kind == "dcqcn":
-        return DcqcnRp(preset(preset_name, line_rate_bps), line_rate_bps, now_ns)
-    if kind == "dctcp":
-        return DctcpRp(dctcp_preset(preset_name, line_rate_bps), line_rate_bps, now_ns)
     if kind == "none":
+        effective_params(kind, preset_name, line_rate_bps, overrides)
         return NoCc(line_rate_bps, now_ns)
-    raise _unknown("congestion control kind", kind, CC_KINDS)
+    params = effective_params(kind, preset_name, line_rate_bps, overrides)
+    if kind == "dcqcn":
+        return DcqcnRp(params, line_rate_bps, now_ns)
+    return DctcpRp(params, line_rate_bps, now_ns)

@@ -32,7 +32,15 @@ import time
 import numpy as np
 
 from agents.control import SnapshotServer
-from agents.roce.cc import DCTCP_PRESETS, PRESETS, DcqcnNp, make_cc, preset
+from agents.roce.cc import (
+    DCTCP_PRESETS,
+    PRESETS,
+    DcqcnNp,
+    DcqcnParams,
+    DctcpParams,
+    effective_params,
+    make_cc,
+)
 from agents.roce.qp import WIRE_OVERHEAD_BYTES, MemoryRegion, QpAttrs, RcQp, WcStatus
 from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
 from agents.timebase import Dilation, FabricClock
@@ -130,17 +138,35 @@ def cc_settings(args) -> tuple[str, str | None]:
     return kind, name
 
 
-def make_np(args, kind: str, name: str | None) -> DcqcnNp | None:
-    """The notification point of a responder: from the DCQCN preset (interval, mode);
-    DCTCP gets a CNP for every CE packet; no CC sends no CNPs."""
+def cc_params(args, cc: tuple[str, str | None]) -> DcqcnParams | DctcpParams | None:
+    """The parameters every QP runs with: the preset scaled to --line-rate-bps, then
+    --cc-params (absolute values); None without congestion control."""
+    try:
+        return effective_params(cc[0], cc[1], args.line_rate_bps, args.cc_params)
+    except ValueError as e:
+        raise TestError(f"--cc-params: {e}") from None
+
+
+def make_np(args, kind: str, params: DcqcnParams | DctcpParams | None) -> DcqcnNp | None:
+    """The notification point of a responder: the DCQCN parameters' interval and mode
+    (--cnp-interval-ns replaces the interval); DCTCP gets a CNP for every CE packet (or
+    one per --cnp-interval-ns); no CC sends no CNPs unless --cnp-interval-ns asks."""
+    if kind == "dcqcn":
+        interval = (args.cnp_interval_ns if args.cnp_interval_ns is not None
+                    else params.cnp_interval_ns)
+        return DcqcnNp(interval, params.np_mode)
     if args.cnp_interval_ns is not None:
         return DcqcnNp(args.cnp_interval_ns)
-    if kind == "dcqcn":
-        p = preset(name, args.line_rate_bps)
-        return DcqcnNp(p.cnp_interval_ns, p.np_mode)
     if kind == "dctcp":
         return DcqcnNp(0)
     return None
+
+
+def cc_record(args, cc: tuple[str, str | None],
+              params: DcqcnParams | DctcpParams | None) -> dict:
+    """What a run directory needs to show which congestion control ran."""
+    return {"cc": cc[0], "cc_preset": cc[1], "cc_overrides": dict(args.cc_params),
+            "cc_params": params.to_dict() if params is not None else None}
 
 
 def qp_attrs(args, mtu: int) -> QpAttrs:
@@ -287,7 +313,8 @@ def _header(args, title: str, dilation: Dilation, cc: tuple[str, str | None], qp
         f"{ROCE_UDP_PORT}",
         f" Mtu             : {mtu}[B]    Dilation       : {dilation.factor} (fabric units; "
         f"wall = fabric x {dilation.factor})",
-        f" CC              : {kind}{'/' + name if name else ''}   line rate "
+        f" CC              : {kind}{'/' + name if name else ''}"
+        f"{f' + {len(args.cc_params)} overrides' if args.cc_params else ''}   line rate "
         f"{args.line_rate_bps / 1e9:.2f} Gb/s fabric",
         line,
     ])
@@ -385,6 +412,7 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     clock = FabricClock(dilation)
     cc = cc_settings(args)
+    params = cc_params(args, cc)
     test = args.test
     size = args.size
     if test == "write_lat" and args.qps != 1:
@@ -426,8 +454,8 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
             ctx = icrc_context(local_ip, args.server, ep.port, udp_port)
             mr = MemoryRegion(back[i], hello["qps"][i]["va"], back_rkeys[i])
             qp = RcQp(qpn, r["qpn"], ctx, attrs,
-                      make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns()),
-                      np=make_np(args, *cc), mrs={mr.rkey: mr}, clock=clock,
+                      make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns(), args.cc_params),
+                      np=make_np(args, cc[0], params), mrs={mr.rkey: mr}, clock=clock,
                       sq_psn=psns[i], rq_psn=r["psn"])
             bindings.append(ep.attach(qp, (args.server, udp_port),
                                       drop_every=args.drop_every, drop_prob=args.drop_prob,
@@ -454,16 +482,21 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
                 verify["verify_error"] = str(e)
         error = next((b.qp.requester.error or b.qp.responder.error for b in bindings
                       if b.qp.requester.error or b.qp.responder.error), None)
+        # how long after --start-at-mono-ns the first message was posted, fabric ns
+        late = (round(dilation.to_fabric_ns(result["first_post_mono_ns"]
+                                            - args.start_at_mono_ns))
+                if args.start_at_mono_ns else None)
         counters = {
             "role": "client", "test": test, "server": args.server, "local_ip": local_ip,
+            "start_late_fabric_ns": late,
             "size": size, "iters": iters, "duration_ns": args.duration_ns, "qp_count": args.qps,
             "mtu": args.mtu, "slots": slots, "seed": args.seed, "dilation": dilation.factor,
-            "cc": cc[0], "cc_preset": cc[1], "line_rate_bps": args.line_rate_bps,
+            **cc_record(args, cc, params), "line_rate_bps": args.line_rate_bps,
             "dscp": args.dscp, "cnp_dscp": args.cnp_dscp, **result, **verify,
             "qps": {str(b.qp.qpn): b.counters() for b in bindings},
             "malformed": _sum_malformed(endpoints),
             "endpoints": [ep.counters() for ep in endpoints],
-            "qp_attrs": attrs.to_dict(),
+            "qp_attrs": attrs.to_dict(), "window_packets": attrs.window_packets,
             "engine": {"steps": engine.steps, "waits": engine.waits},
             "stopped_by": life.stop_reason or ("duration" if result["duration_ended"]
                                                else "done"),
@@ -572,7 +605,7 @@ def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
     msgs = sum(completed)
     return {"messages": msgs, "bytes": total, "per_qp_messages": completed,
             "data_packets_sent": packets, "completion_error": state["failed"],
-            "duration_ended": state["duration_ended"],
+            "duration_ended": state["duration_ended"], "first_post_mono_ns": start,
             **_rates(dilation, total, msgs, packets, wall_ns)}
 
 
@@ -613,6 +646,7 @@ def _client_lat(args, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarr
     msgs = len(samples)
     return {"messages": msgs, "bytes": msgs * size, "per_qp_messages": [msgs],
             "data_packets_sent": r.packets_sent, "duration_ended": ended,
+            "first_post_mono_ns": start,
             "latency_fabric_us": latency_stats([dilation.to_fabric_ns(x) for x in half]),
             "latency_wall_us": latency_stats(half),
             **_rates(dilation, msgs * size, msgs, r.packets_sent, wall_ns)}
@@ -649,6 +683,7 @@ def _accept(args, life: Lifecycle) -> tuple[socket.socket, socket.socket]:
 def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     cc = cc_settings(args)
+    params = cc_params(args, cc)
     try:
         lsock, conn = _accept(args, life)
     except Stopped:
@@ -693,8 +728,8 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
             mr = MemoryRegion(mem, int(mem.ctypes.data), rkey)
             ctx = icrc_context(local_ip, peer_ip, ep.port, int(c["sport"]))
             qp = RcQp(qpn, int(c["qpn"]), ctx, attrs,
-                      make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns()),
-                      np=make_np(args, *cc), mrs={rkey: mr}, clock=clock,
+                      make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns(), args.cc_params),
+                      np=make_np(args, cc[0], params), mrs={rkey: mr}, clock=clock,
                       sq_psn=psn, rq_psn=int(c["psn"]))
             bindings.append(ep.attach(qp, (peer_ip, int(c["sport"]))))
             if test == "send_bw":
@@ -733,13 +768,13 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
         counters = {
             "role": "server", "test": test, "client": peer_ip, "local_ip": local_ip,
             "size": size, "slots": slots, "mtu": mtu, "dilation": dilation.factor,
-            "cc": cc[0], "cc_preset": cc[1], "line_rate_bps": args.line_rate_bps,
+            **cc_record(args, cc, params), "line_rate_bps": args.line_rate_bps,
             "dscp": args.dscp, "cnp_dscp": args.cnp_dscp,
             "verified": result.pop("verified", None),
             "first_mismatch": result.pop("first_mismatch", None), **result,
             "qps": {str(b.qp.qpn): b.counters() for b in bindings},
             "malformed": dict(ep.malformed), "endpoints": [ep.counters()],
-            "qp_attrs": attrs.to_dict(),
+            "qp_attrs": attrs.to_dict(), "window_packets": attrs.window_packets,
             "engine": {"steps": engine.steps, "waits": engine.waits},
             "stopped_by": life.stop_reason or "done", "error": error,
         }

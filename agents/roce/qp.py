@@ -73,6 +73,7 @@ from agents.wire.roce import (
 
 __all__ = [
     "IB_MTUS",
+    "MAX_WINDOW_PACKETS",
     "PKT_ACK",
     "PKT_CNP",
     "PKT_DATA",
@@ -102,6 +103,11 @@ IB_MTUS = (256, 512, 1024, 2048, 4096)
 #: 8 UDP + 20 IPv4 + 14 Ethernet header + 4 FCS + 8 preamble/SFD + 12 inter-frame gap.
 #: (Same figure as agents.udp_logic.DEFAULT_WIRE_OVERHEAD_BYTES.)
 WIRE_OVERHEAD_BYTES = 8 + 20 + 14 + 4 + 8 + 12
+
+#: Most unacknowledged packets a QP may have: 2^22, half of the 2^23 half-space 24-bit PSNs
+#: are compared in, so an ACK, a NAK or a duplicate is never mistaken for the other side of
+#: the window (a packet ahead of the expected PSN by up to 2^22, behind by up to 2^22).
+MAX_WINDOW_PACKETS = 1 << 22
 
 #: IBTA RNR NAK timer field (5 bits) -> the wait it asks for, in ns (code 0 is the longest).
 RNR_TIMER_NS = (
@@ -222,6 +228,7 @@ class QpAttrs:
 
     mtu: int = 4096                  # path MTU (IB MTU: payload bytes per packet)
     window_packets: int = 128        # most unacknowledged packets (rxe: RXE_MAX_UNACKED_PSNS)
+    #                                  at most MAX_WINDOW_PACKETS
     ack_req_every: int = 64          # AckReq on PSNs that are multiples of this (rxe: 64)
     ack_every: int = 16              # responder: at most this many packets per ACK
     timeout_ns: float = 1_000_000    # local ACK timeout (fabric ns)
@@ -236,8 +243,8 @@ class QpAttrs:
         problems = []
         if self.mtu not in IB_MTUS:
             problems.append(f"mtu must be one of {IB_MTUS}, got {self.mtu!r}")
-        if not 1 <= self.window_packets < (1 << 22):
-            problems.append(f"window_packets must be 1..2^22-1, got {self.window_packets!r}")
+        if not 1 <= self.window_packets <= MAX_WINDOW_PACKETS:
+            problems.append(f"window_packets must be 1..2^22, got {self.window_packets!r}")
         for name in ("ack_req_every", "ack_every"):
             if not getattr(self, name) >= 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)!r}")

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from testbed.config.errors import format_loc
 from testbed.config.models import Fabric
 from testbed.config.topology import Expanded
-from testbed.units import format_size
+from testbed.units import format_rate, format_size
 
 # agents.portmaps.MAX_TRACKED: lossless classes the port program accounts per ingress port.
 MAX_LOSSLESS_CLASSES = 2
@@ -170,7 +170,8 @@ def check_fabric(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
 # What each shape of traffic needs; the kind's prefix (udp_ / roce_) picks the agents.
 _SHAPE_FIELDS = {"incast": ("senders", "receiver"), "all_to_all": ("hosts",),
                  "pairs": ("pairs",)}
-_CC_PRESETS = {"dcqcn": ("hpcc-ns3", "ns3-rdma", "paper"), "dctcp": ("hpcc-ns3", "rfc8257")}
+_CC_PRESETS = {"dcqcn": ("hpcc-ns3", "hpcc-ns3-config", "hpcc-ns3-paper", "ns3-rdma", "paper"),
+               "dctcp": ("hpcc-ns3", "rfc8257")}
 ROCE_MAX_MESSAGE_BYTES = (1 << 31) - 1
 
 
@@ -187,6 +188,7 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
             yield loc, (f"{name!r} is not a host of this fabric{_suggest(name, hosts)}; "
                         f"hosts are {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''}")
 
+    nic_bps = _host_nic_rates(expanded)
     for i, t in enumerate(fabric.workload.traffic):
         loc = ("workload", "traffic", i)
         family, _, shape = t.kind.partition("_")
@@ -197,10 +199,11 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
             yield (loc + ("tclass",), f"unknown traffic class {t.tclass!r}; use a class name or "
                    f"number from traffic_classes: "
                    f"{', '.join(f'{c.name} ({c.tc})' for c in fabric.traffic_classes)}")
-        if t.duration_ns <= 0:
+        if t.duration_ns is not None and t.duration_ns <= 0:
             yield loc + ("duration",), "duration must be above 0"
         if family == "roce":
             yield from _check_roce(t, loc, classes.get(t.tclass))
+            yield from _check_cc_params(t, loc, _senders(t, hosts), nic_bps)
         if shape == "incast":
             if not t.senders or not t.receiver:
                 yield loc, f"{t.kind} needs senders: [...] and receiver:"
@@ -231,6 +234,12 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
 
 
 def _check_roce(t, loc: tuple, tclass) -> Iterator[tuple[tuple, str]]:
+    if t.duration_ns is None and t.messages is None:
+        yield (loc, f"{t.kind} needs duration: (post messages for that long) or messages: "
+               "(post exactly that many per QP)")
+    elif t.duration_ns is not None and t.messages is not None:
+        yield (loc + ("messages",), "duration and messages are both given; give one: "
+               "duration posts messages for that long, messages exactly that many per QP")
     if t.cc == "none" and t.cc_preset is not None:
         yield (loc + ("cc_preset",), f"cc_preset {t.cc_preset!r} does nothing with cc: none; "
                "remove it or pick cc: dcqcn or dctcp")
@@ -244,6 +253,45 @@ def _check_roce(t, loc: tuple, tclass) -> Iterator[tuple[tuple, str]]:
     if not 0 < t.size_bytes <= ROCE_MAX_MESSAGE_BYTES:
         yield (loc + ("size",), f"message size {t.size_bytes} B is outside 1 B .. 2 GiB - 1; "
                "RDMA messages carry a 31-bit length here")
+
+
+def _host_nic_rates(expanded: Expanded) -> dict[str, int]:
+    """Each host's first NIC's MAC rate (the line rate its RoCE agents pace at)."""
+    from testbed.phy import PORT_TYPES
+
+    roles = {n.name: n.role for n in expanded.nodes}
+    out: dict[str, int] = {}
+    for link in expanded.links:
+        port = PORT_TYPES.get(link.port)
+        for end in (link.a, link.b):
+            if port is not None and roles.get(end) == "host":
+                out.setdefault(end, port.mac_rate_gbps * 10**9)
+    return out
+
+
+def _senders(t, hosts: list[str]) -> list[str]:
+    if t.kind.endswith("_incast"):
+        return list(t.senders or [])
+    if t.kind.endswith("_all_to_all"):
+        return list(t.hosts or hosts)
+    return [src for src, _ in t.pairs or []]
+
+
+def _check_cc_params(t, loc: tuple, senders: list[str],
+                     nic_bps: dict[str, int]) -> Iterator[tuple[tuple, str]]:
+    """What cc_params' own validation cannot see: the entry's other fields, the NICs."""
+    if t.cc_params is None:
+        return
+    given = t.cc_params.model_fields_set
+    if "cnp_interval_ns" in given and t.cnp_interval_ns is not None:
+        yield (loc + ("cc_params", "cnp_interval"), "cnp_interval is given twice, here and "
+               "as the entry's cnp_interval; keep one of them")
+    min_rate = t.cc_params.min_rate_bps if "min_rate_bps" in given else None
+    slow = sorted((nic_bps[s], s) for s in set(senders) if s in nic_bps)
+    if min_rate is not None and slow and min_rate > slow[0][0]:
+        yield (loc + ("cc_params", "min_rate"), f"{format_rate(min_rate)} is above the line "
+               f"rate of sender {slow[0][1]} ({format_rate(slow[0][0])}); the minimum rate "
+               "must not exceed any sender's NIC rate")
 
 
 def check_impairments(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:

@@ -119,7 +119,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 else round(dilation.to_fabric_ns(DEFAULT_DRAIN_WALL_NS)))
     store.set_meta("sample_period_fabric_ns", str(period_ns))
     specs = expand_workload(fabric, plan)
-    span_ns = workload_span_ns(fabric)
+    span_ns = workload_span_ns(fabric, plan)
 
     fidelity: list[str] = list(plan.warnings)
     missing = set(probe.get("missing", []))
@@ -180,8 +180,9 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 argv = list(spec.argv)
                 sock = socket_path(run_dir / "agents", spec.name, plan.lab)
                 argv += ["--control-sock", sock]
-                if _is_roce(spec):
-                    argv += ["--ready-file", str(_ready_file(run_dir, spec))]
+                if _is_roce(spec):       # its final JSON stays in the run directory
+                    argv += ["--ready-file", str(_ready_file(run_dir, spec)),
+                             "--out", str(run_dir / "agents" / f"{spec.name}.json")]
                 if t0 is not None:
                     argv += ["--start-at-mono-ns",
                              str(t0 + dilation.to_wall_ns(spec.start_ns))]
@@ -495,10 +496,14 @@ def _write_roce_results(store: Store, agents, results: dict) -> None:
     """One row per RoCE stream (client + its server), in fabric units.
 
     bytes / gbps: message bytes the client completed (acknowledged) over its time
-    (first post to last completion, fabric). tx_* and rx_* count data packets and
-    their UDP payload as the requester sent them (retransmissions included) and the
-    responder received them; lost = sent - received; rx_fabric_bps is the wire rate
-    received (UDP payload + 66 B per packet) over the client's time."""
+    time_us (first post to last completion, fabric: for one message, its completion
+    time as the sender sees it, last byte delivered plus the ACK's way back). start_us:
+    the first post, fabric us after the run's common start (the entry's start plus how
+    late the client began); end_us = start_us + time_us, when the last message completed.
+    tx_* and rx_* count data packets and their UDP payload as the requester sent them
+    (retransmissions included) and the responder received them; lost = sent - received;
+    rx_fabric_bps is the wire rate received (UDP payload + 66 B per packet) over the
+    client's time."""
     servers = {(s.traffic, s.src, s.dst): results.get(s.name) for s, _ in agents
                if s.role == "receiver"}
     for spec, _ in agents:
@@ -507,6 +512,7 @@ def _write_roce_results(store: Store, agents, results: dict) -> None:
         c = results.get(spec.name) or {}
         srv = servers.get((spec.traffic, spec.src, spec.dst)) or {}
         fabric_ns = float(c.get("elapsed_fabric_ns") or 0)
+        start_us = (spec.start_ns + (c.get("start_late_fabric_ns") or 0)) / 1e3
         tx_packets = _roce_sum(c, "requester", "packets_sent")
         rx_packets = _roce_sum(srv, "responder", "packets_received")
         rx_bytes = sum(int(q.get("bytes_received", 0)) for q in (srv.get("qps") or {}).values())
@@ -517,9 +523,13 @@ def _write_roce_results(store: Store, agents, results: dict) -> None:
         store.add_result(spec.traffic, spec.kind, {
             "src": spec.src, "dst": spec.dst,
             "cc": "/".join(str(x) for x in (c.get("cc"), c.get("cc_preset")) if x),
+            "cc_overrides": c.get("cc_overrides") or None,
+            "window_packets": c.get("window_packets"),
             "qps": c.get("qp_count", 0),
             "bytes": int(c.get("bytes", 0)), "messages": int(c.get("messages", 0)),
             "time_us": round(fabric_ns / 1e3, 3),
+            "start_us": round(start_us, 3),
+            "end_us": round(start_us + fabric_ns / 1e3, 3) if "elapsed_fabric_ns" in c else None,
             "gbps": round(float(c.get("bw_fabric_bps", 0)) / 1e9, 3),
             "tx_packets": tx_packets, "tx_bytes": _roce_sum(c, "requester", "bytes_sent"),
             "rx_packets": rx_packets, "rx_bytes": rx_bytes,

@@ -120,7 +120,7 @@ def test_two_qps_through_one_bottleneck_converge_to_equal_shares(two_flows):
     print(f"\nshares over {lo / 1e3:.0f}..{hi / 1e3:.0f} us: "
           + ", ".join(f"{n} {s:.3f}" for n, s in shares.items())
           + f"; goodput {[r['gbps'] for r in rows]} Gb/s")
-    # hpcc-ns3 cuts both QPs on the same 50 us ticks while the queue is above Kmin,
+    # hpcc-ns3-paper cuts both QPs on the same 50 us ticks while the queue is above Kmin,
     # which keeps their ratio; only the additive steps (20 Mb/s per 55 us) and the
     # ticks one of them misses near Kmin even it out. Measured over 3.3..10 ms:
     # 0.425..0.575 in 14 runs; over 1..3 ms of a 3 ms run up to 0.606.
@@ -131,7 +131,7 @@ def test_two_qps_through_one_bottleneck_converge_to_equal_shares(two_flows):
 def test_cnps_flow_for_both_qps_all_run_long(two_flows):
     _plan, run_dir, summary = two_flows
     for r in _rows(summary):
-        assert r["cc"] == "dcqcn/hpcc-ns3"
+        assert r["cc"] == "dcqcn/hpcc-ns3-paper"     # the default DCQCN preset
         assert r["ce_received"] > 0 and r["cnps_sent"] > 0
         # CNPs travel on the strict TC6 and are not lost on the way
         assert r["cnps_received"] == pytest.approx(r["cnps_sent"], rel=0.02)

@@ -16,7 +16,9 @@ import pytest
 
 from agents.roce.cc import (
     CC_KINDS,
+    DCQCN_TUNABLE,
     DCTCP_PRESETS,
+    DCTCP_TUNABLE,
     PRESETS,
     DcqcnNp,
     DcqcnParams,
@@ -26,8 +28,10 @@ from agents.roce.cc import (
     NoCc,
     RateController,
     dctcp_preset,
+    effective_params,
     make_cc,
     preset,
+    with_overrides,
 )
 
 G = 10**9
@@ -60,13 +64,34 @@ def test_presets_carry_the_facts_table_values():
                                                                              300_000)
     assert (n.g, n.fast_recovery_steps, n.rai_bps, n.rhai_bps) == (1 / 256, 5, 40 * M, 200 * M)
     assert (n.kmin_bytes, n.kmax_bytes, n.pmax) == (40_000, 1_000_000, 1.0)
-    h = PRESETS["hpcc-ns3"]
-    assert (h.alpha_timer_ns, h.increase_timer_ns, h.byte_counter_bytes) == (50 * US, 55 * US,
-                                                                             None)
+    # HPCC's run.py: --cc dcqcn_paper (50/50/55 us) and --cc dcqcn (1/4/300 us), the rest equal
+    h = PRESETS["hpcc-ns3-paper"]
+    assert (h.alpha_timer_ns, h.rate_decrease_interval_ns, h.increase_timer_ns,
+            h.byte_counter_bytes) == (50 * US, 50 * US, 55 * US, None)
     assert (h.g, h.fast_recovery_steps, h.rai_bps, h.rhai_bps) == (1 / 256, 1, 5 * M, 50 * M)
-    assert (h.kmin_bytes, h.kmax_bytes, h.pmax) == (100_000, 400_000, 0.2)
+    assert (h.kmin_bytes, h.kmax_bytes, h.pmax, h.min_rate_bps) == (100_000, 400_000, 0.2, G)
+    d = PRESETS["hpcc-ns3"]
+    assert (d.alpha_timer_ns, d.rate_decrease_interval_ns, d.increase_timer_ns) == (
+        1 * US, 4 * US, 300 * US)
+    assert replace(d, alpha_timer_ns=50 * US, rate_decrease_interval_ns=50 * US,
+                   increase_timer_ns=55 * US, name=h.name, source=h.source) == h
+    # mix/config.txt's DCQCN keys, absolute for its 100G topology
+    c = PRESETS["hpcc-ns3-config"]
+    assert (c.alpha_timer_ns, c.rate_decrease_interval_ns, c.increase_timer_ns) == (
+        1 * US, 4 * US, 900 * US)
+    assert (c.rai_bps, c.rhai_bps, c.min_rate_bps, c.scaling) == (50 * M, 100 * M, 100 * M,
+                                                                  "absolute")
+    assert (c.kmin_bytes, c.kmax_bytes, c.pmax) == (400_000, 1_600_000, 0.2)
     # the paper row of FACTS.md is [check] throughout
     assert {"alpha_timer_ns", "byte_counter_bytes", "rai_bps", "kmin_bytes"} <= set(p.checks)
+
+
+def test_every_preset_names_its_source():
+    for p in [*PRESETS.values(), *DCTCP_PRESETS.values()]:
+        assert p.source, p.name
+    assert "run.py --cc dcqcn " in PRESETS["hpcc-ns3"].source
+    assert "run.py --cc dcqcn_paper" in PRESETS["hpcc-ns3-paper"].source
+    assert "mix/config.txt" in PRESETS["hpcc-ns3-config"].source
 
 
 def test_every_check_mark_names_a_real_field():
@@ -93,7 +118,7 @@ def test_hpcc_rates_and_thresholds_scale_per_25g_and_the_paper_stays_absolute():
 
 def test_unknown_preset_and_bad_params_say_what_is_allowed():
     with pytest.raises(ValueError, match="unknown DCQCN preset 'dcqcn'; known: hpcc-ns3, "
-                                         "ns3-rdma, paper"):
+                                         "hpcc-ns3-config, hpcc-ns3-paper, ns3-rdma, paper"):
         preset("dcqcn", 40 * G)
     with pytest.raises(ValueError, match="g must be in"):
         replace(PRESETS["paper"], g=0)
@@ -101,6 +126,58 @@ def test_unknown_preset_and_bad_params_say_what_is_allowed():
         replace(PRESETS["paper"], increase_rule="linux")
     with pytest.raises(ValueError, match="min_rate_bps 1e\\+09 is above the line rate"):
         DcqcnRp(PRESETS["hpcc-ns3"], 100 * M, 0)
+
+
+# --- per-workload overrides --------------------------------------------------------------
+
+
+def test_overrides_are_absolute_for_the_link_after_the_preset_is_scaled():
+    # hpcc-ns3 at 100G: R_AI 5 -> 20 Mb/s, R_HAI 50 -> 200 Mb/s; an R_AI override is the
+    # value this link gets, not a per-25G figure
+    p = effective_params("dcqcn", "hpcc-ns3", 100 * G, {"rai_bps": 7 * M,
+                                                         "byte_counter_bytes": 1_000_000})
+    assert (p.rai_bps, p.rhai_bps, p.byte_counter_bytes) == (7 * M, 200 * M, 1_000_000)
+    assert (p.name, p.source) == ("hpcc-ns3", PRESETS["hpcc-ns3"].source)
+    assert p.kmin_bytes == 400_000                      # the scaling still applies elsewhere
+    # an overridden [check] value is the caller's now
+    q = with_overrides(PRESETS["paper"], {"g": 1 / 16, "alpha_timer_ns": 1 * US})
+    assert "g" not in q.checks and "alpha_timer_ns" not in q.checks and "rai_bps" in q.checks
+    d = effective_params("dctcp", "rfc8257", 100 * G, {"window_ns": 13 * US, "rai_bps": None})
+    assert d.window_ns == 13 * US and d.additive_increase_bps == 1024 * 8 * 1e9 / (13 * US)
+    assert effective_params("none", None, 100 * G) is None
+    assert effective_params("dcqcn", "paper", 40 * G, {}) is PRESETS["paper"]
+
+
+def test_overrides_drive_the_controller():
+    r = make_cc("dcqcn", "paper", 40 * G, 0, {"initial_alpha": 0.5,
+                                               "cut_with_updated_alpha": True})
+    r.on_cnp(0)  # alpha = (255/256)(1/2) + 1/256 = 257/512 first, then the cut
+    assert r.rate_bps == approx(40 * G * (1 - Fr(257, 1024)))
+
+
+def test_tunables_are_every_behaviour_field_and_nothing_else():
+    assert {"name", "source", "checks", "scaling", "reference_rate_bps", "kmin_bytes",
+            "kmax_bytes", "pmax"}.isdisjoint(DCQCN_TUNABLE)
+    assert len(DCQCN_TUNABLE) == len(fields(DcqcnParams)) - 8
+    assert set(DCTCP_TUNABLE) == {"window_ns", "g", "rai_bps", "mss_bytes", "min_rate_bps",
+                                  "initial_alpha", "cnp_marked_bytes"}
+
+
+@pytest.mark.parametrize(("kind", "overrides", "words"), [
+    ("dcqcn", {"alpha_timr_ns": 1}, ["unknown DCQCN parameter 'alpha_timr_ns'",
+                                     "did you mean 'alpha_timer_ns'", "DCQCN parameters: "]),
+    ("dcqcn", {"window_ns": 1}, ["window_ns is a DCTCP parameter"]),
+    ("dctcp", {"kmin_bytes": 1}, ["kmin_bytes is the switch's ECN marking"]),
+    ("dcqcn", {"g": 2}, ["g must be in (0, 1]"]),
+    ("dcqcn", {"name": "x"}, ["unknown DCQCN parameter 'name'"]),
+    ("none", {"g": 0.1}, ["no parameters"]),
+])
+def test_bad_overrides_say_which_and_what_is_allowed(kind, overrides, words):
+    name = {"dcqcn": "paper", "dctcp": "rfc8257", "none": None}[kind]
+    with pytest.raises(ValueError) as exc:
+        effective_params(kind, name, 40 * G, overrides)
+    for w in words:
+        assert w in str(exc.value)
 
 
 # --- DCQCN RP: hand-computed sequences, one per preset -----------------------------------
@@ -167,8 +244,10 @@ def test_ns3_rdma_updates_alpha_before_the_cut_and_counts_bytes():
     assert r.next_event_ns() == 110 * US  # alpha 55+55; T 60+60=120
 
 
-def test_hpcc_ns3_periodic_alpha_deferred_cut_and_single_stage_increase():
-    r = rp("hpcc-ns3", 100 * G)  # R_AI 20 Mb/s, R_HAI 200 Mb/s at 100G, F = 1
+def test_hpcc_ns3_paper_periodic_alpha_deferred_cut_and_single_stage_increase():
+    # These 50/50/55 us timers were the hpcc-ns3 preset's until it took run.py's
+    # `--cc dcqcn` values (next test); they are run.py's `--cc dcqcn_paper`.
+    r = rp("hpcc-ns3-paper", 100 * G)  # R_AI 20 Mb/s, R_HAI 200 Mb/s at 100G, F = 1
     # first CNP at t=0: alpha := 1, alpha timer and decrease tick armed at 50 us, no cut yet
     r.on_cnp(0)
     assert r.rate_bps == 100 * G
@@ -219,6 +298,57 @@ def test_hpcc_ns3_periodic_alpha_deferred_cut_and_single_stage_increase():
     assert r.alpha == approx(alpha * KEEP**4)
     assert r.snapshot()["counters"]["increases"] == {"fast_recovery": 2, "additive": 1,
                                                      "hyper": 2}
+
+
+def test_hpcc_ns3_run_py_dcqcn_timers_1us_alpha_4us_cut_300us_increase():
+    r = rp("hpcc-ns3", 100 * G)  # run.py --cc dcqcn; R_AI 20 Mb/s, R_HAI 200 Mb/s at 100G
+    # first CNP at t=0: alpha := 1; alpha timer every 1 us and decrease tick every 4 us from 0
+    r.on_cnp(0)
+    assert r.next_event_ns() == 1 * US
+    # alpha at 1, 2, 3, 4 us (no CNP in those periods): 1 -> (255/256)^4; the 4 us tick
+    # follows the alpha update and cuts with it; T stage 0: Rt stays at line rate
+    r.advance(4 * US)
+    a4 = KEEP**4
+    rc1 = 100 * G * (1 - a4 / 2)
+    assert r.alpha == approx(a4)
+    assert (r.rate_bps, r.target_rate_bps) == (approx(rc1), 100 * G)
+    # CNP at 10 us (after the 10 us decay): a(11) = (255/256)^11 + 1/256, a(12) = a(11) 255/256;
+    # the 8 us tick had nothing to do, the 12 us one cuts; still no increase: Rt unclamped
+    r.on_cnp(10 * US)
+    r.advance(12 * US)
+    a12 = (KEEP**11 + G256) * KEEP
+    rc2 = rc1 * (1 - a12 / 2)
+    assert r.alpha == approx(a12)
+    assert (r.rate_bps, r.target_rate_bps) == (approx(rc2), 100 * G)
+    # T restarted at the 12 us cut: 312 us, fast recovery (0 events before it < F = 1)
+    r.advance(312 * US)
+    rc3 = (100 * G + rc2) / 2
+    assert r.rate_bps == approx(rc3)
+    # CNP at 320 us (a tick time: the tick fires first, with nothing latched); alpha at 321
+    # counts it, the 324 us tick cuts; an increase happened since the last cut: Rt = Rc
+    r.on_cnp(320 * US)
+    r.advance(324 * US)
+    a324 = (a12 * KEEP**308 * KEEP + G256) * KEEP**3
+    rc4 = rc3 * (1 - a324 / 2)
+    rt = rc3
+    assert r.alpha == approx(a324)
+    assert (r.rate_bps, r.target_rate_bps) == (approx(rc4), approx(rt))
+    # T from 324: 624 fast recovery, 924 additive (Rt += 20M), 1224 hyper (Rt += 200M)
+    r.advance(624 * US)
+    rc = (rt + rc4) / 2
+    assert r.rate_bps == approx(rc)
+    r.advance(924 * US)
+    rt += 20 * M
+    rc = (rt + rc) / 2
+    assert (r.phase, r.target_rate_bps, r.rate_bps) == ("additive", approx(rt), approx(rc))
+    r.advance(1224 * US)
+    rt += 200 * M
+    rc = (rt + rc) / 2
+    assert (r.phase, r.target_rate_bps, r.rate_bps) == ("hyper", approx(rt), approx(rc))
+    assert r.alpha == approx(a324 * KEEP**900)
+    c = r.snapshot()["counters"]
+    assert c["rate_decreases"] == 3 and c["alpha_updates"] == 1224
+    assert c["increases"] == {"fast_recovery": 2, "additive": 1, "hyper": 1}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -360,6 +490,9 @@ def test_next_event_is_the_earliest_armed_timer():
     # alpha every 55 us, T every 60 us, merged in time order
     assert seen == [55 * US, 60 * US, 110 * US, 120 * US, 165 * US, 180 * US]
     h = rp("hpcc-ns3", 100 * G)
+    h.on_cnp(7)
+    assert h.next_event_ns() == 7 + 1 * US  # run.py --cc dcqcn: alpha every 1 us
+    h = rp("hpcc-ns3-paper", 100 * G)
     h.on_cnp(7)
     assert h.next_event_ns() == 7 + 50 * US
     assert NoCc(40 * G, 0).next_event_ns() is None

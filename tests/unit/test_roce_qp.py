@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ import pytest
 from agents.control import read_snapshot
 from agents.roce.cc import DcqcnNp, DcqcnRp, NoCc, make_cc, preset
 from agents.roce.qp import (
+    MAX_WINDOW_PACKETS,
     PKT_ACK,
     PKT_CNP,
     WIRE_OVERHEAD_BYTES,
@@ -452,6 +454,68 @@ def test_many_small_messages_complete_in_order_with_a_small_window():
         assert bytes(w.mem[i * 256:i * 256 + len(m)]) == m
 
 
+def test_a_window_of_thousands_of_packets_fills_keeps_no_copies_and_goes_back_n():
+    # 300 us each way at 100G with 1 KB packets: ~6700 packets would be in flight, so the
+    # 3000-packet window binds; the PSNs wrap while it is full. One packet (PSN offset 1000)
+    # is lost once: ONE NAK, and the requester resends everything from the NAK's PSN.
+    window, n, lost_at = 3000, 6000, 1000
+    base = PSN_MASK - 1500
+    lost: list[int] = []
+
+    def drop(p, k):
+        if p.src == "A" and p.kind == 0 and p.psn == (base + lost_at) & PSN_MASK and not lost:
+            lost.append(k)
+            return True
+        return False
+
+    w = Wire(QpAttrs(mtu=1024, window_packets=window, timeout_ns=10_000 * US),
+             psn_a=base, mr_bytes=n * 1024, delay_ns=300 * US, drop=drop)
+    data = pattern(n * 1024)
+    rq, rs = w.a.requester, w.b.responder
+    peak = {"outstanding": 0, "qp_bytes": None}
+    tracemalloc.start()
+    try:
+        write(w, data)
+
+        def done() -> bool:
+            out = rq.outstanding_packets
+            if out > peak["outstanding"]:
+                peak["outstanding"] = out
+                if out == window and peak["qp_bytes"] is None:
+                    snap = tracemalloc.take_snapshot().filter_traces(
+                        [tracemalloc.Filter(True, "*agents/roce/qp.py")])
+                    peak["qp_bytes"] = sum(s.size for s in snap.statistics("filename"))
+            return rq.idle
+
+        w.run(until=done, max_ns=1e8)
+    finally:
+        tracemalloc.stop()
+    assert bytes(w.mem) == data
+    assert peak["outstanding"] == window                 # the window filled, and bound
+    # 3000 packets (3 MB) in flight, but the QPs hold only their own state: no copies
+    assert 0 < peak["qp_bytes"] < 256 * 1024, peak
+    naks = [p for p in w.acks_from("B") if p.syndrome == 0x60 | NakCode.PSN_SEQUENCE_ERROR]
+    assert len(naks) == 1 and naks[0].psn == (base + lost_at) & PSN_MASK
+    sent = [((p.psn - base) & PSN_MASK) for p in w.data_from("A")]
+    first_resend = sent.index(lost_at, lost_at + 1)
+    highest_before = max(sent[:first_resend])
+    # the window was full when the NAK came: everything after the last ACK before the loss
+    acked = [(p.psn - base) & PSN_MASK for p in w.log[:w.log.index(naks[0])]
+             if p.src == "B" and p.syndrome == 0x1F]
+    assert max(acked) < lost_at and highest_before == max(acked) + window
+    assert sent[first_resend:] == list(range(lost_at, n))
+    assert rq.retransmissions == highest_before - lost_at + 1
+    assert rs.ooo_drops == highest_before - lost_at
+    assert (rq.naks_received, rq.timeouts, rs.duplicates) == (1, 0, 0)
+    assert rq.completions.popleft() == (1, WcStatus.SUCCESS, "write", n * 1024)
+
+
+def test_window_is_at_most_2_to_the_22():
+    assert QpAttrs(window_packets=1 << 22).window_packets == MAX_WINDOW_PACKETS == 1 << 22
+    with pytest.raises(ValueError, match="window_packets must be 1..2\\^22"):
+        QpAttrs(window_packets=(1 << 22) + 1)
+
+
 def test_window_limits_unacknowledged_packets():
     # 10 us each way, a packet every 0.33 us: without the window ~60 would be in flight
     w = Wire(QpAttrs(window_packets=3, ack_every=1), delay_ns=10 * US)
@@ -806,6 +870,43 @@ def test_loopback_write_bw_with_injected_loss_is_byte_exact_with_retransmissions
     assert len({q["sport"] for q in qps}) == 2
 
 
+def test_loopback_agents_record_the_parameters_they_ran_with(tmp_path):
+    cc = ["--cc", "dcqcn", "--cc-preset", "hpcc-ns3", "--line-rate-bps", "1e9",
+          "--cc-params", json.dumps({"rai_bps": 7e6, "np_mode": "timer", "g": 0.0625})]
+    c, s, c_err, _ = _run_pair(tmp_path, "write_bw", ["--size", "65536", "--iters", "4", *cc],
+                               cc)
+    for side in (c, s):
+        p = side["cc_params"]
+        # hpcc-ns3 at 1G: R_HAI 50 Mb/s per 25G -> 2 Mb/s; R_AI as given (absolute)
+        assert (p["rai_bps"], p["rhai_bps"], p["g"], p["np_mode"]) == (7e6, 2e6, 0.0625,
+                                                                        "timer")
+        assert (p["name"], p["alpha_timer_ns"]) == ("hpcc-ns3", 1000)
+        assert "run.py --cc dcqcn " in p["source"]
+        assert side["cc_overrides"] == {"rai_bps": 7e6, "np_mode": "timer", "g": 0.0625}
+    assert "dcqcn/hpcc-ns3 + 3 overrides" in c_err
+
+
+def test_loopback_one_message_time_is_its_completion_time_at_line_rate(tmp_path):
+    # One 1 MiB WRITE at 0.5 Gb/s fabric, D = 10: 256 packets of 4096 + 16 (+ 16 RETH on
+    # the first) + 66 B on the wire, paced after a 16 KB catch-up burst; the time runs from
+    # the post to the ACK of the last packet, a loopback round trip (~0.1 ms wall, 10 us
+    # fabric) after its last byte. The client starts at a common start time, as in a run.
+    size, rate, d = 1 << 20, 0.5e9, 10
+    wire = size + 256 * (16 + 66) + 16
+    ideal_ns = (wire - 16384) * 8 / rate * 1e9
+    start_at = time.monotonic_ns() + 2_000_000_000
+    c, s, _, _ = _run_pair(tmp_path, "write_bw", [
+        "--size", str(size), "--iters", "1", "--line-rate-bps", str(rate), "--dilation", str(d),
+        "--cc", "none", "--start-at-mono-ns", str(start_at)], ["--dilation", str(d)])
+    assert c["messages"] == 1 and s["verified"] is None
+    # never faster than line rate; on an idle machine within 1 % of it (measured 0.996 -
+    # 1.008), but a loaded one (other runs on 2 cores) stretched it by up to 75 %
+    assert ideal_ns * 0.98 <= c["elapsed_fabric_ns"] <= ideal_ns * 2.5
+    assert c["bw_fabric_bps"] == pytest.approx(size * 8 / (c["elapsed_fabric_ns"] / 1e9))
+    # how late after the common start the message was posted, in fabric ns (wall / 10)
+    assert c["start_late_fabric_ns"] == round((c["first_post_mono_ns"] - start_at) / d) >= 0
+
+
 def test_loopback_send_bw_verifies_every_message(tmp_path):
     c, s, _, _ = _run_pair(tmp_path, "send_bw",
                            ["--size", "10000", "--iters", "200", "--verify",
@@ -909,7 +1010,10 @@ def test_server_exits_when_its_parent_dies(tmp_path):
 
 @pytest.mark.parametrize("args,word", [(["--mtu", "1500"], "--mtu"),
                                        (["--cc", "dctcp", "--cc-preset", "paper"], "DCTCP"),
-                                       (["--retry-cnt", "9"], "retry")])
+                                       (["--retry-cnt", "9"], "retry"),
+                                       (["--cc-params", '{"window_ns": 1}'],
+                                        "window_ns is a DCTCP parameter"),
+                                       (["--cc-params", "[1]"], "expected a JSON object")])
 def test_bad_arguments_exit_2(args, word):
     res = subprocess.run([sys.executable, "-m", "agents.roce", "client", "write_bw", "--server",
                           LOOPBACK, *args], cwd=REPO, capture_output=True, text=True)

@@ -8,26 +8,38 @@ from __future__ import annotations
 
 import os
 import time
+from fractions import Fraction as Fr
 from typing import get_args
 
 import pytest
 
 from agents.roce import __main__ as roce_main
-from agents.roce.cc import DCTCP_PRESETS, PRESETS
-from agents.roce.perftest import flat_counters
+from agents.roce.cc import DCQCN_TUNABLE, DCTCP_PRESETS, DCTCP_TUNABLE, PRESETS
+from agents.roce.perftest import cc_params, cc_settings, flat_counters, make_np
 from testbed.config import ConfigError, load_config_text
 from testbed.config.checks import _CC_PRESETS
-from testbed.config.models import CcPresetName, RoceTraffic, UdpTraffic
+from testbed.config.models import (
+    CcPresetName,
+    DcqcnCcParams,
+    DctcpCcParams,
+    RoceTraffic,
+    UdpTraffic,
+    cc_param_keys,
+)
 from testbed.plan import compile_plan
 from testbed.run.runner import _roce_fidelity, _write_roce_results
 from testbed.run.store import Store
 from testbed.run.workload import (
     ROCE_SETUP_PORT,
     ROCE_UDP_PORT,
+    egress_paths,
     expand_workload,
     roce_ports,
+    roce_round_trip_ns,
+    roce_window_packets,
     workload_span_ns,
 )
+from tests.conftest import REPO
 
 FABRIC = """\
 name: rocewl
@@ -69,7 +81,7 @@ def test_roce_entry_defaults():
     assert isinstance(t, RoceTraffic)
     assert (t.test, t.size_bytes, t.qps, t.cc, t.cc_preset, t.tclass, t.verify) == (
         "write_bw", 65536, 1, "dcqcn", None, "roce", True)
-    assert t.preset == "hpcc-ns3"
+    assert t.preset == "hpcc-ns3-paper"     # HPCC run.py's dcqcn_paper: the default's timers
     assert t.start_ns == 0 and t.duration_ns == 1_000_000
 
 
@@ -132,6 +144,42 @@ def test_argv_carries_the_config_in_fabric_units_and_parses():
                                      "/tmp/x.ready", "--start-at-mono-ns", "1"])
 
 
+def test_messages_post_exactly_n_per_qp_and_the_span_is_the_busiest_host_at_line_rate():
+    # 7 senders each write one 1 MB message to h8 at t = 0 (an FCT run)
+    loaded, plan = _load("    - {name: fct, kind: roce_incast, senders: [h1, h2, h3, h4, h5, h6, "
+                         "h7], receiver: h8, size: 1MB, messages: 1}\n"
+                         "    - {name: two, kind: roce_pairs, pairs: [[h1, h2]], messages: 3, "
+                         "qps: 2, size: 4096, start: 10us}")
+    t = loaded.fabric.workload.traffic[0]
+    assert (t.messages, t.duration_ns) == (1, None)
+    parser = roce_main.build_parser()
+    clients = [s for s in expand_workload(loaded.fabric, plan) if s.role == "sender"]
+    for spec in clients:
+        assert "--duration-ns" not in spec.argv and spec.duration_ns == 0
+        c = parser.parse_args(spec.argv)
+        assert (c.iters, c.duration_ns) == ((1, None) if spec.traffic == "fct" else (3, None))
+    # h8 receives 7 x 1 MB: 245 packets of 4096 B each (the last 576 B), each with BTH 12 +
+    # ICRC 4 + 66 B of UDP/IP/Ethernet, and one RETH of 16: 1 000 000 + 245 x 82 + 16 =
+    # 1 020 106 B; 7 x that = 7 140 742 B at 100 Gb/s = 571 259.36 ns -> 571 260 ns.
+    # `two`: h1 sends 2 QPs x 3 x (4096 + 82 + 16) B = 25 164 B from 10 us: 10 us + 2013.12 ns.
+    assert workload_span_ns(loaded.fabric, plan) == 571_260
+    assert workload_span_ns(loaded.fabric) == 10_000        # without a plan: starts only
+
+
+def test_duration_or_messages_exactly_one():
+    both = _problems("    - {name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
+                     "messages: 4}")
+    assert both == ["roce.yaml:12: workload.traffic[0].messages: duration and messages are both "
+                    "given; give one: duration posts messages for that long, messages exactly "
+                    "that many per QP"]
+    neither = _problems("    - {name: x, kind: roce_pairs, pairs: [[h1, h2]]}")
+    assert neither == ["roce.yaml:12: workload.traffic[0]: roce_pairs needs duration: (post "
+                       "messages for that long) or messages: (post exactly that many per QP)"]
+    zero = _problems("    - {name: x, kind: roce_pairs, pairs: [[h1, h2]], messages: 0}")
+    assert zero == ["roce.yaml:12: workload.traffic[0].messages: 0 is too small; use a value "
+                    ">= 1"]
+
+
 def test_cc_none_passes_no_preset_and_verify_is_asked_by_both_sides():
     loaded, plan = _load("    - {name: n, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
                          "cc: none}")
@@ -168,6 +216,126 @@ def test_preset_names_are_the_agents_and_match_their_kind():
     assert set(_CC_PRESETS["dctcp"]) == set(DCTCP_PRESETS)
 
 
+# --- the in-flight window --------------------------------------------------------------
+
+def _default_fabric_with(traffic: str):
+    """configs/default.yaml with its workload replaced by `traffic` (one YAML list line)."""
+    text = (REPO / "configs" / "default.yaml").read_text(encoding="utf-8")
+    text = text[:text.index("workload:")] + f"workload:\n  traffic:\n{traffic}\n"
+    loaded = load_config_text(text, "default.yaml")
+    return loaded, compile_plan(loaded)
+
+
+def test_auto_window_on_the_default_fabric_is_642_packets():
+    loaded, plan = _default_fabric_with(
+        "    - {name: inc, kind: roce_incast, senders: [h1, h5], receiver: h8, duration: 1ms}")
+    # Longest host-to-host path: h1 -> leaf1 -> spine -> leaf2 -> h8 (either spine), four
+    # egress ports: h1 eth0 (100G), leaf1 uplink (400G), spine downlink (400G), leaf2 swp4
+    # (100G). Links: 2 m 100GBASE-CR1 120 ns, 100 m 400GBASE-DR4 600 ns one way.
+    # Base RTT = 2 (120 + 600 + 600 + 120) = 2880 ns.
+    # TC3 (roce, lossless) on every port: XOFF 1 MB (half the 2 MB buffer) + headroom
+    # (2 x 9038 B frames + 2 x delay x rate + 3840 B response): 100G 24 916 B, 400G 81 916 B.
+    # Drain: 100G 1 024 916 B x 8 / 100 Gb/s = 81 993.28 ns, 400G 1 081 916 B x 8 / 400 Gb/s
+    # = 21 638.32 ns; twice each: 207 263.2 ns. Round trip 210 143.2 ns.
+    # At h1's 100 Gb/s: 100e9 x 210 143.2e-9 / 8 = 2 626 790 B = 641.3 packets of 4096 B.
+    assert {tuple(i.ifname for i in p) for p in egress_paths(plan, "h1", "h8")} == {
+        ("eth0", "swp5", "swp2", "swp4"), ("eth0", "swp6", "swp2", "swp4")}
+    assert roce_round_trip_ns(plan, 3) == Fr("210143.2")
+    assert roce_window_packets(100 * 10**9, roce_round_trip_ns(plan, 3), 4096) == 642
+    parser = roce_main.build_parser()
+    for spec in expand_workload(loaded.fabric, plan):
+        args = parser.parse_args(spec.argv)
+        assert args.window_packets == 642, spec.name
+        if spec.role == "sender":   # a full window posted, and one 64 KiB message more
+            assert args.tx_depth == 642 // 16 + 1 + 1 == 42
+
+
+def _brute_port_ns(plan, iface, tc: int = 3) -> Fr:
+    """An egress port's term of the round trip, spelt out: delay there and back, plus its
+    class's XOFF + headroom (PFC) or limit (no PFC) drained at the port's rate."""
+    c = next(c for c in iface.egress.classes if c.tc == tc)
+    held = c.limit_bytes if c.pfc is None else min(c.limit_bytes,
+                                                   c.pfc.xoff_bytes + c.pfc.headroom_bytes)
+    return 2 * plan.links[iface.link].delay_ns + Fr(held * 8 * 10**9, iface.egress.rate_bps)
+
+
+@pytest.mark.parametrize("name", ["default", "explicit", "ring", "single"])
+def test_round_trip_is_the_longest_over_every_path_the_routes_allow(name):
+    loaded = load_config_text((REPO / "tests" / "golden" / f"{name}.yaml").read_text(), name)
+    plan = compile_plan(loaded)
+    hosts = [h.name for h in plan.hosts()]
+    paths = [p for a in hosts for b in hosts if a != b for p in egress_paths(plan, a, b)]
+    assert paths and all(p[0].ifname.startswith("eth") for p in paths)   # a host NIC first
+    brute = max(sum(_brute_port_ns(plan, i) for i in p) for p in paths)
+    assert roce_round_trip_ns(plan, 3) == brute
+
+
+def test_window_is_at_least_rxes_and_at_most_2_to_the_22():
+    assert roce_window_packets(10**9, Fr(1000), 4096) == 128           # 1 Gb/s x 1 us: 0.03
+    assert roce_window_packets(10**12, Fr(10**9), 256) == 1 << 22      # 1 Tb/s x 1 s
+    assert roce_window_packets(100 * 10**9, Fr(8 * 4096 * 200, 100), 4096) == 200   # exact
+
+
+def test_a_given_window_goes_to_both_agents():
+    loaded, plan = _load("    - {name: w, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
+                         "window: 4096, size: 4096}")
+    server, client = expand_workload(loaded.fabric, plan)
+    parser = roce_main.build_parser()
+    assert parser.parse_args(server.argv).window_packets == 4096
+    c = parser.parse_args(client.argv)
+    assert (c.window_packets, c.tx_depth) == (4096, 4097)
+
+
+@pytest.mark.parametrize("value", ["0", "5000000", "13us", "true", "1.5"])
+def test_a_bad_window_says_what_it_takes(value):
+    problems = _problems(f"    - {{name: w, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
+                         f"window: {value}}}")
+    assert len(problems) == 1 and "workload.traffic[0].window: expected a whole number of " \
+        "packets, 1..2^22 (4194304), or auto" in problems[0], problems
+    if value == "13us":
+        assert "DCTCP's window, a time, is cc_params.window" in problems[0]
+
+
+def test_cc_params_names_are_the_agents_tunables_without_unit_suffixes():
+    assert set(DcqcnCcParams.model_fields) == set(DCQCN_TUNABLE)
+    assert set(DctcpCcParams.model_fields) == set(DCTCP_TUNABLE)
+    for model, kind in ((DcqcnCcParams, "dcqcn"), (DctcpCcParams, "dctcp")):
+        for name, key in zip(model.model_fields, cc_param_keys(kind), strict=True):
+            assert name.removesuffix("_ns").removesuffix("_bps").removesuffix("_bytes") == key
+
+
+def test_cc_params_reach_both_agents_and_apply_as_absolute_values_on_the_scaled_preset():
+    loaded, plan = _load("    - {name: t, kind: roce_pairs, pairs: [[h1, h6]], duration: 1ms, "
+                         "cc_preset: hpcc-ns3, cc_params: {rai: 7Mbps, alpha_timer: 2us, "
+                         "byte_counter: 1MB, rate_decrease_interval: none, np_mode: timer, "
+                         "g: 0.0625}}")
+    server, client = expand_workload(loaded.fabric, plan)
+    parser = roce_main.build_parser()
+    want = {"rai_bps": 7_000_000, "alpha_timer_ns": 2_000, "byte_counter_bytes": 1_000_000,
+            "rate_decrease_interval_ns": None, "np_mode": "timer", "g": 0.0625}
+    for spec in (server, client):
+        args = parser.parse_args(spec.argv)
+        assert args.cc_params == want
+        p = cc_params(args, cc_settings(args))
+        # hpcc-ns3 is per 25G: R_HAI 50 -> 200 Mb/s on the 100G NIC, R_AI as given
+        assert (p.rai_bps, p.rhai_bps, p.alpha_timer_ns, p.g) == (7e6, 200e6, 2_000, 0.0625)
+        assert p.rate_decrease_interval_ns is None and p.byte_counter_bytes == 1_000_000
+    np_ = make_np(parser.parse_args(server.argv), "dcqcn", p)
+    assert (np_.cnp_interval_ns, np_.mode) == (0, "timer")
+    # no cc_params: no --cc-params, the agents run the preset as it is
+    loaded, plan = _load(INCAST)
+    assert all("--cc-params" not in s.argv for s in expand_workload(loaded.fabric, plan))
+
+
+def test_cnp_interval_keeps_the_presets_np_mode():
+    loaded, plan = _load("    - {name: t, kind: roce_pairs, pairs: [[h1, h6]], duration: 1ms, "
+                         "cc_preset: ns3-rdma, cnp_interval: 80us}")
+    server, _ = expand_workload(loaded.fabric, plan)
+    args = roce_main.build_parser().parse_args(server.argv)
+    np_ = make_np(args, "dcqcn", cc_params(args, cc_settings(args)))
+    assert (np_.cnp_interval_ns, np_.mode) == (80_000, "timer")     # ns3-rdma's mode
+
+
 @pytest.mark.parametrize(("entry", "expected"), [
     ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_preset: rfc8257}",
      "workload.traffic[0].cc_preset: 'rfc8257' is not a DCQCN preset"),
@@ -190,10 +358,43 @@ def test_preset_names_are_the_agents_and_match_their_kind():
      "roce_incast needs senders: [...] and receiver:"),
     ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, qps: 0}",
      "workload.traffic[0].qps: 0 is too small"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {g: 0.1, "
+     "incrase_timer: 55us}}", "workload.traffic[0].cc_params.incrase_timer: unknown DCQCN "
+     "parameter 'incrase_timer'; did you mean 'increase_timer'? (DCQCN parameters: alpha_timer, "
+     "increase_timer, "),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc: dctcp, "
+     "cc_params: {byte_counter: 10MB}}", "workload.traffic[0].cc_params.byte_counter: "
+     "byte_counter is a DCQCN parameter, but this entry has cc: dctcp; DCTCP parameters: "
+     "window, g, rai, mss, min_rate, initial_alpha, cnp_marked"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {alpha_timer: "
+     "5 fortnights}}", "workload.traffic[0].cc_params.alpha_timer: unknown unit"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {rai: 5MB}}",
+     "workload.traffic[0].cc_params.rai: '5MB' looks like bytes per second"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {kmax: 1MB}}",
+     "cc_params.kmax: kmax is the switch's ECN marking, not a DCQCN parameter; set it on the "
+     "port class (qos.<class>.ecn.kmax)"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc: none, "
+     "cc_params: {g: 0.1}}", "workload.traffic[0].cc_params: cc: none has no parameters"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cnp_interval: 4us, "
+     "cc_params: {cnp_interval: 10us}}", "cc_params.cnp_interval: cnp_interval is given twice"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {min_rate: "
+     "200Gbps}}", "cc_params.min_rate: 200Gbps is above the line rate of sender h1 (100Gbps)"),
+    ("{name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, cc_params: {fast_recovery"
+     "_steps: 0, byte_counter: none, initial_alpha: 1.5}}",
+     "cc_params.fast_recovery_steps: 0 is too small; use a value >= 1"),
 ])
 def test_roce_config_problems_name_the_field(entry, expected):
     problems = _problems(f"    - {entry}")
     assert any(expected in p for p in problems), problems
+
+
+def test_every_cc_params_problem_is_reported_at_once():
+    problems = _problems("    - {name: x, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
+                         "cc_params: {alpha_timr: 1us, window: 5us, g: 0, initial_alpha: 2, "
+                         "increase_timer: 5uss, min_rate: none}}")
+    fields = [p.split(": ")[1] for p in problems]
+    assert fields == [f"workload.traffic[0].cc_params.{k}" for k in (
+        "alpha_timr", "g", "increase_timer", "initial_alpha", "min_rate", "window")]
 
 
 def test_a_misspelt_required_field_is_reported_once():
@@ -245,7 +446,9 @@ def test_snapshot_numbers_sum_over_qps_for_time_series():
 def test_one_result_row_per_stream_from_client_and_server(tmp_path):
     loaded, plan = _load(INCAST)
     specs = expand_workload(loaded.fabric, plan)
-    client = {"role": "client", "cc": "dcqcn", "cc_preset": "hpcc-ns3", "qp_count": 1,
+    client = {"role": "client", "cc": "dcqcn", "cc_preset": "hpcc-ns3-paper", "qp_count": 1,
+              "cc_overrides": {"g": 0.0625}, "window_packets": 642,
+              "start_late_fabric_ns": 1_500,
               "bytes": 4 << 20, "messages": 64, "elapsed_fabric_ns": 400_000,
               "bw_fabric_bps": (4 << 20) * 8 / 400e-6, "verified": True, "error": None,
               "qps": {"770": _qp(770)}}
@@ -259,10 +462,13 @@ def test_one_result_row_per_stream_from_client_and_server(tmp_path):
     row = rows[0]
     assert row["workload"] == "inc" and row["kind"] == "roce_incast"
     assert row["bytes"] == 4 << 20 and row["time_us"] == 400.0
+    # posted 1.5 us after the common start (the entry starts at 0), done 400 us later
+    assert (row["start_us"], row["end_us"]) == (1.5, 401.5)
     assert row["gbps"] == pytest.approx(83.886, abs=1e-3)
     assert (row["retransmissions"], row["naks"], row["timeouts"]) == (2, 1, 1)
     assert (row["cnps_sent"], row["cnps_received"], row["ce_received"]) == (3, 3, 4)
-    assert row["verified"] is True and row["cc"] == "dcqcn/hpcc-ns3"
+    assert row["verified"] is True and row["cc"] == "dcqcn/hpcc-ns3-paper"
+    assert row["cc_overrides"] == {"g": 0.0625} and row["window_packets"] == 642
     assert (row["tx_packets"], row["rx_packets"], row["lost"]) == (10, 9, 1)
     assert row["rx_bytes"] == 37_000
     assert row["rx_fabric_bps"] == round((37_000 + 66 * 9) * 8 / 400e-6)
