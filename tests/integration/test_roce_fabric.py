@@ -212,7 +212,8 @@ def test_incast_ce_marks_become_cnps_and_dcqcn_cuts_both_senders(fabric, tmp_pat
     port = next(i for i in sw.interfaces if i.peer.node == "h2")
     try:
         handle = portprog.attach_port(fabric.lab, sw.name, sw.netns, port.ifname,
-                                      portprog.params_from_egress(port.egress))
+                                      portprog.params_from_egress(port.egress),
+                                      peer=(fabric.node("h2").netns, port.peer.ifname))
     except (portprog.PortProgError, OSError) as exc:
         pytest.skip(f"cannot attach the ECN-marking port program: {exc}")
     before = portprog.read_counters(handle)[3]
