@@ -9,7 +9,9 @@ replays it sample by sample, as the collector wrote it, through
 Prints, per format, the file size, the rows, the write CPU per sample (thread
 CPU time of add_samples: Python and SQLite, commit included) and the bytes
 written per sample (write(2) bytes of the process: WAL frames and
-checkpoints). Then the readers: seconds for the queries the report and the
+checkpoints); also for two layouts format 2 could have written instead of
+appending in time order: points clustered by series, or indexed by series,
+while writing. Then the readers: seconds for the queries the report and the
 summary make, on format 1, on format 2 as a run that died leaves it (points in
 time order) and as a closed one (clustered by series), and what a
 (series_id, ts_fabric_ns) index would add to the time-ordered table instead.
@@ -38,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from testbed.run.store import Sample, Store, v1_samples  # noqa: E402
+from testbed.run.store import _POINTS_BY_SERIES, _SAMPLES_VIEW, Sample, Store, v1_samples  # noqa: E402
 
 FIXTURE = Path("/work/fixtures/v1-dcqcnoff/counters.sqlite")
 SELF_JOIN = """
@@ -101,9 +103,22 @@ def replay_v1(src: sqlite3.Connection, data, path: Path) -> tuple[Timer, int]:
     return timer, rows
 
 
-def replay_v2(src: sqlite3.Connection, data, path: Path, died: Path) -> tuple[Timer, int, float]:
+# Layouts format 2 could have kept while writing, for comparison (not what it does).
+LAYOUTS = {
+    "clustered while writing": ["DROP VIEW samples", "DROP TABLE points", _POINTS_BY_SERIES,
+                                _SAMPLES_VIEW],
+    "indexed while writing": ["CREATE INDEX points_by_series ON points "
+                              "(series_id, ts_fabric_ns)"],
+}
+
+
+def replay_v2(src: sqlite3.Connection, data, path: Path, died: Path | None = None,
+              layout: str | None = None) -> tuple[Timer, int, float]:
     """Format 2's Store, as the collector drives it; `died` gets a copy before close()."""
     store = Store(path, create=True)
+    for sql in LAYOUTS.get(layout, []):
+        store.db.execute(sql)
+    store.db.commit()
     with store.lock, store.db:
         store.db.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?)",
                              src.execute("SELECT * FROM events ORDER BY rowid"))
@@ -111,9 +126,10 @@ def replay_v2(src: sqlite3.Connection, data, path: Path, died: Path) -> tuple[Ti
     for i, (ts, wall, samples) in enumerate(data):
         timer(store.add_samples, ts, wall, samples, final=i == len(data) - 1)
     rows = store._writer.rows if store._writer else 0
-    with store.lock:
-        store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        store.db.execute(f"VACUUM INTO '{died}'")        # what a run that died leaves
+    if died is not None:
+        with store.lock:
+            store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            store.db.execute(f"VACUUM INTO '{died}'")        # what a run that died leaves
     cpu0 = time.thread_time_ns()
     store.close()
     return timer, rows, (time.thread_time_ns() - cpu0) / 1e9
@@ -185,6 +201,8 @@ def bench(given: Path, tmp: Path) -> None:
     v1, v2, died = tmp / "v1.sqlite", tmp / "v2.sqlite", tmp / "v2-died.sqlite"
     t1, rows1 = replay_v1(src, data, v1)
     t2, rows2, close_s = replay_v2(src, data, v2, died)
+    others = {name: replay_v2(src, data, tmp / f"{n}.sqlite", layout=name)[0]
+              for n, name in enumerate(LAYOUTS)}
     per_series, idle_rows, n_groups = change_rows(data)
     b1, b2, bd = table_bytes(v1), table_bytes(v2), table_bytes(died)
     src.close()
@@ -202,6 +220,9 @@ def bench(given: Path, tmp: Path) -> None:
           f"{b2.get('events', 0):,} | {rows2:,} | {fmt_us(t2.cpu_ns)} | {t2.io_bytes / n:,.0f} |")
     print(f"| 2, died before close() | {died.stat().st_size:,} | {bd.get('points', 0):,} | 0 | "
           f"{bd.get('events', 0):,} | {rows2:,} | | |")
+    for name, timer in others.items():
+        print(f"| 2, {name} | | | | | {rows2:,} | {fmt_us(timer.cpu_ns)} | "
+              f"{timer.io_bytes / n:,.0f} |")
     print(f"\nv2/v1: file {v2.stat().st_size / v1.stat().st_size:.1%}, rows {rows2 / rows1:.1%}, "
           f"write CPU {sum(t2.cpu_ns) / sum(t1.cpu_ns):.1%}, bytes written "
           f"{t2.io_bytes / max(t1.io_bytes, 1):.1%}; close() (flush, cluster, VACUUM) "
