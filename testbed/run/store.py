@@ -156,7 +156,13 @@ class Store:
             try:
                 if self._writer is not None:
                     self._flush_end_state()
-                    self._cluster_points()
+                    try:
+                        self._cluster_points()
+                    except sqlite3.OperationalError:
+                        # Locked, or no room for the copy. The rewrite is one transaction
+                        # (rolled back whole) and VACUUM is atomic: the database stays
+                        # valid, at worst in time order, which reads the same, slower.
+                        pass
             finally:
                 self.db.close()
 
