@@ -379,9 +379,12 @@ class Store:
         """{(node, port, tclass): [(ts_fabric_ns, value), ...]} for one counter.
 
         The points of a step function: a value holds from its ts until the next point.
-        Format 2 has a point where the value changed; each stretch a series was read
+        Format 2 has a point where its group was written (it changed, or another counter
+        of its (node, port, tclass) did), and each stretch in which the series was read
         ends with a point at the last sample it was read in (so a series runs to the end
         of the run, or to where its agent stopped). Format 1 has a point per sample.
+        Maxima, minima, last values and the value at a time come out of either; for
+        means over samples and rates from cumulative counters, use aligned().
         """
         steps, times = self._steps(counter, node, port, tclass)
         out: dict[Key, Points] = {}
@@ -406,10 +409,11 @@ class Store:
     def aligned(self, counter: str, node: str | None = None, port: str | None = None,
                 tclass: int | None = None, times: Sequence[int] | None = None
                 ) -> dict[Key, Points]:
-        """The value of each series at every time of `times` (default: every sample time),
-        forward-filled: [(t, value at t), ...], leaving out times at which the series had
-        no value yet or was not read. Series share their times, so rates (from cumulative
-        counters) and means over samples come out as with a row per sample."""
+        """The value of each series at every time of `times` (increasing; default: every
+        sample time), forward-filled: [(t, value at t), ...], leaving out times at which
+        the series had no value yet or was not read. Series share their times, so rates
+        (from cumulative counters) and means over samples come out as with a row per
+        sample; on format 1, at the sample times, it is the rows as stored."""
         steps, sample_times = self._steps(counter, node, port, tclass)
         grid = list(sample_times if times is None else times)
         out: dict[Key, Points] = {}

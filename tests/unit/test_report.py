@@ -13,6 +13,7 @@ import importlib.resources
 import json
 import re
 import shutil
+import sqlite3
 import stat
 from pathlib import Path
 
@@ -91,9 +92,11 @@ def _burst_bytes(i: int) -> int:
 
 
 def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
-                 summary: bool = True, name: str = "incast", store_format: int = 2) -> Path:
+                 summary: bool = True, name: str = "incast", store_format: int = 2,
+                 died: bool = False) -> Path:
     """A run directory as `testbed run` leaves it (with a counters database of
-    `store_format`: 1 as testbeds before format 2 wrote it); returns its path."""
+    `store_format`: 1 as testbeds before format 2 wrote it; `died`: as a writer killed
+    before it closed the store leaves it, points in time order); returns its path."""
     plan = _plan()
     d = plan.dilation.factor
     run_dir = root / f"20261129T120501Z-{name}"
@@ -114,7 +117,7 @@ def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
 
     keys = [(n.name, i.ifname, c.tc) for n in plan.nodes for i in n.interfaces
             for c in i.egress.classes]
-    path = run_dir / "counters.sqlite"
+    path = run_dir / ("live.sqlite" if died else "counters.sqlite")
     store = Store(path, create=True) if store_format == 2 else V1Store(path)
     store.set_meta("lab", plan.lab)
     store.set_meta("dilation", str(d))
@@ -169,7 +172,13 @@ def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
                      "rx_bytes": tx - h * PACKET_BYTES, "lost": h,
                      "rx_fabric_bps": 13_250_000_000.0 + h})
         store.add_result("incast", "udp_incast", rows[-1])
-    store.close()
+    if died:
+        with sqlite3.connect(run_dir / "counters.sqlite") as copy:
+            store.db.backup(copy)        # the database as it is before close()
+        store.close()
+        path.unlink()
+    else:
+        store.close()
 
     ports = []
     for key in sorted(keys):
@@ -326,15 +335,22 @@ def test_queue_means_are_over_samples_not_over_stored_changes(run_dir: Path) -> 
 @pytest.mark.parametrize("with_summary", [True, False], ids=["summary", "rebuilt"])
 def test_report_of_a_v1_run_dir_equals_the_v2_one(tmp_path: Path, with_summary: bool) -> None:
     """The same run written in counters format 1 (a row per counter per sample) and 2
-    (changes only) gives the same report: every reader reads steps, not rows."""
+    (changes only; closed, or as a run that died left it) gives the same report: every
+    reader reads steps, not rows."""
     texts = []
-    for fmt in (1, 2):
-        (tmp_path / f"v{fmt}").mkdir()
-        run_dir = make_run_dir(tmp_path / f"v{fmt}", summary=with_summary, store_format=fmt)
-        with Store(run_dir / "counters.sqlite") as store:
-            assert store.version == fmt
+    for fmt, died in ((1, False), (2, False), (2, True)):
+        root = tmp_path / f"v{fmt}{'-died' if died else ''}"
+        root.mkdir()
+        run_dir = make_run_dir(root, summary=with_summary, store_format=fmt, died=died)
+        with sqlite3.connect(run_dir / "counters.sqlite") as db:
+            assert db.execute("SELECT value FROM meta WHERE key = 'format_version'"
+                              ).fetchone() == (str(fmt),)
+            if fmt == 2:
+                (points,) = db.execute("SELECT sql FROM sqlite_master WHERE name = 'points'"
+                                       ).fetchone()
+                assert ("WITHOUT ROWID" in points) is not died
         texts.append(build_report(run_dir).md.read_text().replace(str(run_dir), "RUN"))
-    assert texts[0] == texts[1]
+    assert texts[0] == texts[1] == texts[2]
     assert "## Queue depth" in texts[1] and "## Receive rates" in texts[1]
 
 
@@ -433,6 +449,8 @@ def test_a_run_that_died_lasts_to_its_last_sample_even_if_nothing_changed(
             assert run.summary["duration_fabric_ns"] == end + 2 * PERIOD_NS
             assert run.summary["duration_wall_s"] == pytest.approx(
                 (end + 2 * PERIOD_NS) * 2000 / 1e9, abs=1e-3)
+        md = build_report(run_dir).md.read_text()
+        assert "**duration (fabric)**: 1.51 ms" in md and "## Queue depth" in md
     finally:
         writer.close()
 
