@@ -306,10 +306,12 @@ def _thresholds(c) -> tuple[tuple[int, str], ...] | None:
 
 def queues(run: RunData, idx: PlanIndex) -> dict | None:
     """Backlog over time of every port class that queued, worst first."""
-    series = {}
+    series, per_sample = {}, {}
     if run.store is not None:
         series = {k: v for k, v in run.store.series("backlog_bytes").items()
                   if k[2] >= 0 and any(val > 0 for _, val in v)}
+        if series:
+            per_sample = run.store.aligned("backlog_bytes")     # for means over samples
     ports = [p for p in run.summary.get("ports") or [] if (p.get("max_queue_bytes") or 0) > 0]
     if not series and not ports:
         return None
@@ -336,7 +338,8 @@ def queues(run: RunData, idx: PlanIndex) -> dict | None:
         for k in ranked[:TOP_PORTS]:
             pts = series[k]
             t_peak, peak = max(pts, key=lambda p: p[1])
-            mean = sum(v for _, v in pts) / len(pts)
+            sampled = per_sample.get(k) or pts
+            mean = sum(v for _, v in sampled) / len(sampled)
             c = idx.class_plan(*k)
             rows.append([idx.port_label(k[0], k[1]), idx.tclass(k[2]), fmt_bytes(peak),
                          fmt_duration(t_peak), fmt_bytes(mean),
@@ -376,7 +379,7 @@ def ecn(run: RunData, idx: PlanIndex) -> dict | None:
                 [Series(idx.port_label(*k), series[k]) for k in chunk], f"ecn{n}",
                 "ECN marks (cumulative)" if n == 0 else
                 f"ECN marks (cumulative), port classes {_span(n, chunk)}",
-                "packets marked CE", 1.0, x_max, step=True))
+                "packets marked CE", 1.0, x_max))
     ports.sort(key=lambda p: (-p["ecn_marks"], p["node"], p["port"]))
     rows = [[idx.port_label(p["node"], p["port"]), idx.tclass(p["tclass"]),
              fmt_int(p["ecn_marks"]), fmt_int(p.get("tx_packets") or 0),
@@ -423,7 +426,7 @@ def _pause_intervals_from_counters(run: RunData) -> dict[tuple, list[tuple[int, 
     if run.store is None:
         return {}
     out: dict[tuple, list[tuple[int, int]]] = {}
-    for key, pts in run.store.series("pause_tx").items():
+    for key, pts in run.store.aligned("pause_tx").items():
         spans: list[list[int]] = []
         for (t0, v0), (t1, v1) in zip(pts, pts[1:], strict=False):
             if v1 > v0:
@@ -496,7 +499,8 @@ def agent_rates(run: RunData) -> dict | None:
     """
     if run.store is None:
         return None
-    series = {k: v for k, v in run.store.series("recv.bytes").items() if len(v) >= 2}
+    # The count at every sample: a rate is the change from one sample to the next.
+    series = {k: v for k, v in run.store.aligned("recv.bytes").items() if len(v) >= 2}
     rates: dict[tuple, list[tuple[int, float]]] = {}
     for key, pts in series.items():
         step = max(1, math.ceil(len(pts) / plots.MAX_POINTS))
@@ -520,7 +524,7 @@ def agent_rates(run: RunData) -> dict | None:
         svgs.append(plots.line_plot(
             [Series(f"{k[1]} ({k[0]})", active[k]) for k in chunk], f"rate{n}",
             "receive rate per agent" if n == 0 else f"receive rate, agents {_span(n, chunk)}",
-            "fabric rate (Gb/s)", 1e9, x_max, step=True))
+            "fabric rate (Gb/s)", 1e9, x_max))
     rows = []
     for k in ordered:
         pts = series[k]
@@ -562,7 +566,7 @@ def dcqcn_rates(run: RunData) -> dict | None:
         svgs.append(plots.line_plot(
             [Series(f"{k[0]} QP{k[2]}", series[k]) for k in chunk], f"dcqcn{n}",
             "DCQCN rate Rc per QP" if n == 0 else f"DCQCN rate Rc, QPs {_span(n, chunk)}",
-            "fabric rate (Gb/s)", 1e9, x_max, step=True))
+            "fabric rate (Gb/s)", 1e9, x_max))
     cnps = {}
     for counter in run.store.counters():
         m = re.match(r"^send\.qp(\d+)\.cnps$", counter)

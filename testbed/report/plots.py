@@ -79,7 +79,8 @@ def plain(text: str) -> str:
 
 def reduce_points(points: Sequence[tuple[int, float]], limit: int = MAX_POINTS
                   ) -> list[tuple[int, float]]:
-    """At most ~limit points that keep every bucket's minimum and maximum (peaks survive)."""
+    """At most ~limit points that keep every bucket's minimum and maximum (peaks survive),
+    and the last point (where the series ends)."""
     if len(points) <= limit:
         return list(points)
     per = math.ceil(len(points) / (limit // 2))
@@ -89,6 +90,8 @@ def reduce_points(points: Sequence[tuple[int, float]], limit: int = MAX_POINTS
         lo = min(bucket, key=lambda p: p[1])
         hi = max(bucket, key=lambda p: p[1])
         out.extend(sorted({lo, hi}))
+    if out[-1] != points[-1]:
+        out.append(points[-1])
     return out
 
 
@@ -109,9 +112,13 @@ def _svg(fig: Figure, prefix: str, label: str) -> str:
 
 
 def line_plot(series: Sequence[Series], prefix: str, title: str, ylabel: str, y_divisor: float,
-              x_max_ns: float, hlines: Sequence[tuple[float, str]] = (), step: bool = False,
+              x_max_ns: float, hlines: Sequence[tuple[float, str]] = (),
               ymin_zero: bool = True) -> str:
-    """One axes, up to 8 series over fabric time; hlines = (value before y_divisor, label)."""
+    """One axes, up to 8 series over fabric time; hlines = (value before y_divisor, label).
+
+    Every series is a step function (docs/run-format.md): a value holds from its point
+    until the next one, so it is drawn as steps, never as a line between two points.
+    """
     with matplotlib.rc_context(_RC):
         fig = Figure(figsize=(10.5, 3.8))
         ax = fig.add_subplot()
@@ -121,10 +128,7 @@ def line_plot(series: Sequence[Series], prefix: str, title: str, ylabel: str, y_
             xs = [t / scale for t, _ in pts]
             ys = [v / y_divisor for _, v in pts]
             color = SERIES_COLORS[i % len(SERIES_COLORS)]
-            if step:
-                ax.step(xs, ys, where="post", label=plain(s.label), color=color)
-            else:
-                ax.plot(xs, ys, label=plain(s.label), color=color)
+            ax.step(xs, ys, where="post", label=plain(s.label), color=color)
         for j, (value, text) in enumerate(hlines):
             ax.axhline(value / y_divisor, color="#555555", linestyle=(0, (4, 3)), linewidth=1)
             ax.annotate(text, xy=(0.0, value / y_divisor), xycoords=("axes fraction", "data"),

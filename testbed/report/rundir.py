@@ -213,9 +213,9 @@ def rebuild_summary(run_dir: Path, plan: Plan | None, store: Store | None,
     duration_fabric_ns, duration_wall_s = 0, 0.0
     fidelity: list[str] = []
     if store is not None:
-        lo_wall, hi_wall, hi_fabric = store.db.execute(
-            "SELECT MIN(ts_wall_ns), MAX(ts_wall_ns), MAX(ts_fabric_ns) FROM samples").fetchone()
-        if hi_fabric is not None:
+        span = store.sample_span()       # every sample taken, changed or not
+        if span is not None:
+            _lo_fabric, hi_fabric, lo_wall, hi_wall = span
             duration_fabric_ns = max(0, int(hi_fabric))
             duration_wall_s = (hi_wall - lo_wall) / 1e9
         fidelity = [str(e.get("message", e)) for e in store.events("fidelity")]

@@ -2,9 +2,10 @@
 
 Runs in a thread of the run process. Each tick reads every namespace's link
 and class counters (testbed/net/sampler) and every live agent's snapshot,
-writes them as one transaction, and feeds the fidelity watchdog. Its own CPU
-time is measured (CPU clocks of its sampling and snapshot threads) so the run can
-state what sampling cost.
+writes them as one transaction (the store keeps what changed; the last
+sample, from stop(), is marked final so the end state is written in full),
+and feeds the fidelity watchdog. Its own CPU time is measured (CPU clocks of
+its sampling and snapshot threads) so the run can state what sampling cost.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class Collector:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.sample_once()      # the final state, after everything stopped
+        self.sample_once(final=True)    # the final state, after everything stopped
         self.sampler.close()
         self._pool.shutdown()
 
@@ -150,7 +151,8 @@ class Collector:
             self._stop.wait(max(0.0, (next_tick - now) / 1e9))
         self.wall_active_ns = time.monotonic_ns() - started
 
-    def sample_once(self) -> None:
+    def sample_once(self, final: bool = False) -> None:
+        """Take one sample; `final` (the last one, from stop()) writes the end state."""
         with self._lock:
             cpu0 = time.thread_time_ns()
             mono = time.monotonic_ns()
@@ -160,7 +162,7 @@ class Collector:
             for rows in self._pool.map(self._agent_samples, self.agents):
                 samples.extend(rows)
             ts_fabric = self.fabric_now_ns(mono)
-            self.store.add_samples(ts_fabric, mono, samples)
+            self.store.add_samples(ts_fabric, mono, samples, final=final)
             for agent in self.agents:
                 self._import_events(agent)
             self.watchdog.observe(mono, samples)

@@ -153,7 +153,7 @@ def test_bottleneck_queue_stays_in_the_ecn_band_below_xoff(two_flows):
     kmin, kmax, xoff = cls.ecn.kmin_bytes, cls.ecn.kmax_bytes, cls.pfc.xoff_bytes
     assert (kmin, kmax, xoff) == (100_000, 400_000, 1_000_000)
     store = Store(run_dir / "counters.sqlite")
-    (queue,) = store.series("backlog_bytes", node="sw1", port="swp3", tclass=LOSSLESS).values()
+    (queue,) = store.aligned("backlog_bytes", node="sw1", port="swp3", tclass=LOSSLESS).values()
     store.close()
     steady = [v for t, v in queue if DURATION_NS // 3 <= t <= DURATION_NS]
     assert len(steady) >= 50
@@ -262,7 +262,7 @@ def test_the_collector_kept_sampling_the_agents_to_the_end(incast_on, incast_off
     for _plan, run_dir, _summary in (incast_on, incast_off):
         store = Store(run_dir / "counters.sqlite")
         try:
-            received = store.series("recv.bytes")
+            received = store.aligned("recv.bytes")      # every sample the agent answered
         finally:
             store.close()
         assert len(received) == 7

@@ -13,6 +13,7 @@ import importlib.resources
 import json
 import re
 import shutil
+import sqlite3
 import stat
 from pathlib import Path
 
@@ -26,12 +27,14 @@ from testbed.report import (
     RunFormatError,
     build_report,
     load_run,
+    plots,
     write_prometheus,
 )
-from testbed.report.plots import fabric_layers
+from testbed.report.plots import Series, fabric_layers
 from testbed.report.prometheus import escape_label, prometheus_text
 from testbed.run.store import Sample, Store
 from tests.conftest import REPO
+from tests.unit.v1_store import V1Store
 
 BUDGET_BPS = 200_000_000          # pins D = 2000 for the default fabric
 PERIOD_NS = 5_000                 # fabric sample period
@@ -42,6 +45,12 @@ HOT_BYTES_PER_SAMPLE = 62_500     # 100 Gb/s over 5 us
 RECV_H8_PER_SAMPLE = 58_000       # 92.8 Gb/s fabric
 RECV_H5_PER_SAMPLE = 6_250        # exactly 10 Gb/s fabric
 PAUSERS = [("leaf2", "swp5", 3), ("leaf2", "swp1", 3)]
+# leaf2 -> h7 holds 50 KB over 750..1000 us while it sends nothing (h7 paused it): none of
+# that port's counters move then, so counters format 2 writes no row for it in between.
+HELD = ("leaf2", "swp3", 3)
+HELD_SAMPLES = range(150, 200)
+# burst-h6 receives 10 Gb/s over 250..500 us and 1000..1250 us, nothing in between.
+BURSTS = (range(50, 100), range(200, 250))
 
 
 def _plan():
@@ -72,12 +81,22 @@ def _backlog(key: tuple[str, str, int], i: int, ramp: bool) -> int:
             return max(0, 396_000 - (i - 200) * 8_000)
     if key == ("spine1", "swp2", 3) and 120 <= i < 140:
         return 30_000
+    if key == HELD and i in HELD_SAMPLES:
+        return 50_000
     return 0
 
 
+def _burst_bytes(i: int) -> int:
+    """burst-h6's received bytes after sample i: 6,250 B a sample (10 Gb/s) in BURSTS."""
+    return RECV_H5_PER_SAMPLE * sum(1 for burst in BURSTS for j in burst if j <= i)
+
+
 def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
-                 summary: bool = True, name: str = "incast") -> Path:
-    """A run directory as `testbed run` leaves it; returns its path."""
+                 summary: bool = True, name: str = "incast", store_format: int = 2,
+                 died: bool = False) -> Path:
+    """A run directory as `testbed run` leaves it (with a counters database of
+    `store_format`: 1 as testbeds before format 2 wrote it; `died`: as a writer killed
+    before it closed the store leaves it, points in time order); returns its path."""
     plan = _plan()
     d = plan.dilation.factor
     run_dir = root / f"20261129T120501Z-{name}"
@@ -98,7 +117,8 @@ def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
 
     keys = [(n.name, i.ifname, c.tc) for n in plan.nodes for i in n.interfaces
             for c in i.egress.classes]
-    store = Store(run_dir / "counters.sqlite", create=True)
+    path = run_dir / ("live.sqlite" if died else "counters.sqlite")
+    store = Store(path, create=True) if store_format == 2 else V1Store(path)
     store.set_meta("lab", plan.lab)
     store.set_meta("dilation", str(d))
     store.set_meta("sample_period_fabric_ns", str(PERIOD_NS))
@@ -134,7 +154,8 @@ def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
         last["pause_rx"][("spine1", "swp2", 3)] = pauses
         samples.append(Sample("h8", "incast-h8", -1, "recv.bytes", i * RECV_H8_PER_SAMPLE))
         samples.append(Sample("h5", "bg-h5", -1, "recv.bytes", i * RECV_H5_PER_SAMPLE))
-        store.add_samples(ts, 10**12 + ts * d, samples)
+        samples.append(Sample("h6", "burst-h6", -1, "recv.bytes", _burst_bytes(i)))
+        store.add_samples(ts, 10**12 + ts * d, samples, final=i == N_SAMPLES - 1)
     last["paused_ns"][("spine1", "swp2", 3)] = paused
     for key in PAUSERS:
         store.add_event(600_000, 0, "pfc_xoff", *key, quanta=65535)
@@ -151,7 +172,13 @@ def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
                      "rx_bytes": tx - h * PACKET_BYTES, "lost": h,
                      "rx_fabric_bps": 13_250_000_000.0 + h})
         store.add_result("incast", "udp_incast", rows[-1])
-    store.close()
+    if died:
+        with sqlite3.connect(run_dir / "counters.sqlite") as copy:
+            store.db.backup(copy)        # the database as it is before close()
+        store.close()
+        path.unlink()
+    else:
+        store.close()
 
     ports = []
     for key in sorted(keys):
@@ -283,6 +310,9 @@ def test_agent_rates_are_fabric_rates(run_dir: Path) -> None:
     rates = md.split("## Receive rates")[1].split("\n## ")[0]
     # 6,250 bytes per 5 us of fabric time is 10 Gb/s in the fabric (5 Mb/s wall at D=2000).
     assert re.search(r"bg-h5 .*\| +10 Gb/s \| +10 Gb/s \|", rates)
+    # From the sample before its first byte to the first that holds its last: 625 KB in
+    # 1 ms (the idle stretch counts, at 0 b/s), and 10 Gb/s while a burst lasts.
+    assert re.search(r"burst-h6 .*\| +625,000 \| +5 Gb/s \| +10 Gb/s \|", rates)
     assert re.search(r"incast-h8 .*92\.8 Gb/s", rates)
 
 
@@ -291,6 +321,69 @@ def _md_table(section: str) -> tuple[list[str], list[list[str]]]:
     lines = [line for line in section.splitlines() if line.startswith("|")]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
     return cells[0], cells[2:]
+
+
+def test_queue_means_are_over_samples_not_over_stored_changes(run_dir: Path) -> None:
+    md = build_report(run_dir).md.read_text()
+    queue_md = md.split("## Queue depth")[1].split("\n## ")[0]
+    row = next(line for line in queue_md.splitlines() if line.startswith("| leaf2:swp4"))
+    # sum of _backlog(HOT, i) over the 300 samples = 29.8 MB: 99.33 KB a sample
+    assert re.search(r"\| +396 KB \| +995 us \| +99\.33 KB \|", row), row
+    # 50 KB held over 50 of 300 samples (stored as two changes): 8.333 KB a sample
+    row = next(line for line in queue_md.splitlines() if line.startswith("| leaf2:swp3"))
+    assert re.search(r"\| +50 KB \| +750 us \| +8\.333 KB \|", row), row
+
+
+@pytest.mark.parametrize("with_summary", [True, False], ids=["summary", "rebuilt"])
+def test_report_of_a_v1_run_dir_equals_the_v2_one(tmp_path: Path, with_summary: bool) -> None:
+    """The same run written in counters format 1 (a row per counter per sample) and 2
+    (changes only; closed, or as a run that died left it) gives the same report: every
+    reader reads steps, not rows."""
+    texts = []
+    for fmt, died in ((1, False), (2, False), (2, True)):
+        root = tmp_path / f"v{fmt}{'-died' if died else ''}"
+        root.mkdir()
+        run_dir = make_run_dir(root, summary=with_summary, store_format=fmt, died=died)
+        with sqlite3.connect(run_dir / "counters.sqlite") as db:
+            assert db.execute("SELECT value FROM meta WHERE key = 'format_version'"
+                              ).fetchone() == (str(fmt),)
+            if fmt == 2:
+                (points,) = db.execute("SELECT sql FROM sqlite_master WHERE name = 'points'"
+                                       ).fetchone()
+                assert ("WITHOUT ROWID" in points) is not died
+        texts.append(build_report(run_dir).md.read_text().replace(str(run_dir), "RUN"))
+    assert texts[0] == texts[1] == texts[2]
+    assert "## Queue depth" in texts[1] and "## Receive rates" in texts[1]
+
+
+def _series_paths(svg: str, color: str) -> list[list[tuple[float, float]]]:
+    """Vertices of each path drawn in `color`: the series first, then its legend sample."""
+    out = []
+    for d, style in re.findall(r'<path d="([^"]+)"[^>]*style="([^"]*)"', svg):
+        if f"stroke: {color}" in style:
+            nums = [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?", d)]
+            out.append(list(zip(nums[::2], nums[1::2], strict=True)))
+    return out
+
+
+def test_plots_draw_steps_that_hold_each_value_until_the_next_point() -> None:
+    # A queue that jumps to 5 KB at 1 us, then to 2 KB at 3 us and stays to 10 us.
+    svg = plots.line_plot([Series("q", [(0, 0), (1000, 5000), (3000, 2000), (10_000, 2000)])],
+                          "t", "t", "KB", 1e3, 10_000)
+    line = _series_paths(svg, plots.SERIES_COLORS[0])[0]
+    # step-post: each point's value holds until the next point's time, so every
+    # segment is horizontal or vertical, never a slope between two points
+    assert len(line) == 7
+    for (x0, y0), (x1, y1) in zip(line, line[1:], strict=False):
+        assert x0 == x1 or y0 == y1, line
+    assert line[-1][0] > line[0][0] and line[-1][1] == line[-2][1]
+
+
+def test_reduced_points_keep_where_the_series_ends() -> None:
+    pts = [(i, float(i % 7)) for i in range(5000)] + [(10_000, 3.0)]
+    reduced = plots.reduce_points(pts, limit=100)
+    assert len(reduced) < 120 and reduced[-1] == (10_000, 3.0)
+    assert max(v for _, v in reduced) == 6.0
 
 
 def test_ports_table_lists_busiest_first_and_every_port_that_dropped(run_dir: Path) -> None:
@@ -342,6 +435,26 @@ def test_missing_summary_is_rebuilt_from_counters(run_dir: Path) -> None:
         assert f"{_hot_port(written)['tx_bytes']:,}" in text
     assert 'class="banner interrupted"' in html
     assert not (run_dir / "summary.json").exists()     # the report does not invent a summary
+
+
+def test_a_run_that_died_lasts_to_its_last_sample_even_if_nothing_changed(
+        run_dir: Path) -> None:
+    (run_dir / "summary.json").unlink()
+    end = N_SAMPLES * PERIOD_NS
+    writer = Store(run_dir / "counters.sqlite")
+    try:
+        # Three more samples in which nothing moved, and no final one: the writer died.
+        for n in range(3):
+            ts = end + n * PERIOD_NS
+            writer.add_samples(ts, 10**12 + ts * 2000, [Sample(*HOT, "class_bytes", 1.0)])
+        with load_run(run_dir) as run:
+            assert run.summary["duration_fabric_ns"] == end + 2 * PERIOD_NS
+            assert run.summary["duration_wall_s"] == pytest.approx(
+                (end + 2 * PERIOD_NS) * 2000 / 1e9, abs=1e-3)
+        md = build_report(run_dir).md.read_text()
+        assert "**duration (fabric)**: 1.51 ms" in md and "## Queue depth" in md
+    finally:
+        writer.close()
 
 
 @pytest.mark.parametrize("which", ["summary.json", "metadata.json", "plan.json"])
