@@ -166,7 +166,7 @@ class Collector:
             for agent in self.agents:
                 self._import_events(agent)
             self.watchdog.observe(mono, samples)
-            self.invariants.observe(ts_fabric, samples, self.sampler.brackets)
+            self.invariants.observe(ts_fabric, samples, getattr(self.sampler, "brackets", {}))
             self._update_totals(ts_fabric, samples)
             self.cpu_ns += time.thread_time_ns() - cpu0
         if self.on_sample is not None:
