@@ -1,15 +1,17 @@
-"""How fast PFC reacts, in fabric time: from a queue crossing XOFF to the upstream class stopping.
+"""How fast PFC reacts, in fabric time: from a queue crossing a threshold to the upstream
+class stopping (XOFF) or starting again (XON).
 
-Runs the 7:1 incast example with PFC on (configs/examples/incast-pfc.yaml)
-at its default dilation and reads the run's events:
-- `pfc_xoff` (sent by a switch): when the frame left, and how long before
-  that the congested queue crossed XOFF (interpolated between the agent's
-  last two polls: the detection delay);
-- `pfc_paused` (logged by the upstream agent once its TBF gate is closed and
-  its virtual queue frozen).
-Reaction = paused - (sent - detection). Refresh XOFFs (no new pause) are
-skipped. Prints a table per hop kind and overall: median and p99, and the
-two parts (detect, frame + gate).
+Runs the 7:1 incast example with PFC on (configs/examples/incast-pfc.yaml) at its
+default dilation and reads the run's events:
+- `pfc_xoff` / `pfc_xon` (sent by a switch): when the frame left, and how long before
+  that the packet that crossed the threshold passed the port program (`crossed_ns_ago`:
+  the port program posts the crossing to the agent's ring buffer at that packet);
+- `pfc_paused` / `pfc_resumed` (logged by the upstream agent once its gate is closed or
+  open again).
+Pause reaction = paused - (xoff sent - crossed); resume latency = resumed - (xon sent -
+crossed). Refresh XOFFs (no new pause) are skipped. Prints a table per hop kind and
+overall: median and p99, and the two parts (detect: crossing to frame sent; frame + gate:
+frame sent to the gate switched).
 
     sudo .venv/bin/python bench/pfc.py [--repeat N] [--dilation D]
 """
@@ -30,7 +32,7 @@ from testbed.plan import compile_plan  # noqa: E402
 from testbed.run.runner import RunOptions, run_config  # noqa: E402
 from testbed.run.store import Store  # noqa: E402
 
-MATCH_WINDOW_NS = 50_000     # a pause that starts later than this after an XOFF is not its own
+MATCH_WINDOW_NS = 50_000     # a gate change later than this after its frame is not its own
 
 
 def pct(values: list[float], q: float) -> float:
@@ -38,7 +40,26 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def one_run(n: int, dilation: str | None) -> list[tuple[str, float, float, float]]:
+def pairs(frames: list[dict], changes: list[dict], roles: dict[str, str],
+          what: str) -> list[tuple[str, str, float, float, float]]:
+    """Each gate change the upstream made, paired with the latest frame sent to it before."""
+    out = []
+    for p in changes:
+        before = [x for x in frames
+                  if (x["peer_node"], x["peer_port"]) == (p["node"], p["port"])
+                  and 0 <= p["ts_fabric_ns"] - x["ts_fabric_ns"] <= MATCH_WINDOW_NS
+                  and x.get("crossed_ns_ago") is not None and x.get("reason") != "refresh"]
+        if not before:
+            continue
+        x = before[-1]
+        detect = x["crossed_ns_ago"]
+        apply = p["ts_fabric_ns"] - x["ts_fabric_ns"]
+        hop = f"{x['node'].rstrip('0123456789')} -> {roles[x['peer_node']]}"
+        out.append((what, hop, detect + apply, detect, apply))
+    return out
+
+
+def one_run(n: int, dilation: str | None) -> list[tuple[str, str, float, float, float]]:
     text = (REPO / "configs/examples/incast-pfc.yaml").read_text()
     text = text.replace("name: incaston", f"name: benchpfc{n}")
     if dilation:
@@ -48,26 +69,12 @@ def one_run(n: int, dilation: str | None) -> list[tuple[str, float, float, float
     with tempfile.TemporaryDirectory(prefix="tb-benchpfc-") as tmp:
         result = run_config(loaded, plan, RunOptions(runs_root=Path(tmp), say=lambda _m: None))
         store = Store(result.run_dir / "counters.sqlite")
-        xoffs = store.events("pfc_xoff")
-        paused = store.events("pfc_paused")
+        events = {k: store.events(k) for k in ("pfc_xoff", "pfc_xon", "pfc_paused",
+                                               "pfc_resumed")}
         store.close()
     roles = {node.name: node.role for node in plan.nodes}
-    out = []
-    # Each pause the upstream started is paired with the latest XOFF sent to
-    # it before then (XOFFs to a port already paused start nothing).
-    for p in paused:
-        before = [x for x in xoffs
-                  if (x["peer_node"], x["peer_port"]) == (p["node"], p["port"])
-                  and 0 <= p["ts_fabric_ns"] - x["ts_fabric_ns"] <= MATCH_WINDOW_NS
-                  and x.get("crossed_ns_ago") is not None]
-        if not before:
-            continue
-        x = before[-1]
-        detect = x["crossed_ns_ago"]
-        apply = p["ts_fabric_ns"] - x["ts_fabric_ns"]
-        hop = f"{x['node'].rstrip('0123456789')} -> {roles[x['peer_node']]}"
-        out.append((hop, detect + apply, detect, apply))
-    return out
+    return (pairs(events["pfc_xoff"], events["pfc_paused"], roles, "pause")
+            + pairs(events["pfc_xon"], events["pfc_resumed"], roles, "resume"))
 
 
 def main() -> int:
@@ -75,23 +82,28 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dilation", help="override the example's dilation: auto")
     args = parser.parse_args()
-    rows: list[tuple[str, float, float, float]] = []
+    rows: list[tuple[str, str, float, float, float]] = []
     for n in range(args.repeat):
         rows += one_run(n, args.dilation)
     if not rows:
         print("no XOFF/pause pairs were recorded")
         return 1
-    groups: dict[str, list] = {"all": rows}
-    for row in rows:
-        groups.setdefault(row[0], []).append(row)
     print(f"PFC reaction, fabric time (us), {args.repeat} runs of the 7:1 incast example "
           f"(D {args.dilation or 'auto'}):")
-    print(f"{'hop':<22}{'n':>5}{'median':>10}{'p99':>10}{'detect med':>12}{'frame+gate med':>16}")
-    for name, group in groups.items():
-        total = [r[1] / 1e3 for r in group]
-        print(f"{name:<22}{len(group):>5}{statistics.median(total):>10.2f}"
-              f"{pct(total, 0.99):>10.2f}{statistics.median(r[2] / 1e3 for r in group):>12.2f}"
-              f"{statistics.median(r[3] / 1e3 for r in group):>16.2f}")
+    print(f"{'':8}{'hop':<22}{'n':>6}{'median':>10}{'p99':>10}{'detect med':>12}"
+          f"{'frame+gate med':>16}")
+    for what in ("pause", "resume"):
+        mine = [r for r in rows if r[0] == what]
+        groups: dict[str, list] = {"all": mine}
+        for row in mine:
+            groups.setdefault(row[1], []).append(row)
+        for name, group in groups.items():
+            if not group:
+                continue
+            total = [r[2] / 1e3 for r in group]
+            print(f"{what:<8}{name:<22}{len(group):>6}{statistics.median(total):>10.3f}"
+                  f"{pct(total, 0.99):>10.3f}{statistics.median(r[3] / 1e3 for r in group):>12.3f}"
+                  f"{statistics.median(r[4] / 1e3 for r in group):>16.3f}")
     return 0
 
 

@@ -225,6 +225,8 @@ class Agent:
             c.xoff_tx += 1
         else:
             c.xon_tx += 1
+        # how long ago (fabric ns) the packet that crossed the threshold passed the port
+        # program: the agent's share of the reaction time (bench/pfc.py)
         crossed = (None if crossed_mono_ns is None else
                    self.dilation.to_fabric_ns(max(0, time.monotonic_ns() - crossed_mono_ns)))
         self.log("pfc_xoff" if action.xoff else "pfc_xon", port.ifname, action.priority,
@@ -263,10 +265,9 @@ class Agent:
             if ev.tc not in self.tracked:
                 continue
             if ev.kind in ("xoff", "xon"):
-                self._ingress_flag(ev.tc, ev.slot, now, ev.ts_ns if ev.kind == "xoff" else None)
+                self._ingress_flag(ev.tc, ev.slot, now, ev.ts_ns)
             elif ev.kind in ("egress_hot", "egress_cool"):
-                self._egress_flag(ev.tc, ev.port_slot, now,
-                                  ev.ts_ns if ev.kind == "egress_hot" else None)
+                self._egress_flag(ev.tc, ev.port_slot, now, ev.ts_ns)
             elif ev.kind == "drop":
                 port = self.by_slot.get(ev.port_slot)
                 self.log("lossless_drop", port.ifname if port else "", ev.tc,

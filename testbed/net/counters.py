@@ -153,36 +153,20 @@ def datapath_snapshot(plan: Plan) -> dict:
             for cls in iface.egress.classes:
                 ports.append({"node": node.name, "port": iface.ifname, "tclass": cls.tc,
                               **counters[cls.tc]._asdict()})
-        if not node.buffer.tracked:
-            continue
         try:
             nm = portprog.open_node(plan.lab, node.name)
         except (OSError, portprog.PortProgError):
             continue
         try:
-            head = nm.head()
-            ingress = []
-            for t, tc in enumerate(node.buffer.tracked):
-                for slot, iface in enumerate(node.interfaces, start=1):
-                    a = nm.acct(t, slot)
-                    ingress.append({"port": iface.ifname, "tclass": tc, **a._asdict()})
-            nodes.append({"node": node.name, **head._asdict(), "ingress": ingress})
-            for key, (phy, tail, mmu, desc) in nm.flow_drops().items():
-                saddr, daddr, sport, dport, proto, tc = key
-                flows.append({"node": node.name, "saddr": saddr, "daddr": daddr,
-                              "sport": sport, "dport": dport, "proto": proto, "tclass": tc,
-                              "phy": phy, "tail": tail, "mmu": mmu, "desc": desc})
-        finally:
-            nm.close()
-    # hosts' drops by flow too (a host NIC's PHY loss, its own tail drops)
-    for node in plan.hosts():
-        if not node.interfaces:
-            continue
-        try:
-            nm = portprog.open_node(plan.lab, node.name)
-        except (OSError, portprog.PortProgError):
-            continue
-        try:
+            if node.buffer.tracked:
+                head = nm.head()
+                ingress = []
+                for t, tc in enumerate(node.buffer.tracked):
+                    for slot, iface in enumerate(node.interfaces, start=1):
+                        a = nm.acct(t, slot)
+                        ingress.append({"port": iface.ifname, "tclass": tc, **a._asdict()})
+                nodes.append({"node": node.name, **head._asdict(), "ingress": ingress})
+            # every node's drops by flow: a switch's, and a host NIC's (PHY loss, tail drop)
             for key, (phy, tail, mmu, desc) in nm.flow_drops().items():
                 saddr, daddr, sport, dport, proto, tc = key
                 flows.append({"node": node.name, "saddr": saddr, "daddr": daddr,

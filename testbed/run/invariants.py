@@ -13,8 +13,11 @@ fabric time where a sample shows it, and its size:
   shared pool: its headroom use <= its headroom).
 - (c) `lossless_drop`: no packet of a lossless class is dropped by a queue
   (tail drop, shared-buffer refusal, descriptor exhaustion, or the kernel's
-  qdisc). PHY and impairment losses are counted apart: a lossless fabric still
-  loses frames to bit errors, and they are configured, not emulator faults.
+  qdisc) where PFC protects it. PHY and impairment losses are counted apart: a
+  lossless fabric still loses frames to bit errors, and they are configured,
+  not emulator faults. A lossless class on a port whose PFC is off (a config
+  showing what happens without PFC) is lossless in name only: its drops are
+  listed (`unprotected_drops`), not violations.
 - (d) `reorder`: no flow's packets arrive out of order without a loss to
   explain it (UDP receivers count it per flow; a RoCE responder's out-of-order
   drops with nothing lost on its flow are reordering).
@@ -86,6 +89,11 @@ class InvariantMonitor:
         self.plan = plan
         self.tolerance_bytes = 2 * (plan.mtu_bytes + FRAME_OVERHEAD_BYTES)
         self.lossless = {t.tc for t in plan.traffic_classes if t.lossless}
+        # (c) holds where PFC protects a lossless class: a class whose port has PFC off is
+        # lossless in name only there, and its drops are reported, not violations
+        self.protected = {(node.name, iface.ifname, cls.tc) for node in plan.nodes
+                          for iface in node.interfaces for cls in iface.egress.classes
+                          if cls.lossless and cls.pfc is not None}
         self.samples = 0
         # (a): per port class, the largest naive |vq - backlog| and the violations
         self.queue_diff: dict[tuple[str, str, int], _Worst] = {}
@@ -129,7 +137,7 @@ class InvariantMonitor:
                     if s.value - bound[0] > w.amount:
                         w.amount, w.ts = s.value - bound[0], ts_fabric_ns
                         w.info = {"value": s.value, "bound": bound[0]}
-            elif (s.tclass in self.lossless and s.counter in
+            elif (key in self.protected and s.counter in
                   ("class_drops", "tail_drops", "mmu_drops", "desc_drops")):
                 dkey = (s.node, s.port, s.tclass, s.counter)
                 if s.value > self.drop_prev.get(dkey, 0) and key not in self.drop_first:
@@ -164,7 +172,8 @@ class InvariantMonitor:
         out: list[Violation] = []
         out += self._queue_violations()
         out += self._headroom_violations(snapshot)
-        out += self._drop_violations(snapshot, last)
+        drop_violations, unprotected = self._drop_violations(snapshot, last)
+        out += drop_violations
         out += _reorder_violations(streams)
         out += _conservation_violations(streams, host_udp_errors, snapshot, last,
                                         self.plan)
@@ -181,6 +190,7 @@ class InvariantMonitor:
             checks["queue"]["held"] = None
             checks["queue"]["note"] = "no port programs: nothing to compare"
         checks["conservation"]["streams"] = len(streams)
+        checks["lossless_drop"]["unprotected_drops"] = unprotected
         return {"checks": checks, "violations": [asdict(v) for v in out],
                 "notes": _notes(out)}
 
@@ -222,7 +232,10 @@ class InvariantMonitor:
         return out
 
     def _drop_violations(self, snapshot: dict | None,
-                         last: dict[str, dict[tuple[str, str, int], float]]) -> list[Violation]:
+                         last: dict[str, dict[tuple[str, str, int], float]]
+                         ) -> tuple[list[Violation], dict[str, int]]:
+        """Queue drops in PFC-protected lossless classes (violations), and per port those
+        in lossless classes whose port has PFC off (reported, not violations)."""
         out = []
         drops: dict[tuple[str, str, int], dict[str, int]] = {}
         for key, value in last.get("class_drops", {}).items():
@@ -235,13 +248,16 @@ class InvariantMonitor:
             for name in ("tail_drops", "mmu_drops", "desc_drops"):
                 if row[name]:
                     drops.setdefault(key, {})[name.replace("_drops", "")] = row[name]
+        unprotected = {_where(*key): sum(parts.values()) for key, parts in drops.items()
+                       if key not in self.protected}
+        drops = {key: parts for key, parts in drops.items() if key in self.protected}
         for key, parts in sorted(drops.items(), key=lambda kv: -sum(kv[1].values())):
             total = sum(parts.values())
             how = ", ".join(f"{n} {k}" for k, n in sorted(parts.items()))
             out.append(Violation("lossless_drop", _where(*key), total, "packets",
                                  f"{total} packets dropped ({how})",
                                  self.drop_first.get(key)))
-        return out
+        return out, unprotected
 
 
 def _reorder_violations(streams: list[dict]) -> list[Violation]:

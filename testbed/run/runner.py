@@ -64,6 +64,9 @@ class RunOptions:
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
     say: Callable[[str], None] = print
     on_sample: Callable[[str, LiveTotals, float], None] | None = None
+    # called with the plan once the fabric and its PFC agents are up, before any traffic
+    # (tests use it to break something on purpose and see the run say so)
+    on_up: Callable[[Plan], None] | None = None
 
 
 @dataclass
@@ -174,6 +177,8 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                                     "attached (no BPF datapath), so no PFC agent runs and "
                                     "lossless classes can drop")
 
+            if options.on_up is not None:
+                options.on_up(plan)
             endpoints = []
 
             def start(spec: AgentSpec, t0: int | None = None) -> None:
