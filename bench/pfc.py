@@ -45,6 +45,8 @@ def pairs(frames: list[dict], changes: list[dict], roles: dict[str, str],
     """Each gate change the upstream made, paired with the latest frame sent to it before."""
     out = []
     for p in changes:
+        if p.get("quanta") is None:
+            continue          # a pause that ran out or a storm: no frame caused it
         before = [x for x in frames
                   if (x["peer_node"], x["peer_port"]) == (p["node"], p["port"])
                   and 0 <= p["ts_fabric_ns"] - x["ts_fabric_ns"] <= MATCH_WINDOW_NS

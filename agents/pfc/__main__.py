@@ -159,7 +159,10 @@ class Agent:
         self.by_slot = {p.slot: p for p in self.ports}
         self.is_switch = self.me["role"] == "switch"
         self.t0 = time.monotonic_ns()
-        self.events = open(args.events, "a", buffering=1) if args.events else None
+        # Events are written after the frames of a wake-up are out (a JSON line costs tens
+        # of us, which would add to the next frame's reaction time).
+        self.events = open(args.events, "a") if args.events else None
+        self.frames: dict[tuple[str, int, bool], bytes] = {}
         self.gate = Gate(self.ports)
         watchdog = args.watchdog_ns if args.watchdog_ns else None
         self.timer = PauseTimer(watchdog_ns=watchdog)
@@ -174,6 +177,8 @@ class Agent:
         self.hot: dict[tuple[int, int], bool] = {}       # (port slot, tc) -> egress protection
         self.paused_state: dict[tuple[str, int], bool] = {}
         self.events_lost_seen = 0
+        self.pending: list[tuple[int, str, str, int, dict]] = []
+        self.rx_mono: int | None = None       # when the frame being handled was read
         self.next_rescan = 0
         self.rescans = 0
         self.wakeups = 0
@@ -182,11 +187,19 @@ class Agent:
         return self.dilation.to_fabric_ns(time.monotonic_ns() - self.t0)
 
     def log(self, kind: str, port: str, tc: int, **detail) -> None:
-        if self.events is None:
+        """Note an event now; it is written (JSON) by flush_log, after the loop's frames."""
+        if self.events is not None:
+            self.pending.append((time.monotonic_ns(), kind, port, tc, detail))
+
+    def flush_log(self) -> None:
+        if self.events is None or not self.pending:
             return
-        self.events.write(json.dumps({"mono_ns": time.monotonic_ns(), "kind": kind,
-                                      "node": self.node, "port": port, "tclass": tc,
-                                      **detail}) + "\n")
+        self.events.write("".join(
+            json.dumps({"mono_ns": mono, "kind": kind, "node": self.node, "port": port,
+                        "tclass": tc, **detail}) + "\n"
+            for mono, kind, port, tc, detail in self.pending))
+        self.events.flush()
+        self.pending.clear()
 
     # -- receiving pauses -------------------------------------------------------------
     def on_frame(self, port: Port, data: bytes) -> None:
@@ -207,10 +220,15 @@ class Agent:
         paused = self.timer.is_paused(port.ifname, prio, now)
         key = (port.ifname, prio)
         if self.paused_state.get(key, False) != paused:
+            t0 = time.monotonic_ns()
             self.gate.set(port, prio, paused)
             self.paused_state[key] = paused
+            # gate_us: the netlink change (and the kick on reopening), wall time
             self.log("pfc_paused" if paused else "pfc_resumed", port.ifname, prio,
-                     peer_node=port.peer_node, peer_port=port.peer_port, quanta=quanta)
+                     peer_node=port.peer_node, peer_port=port.peer_port, quanta=quanta,
+                     gate_us=round((time.monotonic_ns() - t0) / 1e3, 1),
+                     rx_us_ago=(None if self.rx_mono is None else
+                                round((t0 - self.rx_mono) / 1e3, 1)))
 
     # -- sending pauses ---------------------------------------------------------------
     def _send(self, action, occupancy: int | None = None,
@@ -219,7 +237,11 @@ class Agent:
         if port is None or action.priority not in port.pfc_classes:
             return
         quanta = pfcwire.MAX_QUANTA if action.xoff else 0
-        port.sock.send(pfcwire.encode(port.mac, {action.priority: quanta}))
+        key = (port.ifname, action.priority, action.xoff)
+        frame = self.frames.get(key)
+        if frame is None:
+            frame = self.frames[key] = pfcwire.encode(port.mac, {action.priority: quanta})
+        port.sock.send(frame)
         c = port.counters[action.priority]
         if action.xoff:
             c.xoff_tx += 1
@@ -343,8 +365,11 @@ class Agent:
                         data = port.sock.recv(2048)
                     except BlockingIOError:
                         break
+                    self.rx_mono = time.monotonic_ns()
                     self.on_frame(port, data)
+                self.rx_mono = None
             self.expire()
+            self.flush_log()
 
     def close(self) -> None:
         # Leave every gate open: a stopped agent must not leave the fabric paused.
@@ -363,6 +388,7 @@ class Agent:
         if self.node_maps is not None:
             self.node_maps.close()
         if self.events is not None:
+            self.flush_log()
             self.events.close()
 
 

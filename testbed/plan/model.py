@@ -106,7 +106,8 @@ class NodePlan(PlanModel):
     name: str
     role: str
     netns: str
-    buffer: NodeBufferPlan
+    # (plans of format 1, before buffers were accounted per node, read as "none")
+    buffer: NodeBufferPlan = NodeBufferPlan(mode="none", tracked=[])
     sysctls: dict[str, str]
     interfaces: list[InterfacePlan]
     routes: list[RoutePlan]
