@@ -622,10 +622,51 @@ def port_totals(run: RunData, idx: PlanIndex) -> dict | None:
     return {"table": Table(columns, rows, numeric), "text": text}
 
 
+def invariants(run: RunData) -> Table | None:
+    """The run's invariant checks (testbed/run/invariants.py), one row each: held or not,
+    what was measured, how many places broke it."""
+    inv = run.summary.get("invariants")
+    if not inv:
+        return None
+    checks = inv.get("checks") or {}
+    violations = inv.get("violations") or []
+    rows = []
+    for name, check in sorted(checks.items(), key=lambda kv: kv[1].get("label", kv[0])):
+        held = check.get("held")
+        mine = [v for v in violations if v.get("invariant") == name]
+        measured = ""
+        if name == "queue" and check.get("samples"):
+            measured = (f"largest |vq - backlog| {fmt_bytes(check.get('max_abs_diff_bytes') or 0)}"
+                        f" at {check.get('max_abs_diff_at') or '-'} over {check['samples']} "
+                        f"samples (tolerance {fmt_bytes(check.get('tolerance_bytes') or 0)})")
+        elif name == "conservation":
+            streams = inv.get("streams") or []
+            lost = sum(s.get("sent", 0) - s.get("received", 0) for s in streams)
+            counted = sum(s.get("fabric_drops", 0) for s in streams)
+            measured = (f"{len(streams)} streams: {fmt_int(lost)} packets not received, "
+                        f"{fmt_int(counted)} of them dropped by the fabric")
+            sockets = sum((inv.get("host_socket_drops") or {}).values())
+            if sockets:
+                measured += f", {fmt_int(sockets)} by the receivers' sockets"
+        elif name == "lossless_drop" and check.get("unprotected_drops"):
+            unprotected = check["unprotected_drops"]
+            measured = (f"{fmt_int(sum(unprotected.values()))} drops in lossless classes with "
+                        f"PFC off ({', '.join(sorted(unprotected)[:3])}): not charged")
+        if mine:
+            worst = max(mine, key=lambda v: v.get("amount") or 0)
+            measured = (measured + "; " if measured else "") + (
+                f"worst: {worst.get('where')}: {worst.get('detail')}")
+        rows.append([check.get("label", name),
+                     "n/a" if held is None else ("held" if held else "VIOLATED"),
+                     str(len(mine)), measured])
+    return Table(["invariant", "verdict", "places", "measured"], rows,
+                 [False, False, True, False])
+
+
 def fidelity(run: RunData) -> dict:
     notes = [str(n) for n in run.summary.get("fidelity") or []]
     warnings = list(run.plan.warnings) if run.plan else []
-    return {"notes": notes, "plan_warnings": warnings}
+    return {"notes": notes, "plan_warnings": warnings, "invariants": invariants(run)}
 
 
 def build_context(run: RunData) -> dict:
