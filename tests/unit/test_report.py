@@ -647,3 +647,28 @@ def test_dcqcn_section_plots_each_qps_rate_only_when_roce_ran(run_dir: Path) -> 
     assert "## DCQCN rates" in md
     row = next(line for line in md.splitlines() if "roce-h1-h8" in line and "|" in line)
     assert "25" in row and "68.75" in row    # lowest and final Rc, Gb/s
+
+
+def test_the_invariants_table_names_each_verdict_and_the_worst_place(run_dir: Path) -> None:
+    summary = _summary(run_dir)
+    summary["invariants"] = {
+        "checks": {
+            "queue": {"label": "(a) the queue ECN and PFC decide on is the real queue",
+                      "held": True, "samples": 300, "max_abs_diff_bytes": 9014,
+                      "max_abs_diff_at": "leaf2:swp4 TC3", "tolerance_bytes": 18048},
+            "lossless_drop": {"label": "(c) lossless classes lose nothing in a queue",
+                              "held": False, "unprotected_drops": {}},
+        },
+        "violations": [{"invariant": "lossless_drop", "where": "spine1:swp2 TC3",
+                        "amount": 17, "unit": "packets", "detail": "17 packets dropped (17 tail)",
+                        "ts_fabric_ns": 812_000, "count": 1}],
+        "streams": [],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    paths = build_report(run_dir)
+    for text in (paths.html.read_text(), paths.md.read_text()):
+        assert "VIOLATED" in text and "spine1:swp2 TC3" in text
+        assert "17 packets dropped (17 tail)" in text
+        assert "9.014 KB at leaf2:swp4 TC3 over 300 samples" in text
+        # (a) before (c): rows in the invariants' order
+        assert text.index("(a) the queue") < text.index("(c) lossless")
