@@ -3,9 +3,12 @@
 Order: record state (every namespace the lab will own), then the build in steps,
 each over the whole plan:
   1. namespaces: create each one with its sysctls and a netlink socket opened
-     inside it (no fork: see namespaces.create_many);
+     inside it (no fork: see namespaces.create_many); the sysctls include the
+     RPS map that keeps each flow on one CPU per port (steering.py: without it
+     the fabric reorders flows whose packets are handled on two CPUs);
   2. veth: create each pair straight into its two namespaces, both ends with
-     their MAC and MTU (the initial namespace never sees them);
+     their MAC and MTU (the initial namespace never sees them); on kernels without
+     a per-namespace RPS default, every port's rps_cpus next ("flow steering");
   3. addresses+queues: per namespace one link dump, then lo up and per port its
      address, its queues (qdisc.install_port_queues, each distinct tc request
      encoded once) and link up;
@@ -25,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from testbed.net import datapath, namespaces, portprog
+from testbed.net import datapath, namespaces, portprog, steering
 from testbed.net.batch import (
     LOOPBACK_IFINDEX,
     BatchedTc,
@@ -59,6 +62,7 @@ class BuildReport:
     routes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     datapath: str = ""     # "bpf", or "none: why" (no ECN marking, virtual queues or PFC)
+    ordering: str = ""     # "rps cpus 0-1 (how)", or "none: why" (flows may be reordered)
 
 
 def plan_digest(plan: Plan) -> str:
@@ -76,8 +80,13 @@ class _Timer:
         self.t = now
 
 
-def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None) -> BuildReport:
-    """Build the lab described by `plan`. Idempotent: an identical lab already up is left as is."""
+def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
+               flow_steering: bool = True) -> BuildReport:
+    """Build the lab described by `plan`. Idempotent: an identical lab already up is left as is.
+
+    `flow_steering=False` leaves RPS off (steering.py), so that bench/ordering.py can
+    measure the reordering it prevents; never otherwise.
+    """
     say = progress or (lambda _msg: None)
     report = BuildReport(lab=plan.lab)
     digest = plan_digest(plan)
@@ -103,7 +112,7 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None) -> Bui
     state.plan_path.write_text(plan.to_json())
     os.chmod(state.plan_path, 0o600)
     try:
-        _build(plan, report, say)
+        _build(plan, report, say, flow_steering)
     except BaseException as exc:
         say(f"build failed ({exc}); removing what was made")
         state.status = "failed"
@@ -120,10 +129,13 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None) -> Bui
     return report
 
 
-def _build(plan: Plan, report: BuildReport, say: Callable[[str], None]) -> None:
+def _build(plan: Plan, report: BuildReport, say: Callable[[str], None],
+           flow_steering: bool) -> None:
     timer = _Timer(report)
+    steer = steering.choose(flow_steering)
+    report.ordering = steer.describe()
     say(f"creating {len(plan.nodes)} namespaces")
-    sockets = _create_namespaces(plan)
+    sockets = _create_namespaces(plan, steer.namespace_sysctls())
     report.namespaces = len(plan.nodes)
     timer.lap("namespaces")
     try:
@@ -133,6 +145,11 @@ def _build(plan: Plan, report: BuildReport, say: Callable[[str], None]) -> None:
         _create_veth_pairs(plan, batches)
         report.veth_pairs = len(plan.links)
         timer.lap("veth")
+
+        if steer.method == steering.RPS_CPUS:
+            say("flow steering (rps_cpus of every port)")
+            _steer_ports(plan, steer)
+            timer.lap("flow steering")
 
         say("addresses, queues and links up")
         ifindex = {n.name: dump_link_indexes(sockets[n.name], n.name) for n in plan.nodes}
@@ -165,11 +182,13 @@ def _attach_datapath(plan: Plan, ifindex: dict[str, dict[str, int]]) -> str:
     return "bpf"
 
 
-def _create_namespaces(plan: Plan) -> dict[str, socket.socket]:
-    """Step 1: every node's namespace with its sysctls; a netlink socket in each, by node."""
+def _create_namespaces(plan: Plan, extra_sysctls: dict[str, str]) -> dict[str, socket.socket]:
+    """Step 1: every node's namespace with its sysctls (the plan's, then `extra_sysctls`,
+    the same on every node); a netlink socket in each, by node."""
     node_of = {n.netns: n.name for n in plan.nodes}
     try:
-        sockets = namespaces.create_many([(n.netns, n.sysctls) for n in plan.nodes],
+        sockets = namespaces.create_many([(n.netns, {**n.sysctls, **extra_sysctls})
+                                          for n in plan.nodes],
                                          open_socket=open_route_socket)
     except namespaces.NamespaceError as exc:
         raise BuildError(f"building {plan.lab!r}: node {node_of[exc.name]}: {exc}") from exc
@@ -203,6 +222,16 @@ def _create_veth_pairs(plan: Plan, batches: dict[str, NetlinkBatch]) -> None:
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _steer_ports(plan: Plan, steer: steering.Steering) -> None:
+    """Step 2b, only where the kernel has no per-namespace RPS default: the RPS map on
+    every port, before any port is up (so no packet is received without it)."""
+    ports = {n.netns: [i.ifname for i in n.interfaces] for n in plan.nodes if n.interfaces}
+    try:
+        steering.write_rps_cpus(ports, steer.mask)
+    except OSError as exc:
+        raise BuildError(f"building {plan.lab!r}: writing rps_cpus {steer.mask}: {exc}") from exc
 
 
 def _index(ifindex: dict[str, dict[str, int]], node: str, ifname: str) -> int:
