@@ -49,9 +49,16 @@ from socket import AF_INET
 
 from pyroute2 import IPBatch
 from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST
-from pyroute2.netlink.rtnl import RTM_GETLINK, RTM_NEWADDR, RTM_NEWLINK, RTM_NEWROUTE
+from pyroute2.netlink.rtnl import (
+    RTM_GETLINK,
+    RTM_NEWADDR,
+    RTM_NEWLINK,
+    RTM_NEWNEIGH,
+    RTM_NEWROUTE,
+)
 from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
 from pyroute2.netlink.rtnl.ifinfmsg import IFF_UP, ifinfmsg
+from pyroute2.netlink.rtnl.ndmsg import NUD_PERMANENT, ndmsg
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
 # <linux/netlink.h>
@@ -317,6 +324,15 @@ def link_up_message(ifindex: int) -> bytes:
     msg = ifinfmsg()
     msg["index"], msg["flags"], msg["change"] = ifindex, IFF_UP, IFF_UP
     return _encode(msg, RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK)
+
+
+def neighbour_message(ifindex: int, address: str, mac: str) -> bytes:
+    """A permanent IPv4 neighbour entry (`ip neigh add ADDRESS lladdr MAC dev .. nud
+    permanent`)."""
+    msg = ndmsg()
+    msg["family"], msg["ifindex"], msg["state"] = AF_INET, ifindex, NUD_PERMANENT
+    msg["attrs"] = [("NDA_DST", address), ("NDA_LLADDR", mac)]
+    return _encode(msg, RTM_NEWNEIGH, CREATE)
 
 
 def route_message(dst: str, nexthops: Sequence[tuple[str, int]]) -> bytes:

@@ -12,7 +12,12 @@ each over the whole plan:
   3. addresses+queues: per namespace one link dump, then lo up and per port its
      address, its queues (qdisc.install_port_queues, each distinct tc request
      encoded once) and link up;
-  4. routes: /31-reachable next hops and ECMP routes.
+  4. neighbours: per port a permanent neighbour entry for its /31 peer (the plan
+     has both MACs), so no ARP runs on the fabric: a flow's first packets would
+     otherwise wait in a neighbour queue while a later one overtakes them, and
+     pay an ARP round trip;
+  5. routes: /31-reachable next hops and ECMP routes;
+  6. port programs: the tc-BPF program on every port (datapath.py).
 Each namespace's requests go out in batches over its own socket, every ack checked
 (testbed/net/batch.py says why and what it saved). Any failure tears down what was
 made and raises BuildError naming the node, the request and the kernel's reason.
@@ -39,6 +44,7 @@ from testbed.net.batch import (
     address_message,
     dump_link_indexes,
     link_up_message,
+    neighbour_message,
     open_route_socket,
     route_message,
     veth_message,
@@ -156,6 +162,10 @@ def _build(plan: Plan, report: BuildReport, say: Callable[[str], None],
         report.tc_requests = _configure_ports(plan, batches, ifindex)
         timer.lap("addresses+queues")
 
+        say("neighbours")
+        _add_neighbours(plan, batches, ifindex)
+        timer.lap("neighbours")
+
         say("routes")
         report.routes = _add_routes(plan, batches, ifindex)
         timer.lap("routes")
@@ -169,7 +179,7 @@ def _build(plan: Plan, report: BuildReport, say: Callable[[str], None],
 
 
 def _attach_datapath(plan: Plan, ifindex: dict[str, dict[str, int]]) -> str:
-    """Step 5: the tc-BPF port program on every port, where this machine can load it.
+    """Step 6: the tc-BPF port program on every port, where this machine can load it.
 
     Without clang or bpftool the fabric still forwards and shapes, but has
     no ECN marking, virtual queues or PFC; the report says so.
@@ -261,9 +271,25 @@ def _configure_ports(plan: Plan, batches: dict[str, NetlinkBatch],
     return tc_requests
 
 
+def _add_neighbours(plan: Plan, batches: dict[str, NetlinkBatch],
+                    ifindex: dict[str, dict[str, int]]) -> None:
+    """Step 4: each port's /31 peer as a permanent neighbour (after link up: taking a
+    link down flushes even permanent entries)."""
+    mac = {(n.name, i.ifname): i.mac for n in plan.nodes for i in n.interfaces}
+    for node in plan.nodes:
+        batch = batches[node.name]
+        for iface in node.interfaces:
+            peer_ip = iface.peer.address.split("/")[0]
+            peer_mac = mac[(iface.peer.node, iface.peer.ifname)]
+            batch.add(neighbour_message(_index(ifindex, node.name, iface.ifname), peer_ip,
+                                        peer_mac),
+                      f"neigh add {peer_ip} lladdr {peer_mac} dev {iface.ifname} nud permanent")
+        batch.flush()
+
+
 def _add_routes(plan: Plan, batches: dict[str, NetlinkBatch],
                 ifindex: dict[str, dict[str, int]]) -> int:
-    """Step 4: every node's routes (after every port is up: a gateway must be on a
+    """Step 5: every node's routes (after every port is up: a gateway must be on a
     connected /31). Returns how many."""
     routes = 0
     for node in plan.nodes:
