@@ -87,11 +87,12 @@ class _Timer:
 
 
 def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
-               flow_steering: bool = True) -> BuildReport:
+               keep_order: bool = True) -> BuildReport:
     """Build the lab described by `plan`. Idempotent: an identical lab already up is left as is.
 
-    `flow_steering=False` leaves RPS off (steering.py), so that bench/ordering.py can
-    measure the reordering it prevents; never otherwise.
+    `keep_order=False` builds without what keeps a flow in order (RPS, steering.py;
+    static neighbours, step 4), as the builder did before them, so that
+    bench/ordering.py can measure the reordering they prevent; never otherwise.
     """
     say = progress or (lambda _msg: None)
     report = BuildReport(lab=plan.lab)
@@ -118,7 +119,7 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
     state.plan_path.write_text(plan.to_json())
     os.chmod(state.plan_path, 0o600)
     try:
-        _build(plan, report, say, flow_steering)
+        _build(plan, report, say, keep_order)
     except BaseException as exc:
         say(f"build failed ({exc}); removing what was made")
         state.status = "failed"
@@ -136,9 +137,9 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
 
 
 def _build(plan: Plan, report: BuildReport, say: Callable[[str], None],
-           flow_steering: bool) -> None:
+           keep_order: bool) -> None:
     timer = _Timer(report)
-    steer = steering.choose(flow_steering)
+    steer = steering.choose(keep_order)
     report.ordering = steer.describe()
     say(f"creating {len(plan.nodes)} namespaces")
     sockets = _create_namespaces(plan, steer.namespace_sysctls())
@@ -162,9 +163,10 @@ def _build(plan: Plan, report: BuildReport, say: Callable[[str], None],
         report.tc_requests = _configure_ports(plan, batches, ifindex)
         timer.lap("addresses+queues")
 
-        say("neighbours")
-        _add_neighbours(plan, batches, ifindex)
-        timer.lap("neighbours")
+        if keep_order:
+            say("neighbours")
+            _add_neighbours(plan, batches, ifindex)
+            timer.lap("neighbours")
 
         say("routes")
         report.routes = _add_routes(plan, batches, ifindex)

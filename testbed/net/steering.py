@@ -130,7 +130,7 @@ def choose(enabled: bool = True, cpus: Iterable[int] | None = None) -> Steering:
     """What the builder will do on this machine. `enabled=False` builds without it (only
     to measure what it prevents: bench/ordering.py)."""
     if not enabled:
-        return Steering(NONE, reason="turned off for this build (flow_steering=False)")
+        return Steering(NONE, reason="turned off for this build (keep_order=False)")
     allowed = tuple(sorted(os.sched_getaffinity(0) if cpus is None else cpus))
     if len(allowed) < 2:
         return Steering(NONE, allowed, "one CPU: packets cannot be reordered across CPUs")
