@@ -58,7 +58,7 @@ from pyroute2.netlink.rtnl import (
 )
 from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
 from pyroute2.netlink.rtnl.ifinfmsg import IFF_UP, ifinfmsg
-from pyroute2.netlink.rtnl.ndmsg import NUD_PERMANENT, ndmsg
+from pyroute2.netlink.rtnl.ndmsg import NUD_PERMANENT
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
 # <linux/netlink.h>
@@ -326,13 +326,23 @@ def link_up_message(ifindex: int) -> bytes:
     return _encode(msg, RTM_NEWLINK, NLM_F_REQUEST | NLM_F_ACK)
 
 
+_NDMSG = struct.Struct("=BxxxiHBB")      # family, ifindex, state, flags, type
+_RTATTR = struct.Struct("=HH")
+NDA_DST = 1
+NDA_LLADDR = 2
+
+
 def neighbour_message(ifindex: int, address: str, mac: str) -> bytes:
     """A permanent IPv4 neighbour entry (`ip neigh add ADDRESS lladdr MAC dev .. nud
-    permanent`)."""
-    msg = ndmsg()
-    msg["family"], msg["ifindex"], msg["state"] = AF_INET, ifindex, NUD_PERMANENT
-    msg["attrs"] = [("NDA_DST", address), ("NDA_LLADDR", mac)]
-    return _encode(msg, RTM_NEWNEIGH, CREATE)
+    permanent`). Packed here rather than by pyroute2's ndmsg (130 us a message, 40 ms
+    for the 320 ports of 128 hosts); tests/unit/test_batch.py checks it is the same."""
+    dst = socket.inet_aton(address)
+    lladdr = bytes.fromhex(mac.replace(":", ""))
+    body = (_NDMSG.pack(AF_INET, ifindex, NUD_PERMANENT, 0, 0)
+            + _RTATTR.pack(4 + len(dst), NDA_DST) + dst
+            + _RTATTR.pack(4 + len(lladdr), NDA_LLADDR) + lladdr)
+    body += bytes(-len(body) % 4)
+    return NLMSG_HDR.pack(NLMSG_HDR.size + len(body), RTM_NEWNEIGH, CREATE, 0, 0) + body
 
 
 def route_message(dst: str, nexthops: Sequence[tuple[str, int]]) -> bytes:

@@ -351,10 +351,11 @@ def test_link_up_message_is_what_iproute_sends():
         lambda ipr: ipr.link("set", index=4, state="up"))
 
 
-def test_neighbour_message_is_what_iproute_sends():
-    assert normalised(batch.neighbour_message(5, "198.18.0.1", "02:54:00:00:00:01")) == \
-        pyroute2_bytes(lambda ipr: ipr.neigh("add", ifindex=5, dst="198.18.0.1",
-                                             lladdr="02:54:00:00:00:01", state=128))
+@pytest.mark.parametrize(("ifindex", "dst", "mac"), [
+    (5, "198.18.0.1", "02:54:00:00:00:01"), (70000, "10.255.0.254", "AA:bb:cc:dd:ee:ff")])
+def test_neighbour_message_is_what_iproute_sends(ifindex, dst, mac):
+    assert normalised(batch.neighbour_message(ifindex, dst, mac)) == pyroute2_bytes(
+        lambda ipr: ipr.neigh("add", ifindex=ifindex, dst=dst, lladdr=mac.lower(), state=128))
 
 
 def test_single_next_hop_route_is_what_iproute_sends():
