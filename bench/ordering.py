@@ -22,10 +22,13 @@ neighbours, testbed/net/builder.py step 4):
 
 Columns: `reordered` is the receiver's count of datagrams that arrived after a later
 one of the same flow (agents.udp `reordered`, iperf3 `out_of_order`), `lost` what
-never arrived (for iperf3 mostly the senders' own NIC queues overflowing at -b 0),
+never arrived (see the drop columns for where),
 `recv Mb/s` the wall rate received (all streams), `cpu busy` / `softirq` the machine's
-(/proc/stat, both CPUs: the machine is shared, so others' work is in it), `backlog
-drops` packets dropped at full per-CPU backlogs (/proc/net/softnet_stat, machine-wide)
+(/proc/stat, both CPUs: the machine is shared, so others' work is in it), `drops
+nic/switch` tail drops in the lab's HTB classes at host NICs and at switch ports,
+`backlog drops` packets dropped at full per-CPU backlogs (/proc/net/softnet_stat,
+machine-wide), `rcvbuf drops` datagrams the receiving sockets had no room for (Udp
+RcvbufErrors of the lab's hosts)
 and `cpu0/cpu1` the backlog packets each CPU processed (with RPS a flow is processed
 on one CPU). Not part of the test run (see bench/README.md).
 
@@ -54,7 +57,8 @@ sys.path.insert(0, str(REPO))
 
 from agents.timebase import Dilation  # noqa: E402
 from testbed.config import load_config_text  # noqa: E402
-from testbed.net import LabState, apply_plan, destroy_lab  # noqa: E402
+from testbed.net import LabState, apply_plan, destroy_lab, namespaces  # noqa: E402
+from testbed.net.counters import read_counters  # noqa: E402
 from testbed.plan import compile_plan  # noqa: E402
 from testbed.plan.model import Plan  # noqa: E402
 from testbed.run.procs import AgentProcess, start_agent, start_process  # noqa: E402
@@ -90,6 +94,9 @@ class Result:
     busy: float = 0.0
     softirq: float = 0.0
     backlog_drops: int = 0
+    host_drops: int = 0         # tail drops in the hosts' NIC queues
+    switch_drops: int = 0       # tail drops in switch ports' queues
+    rcvbuf_drops: int = 0       # datagrams the receivers' sockets had no room for
     per_cpu: list[int] = field(default_factory=list)
     flips: int = 0
     note: str = ""
@@ -307,16 +314,39 @@ def iperf3_streams(plan: Plan, args, result: Result) -> None:
             proc.stop()
 
 
+def qdisc_drops(plan: Plan) -> dict[str, int]:
+    roles = {n.name: n.role for n in plan.nodes}
+    out = {"host": 0, "switch": 0}
+    for cls in read_counters(plan)[1]:
+        out[roles[cls.node]] += cls.drops
+    return out
+
+
+def udp_rcvbuf_errors(plan: Plan) -> int:
+    """Udp RcvbufErrors summed over the lab's hosts (a per-namespace counter)."""
+    total = 0
+    for node in plan.hosts():
+        with namespaces.inside(node.netns), open("/proc/thread-self/net/snmp") as fh:
+            rows = [line.split() for line in fh if line.startswith("Udp:")]
+        total += int(rows[1][rows[0].index("RcvbufErrors")])
+    return total
+
+
 def run_scenario(scenario: str, steered: bool, args, tmp: Path) -> Result:
     plan = make_plan()
     try:
         report = apply_plan(plan, keep_order=steered)
         result = Result(scenario, report.ordering)
+        before, rcvbuf = qdisc_drops(plan), udp_rcvbuf_errors(plan)
         if scenario == "iperf3":
             iperf3_streams(plan, args, result)
         else:
             one_udp_flow(plan, args, tmp, result, load=scenario == "loaded",
                          line_rate=scenario == "line-rate")
+        after = qdisc_drops(plan)
+        result.host_drops = after["host"] - before["host"]
+        result.switch_drops = after["switch"] - before["switch"]
+        result.rcvbuf_drops = udp_rcvbuf_errors(plan) - rcvbuf
         return result
     finally:
         destroy_lab(plan.lab)
@@ -344,6 +374,9 @@ def combine(results: list[Result]) -> Result:
         out.reordered += r.reordered
         out.lost += r.lost
         out.backlog_drops += r.backlog_drops
+        out.host_drops += r.host_drops
+        out.switch_drops += r.switch_drops
+        out.rcvbuf_drops += r.rcvbuf_drops
         out.flips += r.flips
     out.recv_wall_bps = statistics.median(r.recv_wall_bps for r in results)
     out.busy = statistics.median(r.busy for r in results)
@@ -354,14 +387,15 @@ def combine(results: list[Result]) -> Result:
 
 def table(results: list[Result]) -> str:
     header = ["scenario", "flow steering", "sent", "received", "reordered", "reordered %",
-              "lost", "recv Mb/s", "cpu busy", "softirq", "backlog drops", "cpu0/cpu1",
-              "flips", "note"]
+              "lost", "recv Mb/s", "cpu busy", "softirq", "drops nic/switch", "backlog drops",
+              "rcvbuf drops", "cpu0/cpu1", "flips", "note"]
     rows = []
     for r in results:
         rows.append([r.scenario, "off" if r.steering.startswith("none") else "on", r.sent,
                      r.received, r.reordered, f"{100 * r.reordered / max(r.received, 1):.3f}",
                      r.lost, f"{r.recv_wall_bps / 1e6:.0f}", f"{100 * r.busy:.0f} %",
-                     f"{100 * r.softirq:.0f} %", r.backlog_drops,
+                     f"{100 * r.softirq:.0f} %", f"{r.host_drops}/{r.switch_drops}",
+                     r.backlog_drops, r.rcvbuf_drops,
                      "/".join(str(n) for n in r.per_cpu), r.flips, r.note.strip()])
     return fmt_table(header, rows)
 
@@ -387,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/ordering.py: needs root (namespaces, veth, tc)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # pyroute2 (read_counters) forks helpers and stops them with SIGTERM: a child must
+    # not run this script's clean-up.
+    os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     if "iperf3" in scenarios and not shutil.which("iperf3"):
         print("iperf3 not installed: skipping the iperf3 scenario")
         scenarios.remove("iperf3")
