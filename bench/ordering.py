@@ -2,13 +2,18 @@
 
     sudo .venv/bin/python bench/ordering.py [--seconds 3] [--repeat 1] [--flip-ms 2]
                                             [--only alone,loaded,iperf3,line-rate]
+                                            [--variants off,rps,napi]
 
 A leaf-spine lab at D = 100: one spine, two leaves, four hosts on each (h1..h4 on
 leaf1, h5..h8 on leaf2), so every flow hN -> hN+4 crosses leaf-spine-leaf on one
-path in one class. Each scenario is run on a lab built without flow steering
-(`apply_plan(plan, keep_order=False)`: what the builder did before) and on one
-built as `up` builds it (RPS on every port, testbed/net/steering.py, and static
-neighbours, testbed/net/builder.py step 4):
+path in one class. Each scenario runs on a fresh lab per variant:
+- off: `apply_plan(plan, keep_order=False)`, the fabric as the builder made it before
+  (no RPS, ARP on every link);
+- rps: as `up` builds it (RPS on every port, testbed/net/steering.py, and static
+  neighbours, testbed/net/builder.py step 4);
+- napi (only when asked for): as built, then RPS turned off again (rps_cpus 0) and
+  veth's NAPI mode on every port (`ethtool -K IF gro on tso off`), the alternative
+  fix: a veth with GRO on receives into a ring one NAPI poll drains.
 
 - alone: one agents.udp flow h1 -> h5 (1000-byte payloads at 15 Gb/s fabric, 150 Mb/s
   wall), its sender's CPU affinity flipped between the CPUs every --flip-ms;
@@ -57,7 +62,7 @@ sys.path.insert(0, str(REPO))
 
 from agents.timebase import Dilation  # noqa: E402
 from testbed.config import load_config_text  # noqa: E402
-from testbed.net import LabState, apply_plan, destroy_lab, namespaces  # noqa: E402
+from testbed.net import LabState, apply_plan, destroy_lab, namespaces, steering  # noqa: E402
 from testbed.net.counters import read_counters  # noqa: E402
 from testbed.plan import compile_plan  # noqa: E402
 from testbed.plan.model import Plan  # noqa: E402
@@ -68,6 +73,7 @@ DILATION = 100
 PORT = 5001
 IPERF_PORT = 5201
 SCENARIOS = ["alone", "loaded", "iperf3", "line-rate"]
+VARIANTS = ["off", "rps", "napi"]
 YAML = """\
 name: {name}
 dilation: {dilation}
@@ -85,7 +91,7 @@ _labs = iter(range(1000))
 @dataclass
 class Result:
     scenario: str
-    steering: str
+    variant: str
     sent: int = 0
     received: int = 0
     reordered: int = 0
@@ -332,11 +338,43 @@ def udp_rcvbuf_errors(plan: Plan) -> int:
     return total
 
 
-def run_scenario(scenario: str, steered: bool, args, tmp: Path) -> Result:
+def veth_napi(plan: Plan) -> None:
+    """The alternative to RPS: veth's NAPI mode on every port. With GRO on, a veth
+    receives into a ring that one NAPI poll drains (a FIFO per port whoever sends);
+    veth uses the ring only for packets from a device without TSO, so TSO goes off."""
+    for node in plan.nodes:
+        for iface in node.interfaces:
+            subprocess.run(["nsenter", f"--net={NETNS_RUN_DIR}/{node.netns}", "ethtool", "-K",
+                            iface.ifname, "gro", "on", "tso", "off"], check=True,
+                           capture_output=True)
+
+
+def napi_packets(plan: Plan) -> int:
+    """Packets the lab's veths received through their NAPI rings (ethtool -S)."""
+    total = 0
+    for node in plan.nodes:
+        for iface in node.interfaces:
+            out = subprocess.run(["nsenter", f"--net={NETNS_RUN_DIR}/{node.netns}", "ethtool",
+                                  "-S", iface.ifname], check=True, capture_output=True,
+                                 text=True).stdout
+            total += sum(int(line.split(":")[1]) for line in out.splitlines()
+                         if line.strip().startswith("rx_queue_") and "_xdp_packets" in line)
+    return total
+
+
+def run_scenario(scenario: str, variant: str, args, tmp: Path) -> Result:
+    """variant: off (the builder with keep_order=False), rps (as built), napi (as built,
+    then RPS off and veth NAPI on every port)."""
     plan = make_plan()
     try:
-        report = apply_plan(plan, keep_order=steered)
-        result = Result(scenario, report.ordering)
+        report = apply_plan(plan, keep_order=variant != "off")
+        result = Result(scenario, variant)
+        if variant == "napi":
+            steering.write_rps_cpus({n.netns: [i.ifname for i in n.interfaces]
+                                     for n in plan.nodes}, "0")
+            veth_napi(plan)
+        elif variant == "rps":
+            result.note = report.ordering
         before, rcvbuf = qdisc_drops(plan), udp_rcvbuf_errors(plan)
         if scenario == "iperf3":
             iperf3_streams(plan, args, result)
@@ -347,6 +385,8 @@ def run_scenario(scenario: str, steered: bool, args, tmp: Path) -> Result:
         result.host_drops = after["host"] - before["host"]
         result.switch_drops = after["switch"] - before["switch"]
         result.rcvbuf_drops = udp_rcvbuf_errors(plan) - rcvbuf
+        if variant == "napi":
+            result.note += f" {napi_packets(plan)} packets through NAPI rings"
         return result
     finally:
         destroy_lab(plan.lab)
@@ -367,7 +407,7 @@ def fmt_table(header: list[str], rows: list[list[str]]) -> str:
 
 def combine(results: list[Result]) -> Result:
     """Counts summed over repeats, rates and shares as medians."""
-    out = Result(results[0].scenario, results[0].steering, note=results[0].note)
+    out = Result(results[0].scenario, results[0].variant, note=results[0].note)
     for r in results:
         out.sent += r.sent
         out.received += r.received
@@ -386,12 +426,12 @@ def combine(results: list[Result]) -> Result:
 
 
 def table(results: list[Result]) -> str:
-    header = ["scenario", "flow steering", "sent", "received", "reordered", "reordered %",
+    header = ["scenario", "variant", "sent", "received", "reordered", "reordered %",
               "lost", "recv Mb/s", "cpu busy", "softirq", "drops nic/switch", "backlog drops",
               "rcvbuf drops", "cpu0/cpu1", "flips", "note"]
     rows = []
     for r in results:
-        rows.append([r.scenario, "off" if r.steering.startswith("none") else "on", r.sent,
+        rows.append([r.scenario, r.variant, r.sent,
                      r.received, r.reordered, f"{100 * r.reordered / max(r.received, 1):.3f}",
                      r.lost, f"{r.recv_wall_bps / 1e6:.0f}", f"{100 * r.busy:.0f} %",
                      f"{100 * r.softirq:.0f} %", f"{r.host_drops}/{r.switch_drops}",
@@ -412,7 +452,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="move the senders to the next CPU this often (0: never)")
     parser.add_argument("--only", default=",".join(SCENARIOS),
                         help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    parser.add_argument("--variants", default="off,rps",
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (default off,rps)")
     args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    if set(variants) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}")
     scenarios = [s for s in args.only.split(",") if s]
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
@@ -435,18 +480,18 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         for scenario in scenarios:
-            for steered in (False, True):
-                runs = [run_scenario(scenario, steered, args, tmp) for _ in range(args.repeat)]
+            for variant in variants:
+                runs = [run_scenario(scenario, variant, args, tmp) for _ in range(args.repeat)]
                 results.append(combine(runs))
-                print(f"  {scenario}, steering {'on' if steered else 'off'}: "
+                print(f"  {scenario}, {variant}: "
                       f"{results[-1].reordered} of {results[-1].received} reordered", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print()
     print(table(results))
-    on = next((r.steering for r in results if not r.steering.startswith("none")), "")
-    print(f"\nflow steering on: {on}, static neighbours; off: the builder with "
-          "keep_order=False (no RPS, ARP)")
+    print("\noff: the builder with keep_order=False (no RPS, ARP); rps: as `up` builds "
+          "(RPS on every port, static neighbours); napi: as built, then RPS off and veth "
+          "NAPI (gro on, tso off) on every port")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
