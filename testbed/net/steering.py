@@ -5,16 +5,19 @@ queues it on the per-CPU backlog of the CPU that transmitted. Which CPU that is
 changes from packet to packet of the same flow: the sender may have moved, and a
 port's HTB is dequeued by whichever CPU runs the qdisc (the sender's, or the one
 whose watchdog timer fired). Each backlog is a FIFO, but two of them are drained
-independently; when one CPU's softirq work is put off (budget spent, a task to
-run: ksoftirqd then has to be scheduled), the other CPU's later packets of the
-flow reach the next port first. Measured: four iperf3 UDP streams across
-leaf-spine-leaf (D = 100, 2 CPUs) had 739 datagrams out of order in 5 s.
+independently; when one CPU's backlog has to wait (its softirq work put off while
+the CPU is busy), the other CPU's later packets of the flow reach the next port
+first. Measured: four iperf3 UDP streams across leaf-spine-leaf (D = 100, 2 CPUs)
+had 739 datagrams out of order in 5 s; a lone flow, even with its sender moved
+every 2 ms, stayed in order: it takes busy CPUs.
 
 The fix. With RPS (Receive Packet Steering) a receiving device picks the backlog
 from the packet's flow hash (`get_rps_cpu`: `map[hash % len(map)]`), not from the
 CPU it is running on, so every packet of a flow goes through one backlog at each
 port, whoever sent or dequeued it. The same streams with rps_cpus = 3 on every
-port had 0 out of order (docs/datapath.md "Ordering" has the measurements).
+port had 0 out of order (docs/datapath.md "Ordering" has the measurements). The
+cost: a flow's forwarding runs on the CPU its hash picks, at every hop, so a few
+heavy flows can end up sharing one CPU.
 
 How it is set, cheapest first:
 - `default-mask`: the per-namespace sysctl net.core.rps_default_mask (kernels with
