@@ -47,6 +47,7 @@ def run(args) -> int:
           f"{report.routes} routes, {report.tc_requests} tc requests in {total:.2f}s ({steps}); "
           f"dilation D={plan.dilation.factor}")
     print(f"datapath: {report.datapath or 'none'}; {pfc_note}")
+    print(f"flow order: {report.ordering}")
     print(f"namespaces: {plan.netns_prefix}*   tear down: testbed down {plan.lab}")
     return EXIT_OK
 

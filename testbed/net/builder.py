@@ -3,13 +3,21 @@
 Order: record state (every namespace the lab will own), then the build in steps,
 each over the whole plan:
   1. namespaces: create each one with its sysctls and a netlink socket opened
-     inside it (no fork: see namespaces.create_many);
+     inside it (no fork: see namespaces.create_many); the sysctls include the
+     RPS map that keeps each flow on one CPU per port (steering.py: without it
+     the fabric reorders flows whose packets are handled on two CPUs);
   2. veth: create each pair straight into its two namespaces, both ends with
-     their MAC and MTU (the initial namespace never sees them);
+     their MAC and MTU (the initial namespace never sees them); on kernels without
+     a per-namespace RPS default, every port's rps_cpus next ("flow steering");
   3. addresses+queues: per namespace one link dump, then lo up and per port its
      address, its queues (qdisc.install_port_queues, each distinct tc request
      encoded once) and link up;
-  4. routes: /31-reachable next hops and ECMP routes.
+  4. neighbours: per port a permanent neighbour entry for its /31 peer (the plan
+     has both MACs), so no ARP runs on the fabric: a flow's first packets would
+     otherwise wait in a neighbour queue while a later one overtakes them, and
+     pay an ARP round trip;
+  5. routes: /31-reachable next hops and ECMP routes;
+  6. port programs: the tc-BPF program on every port (datapath.py).
 Each namespace's requests go out in batches over its own socket, every ack checked
 (testbed/net/batch.py says why and what it saved). Any failure tears down what was
 made and raises BuildError naming the node, the request and the kernel's reason.
@@ -25,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from testbed.net import datapath, namespaces, portprog
+from testbed.net import datapath, namespaces, portprog, steering
 from testbed.net.batch import (
     LOOPBACK_IFINDEX,
     BatchedTc,
@@ -36,6 +44,7 @@ from testbed.net.batch import (
     address_message,
     dump_link_indexes,
     link_up_message,
+    neighbour_message,
     open_route_socket,
     route_message,
     veth_message,
@@ -59,6 +68,7 @@ class BuildReport:
     routes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     datapath: str = ""     # "bpf", or "none: why" (no ECN marking, virtual queues or PFC)
+    ordering: str = ""     # "rps cpus 0-1 (how)", or "none: why" (flows may be reordered)
 
 
 def plan_digest(plan: Plan) -> str:
@@ -76,8 +86,14 @@ class _Timer:
         self.t = now
 
 
-def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None) -> BuildReport:
-    """Build the lab described by `plan`. Idempotent: an identical lab already up is left as is."""
+def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
+               keep_order: bool = True) -> BuildReport:
+    """Build the lab described by `plan`. Idempotent: an identical lab already up is left as is.
+
+    `keep_order=False` builds without what keeps a flow in order (RPS, steering.py;
+    static neighbours, step 4), as the builder did before them, so that
+    bench/ordering.py can measure the reordering they prevent; never otherwise.
+    """
     say = progress or (lambda _msg: None)
     report = BuildReport(lab=plan.lab)
     digest = plan_digest(plan)
@@ -103,7 +119,7 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None) -> Bui
     state.plan_path.write_text(plan.to_json())
     os.chmod(state.plan_path, 0o600)
     try:
-        _build(plan, report, say)
+        _build(plan, report, say, keep_order)
     except BaseException as exc:
         say(f"build failed ({exc}); removing what was made")
         state.status = "failed"
@@ -120,10 +136,13 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None) -> Bui
     return report
 
 
-def _build(plan: Plan, report: BuildReport, say: Callable[[str], None]) -> None:
+def _build(plan: Plan, report: BuildReport, say: Callable[[str], None],
+           keep_order: bool) -> None:
     timer = _Timer(report)
+    steer = steering.choose(keep_order)
+    report.ordering = steer.describe()
     say(f"creating {len(plan.nodes)} namespaces")
-    sockets = _create_namespaces(plan)
+    sockets = _create_namespaces(plan, steer.namespace_sysctls())
     report.namespaces = len(plan.nodes)
     timer.lap("namespaces")
     try:
@@ -134,10 +153,20 @@ def _build(plan: Plan, report: BuildReport, say: Callable[[str], None]) -> None:
         report.veth_pairs = len(plan.links)
         timer.lap("veth")
 
+        if steer.method == steering.RPS_CPUS:
+            say("flow steering (rps_cpus of every port)")
+            _steer_ports(plan, steer)
+            timer.lap("flow steering")
+
         say("addresses, queues and links up")
         ifindex = {n.name: dump_link_indexes(sockets[n.name], n.name) for n in plan.nodes}
         report.tc_requests = _configure_ports(plan, batches, ifindex)
         timer.lap("addresses+queues")
+
+        if keep_order:
+            say("neighbours")
+            _add_neighbours(plan, batches, ifindex)
+            timer.lap("neighbours")
 
         say("routes")
         report.routes = _add_routes(plan, batches, ifindex)
@@ -152,7 +181,7 @@ def _build(plan: Plan, report: BuildReport, say: Callable[[str], None]) -> None:
 
 
 def _attach_datapath(plan: Plan, ifindex: dict[str, dict[str, int]]) -> str:
-    """Step 5: the tc-BPF port program on every port, where this machine can load it.
+    """Step 6: the tc-BPF port program on every port, where this machine can load it.
 
     Without clang or bpftool the fabric still forwards and shapes, but has
     no ECN marking, virtual queues or PFC; the report says so.
@@ -165,11 +194,13 @@ def _attach_datapath(plan: Plan, ifindex: dict[str, dict[str, int]]) -> str:
     return "bpf"
 
 
-def _create_namespaces(plan: Plan) -> dict[str, socket.socket]:
-    """Step 1: every node's namespace with its sysctls; a netlink socket in each, by node."""
+def _create_namespaces(plan: Plan, extra_sysctls: dict[str, str]) -> dict[str, socket.socket]:
+    """Step 1: every node's namespace with its sysctls (the plan's, then `extra_sysctls`,
+    the same on every node); a netlink socket in each, by node."""
     node_of = {n.netns: n.name for n in plan.nodes}
     try:
-        sockets = namespaces.create_many([(n.netns, n.sysctls) for n in plan.nodes],
+        sockets = namespaces.create_many([(n.netns, {**n.sysctls, **extra_sysctls})
+                                          for n in plan.nodes],
                                          open_socket=open_route_socket)
     except namespaces.NamespaceError as exc:
         raise BuildError(f"building {plan.lab!r}: node {node_of[exc.name]}: {exc}") from exc
@@ -205,6 +236,16 @@ def _create_veth_pairs(plan: Plan, batches: dict[str, NetlinkBatch]) -> None:
             os.close(fd)
 
 
+def _steer_ports(plan: Plan, steer: steering.Steering) -> None:
+    """Step 2b, only where the kernel has no per-namespace RPS default: the RPS map on
+    every port, before any port is up (so no packet is received without it)."""
+    ports = {n.netns: [i.ifname for i in n.interfaces] for n in plan.nodes if n.interfaces}
+    try:
+        steering.write_rps_cpus(ports, steer.mask)
+    except OSError as exc:
+        raise BuildError(f"building {plan.lab!r}: writing rps_cpus {steer.mask}: {exc}") from exc
+
+
 def _index(ifindex: dict[str, dict[str, int]], node: str, ifname: str) -> int:
     try:
         return ifindex[node][ifname]
@@ -232,9 +273,25 @@ def _configure_ports(plan: Plan, batches: dict[str, NetlinkBatch],
     return tc_requests
 
 
+def _add_neighbours(plan: Plan, batches: dict[str, NetlinkBatch],
+                    ifindex: dict[str, dict[str, int]]) -> None:
+    """Step 4: each port's /31 peer as a permanent neighbour (after link up: taking a
+    link down flushes even permanent entries)."""
+    mac = {(n.name, i.ifname): i.mac for n in plan.nodes for i in n.interfaces}
+    for node in plan.nodes:
+        batch = batches[node.name]
+        for iface in node.interfaces:
+            peer_ip = iface.peer.address.split("/")[0]
+            peer_mac = mac[(iface.peer.node, iface.peer.ifname)]
+            batch.add(neighbour_message(_index(ifindex, node.name, iface.ifname), peer_ip,
+                                        peer_mac),
+                      f"neigh add {peer_ip} lladdr {peer_mac} dev {iface.ifname} nud permanent")
+        batch.flush()
+
+
 def _add_routes(plan: Plan, batches: dict[str, NetlinkBatch],
                 ifindex: dict[str, dict[str, int]]) -> int:
-    """Step 4: every node's routes (after every port is up: a gateway must be on a
+    """Step 5: every node's routes (after every port is up: a gateway must be on a
     connected /31). Returns how many."""
     routes = 0
     for node in plan.nodes:

@@ -8,7 +8,10 @@ namespace's sysctls and can open sockets while it is inside, then returns to
 the namespace it came from. Code that must run inside a namespace uses
 `inside(name)`. Either way only the calling thread moves, and a thread that
 cannot move back ends the process (os._exit) rather than carry on in the wrong
-namespace: the initial namespace is never modified.
+namespace: the initial namespace is never modified. Two helpers run their work in
+a thread of its own that ends with it: `in_scratch_namespace(fn)` (an unnamed
+namespace, to see what a non-initial namespace offers) and `with_sysfs(names, fn)`
+(a private mount namespace with each namespace's sysfs on /sys in turn).
 
 (pyroute2's netns.create and IPRoute(netns=...) fork a child each: ~10 ms a
 namespace for the two, and a forked copy inherits the parent's Python signal
@@ -24,20 +27,24 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 NETNS_RUN_DIR = "/var/run/netns"
 PREFIX = "tb-"
 
 # <sched.h>, <sys/mount.h>
+CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 MS_BIND = 0x1000
 MS_REC = 0x4000
+MS_SLAVE = 0x80000
 MS_SHARED = 0x100000
 MNT_DETACH = 2
 # Exit status of a process whose thread could not return to its namespace.
 EXIT_STRANDED = 70
 
 _libc = ctypes.CDLL(None, use_errno=True)
+T = TypeVar("T")
 
 
 class NamespaceError(RuntimeError):
@@ -143,6 +150,96 @@ def _write(paths: Mapping[str, str]) -> None:
     for path, value in paths.items():
         with open(path, "w") as fh:
             fh.write(value)
+
+
+def _in_worker(fn: Callable[[], T]) -> T:
+    """Run fn in a thread of its own and return (or raise) what it did. For work that
+    moves the thread into namespaces it does not come back from (a mount namespace):
+    the thread ends with fn, and its namespaces with it. The caller waits for it
+    whatever happens (Ctrl-C included), as create_many does."""
+    out: list = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as exc:    # noqa: BLE001 - handed to the calling thread
+            out.append((False, exc))
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run, name="testbed-netns-worker")
+    worker.start()
+    try:
+        done.wait()
+    except BaseException:
+        _wait_whatever_happens(done)
+        raise
+    worker.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def in_scratch_namespace(fn: Callable[[], T]) -> T:
+    """fn's result, called in a new unnamed network namespace (to find out what a
+    namespace other than the initial one offers). Nothing is named or mounted: the
+    kernel frees the namespace as soon as the worker thread leaves it."""
+    def work():
+        home = _own_namespace()
+        try:
+            if _libc.unshare(CLONE_NEWNET) != 0:
+                raise _libc_error("unshare(CLONE_NEWNET)")
+            try:
+                return fn()
+            finally:
+                _return_to(home)
+        finally:
+            os.close(home)
+    return _in_worker(work)
+
+
+def with_sysfs(names: Sequence[str], fn: Callable[[str], object]) -> None:
+    """Call fn(name) for each namespace with /sys showing that namespace's devices.
+
+    sysfs shows the network devices of the namespace that mounted it, so, like `ip
+    netns exec`, a worker thread takes a mount namespace of its own, makes every mount
+    in it a slave (nothing it mounts propagates back to the machine's), then per
+    namespace enters it and mounts a sysfs on /sys, calls fn, and unmounts it. The
+    thread, and its mount namespace, end afterwards.
+    """
+    for name in names:
+        _check(name)
+
+    def work() -> None:
+        home = _own_namespace()
+        try:
+            if _libc.unshare(CLONE_NEWNS) != 0:
+                raise _libc_error("unshare(CLONE_NEWNS)")
+            if _libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None) != 0:
+                # Without this a mount below could propagate to the initial mount
+                # namespace: stop before mounting anything.
+                raise _libc_error("making / a slave mount in a private mount namespace")
+            try:
+                for name in names:
+                    target = os.open(_path(name), os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        if _libc.setns(target, CLONE_NEWNET) != 0:
+                            raise _libc_error(f"setns into {name}")
+                    finally:
+                        os.close(target)
+                    if _libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
+                        raise _libc_error(f"mounting sysfs for {name}")
+                    try:
+                        fn(name)
+                    finally:
+                        _libc.umount2(b"/sys", MNT_DETACH)
+            finally:
+                _return_to(home)
+        finally:
+            os.close(home)
+    _in_worker(work)
 
 
 # ---------------------------------------------------------------- create, remove

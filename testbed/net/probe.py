@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from testbed.net import namespaces
+from testbed.net import namespaces, steering
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ IMPACT = {
     "red": "the RED-based ECN marker alternative; the BPF marker is used",
     "vxlan": "stitching links across VMs (scale-out)",
     "ifb": "ingress shaping through IFB devices",
+    "rps": "keeping a flow in order when its packets are handled on several CPUs (RPS on "
+           "every port, testbed/net/steering.py); without it the fabric can reorder a flow",
     "rdma_rxe": "kernel Soft-RoCE endpoints; the user-space RoCE transport is used",
     "clang": "compiling the tc-BPF port program",
     "bpftool": "inspecting pinned BPF maps from the shell (the testbed reads maps itself)",
@@ -119,6 +121,7 @@ def probe() -> list[Feature]:
                 found["ifb"] = _try(lambda: ipr.link("add", ifname="ifb0", kind="ifb"))
         finally:
             namespaces.remove(scratch)
+    found["rps"] = _probe_rps()
     rxe = os.path.exists("/sys/module/rdma_rxe")
     found["rdma_rxe"] = (rxe, "loaded" if rxe else "not in this kernel (no /sys/module/rdma_rxe)")
     for tool in ("clang", "bpftool"):
@@ -129,6 +132,15 @@ def probe() -> list[Feature]:
     order = list(IMPACT)
     return [Feature(name, *found.get(name, (False, "not probed")), IMPACT[name])
             for name in order]
+
+
+def _probe_rps() -> tuple[bool, str]:
+    """How the builder will steer flows (the same decision `up` makes)."""
+    steer = steering.choose()
+    if steer.method == steering.NONE:
+        # One CPU cannot reorder across CPUs: nothing is missing then.
+        return len(steer.cpus) == 1, steer.reason
+    return True, steer.describe()
 
 
 def _bpffs_mounted() -> bool:

@@ -351,6 +351,13 @@ def test_link_up_message_is_what_iproute_sends():
         lambda ipr: ipr.link("set", index=4, state="up"))
 
 
+@pytest.mark.parametrize(("ifindex", "dst", "mac"), [
+    (5, "198.18.0.1", "02:54:00:00:00:01"), (70000, "10.255.0.254", "AA:bb:cc:dd:ee:ff")])
+def test_neighbour_message_is_what_iproute_sends(ifindex, dst, mac):
+    assert normalised(batch.neighbour_message(ifindex, dst, mac)) == pyroute2_bytes(
+        lambda ipr: ipr.neigh("add", ifindex=ifindex, dst=dst, lladdr=mac.lower(), state=128))
+
+
 def test_single_next_hop_route_is_what_iproute_sends():
     assert normalised(batch.route_message("198.18.0.0/15", [("198.18.0.0", 2)])) == \
         pyroute2_bytes(lambda ipr: ipr.route("add", dst="198.18.0.0/15",
