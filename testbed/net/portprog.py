@@ -288,6 +288,9 @@ class PortHandle:
     peer: tuple[str, str, int] | None = None     # (netns, ifname, ifindex) of the departure hook
 
     def close(self) -> None:
+        # a closed handle's maps must not be handed out again by path (_maps)
+        if _open.get(str(self.pin_dir)) is self.maps:
+            del _open[str(self.pin_dir)]
         self.maps.close()
 
 

@@ -160,6 +160,11 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
             say(f"up: lab {plan.lab!r} in {sum(report.seconds.values()):.2f}s, "
                 f"D={plan.dilation.factor}")
             udp_start = udp_errors(plan)
+            if report.ordering.startswith("none"):
+                fidelity.append(f"flows are not steered to one CPU per port "
+                                f"({report.ordering[6:]}): a flow's packets can be reordered "
+                                "crossing the fabric when the CPUs are busy (docs/datapath.md, "
+                                "Ordering)")
             if report.datapath.startswith("none"):
                 fidelity.append(f"no port programs ({report.datapath[6:]}): no ECN marking, "
                                 "no virtual queues, no PFC, no PHY loss")

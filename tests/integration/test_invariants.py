@@ -14,7 +14,7 @@ place and a size, and that a clean run of the same fabric names none:
 - (e) conservation: a blackhole route in the switch drops the packets to h4
   where no counter of the testbed sees them.
 (d) reordering has no reliable way to be provoked here; tests/unit/test_invariants.py
-feeds the checker a receiver's reordered flow, and tests/integration/test_reorder.py
+feeds the checker a receiver's reordered flow, and tests/integration/test_ordering.py
 sends one flow across CPUs.
 """
 
