@@ -602,14 +602,14 @@ class SwitchBuffer(Strict):
     """
 
     size_bytes: SizeBytes = Field(alias="size", description="the pool, per switch "
-                                  "(HPCC's BUFFER_SIZE)")
+                                  "(HPCC's BUFFER_SIZE, in MiB there: 2 is 2MiB)")
     reserve_bytes: SizeBytes = Field(
         4096, alias="reserve", description="reserved minimum per ingress port and lossless "
-                                           "priority (HPCC: 4 KB)")
+                                           "priority (HPCC: 4 KiB)")
     resume_offset_bytes: SizeBytes = Field(
         3072, alias="resume_offset",
         description="dynamic mode: XON when the ingress's shared use is this far below the "
-                    "threshold (HPCC: 3 KB)")
+                    "threshold (HPCC: 3 KiB)")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
