@@ -28,7 +28,8 @@ on payload bytes), dilation, stopped_by ('count', 'duration', 'idle', 'done',
   max_late_ns, forgiven_ns, rebases, max_burst_packets.
 - recv: lost, reordered, duplicates, foreign_packets (no agent header),
   ce_packets, ect_packets, tos_counts {tos byte: packets}, socket_drops
-  (SO_RXQ_OVFL: dropped at this socket because the receiver fell behind),
+  (dropped at this socket because the receiver fell behind: SO_RXQ_OVFL, and
+  SO_MEMINFO's count at exit),
   owd_wall_ns / owd_fabric_ns {count, min, avg, max} (one-way delay from the
   sender's CLOCK_REALTIME stamp; meaningful when both ends share a clock, as
   namespaces on one machine do), flows {"ip:sport/flow": {received,
@@ -107,6 +108,8 @@ SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 IP_RECVERR = getattr(socket, "IP_RECVERR", 11)
 MSG_ERRQUEUE = getattr(socket, "MSG_ERRQUEUE", 0x2000)
+SO_MEMINFO = getattr(socket, "SO_MEMINFO", 55)
+SK_MEMINFO_DROPS = 8            # index in the u32 array SO_MEMINFO returns
 
 TICK_NS = 100_000_000  # longest blocking socket call / parent-check period
 ENOBUFS_BACKOFF_S = 50e-6
@@ -386,6 +389,18 @@ class _FlowCounters:
         self.bytes = 0
 
 
+def _meminfo_drops(sock: socket.socket) -> int:
+    """Datagrams the kernel dropped at this socket (SO_MEMINFO's SK_MEMINFO_DROPS), 0 if
+    the kernel cannot tell."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 4 * (SK_MEMINFO_DROPS + 1))
+    except OSError:
+        return 0
+    if len(raw) < 4 * (SK_MEMINFO_DROPS + 1):
+        return 0
+    return struct.unpack_from("=I", raw, 4 * SK_MEMINFO_DROPS)[0]
+
+
 def _parse_ancillary(ancdata) -> tuple[int | None, int | None, int | None]:
     tos = ts_ns = drops = None
     for level, ctype, data in ancdata:
@@ -437,6 +452,7 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
         tos_counts: dict[int, int] = {}
         flows: dict[tuple[str, int, int], _FlowCounters] = {}
         owd = RunningStats()
+        draining = False
         while True:
             try:
                 n, anc, _flags, addr = sock.recvmsg_into([buf], ANC_BUFSIZE)
@@ -481,16 +497,24 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
                         fc.tracker.observe(seq)
                         fc.bytes += n
                     owd.add(ts_ns - send_ns)
-            if life.should_stop(now):
-                break
             if end is not None and now >= end:
                 life.stop("duration")
-                break
             if (idle_wall and last_arrival_mono is not None
                     and now - last_arrival_mono >= idle_wall):
                 life.stop("idle")
-                break
+            if life.should_stop(now):
+                # Read what is already queued in the socket before exiting: those
+                # datagrams arrived; leaving them unread would count them as lost.
+                if n is None and draining:
+                    break
+                if not draining:
+                    draining = True
+                    sock.setblocking(False)
 
+        # SO_RXQ_OVFL's count rides on packets queued after a drop: when the last
+        # drops came after the last packet (a receiver that stalled while its queue was
+        # full), only the socket itself still knows them.
+        socket_drops = max(socket_drops, _meminfo_drops(sock))
         trackers = [fc.tracker for fc in flows.values()]
         counters = {
             "mode": "recv",

@@ -12,7 +12,9 @@ place and a size, and that a clean run of the same fabric names none:
   pause ever comes while the switch's static thresholds are passed;
 - (c) lossless drops are not charged to a class whose port has PFC off;
 - (e) conservation: a blackhole route in the switch drops the packets to h4
-  where no counter of the testbed sees them.
+  where no counter of the testbed sees them; and a deliberately slow receiver
+  (its agent stopped for half a second) loses datagrams in its own socket
+  buffer, which the run counts and names, so conservation holds.
 (d) reordering has no reliable way to be provoked here; tests/unit/test_invariants.py
 feeds the checker a receiver's reordered flow, and tests/integration/test_ordering.py
 sends one flow across CPUs.
@@ -21,7 +23,10 @@ sends one flow across CPUs.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import threading
 
 import pytest
 
@@ -49,12 +54,33 @@ workload:
 """
 
 
-def _run(tmp_path, pfc: bool = True, on_up=None) -> dict:
+def _run(tmp_path, pfc: bool = True, on_up=None, on_sample=None) -> dict:
     loaded = load_config_text(FABRIC.format(lab=unique_lab("inv"), pfc=str(pfc).lower()),
                               "invariants.yaml")
-    result = run_config(loaded, compile_plan(loaded),
-                        RunOptions(runs_root=tmp_path, say=lambda _m: None, on_up=on_up))
+    plan = compile_plan(loaded)
+    options = RunOptions(runs_root=tmp_path, say=lambda _m: None, on_up=on_up)
+    if on_sample is not None:
+        options.on_sample = lambda phase, totals, _t: on_sample(plan, phase, totals)
+    result = run_config(loaded, plan, options)
     return json.loads((result.run_dir / "summary.json").read_text())
+
+
+def _pids_in(netns: str, *words: str) -> list[int]:
+    """Processes inside a lab namespace whose command line has every word."""
+    ino = os.stat(f"/var/run/netns/{netns}").st_ino
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}/ns/net").st_ino != ino:
+                continue
+            argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if all(w.encode() in argv for w in words):
+            out.append(int(entry))
+    return out
 
 
 def _held(summary: dict) -> dict[str, bool]:
@@ -132,6 +158,31 @@ def test_an_uncounted_loss_breaks_conservation(tmp_path):
     for v in bad:
         assert v["amount"] > 0 and "no counted place" in v["detail"]
     assert _held(summary)["queue"] is True
+
+
+def test_a_slow_receivers_socket_drops_are_counted_and_named(tmp_path):
+    stopped: list[int] = []
+
+    def stall(plan, phase: str, totals) -> None:
+        # once data flows, stop h4's receiver for 2 s of wall time: the incast (1 s of
+        # wall time at line rate) outruns its 4 MB socket buffer (8 MB as the kernel counts)
+        if phase != "workload" or stopped or not totals.delivered_bytes:
+            return
+        pids = _pids_in(plan.node("h4").netns, "agents.udp", "recv")
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        stopped.extend(pids or [0])
+        threading.Timer(2.0, lambda: [os.kill(p, signal.SIGCONT) for p in pids]).start()
+
+    summary = _run(tmp_path, on_sample=stall)
+    assert stopped and stopped[0], "the receiver was found and stopped"
+    inv = summary["invariants"]
+    lost = sum(s["sent"] - s["received"] for s in inv["streams"])
+    assert lost > 0 and sum(s["fabric_drops"] for s in inv["streams"]) == 0
+    assert inv["host_socket_drops"]["h4"] >= lost
+    assert inv["checks"]["conservation"]["held"] is True
+    notes = [n for n in summary["fidelity"] if "own socket buffer" in n]
+    assert notes and "incast-recv-h4" in notes[0]
 
 
 def _port_to(summary: dict, host: str) -> str:
