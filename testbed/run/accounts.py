@@ -20,11 +20,18 @@ def _arg(argv: list[str], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
 
 
-def _drops(flows: list[dict], saddr: str, daddr: str, dport: int,
+def _addresses(plan: Plan, host: str) -> set[str]:
+    """Every address of a host: a multi-homed sender's datagrams leave with the address
+    of the NIC its route picked."""
+    return {i.address.split("/")[0] for i in plan.node(host).interfaces}
+
+
+def _drops(flows: list[dict], saddrs: set[str], daddr: str, dport: int,
            sports: set[int] | None) -> dict[str, int]:
     out = {"phy": 0, "tail": 0, "mmu": 0, "desc": 0}
     for f in flows:
-        if (f["saddr"], f["daddr"], f["dport"], f["proto"]) != (saddr, daddr, dport, UDP):
+        if (f["saddr"] not in saddrs or (f["daddr"], f["dport"], f["proto"])
+                != (daddr, dport, UDP)):
             continue
         if sports is not None and f["sport"] not in sports:
             continue
@@ -47,7 +54,7 @@ def stream_accounts(plan: Plan, agents: list[tuple[AgentSpec, object]], results:
         if spec.role != "sender":
             continue
         res = results.get(spec.name) or {}
-        src_ip, dst_ip = address_of(plan, spec.src), address_of(plan, spec.dst)
+        src_ips, dst_ip = _addresses(plan, spec.src), address_of(plan, spec.dst)
         if spec.module == "agents.roce":
             srv = servers.get((spec.traffic, spec.src, spec.dst))
             srv_res = (results.get(srv.name) if srv else None) or {}
@@ -60,7 +67,7 @@ def stream_accounts(plan: Plan, agents: list[tuple[AgentSpec, object]], results:
             received = sum(int(q.get("responder", {}).get("packets_received", 0))
                            for q in srv_qps)
             ooo = sum(int(q.get("responder", {}).get("ooo_drops", 0)) for q in srv_qps)
-            drops = _drops(flow_drops, src_ip, dst_ip, dport, sports or None)
+            drops = _drops(flow_drops, src_ips, dst_ip, dport, sports or None)
             drops["injected"] = injected
             lost = sum(drops.values())
             # out-of-order arrivals follow every loss until go-back-N resends: only
@@ -81,10 +88,10 @@ def stream_accounts(plan: Plan, agents: list[tuple[AgentSpec, object]], results:
         for key, f in (recv_res.get("flows") or {}).items():
             ip, _, rest = key.partition(":")
             sport = int(rest.split("/")[0]) if rest.split("/")[0].isdigit() else -1
-            if ip == src_ip and sport in sports:
+            if ip in src_ips and sport in sports:
                 received += int(f.get("received", 0))
                 reordered += int(f.get("reordered", 0))
-        drops = _drops(flow_drops, src_ip, dst_ip, dport, sports or None)
+        drops = _drops(flow_drops, src_ips, dst_ip, dport, sports or None)
         lost = sum(drops.values())
         out.append({"name": spec.name, "kind": spec.kind, "src": spec.src, "dst": spec.dst,
                     "sent": sent, "received": received, "fabric_drops": lost, "drops": drops,

@@ -145,8 +145,11 @@ class Collector:
             next_tick += self.period_wall_ns
             now = time.monotonic_ns()
             if now > next_tick:
-                # Fell behind: skip missed ticks rather than sampling back to back.
-                self.late_ticks += 1
+                # Fell behind: skip missed ticks rather than sampling back to back. Only
+                # ticks of the workload's time count (from t0 on): before it the agents are
+                # starting (a burst of CPU) and no measurement is being taken.
+                if now >= self.t0_mono_ns:
+                    self.late_ticks += 1
                 next_tick = now
             self._stop.wait(max(0.0, (next_tick - now) / 1e9))
         self.wall_active_ns = time.monotonic_ns() - started

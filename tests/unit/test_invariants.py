@@ -173,3 +173,20 @@ def test_a_port_whose_qdisc_lost_packets_the_program_admitted_is_named():
     last["class_packets"][HOT] = 100                     # sent all, 3 lost on the veth
     [v] = _finish(_monitor(), snapshot=snap, last=last)["violations"]
     assert "vanished between them" in v["detail"] and v["amount"] == 3
+
+
+def test_a_multi_homed_senders_datagrams_count_from_any_of_its_addresses():
+    plan = Plan.model_validate_json((REPO / "tests/golden/explicit.plan.json").read_text())
+    c = plan.node("c")
+    assert len(c.interfaces) == 2
+    second = c.interfaces[1].address.split("/")[0]       # its route may pick either NIC
+    recv = AgentSpec(name="x-recv-b", node="b", role="receiver", traffic="x",
+                     kind="udp_pairs", argv=["recv", "--port", "20000"], dst="b")
+    send = AgentSpec(name="x-c-b", node="c", role="sender", traffic="x", kind="udp_pairs",
+                     argv=["send", "--dport", "20000"], src="c", dst="b")
+    results = {"x-c-b": {"flows": {"0": {"sport": 40000, "packets": 50}}},
+               "x-recv-b": {"flows": {f"{second}:40000/0": {"received": 50}}}}
+    [account] = stream_accounts(plan, [(recv, None), (send, None)], results, [])
+    assert (account["sent"], account["received"]) == (50, 50)
+    assert not InvariantMonitor(plan).finish({"ports": [], "nodes": [], "flow_drops": []},
+                                             {}, [account], {})["violations"]
