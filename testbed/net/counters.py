@@ -90,13 +90,9 @@ class QueueProbe:
 
         self.ports = []
         for node in plan.nodes:
-            for iface in node.interfaces:
-                try:
-                    maps = portprog.open_port(portprog.pin_dir_of(plan.lab, node.name,
-                                                                  iface.ifname))
-                except (OSError, portprog.PortProgError):
-                    continue
-                self.ports.append((maps, [c.tc for c in iface.egress.classes]))
+            classes = {i.ifname: [c.tc for c in i.egress.classes] for i in node.interfaces}
+            self.ports += [(maps, classes[ifname])
+                           for ifname, maps in portprog.open_node_ports(plan.lab, node)]
 
     def queued_bytes(self) -> int:
         return sum(maps.vq_bytes(tc) for maps, tcs in self.ports for tc in tcs)
@@ -140,19 +136,14 @@ def datapath_snapshot(plan: Plan) -> dict:
     nodes: list[dict] = []
     flows: list[dict] = []
     for node in plan.nodes:
-        for iface in node.interfaces:
-            try:
-                maps = portprog.open_port(portprog.pin_dir_of(plan.lab, node.name,
-                                                              iface.ifname))
-            except (OSError, portprog.PortProgError):
-                continue
+        classes = {i.ifname: [c.tc for c in i.egress.classes] for i in node.interfaces}
+        for ifname, maps in portprog.open_node_ports(plan.lab, node):
             try:
                 counters = maps.read()
             finally:
                 maps.close()
-            for cls in iface.egress.classes:
-                ports.append({"node": node.name, "port": iface.ifname, "tclass": cls.tc,
-                              **counters[cls.tc]._asdict()})
+            ports += [{"node": node.name, "port": ifname, "tclass": tc,
+                       **counters[tc]._asdict()} for tc in classes[ifname]]
         try:
             nm = portprog.open_node(plan.lab, node.name)
         except (OSError, portprog.PortProgError):

@@ -74,8 +74,8 @@ __all__ = [
     "PortParams", "PortProgError", "attach_port", "configure_node", "detach_lab",
     "detach_port", "dscp_table", "encode_class_cfg", "ensure_object", "mark_probability",
     "node_dir_of", "node_params_from_plan", "obj_get", "object_path", "open_node",
-    "open_port", "params_from_egress", "pin_dir_of", "pinned_labs", "probability_fp",
-    "read_counters", "reset_state", "update_params",
+    "open_node_ports", "open_port", "params_from_egress", "pin_dir_of", "pinned_labs",
+    "probability_fp", "read_counters", "reset_state", "update_params",
 ]
 
 
@@ -577,6 +577,18 @@ def open_port(pin_dir: str | Path) -> PortMaps:
     Raises OSError (ENOENT) when no program is pinned there.
     """
     return PortMaps(Path(pin_dir))
+
+
+def open_node_ports(lab: str, node: NodePlan) -> list[tuple[str, PortMaps]]:
+    """The maps of every port of a node that has a program pinned (ifname, maps); close
+    each when done. Ports without one (no datapath, or a lab half torn down) are left out."""
+    out = []
+    for iface in node.interfaces:
+        try:
+            out.append((iface.ifname, open_port(pin_dir_of(lab, node.name, iface.ifname))))
+        except (OSError, PortProgError):
+            continue
+    return out
 
 
 def open_node(lab: str, node: str, events: bool = False) -> NodeMaps:

@@ -111,15 +111,9 @@ class KernelSampler:
         self._bpf: dict[str, list[tuple[str, portprog.PortMaps, list[int]]]] = {}
         self._nodes: dict[str, tuple[portprog.NodeMaps, list[int], list[str]]] = {}
         for node in plan.nodes:
-            ports = []
-            for iface in node.interfaces:
-                try:
-                    maps = portprog.open_port(portprog.pin_dir_of(plan.lab, node.name,
-                                                                  iface.ifname))
-                except (OSError, portprog.PortProgError):
-                    continue
-                ports.append((iface.ifname, maps, [c.tc for c in iface.egress.classes]))
-            self._bpf[node.name] = ports
+            classes = {i.ifname: [c.tc for c in i.egress.classes] for i in node.interfaces}
+            self._bpf[node.name] = [(ifname, maps, classes[ifname]) for ifname, maps
+                                    in portprog.open_node_ports(plan.lab, node)]
             if node.buffer.tracked:
                 try:
                     nm = portprog.open_node(plan.lab, node.name)

@@ -314,6 +314,45 @@ static __always_inline int classify(struct __sk_buff *skb, __u32 default_tc, __u
 	return tc;
 }
 
+/* What a packet of this port touches: its class and the maps of its class and node. */
+struct port_ctx {
+	struct port_cfg *pc;
+	struct class_cfg *cc;
+	struct class_state *st;
+	struct node_acct *n;
+	struct node_lock *nl;
+	struct ring *rg;
+	struct port_ingress *pin;
+	__u32 tc;
+	__u8 tos;
+};
+
+#define CTX_OK 0
+#define CTX_NOT_IPV4 1
+#define CTX_NO_MAP 2
+
+static __always_inline int port_ctx(struct __sk_buff *skb, struct port_ctx *c)
+{
+	__u32 zero = 0;
+
+	c->pc = bpf_map_lookup_elem(&cfg, &zero);
+	if (!c->pc)
+		return CTX_NO_MAP;
+	int tci = classify(skb, c->pc->default_tc, &c->tos);
+	if (tci < 0)
+		return CTX_NOT_IPV4;
+	c->tc = tci & (NUM_TC - 1);
+	c->cc = bpf_map_lookup_elem(&class_cfg, &c->tc);
+	c->st = bpf_map_lookup_elem(&state, &c->tc);
+	c->n = bpf_map_lookup_elem(&node, &zero);
+	c->nl = bpf_map_lookup_elem(&node_lock, &zero);
+	c->rg = bpf_map_lookup_elem(&ring, &zero);
+	c->pin = bpf_map_lookup_elem(&port_ingress, &zero);
+	if (!c->cc || !c->st || !c->n || !c->nl || !c->rg || !c->pin)
+		return CTX_NO_MAP;
+	return CTX_OK;
+}
+
 /* HPCC's GetPfcThreshold for one ingress: alpha x the free part of the shared
  * pool, or the ingress's static XOFF. */
 static __always_inline __u64 shared_threshold(struct node_acct *n, struct ingress_acct *a)
@@ -386,32 +425,18 @@ static __always_inline void count_flow_drop(struct __sk_buff *skb, __u32 tc, int
 SEC("tc")
 int port_egress(struct __sk_buff *skb)
 {
-	__u32 zero = 0;
-	__u8 tos = 0;
+	struct port_ctx c;
+	int got = port_ctx(skb, &c);
 
-	struct port_cfg *pc = bpf_map_lookup_elem(&cfg, &zero);
-	if (!pc)
-		return TC_ACT_OK;
-	int tci = classify(skb, pc->default_tc, &tos);
-	if (tci < 0) {
+	if (got == CTX_NOT_IPV4)
 		count_other(skb);
-		return TC_ACT_OK;
-	}
-	__u32 tc = tci & (NUM_TC - 1);
-
-	struct class_cfg *cc = bpf_map_lookup_elem(&class_cfg, &tc);
-	struct class_state *st = bpf_map_lookup_elem(&state, &tc);
-	struct node_acct *n = bpf_map_lookup_elem(&node, &zero);
-	struct node_lock *nl = bpf_map_lookup_elem(&node_lock, &zero);
-	struct ring *rg = bpf_map_lookup_elem(&ring, &zero);
-	struct port_ingress *pin = bpf_map_lookup_elem(&port_ingress, &zero);
-	if (!cc || !st || !n || !nl || !rg || !pin)
+	if (got != CTX_OK)
 		return TC_ACT_OK;
 
 	/* Everything that needs a helper happens before the lock. */
 	__u64 now = bpf_ktime_get_ns();
-	__u32 r_drop = cc->drop_fp ? bpf_get_prandom_u32() : 0;
-	__u32 r_mark = cc->ecn_enabled ? bpf_get_prandom_u32() : 0;
+	__u32 r_drop = c.cc->drop_fp ? bpf_get_prandom_u32() : 0;
+	__u32 r_mark = c.cc->ecn_enabled ? bpf_get_prandom_u32() : 0;
 	__u32 in = skb->ingress_ifindex, slot = 0;
 	if (in) {
 		__u32 *s = bpf_map_lookup_elem(&ifslot, &in);
@@ -419,35 +444,35 @@ int port_egress(struct __sk_buff *skb)
 			slot = *s & (MAX_SLOTS - 1);
 	}
 	__u64 len = skb->len;
-	__u32 ecn = tos & 3;
+	__u32 ecn = c.tos & 3;
 
 	int mark = 0, dropped = 0, ev = 0, ev2 = 0;
 	__u64 ev_bytes = 0, ev2_bytes = 0;
 
-	bpf_spin_lock(&nl->lock);
-	__u32 tr = n->tracked[tc];
-	st->packets += 1;
-	st->bytes += len;
-	if ((__u64)r_drop < cc->drop_fp) {
-		st->drops += 1;
+	bpf_spin_lock(&c.nl->lock);
+	__u32 tr = c.n->tracked[c.tc];
+	c.st->packets += 1;
+	c.st->bytes += len;
+	if ((__u64)r_drop < c.cc->drop_fp) {
+		c.st->drops += 1;
 		dropped = DROP_PHY;
 		goto unlock;
 	}
-	__u64 q = st->enq_bytes - st->dep_bytes;   /* real queue ahead of this packet */
+	__u64 q = c.st->enq_bytes - c.st->dep_bytes;   /* real queue ahead of this packet */
 	struct ingress_acct *a = 0;
 	__u64 thresh = 0;
 	if (tr < MAX_TRACKED) {
-		a = &n->in[tr & (MAX_TRACKED - 1)][slot];
-		if (st->ring_tail - st->ring_head >= RING) {
-			st->desc_drops += 1;
+		a = &c.n->in[tr & (MAX_TRACKED - 1)][slot];
+		if (c.st->ring_tail - c.st->ring_head >= RING) {
+			c.st->desc_drops += 1;
 			dropped = DROP_DESC;
-		} else if (n->mode == MODE_SHARED && !cc->limit_bytes) {
+		} else if (c.n->mode == MODE_SHARED && !c.cc->limit_bytes) {
 			/* HPCC CheckIngressAdmission: refuse when the headroom cannot take
 			 * it and the shared pool is over this ingress's threshold. */
-			thresh = shared_threshold(n, a);
+			thresh = shared_threshold(c.n, a);
 			if (len + a->hdrm_bytes > a->headroom_bytes &&
-			    len + shared_part(n, a) > thresh) {
-				st->mmu_drops += 1;
+			    len + shared_part(c.n, a) > thresh) {
+				c.st->mmu_drops += 1;
 				dropped = DROP_MMU;
 			}
 		}
@@ -458,8 +483,8 @@ int port_egress(struct __sk_buff *skb)
 			goto unlock;
 		}
 	}
-	if (cc->limit_bytes && q + len > cc->limit_bytes) {
-		st->tail_drops += 1;
+	if (c.cc->limit_bytes && q + len > c.cc->limit_bytes) {
+		c.st->tail_drops += 1;
 		dropped = DROP_TAIL;
 		if (a) {
 			a->drops += 1;
@@ -469,51 +494,51 @@ int port_egress(struct __sk_buff *skb)
 		goto unlock;
 	}
 
-	if (cc->ecn_enabled) {
-		__u64 kmin = cc->kmin_bytes, kmax = cc->kmax_bytes;
+	if (c.cc->ecn_enabled) {
+		__u64 kmin = c.cc->kmin_bytes, kmax = c.cc->kmax_bytes;
 		if (q > kmax)
 			mark = 1;
 		else if (q > kmin)            /* here kmin < q <= kmax */
 			/* r / 2^32 < pmax (q - kmin) / (kmax - kmin), in integers;
 			 * kmax - kmin < 2^31 and pmax_fp <= 2^32 keep it in 64 bits */
-			mark = (__u64)r_mark * (kmax - kmin) < cc->pmax_fp * (q - kmin);
+			mark = (__u64)r_mark * (kmax - kmin) < c.cc->pmax_fp * (q - kmin);
 	}
-	st->enq_bytes += len;
-	st->enq_packets += 1;
+	c.st->enq_bytes += len;
+	c.st->enq_packets += 1;
 	q += len;
-	if (q > st->max_queue_bytes)
-		st->max_queue_bytes = q;
+	if (q > c.st->max_queue_bytes)
+		c.st->max_queue_bytes = q;
 	if (ecn == 1 || ecn == 2) {
-		st->ect_packets += 1;
+		c.st->ect_packets += 1;
 	} else {
 		if (ecn == 3)
-			st->ce_arrivals += 1;
+			c.st->ce_arrivals += 1;
 		else if (mark)
-			st->would_mark += 1;
+			c.st->would_mark += 1;
 		mark = 0;
 	}
 
 	if (a) {
 		__u32 t = tr & (MAX_TRACKED - 1);
-		rg->e[t][st->ring_tail & (RING - 1)] = (slot << 16) | (__u32)(len & 0xffff);
-		st->ring_tail += 1;
-		pin->adm[t][slot] += len;
+		c.rg->e[t][c.st->ring_tail & (RING - 1)] = (slot << 16) | (__u32)(len & 0xffff);
+		c.st->ring_tail += 1;
+		c.pin->adm[t][slot] += len;
 		int want;
-		if (n->mode == MODE_SHARED && !cc->limit_bytes) {
+		if (c.n->mode == MODE_SHARED && !c.cc->limit_bytes) {
 			/* HPCC UpdateIngressAdmission, then CheckShouldPause */
 			__u64 nb = a->bytes + len;
-			if (nb <= n->reserve_bytes) {
+			if (nb <= c.n->reserve_bytes) {
 				a->bytes += len;
-			} else if (nb - n->reserve_bytes > thresh) {
+			} else if (nb - c.n->reserve_bytes > thresh) {
 				a->hdrm_bytes += len;
 			} else {
-				__u64 over = nb - n->reserve_bytes;
+				__u64 over = nb - c.n->reserve_bytes;
 				a->bytes += len;
-				n->shared_used_bytes += over < len ? over : len;
+				c.n->shared_used_bytes += over < len ? over : len;
 			}
-			if (n->shared_used_bytes > n->max_shared_used_bytes)
-				n->max_shared_used_bytes = n->shared_used_bytes;
-			want = a->hdrm_bytes > 0 || shared_part(n, a) >= shared_threshold(n, a);
+			if (c.n->shared_used_bytes > c.n->max_shared_used_bytes)
+				c.n->max_shared_used_bytes = c.n->shared_used_bytes;
+			want = a->hdrm_bytes > 0 || shared_part(c.n, a) >= shared_threshold(c.n, a);
 		} else {
 			a->bytes += len;
 			want = a->xoff_bytes && a->bytes >= a->xoff_bytes;
@@ -529,28 +554,29 @@ int port_egress(struct __sk_buff *skb)
 			ev = EV_XOFF;
 			ev_bytes = held;
 		}
-		if (cc->egress_xoff_bytes && q >= cc->egress_xoff_bytes && !(st->flags & F_HOT)) {
-			st->flags |= F_HOT;
+		if (c.cc->egress_xoff_bytes && q >= c.cc->egress_xoff_bytes &&
+		    !(c.st->flags & F_HOT)) {
+			c.st->flags |= F_HOT;
 			ev2 = EV_EGRESS_HOT;
 			ev2_bytes = q;
 		}
 	}
 unlock:
-	bpf_spin_unlock(&nl->lock);
+	bpf_spin_unlock(&c.nl->lock);
 
 	if (ev)
-		emit(ev, now, tc, slot, pc->port_slot, ev_bytes, n);
+		emit(ev, now, c.tc, slot, c.pc->port_slot, ev_bytes, c.n);
 	if (ev2)
-		emit(ev2, now, tc, slot, pc->port_slot, ev2_bytes, n);
+		emit(ev2, now, c.tc, slot, c.pc->port_slot, ev2_bytes, c.n);
 	if (dropped) {
-		count_flow_drop(skb, tc, dropped);
+		count_flow_drop(skb, c.tc, dropped);
 		return TC_ACT_SHOT;
 	}
 	if (mark) {
 		if (bpf_skb_ecn_set_ce(skb))
-			__sync_fetch_and_add(&st->ce_marks, 1);
+			__sync_fetch_and_add(&c.st->ce_marks, 1);
 		else
-			__sync_fetch_and_add(&st->mark_errors, 1);
+			__sync_fetch_and_add(&c.st->mark_errors, 1);
 	}
 	return TC_ACT_OK;
 }
@@ -558,24 +584,9 @@ unlock:
 SEC("tc")
 int port_departure(struct __sk_buff *skb)
 {
-	__u32 zero = 0;
-	__u8 tos = 0;
+	struct port_ctx c;
 
-	struct port_cfg *pc = bpf_map_lookup_elem(&cfg, &zero);
-	if (!pc)
-		return TC_ACT_OK;
-	int tci = classify(skb, pc->default_tc, &tos);
-	if (tci < 0)
-		return TC_ACT_OK;
-	__u32 tc = tci & (NUM_TC - 1);
-
-	struct class_cfg *cc = bpf_map_lookup_elem(&class_cfg, &tc);
-	struct class_state *st = bpf_map_lookup_elem(&state, &tc);
-	struct node_acct *n = bpf_map_lookup_elem(&node, &zero);
-	struct node_lock *nl = bpf_map_lookup_elem(&node_lock, &zero);
-	struct ring *rg = bpf_map_lookup_elem(&ring, &zero);
-	struct port_ingress *pin = bpf_map_lookup_elem(&port_ingress, &zero);
-	if (!cc || !st || !n || !nl || !rg || !pin)
+	if (port_ctx(skb, &c) != CTX_OK)
 		return TC_ACT_OK;
 	__u64 now = bpf_ktime_get_ns();
 	__u64 len = skb->len;
@@ -583,42 +594,42 @@ int port_departure(struct __sk_buff *skb)
 	__u32 slot = 0;
 	__u64 ev_bytes = 0, ev2_bytes = 0;
 
-	bpf_spin_lock(&nl->lock);
-	__u32 tr = n->tracked[tc];
+	bpf_spin_lock(&c.nl->lock);
+	__u32 tr = c.n->tracked[c.tc];
 	if (tr < MAX_TRACKED) {
 		__u32 t = tr & (MAX_TRACKED - 1);
-		if (st->ring_head == st->ring_tail) {
-			st->dep_unmatched += 1;
+		if (c.st->ring_head == c.st->ring_tail) {
+			c.st->dep_unmatched += 1;
 			goto unlock;
 		}
-		__u32 e = rg->e[t][st->ring_head & (RING - 1)];
-		st->ring_head += 1;
+		__u32 e = c.rg->e[t][c.st->ring_head & (RING - 1)];
+		c.st->ring_head += 1;
 		slot = (e >> 16) & (MAX_SLOTS - 1);
 		__u64 plen = e & 0xffff;
 		if (plen != len)
-			st->dep_mismatch += 1;
-		st->dep_bytes += plen;
-		st->dep_packets += 1;
-		pin->dep[t][slot] += plen;
-		struct ingress_acct *a = &n->in[t][slot];
+			c.st->dep_mismatch += 1;
+		c.st->dep_bytes += plen;
+		c.st->dep_packets += 1;
+		c.pin->dep[t][slot] += plen;
+		struct ingress_acct *a = &c.n->in[t][slot];
 		int resume;
-		if (n->mode == MODE_SHARED && !cc->limit_bytes) {
+		if (c.n->mode == MODE_SHARED && !c.cc->limit_bytes) {
 			/* HPCC RemoveFromIngressAdmission, then CheckShouldResume */
 			__u64 from_hdrm = a->hdrm_bytes < plen ? a->hdrm_bytes : plen;
 			__u64 rest = plen - from_hdrm;
-			__u64 sh = shared_part(n, a);
+			__u64 sh = shared_part(c.n, a);
 			__u64 from_shared = sh < rest ? sh : rest;
 			a->hdrm_bytes -= from_hdrm;
 			a->bytes = a->bytes > rest ? a->bytes - rest : 0;
-			n->shared_used_bytes = n->shared_used_bytes > from_shared ?
-				n->shared_used_bytes - from_shared : 0;
-			sh = shared_part(n, a);
+			c.n->shared_used_bytes = c.n->shared_used_bytes > from_shared ?
+				c.n->shared_used_bytes - from_shared : 0;
+			sh = shared_part(c.n, a);
 			if (a->xoff_bytes)
 				resume = a->hdrm_bytes == 0 && sh <= a->xon_bytes;
 			else
 				resume = a->hdrm_bytes == 0 &&
-					 (sh == 0 || sh + n->resume_offset_bytes <=
-					  shared_threshold(n, a));
+					 (sh == 0 || sh + c.n->resume_offset_bytes <=
+					  shared_threshold(c.n, a));
 		} else {
 			a->bytes = a->bytes > plen ? a->bytes - plen : 0;
 			resume = a->bytes <= a->xon_bytes;
@@ -629,26 +640,26 @@ int port_departure(struct __sk_buff *skb)
 			ev = EV_XON;
 			ev_bytes = a->bytes + a->hdrm_bytes;
 		}
-		__u64 q = st->enq_bytes - st->dep_bytes;
-		if ((st->flags & F_HOT) && q <= cc->egress_xon_bytes) {
-			st->flags &= ~F_HOT;
+		__u64 q = c.st->enq_bytes - c.st->dep_bytes;
+		if ((c.st->flags & F_HOT) && q <= c.cc->egress_xon_bytes) {
+			c.st->flags &= ~F_HOT;
 			ev2 = EV_EGRESS_COOL;
 			ev2_bytes = q;
 		}
 	} else {
-		if (st->enq_bytes - st->dep_bytes < len) {
-			st->dep_unmatched += 1;
+		if (c.st->enq_bytes - c.st->dep_bytes < len) {
+			c.st->dep_unmatched += 1;
 			goto unlock;
 		}
-		st->dep_bytes += len;
-		st->dep_packets += 1;
+		c.st->dep_bytes += len;
+		c.st->dep_packets += 1;
 	}
 unlock:
-	bpf_spin_unlock(&nl->lock);
+	bpf_spin_unlock(&c.nl->lock);
 	if (ev)
-		emit(ev, now, tc, slot, pc->port_slot, ev_bytes, n);
+		emit(ev, now, c.tc, slot, c.pc->port_slot, ev_bytes, c.n);
 	if (ev2)
-		emit(ev2, now, tc, slot, pc->port_slot, ev2_bytes, n);
+		emit(ev2, now, c.tc, slot, c.pc->port_slot, ev2_bytes, c.n);
 	return TC_ACT_OK;
 }
 
