@@ -67,7 +67,7 @@ class BuildReport:
     tc_requests: int = 0
     routes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
-    datapath: str = ""     # "bpf", or "none: why" (no ECN marking, virtual queues or PFC)
+    datapath: str = ""     # "bpf", or "none: why" (no ECN marking, queue accounting or PFC)
     ordering: str = ""     # "rps cpus 0-1 (how)", or "none: why" (flows may be reordered)
 
 
@@ -172,7 +172,7 @@ def _build(plan: Plan, report: BuildReport, say: Callable[[str], None],
         report.routes = _add_routes(plan, batches, ifindex)
         timer.lap("routes")
 
-        say("port programs (ECN marking, virtual queues, PHY loss)")
+        say("port programs (queue accounting, ECN marking, PHY loss, PFC decisions)")
         report.datapath = _attach_datapath(plan, ifindex)
         timer.lap("port programs")
     finally:
@@ -184,7 +184,7 @@ def _attach_datapath(plan: Plan, ifindex: dict[str, dict[str, int]]) -> str:
     """Step 6: the tc-BPF port program on every port, where this machine can load it.
 
     Without clang or bpftool the fabric still forwards and shapes, but has
-    no ECN marking, virtual queues or PFC; the report says so.
+    no ECN marking, queue accounting or PFC; the report says so.
     """
     try:
         portprog.ensure_object()

@@ -34,7 +34,7 @@ IMPACT = {
     "bfifo": "byte-limited class buffers (packet-limited pfifo would be used)",
     "tbf": "PFC pause gates (per-class TBF leaves)",
     "u32": "DSCP classification into traffic classes",
-    "clsact": "the tc-BPF port program (ECN marking, virtual queues, drop)",
+    "clsact": "the tc-BPF port program (queue accounting, ECN marking, tail drop, PFC)",
     "netem": "propagation/FEC delay and PHY loss in the kernel; delay is not emulated and "
              "loss is applied by the BPF port program",
     "red": "the RED-based ECN marker alternative; the BPF marker is used",

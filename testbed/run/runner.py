@@ -167,7 +167,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                                 "Ordering)")
             if report.datapath.startswith("none"):
                 fidelity.append(f"no port programs ({report.datapath[6:]}): no ECN marking, "
-                                "no virtual queues, no PFC, no PHY loss")
+                                "no queue accounting, no PFC, no PHY loss")
             if options.capture:
                 captures = _start_captures(plan, run_dir, options.capture_snaplen)
             fabric_endpoints: list[AgentEndpoint] = []
