@@ -102,15 +102,16 @@ def check_qos(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
                    "set xon below xoff")
         if pfc.enabled and pfc.mode == "dynamic" and fabric.switch_buffer is None:
             yield (loc + ("pfc", "mode"), "dynamic PFC thresholds draw on a shared switch "
-                   "buffer, and this fabric has none; add switch_buffer: {size: 2MB} (HPCC's "
+                   "buffer, and this fabric has none; add switch_buffer: {size: 2MiB} (HPCC's "
                    "ns-3 switch) or use mode: static")
     lossless = [t.tc for t in fabric.traffic_classes if t.lossless]
     if len(lossless) > MAX_LOSSLESS_CLASSES:
         i = next(i for i, t in enumerate(fabric.traffic_classes)
                  if t.tc == lossless[MAX_LOSSLESS_CLASSES])
         yield (("traffic_classes", i, "lossless"), f"at most {MAX_LOSSLESS_CLASSES} lossless "
-               f"classes are accounted per ingress port (TC{_tc_list(lossless)} are "
-               "lossless); make this one lossy")
+               "classes are accounted per ingress port ("
+               + ", ".join(f"TC{tc}" for tc in sorted(lossless)) + " are lossless); make this "
+               "one lossy")
     buf = fabric.switch_buffer
     if buf is not None and buf.size_bytes <= 0:
         yield (("switch_buffer", "size"), "the shared pool must be larger than 0")

@@ -1,0 +1,68 @@
+"""How the plan sizes switch buffers: egress protection against the fan-in's headroom,
+the shared pool's set-asides, host NICs without a marking curve (no root)."""
+
+from __future__ import annotations
+
+from testbed.config import load_config_text
+from testbed.plan import compile_plan
+
+NINE_PORT_SWITCH = """\
+name: fanin
+dilation: 1000
+topology: {{kind: single_switch, hosts: 9, host_link: {{port: 100GBASE-CR1, length: 2m}}}}
+{extra}
+"""
+
+
+def _plan(extra: str = ""):
+    return compile_plan(load_config_text(NINE_PORT_SWITCH.format(extra=extra), "fanin.yaml"),
+                        max_wall_port_rate_bps=200_000_000)
+
+
+def _roce(plan, node: str):
+    return [c for i in plan.node(node).interfaces for c in i.egress.classes if c.tc == 3]
+
+
+def test_egress_protection_leaves_room_for_every_upstream_ports_headroom():
+    # the issue's failing config: 410 KB a port, XOFF 400 KB, a headroom sized for one
+    # upstream port, eight senders into one port
+    plan = _plan("qos: {default: {buffer: {3: 410KB}, pfc: {xoff: 400KB, headroom: 10KB}}}")
+    [cls] = {(c.limit_bytes, c.pfc.xoff_bytes, c.pfc.headroom_bytes, c.pfc.egress_xoff_bytes)
+             for c in _roce(plan, "sw1")}
+    limit, xoff, headroom, egress_xoff = cls
+    assert egress_xoff == limit - 8 * headroom < xoff
+    assert any("egress protection pauses the upstream ports at" in w and "8 ports" in w
+               for w in plan.warnings), plan.warnings
+
+
+def test_a_buffer_that_cannot_take_the_fan_ins_headroom_is_a_plan_warning():
+    plan = _plan("qos: {default: {buffer: {3: 180KB}, ecn: {kmin: 20KB, kmax: 60KB},"
+                 " pfc: {xoff: 90KB, headroom: 25KB}}}")
+    assert any("cannot absorb its 8 upstream ports' PFC headroom" in w for w in plan.warnings)
+    assert all(c.pfc.egress_xoff_bytes == 0 for c in _roce(plan, "sw1"))
+
+
+def test_an_explicit_headroom_below_what_the_link_needs_is_a_plan_warning():
+    plan = _plan("qos: {default: {pfc: {headroom: 5KB}}}")
+    assert any("pfc.headroom 5KB is below what link" in w for w in plan.warnings)
+
+
+def test_the_shared_pool_sets_aside_every_ingress_ports_headroom_and_reserve():
+    plan = _plan("switch_buffer: {size: 2MiB}")
+    sw = plan.node("sw1")
+    roce = _roce(plan, "sw1")
+    assert sw.buffer.mode == "shared" and sw.buffer.tracked == [3]
+    assert sw.buffer.total_headroom_bytes == sum(c.pfc.headroom_bytes for c in roce)
+    assert sw.buffer.total_reserve_bytes == 9 * 4096
+    assert all(c.shared and c.limit_bytes == 2 << 20 and c.pfc.mode == "dynamic"
+               and c.pfc.egress_xoff_bytes == 0 for c in roce)
+    # lossy classes keep their per-port buffers
+    assert all(not c.shared for i in sw.interfaces for c in i.egress.classes if c.tc != 3)
+
+
+def test_host_nics_never_mark_and_account_nothing_per_ingress():
+    plan = _plan()
+    host = plan.node("h1")
+    assert host.buffer.mode == "none" and host.buffer.tracked == []
+    assert all(c.ecn is None for i in host.interfaces for c in i.egress.classes)
+    assert all(c.ecn is not None for c in _roce(plan, "sw1"))
