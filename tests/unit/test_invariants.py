@@ -190,3 +190,32 @@ def test_a_multi_homed_senders_datagrams_count_from_any_of_its_addresses():
     assert (account["sent"], account["received"]) == (50, 50)
     assert not InvariantMonitor(plan).finish({"ports": [], "nodes": [], "flow_drops": []},
                                              {}, [account], {})["violations"]
+
+
+def _roce_agents():
+    srv = AgentSpec(name="w-h1-h8-srv", node="h8", role="receiver", traffic="w",
+                    kind="roce_incast", module="agents.roce", src="h1", dst="h8",
+                    argv=["server", "write_bw", "--roce-port", "4791"])
+    cli = AgentSpec(name="w-h1-h8", node="h1", role="sender", traffic="w",
+                    kind="roce_incast", module="agents.roce", src="h1", dst="h8",
+                    argv=["client", "write_bw"])
+    return [(srv, None), (cli, None)]
+
+
+def _roce_results(sent: int, received: int, ooo: int) -> dict:
+    return {"w-h1-h8": {"qps": {"17": {"sport": 49170, "requester": {"packets_sent": sent}}}},
+            "w-h1-h8-srv": {"qps": {"18": {"responder": {"packets_received": received,
+                                                         "ooo_drops": ooo}}}}}
+
+
+def test_roce_out_of_order_arrivals_are_reordering_only_with_nothing_lost():
+    drop = _flow_drop(3)
+    drop[0].update(sport=49170, dport=4791)
+    # out of order with nothing lost on the flow: the emulator reordered it
+    streams = stream_accounts(PLAN, _roce_agents(), _roce_results(100, 100, ooo=4), [])
+    [v] = _finish(_monitor(), streams=streams)["violations"]
+    assert (v["invariant"], v["amount"]) == ("reorder", 4)
+    # after a loss the responder drops what follows until go-back-N resends: not reordering
+    streams = stream_accounts(PLAN, _roce_agents(), _roce_results(103, 100, ooo=12), drop)
+    assert streams[0]["fabric_drops"] == 3 and streams[0]["reordered"] == 0
+    assert not _finish(_monitor(), streams=streams)["violations"]
