@@ -100,10 +100,6 @@ def check_qos(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
             yield (loc + ("pfc", "xon"),
                    f"{format_size(pfc.xon_bytes)} is above xoff {format_size(pfc.xoff_bytes)}; "
                    "set xon below xoff")
-        if pfc.enabled and pfc.mode == "dynamic" and fabric.switch_buffer is None:
-            yield (loc + ("pfc", "mode"), "dynamic PFC thresholds draw on a shared switch "
-                   "buffer, and this fabric has none; add switch_buffer: {size: 2MiB} (HPCC's "
-                   "ns-3 switch) or use mode: static")
     lossless = [t.tc for t in fabric.traffic_classes if t.lossless]
     if len(lossless) > MAX_LOSSLESS_CLASSES:
         i = next(i for i, t in enumerate(fabric.traffic_classes)

@@ -125,7 +125,8 @@ class PfcConfig(Strict):
                               "priority (of the shared pool's part with switch_buffer), XON at "
                               "xon; dynamic: XOFF when an ingress's use of the shared pool "
                               "passes alpha x the pool's free space (HPCC's ns-3 SwitchMmu); "
-                              "needs switch_buffer")
+                              "without a switch_buffer the pool is the switch's port buffers "
+                              "summed; default: dynamic with a switch_buffer, else static")
     alpha: float = Field(0.125, gt=0, le=8,
                          description="dynamic mode: XOFF above alpha x the free shared buffer "
                                      "(HPCC: 1/8, pfc_a_shift 3)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from agents.timebase import Dilation
 from testbed.config import LoadedConfig
 from testbed.config.errors import ConfigError, Problem
+from testbed.config.models import SwitchBuffer
 from testbed.phy import PhyResult, evaluate
 from testbed.plan.model import (
     ClassPlan,
@@ -35,7 +36,12 @@ from testbed.plan.model import (
     RoutePlan,
     TrafficClassPlan,
 )
-from testbed.plan.qos import ETH_WIRE_OVERHEAD_BYTES, headroom_bytes, resolve_port_qos
+from testbed.plan.qos import (
+    DEFAULT_BUFFER_BYTES,
+    ETH_WIRE_OVERHEAD_BYTES,
+    headroom_bytes,
+    resolve_port_qos,
+)
 from testbed.units import format_size
 
 # A conservative wall-rate budget per port for `dilation: auto` when the
@@ -266,11 +272,20 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
     for link in links:
         ports_of[link.a] += 1
         ports_of[link.b] += 1
+    implied = {} if pool else _implied_pools(fabric, links, role)
+    for node, size in sorted(implied.items()):
+        warnings.append(f"{node}: PFC mode dynamic without a switch_buffer: its lossless classes "
+                        f"share one pool of their ports' buffers ({format_size(size)}); set "
+                        "switch_buffer: {size: ...} to size the pool")
+
+    def pool_of(node: str) -> int:
+        return pool or implied.get(node, 0)
+
     for i, (link, phy) in enumerate(zip(links, phys, strict=True)):
         port_class = fabric.qos[link.qos]
         classes_qos, qos_problems = resolve_port_qos(
             port_class, tclasses, phy.mac_rate_bps, round(phy.delay_ns), fabric.mtu_bytes,
-            shared_pool=bool(pool))
+            shared_pool=bool(pool_of(link.a) or pool_of(link.b)))
         for qp in qos_problems:
             loc = ("qos", link.qos, *qp.field.split("."))
             msg = f"{qp.message} (link {link.a}-{link.b}, {link.port})"
@@ -280,10 +295,11 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
             name = getattr(link, end)
             egress[(i, end)] = _egress(phy.mac_rate_bps, dilation, classes_qos, tclasses,
                                        fabric.mtu_bytes, _EndRole(
-                                           host=role[name] == "host", pool_bytes=pool,
+                                           host=role[name] == "host", pool_bytes=pool_of(name),
                                            fan_in=ports_of[name] - 1))
-        if not pool:
-            warnings += _fan_in_warnings(link, classes_qos, ports_of, role, fabric.mtu_bytes)
+        warnings += _fan_in_warnings(link, classes_qos, ports_of,
+                                     {n: r for n, r in role.items() if not pool_of(n)},
+                                     fabric.mtu_bytes)
         warnings += _headroom_warnings(link, port_class, classes_qos, phy, fabric.mtu_bytes)
         link_plans.append(LinkPlan(
             index=i, a=LinkEndPlan(node=link.a, ifname=ifnames[(i, "a")]),
@@ -314,7 +330,8 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
                     egress=egress[(i, end)]))
         node_plans.append(NodePlan(
             name=node.name, role=node.role, netns=netns_name(fabric.name, node.name),
-            buffer=_node_buffer(node.role, interfaces, fabric.switch_buffer),
+            buffer=_node_buffer(node.role, interfaces, pool_of(node.name),
+                                fabric.switch_buffer or SwitchBuffer(size=pool_of(node.name))),
             sysctls=dict(SWITCH_SYSCTLS if node.role == "switch" else HOST_SYSCTLS),
             interfaces=interfaces, routes=routes.get(node.name, [])))
 
@@ -332,20 +349,40 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
         nodes=node_plans, links=link_plans, warnings=warnings)
 
 
-def _node_buffer(role: str, interfaces: list[InterfacePlan], switch_buffer) -> NodeBufferPlan:
+def _implied_pools(fabric, links, role: dict[str, str]) -> dict[str, int]:
+    """Switches whose lossless classes ask for dynamic PFC with no switch_buffer given: a
+    pool of those classes' port buffers each (what they hold together)."""
+    lossless = [t for t in fabric.traffic_classes if t.lossless]
+    out: dict[str, int] = defaultdict(int)
+    dynamic: set[str] = set()
+    for link in links:
+        pfc = fabric.qos[link.qos].pfc
+        buffers = fabric.qos[link.qos].buffer
+        for node in (link.a, link.b):
+            if role[node] != "switch" or not pfc.enabled:
+                continue
+            tcs = [t for t in lossless if pfc.priorities is None or t.tc in pfc.priorities]
+            out[node] += sum(buffers.get(t.tc, DEFAULT_BUFFER_BYTES["lossless"]) for t in tcs)
+            if pfc.mode == "dynamic" and "mode" in pfc.model_fields_set:
+                dynamic.add(node)
+    return {node: size for node, size in out.items() if node in dynamic and size}
+
+
+def _node_buffer(role: str, interfaces: list[InterfacePlan], pool_bytes: int,
+                 switch_buffer: SwitchBuffer) -> NodeBufferPlan:
     """A host NIC accounts nothing per ingress; a switch accounts its lossless PFC classes
-    per ingress port, in per-port buffers or in the shared pool."""
+    per ingress port, in per-port buffers or in a shared pool of `pool_bytes`."""
     if role == "host":
         return NodeBufferPlan(mode="none", tracked=[])
     tracked = sorted({c.tc for i in interfaces for c in i.egress.classes
                       if c.lossless and c.pfc is not None})
-    if switch_buffer is None:
+    if not pool_bytes:
         return NodeBufferPlan(mode="static", tracked=tracked)
     entries = [c.pfc for i in interfaces for c in i.egress.classes
                if c.tc in tracked and c.pfc is not None]
     alphas = sorted({p.alpha for p in entries}) or [0.125]
     return NodeBufferPlan(
-        mode="shared", tracked=tracked, pool_bytes=switch_buffer.size_bytes,
+        mode="shared", tracked=tracked, pool_bytes=pool_bytes,
         reserve_bytes=switch_buffer.reserve_bytes,
         resume_offset_bytes=switch_buffer.resume_offset_bytes,
         total_headroom_bytes=sum(p.headroom_bytes for p in entries),
@@ -378,7 +415,7 @@ def _fan_in_warnings(link, classes_qos, ports_of: dict[str, int], role: dict[str
     out = []
     frame = mtu_bytes + ETH_WIRE_OVERHEAD_BYTES
     for name in (link.a, link.b):
-        if role[name] != "switch":
+        if role.get(name) != "switch":
             continue
         fan_in = ports_of[name] - 1
         for q in classes_qos:

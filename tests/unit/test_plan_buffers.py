@@ -66,3 +66,13 @@ def test_host_nics_never_mark_and_account_nothing_per_ingress():
     assert host.buffer.mode == "none" and host.buffer.tracked == []
     assert all(c.ecn is None for i in host.interfaces for c in i.egress.classes)
     assert all(c.ecn is not None for c in _roce(plan, "sw1"))
+
+
+def test_dynamic_pfc_without_a_switch_buffer_pools_the_ports_buffers_and_says_so():
+    plan = _plan("qos: {default: {buffer: {3: 1MB}, pfc: {mode: dynamic}}}")
+    sw = plan.node("sw1")
+    assert sw.buffer.mode == "shared" and sw.buffer.pool_bytes == 9 * 1_000_000
+    assert all(c.shared and c.pfc.mode == "dynamic" for c in _roce(plan, "sw1"))
+    assert any("sw1: PFC mode dynamic without a switch_buffer" in w and "9MB" in w
+               for w in plan.warnings), plan.warnings
+    assert plan.node("h1").buffer.mode == "none"
