@@ -1,7 +1,7 @@
 """A run names every invariant it breaks: each test breaks one on purpose and reads the verdict.
 
 Small single-switch fabrics at D = 1000 (a 3:1 UDP incast into h4 on the lossless
-class, 1 ms), run with `testbed run`'s own runner. Each test breaks the emulated
+class, 1 ms; 600 KB of buffer a port, XOFF 100 KB an ingress), run with `testbed run`'s own runner. Each test breaks the emulated
 fabric in one way, right after it is up (RunOptions.on_up) or by its config, and
 checks that summary.json's `invariants` and `fidelity` name that invariant, the
 place and a size, and that a clean run of the same fabric names none:
@@ -45,7 +45,8 @@ topology: {{kind: single_switch, hosts: 4, host_link: {{port: 100GBASE-CR1, leng
 qos:
   default:
     buffer: {{3: 600KB}}
-    pfc: {{enabled: {pfc}, xoff: 300KB}}
+    ecn: {{kmin: 20KB, kmax: 80KB}}
+    pfc: {{enabled: {pfc}, xoff: 100KB}}
 workload:
   drain: 100us
   traffic:

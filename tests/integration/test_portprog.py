@@ -445,9 +445,10 @@ def test_standing_queue_is_marked_at_the_curve_rate(pair, capsys):
 def test_the_decision_queue_is_the_kernels_backlog(pair, pauses, capsys):
     """Overload the class at 1.5x the port rate (with the gate closed at the given
     times, s from the start, as a PFC agent would) and compare, at every read, the port
-    program's queue with the qdisc's backlog: equal, within one frame in flight on the
+    program's queue with the qdisc's backlog: equal, within what is in flight on the
     veth (the program's admitted and departed bytes are read just before and after the
-    backlog, so their bracket must contain it)."""
+    backlog, so their bracket must contain it, less at most two frames in flight: the
+    run's own tolerance)."""
     pair.configure()
     size = 1400
     w = frame(size)
@@ -486,13 +487,13 @@ def test_the_decision_queue_is_the_kernels_backlog(pair, pauses, capsys):
         leafq.close()
     busy = [s for s in samples if s[1] > 0]
     assert len(busy) > 100 and max(s[1] for s in busy) > 1_000_000
-    outside = [(lo, real, hi) for lo, real, hi, _c in busy if not lo - w <= real <= hi]
+    outside = [(lo, real, hi) for lo, real, hi, _c in busy if not lo - 2 * w <= real <= hi]
     diffs = sorted(real - (lo + hi) / 2 for lo, real, hi, _c in busy)
     with capsys.disabled():
         print(f"\n{len(pauses)} pauses: backlog - program queue over {len(busy)} samples, "
               f"queue up to {max(s[1] for s in busy) / 1e3:.0f} KB: min {diffs[0]:.0f}, "
               f"median {diffs[len(diffs) // 2]:.0f}, max {diffs[-1]:.0f} B; "
-              f"{len(outside)} outside [bracket - 1 frame, bracket]")
+              f"{len(outside)} outside [bracket - 2 frames, bracket]")
     assert not outside, outside[:10]
     if pauses:
         # while closed, nothing left: the queue only grew
