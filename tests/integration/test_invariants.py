@@ -2,9 +2,10 @@
 
 Small single-switch fabrics at D = 1000 (a 3:1 UDP incast into h4 on the lossless
 class, 1 ms; 600 KB of buffer a port, XOFF 100 KB an ingress), run with `testbed
-run`'s own runner. Each test breaks the emulated fabric in one way, right after it is up (RunOptions.on_up) or by its config, and
-checks that summary.json's `invariants` and `fidelity` name that invariant, the
-place and a size, and that a clean run of the same fabric names none:
+run`'s own runner. Each test breaks the emulated fabric in one way, right after it
+is up (RunOptions.on_up) or by its config, and checks that summary.json's
+`invariants` and `fidelity` name that invariant, the place and a size, and that a
+clean run of the same fabric names none:
 
 - (a) queue: the departure hook of one port is taken off its peer, so the port
   program never sees that port's packets leave;
