@@ -39,6 +39,7 @@ from testbed.plan.model import (
 from testbed.plan.qos import (
     DEFAULT_BUFFER_BYTES,
     ETH_WIRE_OVERHEAD_BYTES,
+    PFC_EMULATED_RESPONSE_WALL_NS,
     headroom_bytes,
     resolve_port_qos,
 )
@@ -281,11 +282,12 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
     def pool_of(node: str) -> int:
         return pool or implied.get(node, 0)
 
+    response_ns = round(dilation.to_fabric_ns(PFC_EMULATED_RESPONSE_WALL_NS))
     for i, (link, phy) in enumerate(zip(links, phys, strict=True)):
         port_class = fabric.qos[link.qos]
         classes_qos, qos_problems = resolve_port_qos(
             port_class, tclasses, phy.mac_rate_bps, round(phy.delay_ns), fabric.mtu_bytes,
-            shared_pool=bool(pool_of(link.a) or pool_of(link.b)))
+            shared_pool=bool(pool_of(link.a) or pool_of(link.b)), response_ns=response_ns)
         for qp in qos_problems:
             loc = ("qos", link.qos, *qp.field.split("."))
             msg = f"{qp.message} (link {link.a}-{link.b}, {link.port})"
@@ -300,7 +302,8 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
         warnings += _fan_in_warnings(link, classes_qos, ports_of,
                                      {n: r for n, r in role.items() if not pool_of(n)},
                                      fabric.mtu_bytes)
-        warnings += _headroom_warnings(link, port_class, classes_qos, phy, fabric.mtu_bytes)
+        warnings += _headroom_warnings(link, port_class, classes_qos, phy, fabric.mtu_bytes,
+                                       response_ns, dplan.factor)
         link_plans.append(LinkPlan(
             index=i, a=LinkEndPlan(node=link.a, ifname=ifnames[(i, "a")]),
             b=LinkEndPlan(node=link.b, ifname=ifnames[(i, "b")]), subnet=str(subnets[i]),
@@ -438,18 +441,28 @@ def _fan_in_warnings(link, classes_qos, ports_of: dict[str, int], role: dict[str
     return out
 
 
-def _headroom_warnings(link, port_class, classes_qos, phy, mtu_bytes: int) -> list[str]:
-    """An explicit headroom below what the link can put in flight after XOFF."""
+def _headroom_warnings(link, port_class, classes_qos, phy, mtu_bytes: int, response_ns: int,
+                       dilation: int) -> list[str]:
+    """An explicit headroom below what the link can put in flight after XOFF: the
+    hardware's figure (Cisco's formula), or the emulated PFC loop's at this dilation."""
     given = port_class.pfc.headroom_bytes
-    if given is None:
+    if given is None or not any(q.pfc for q in classes_qos):
         return []
-    need = headroom_bytes(phy.mac_rate_bps, round(phy.delay_ns), mtu_bytes)
-    if given >= need or not any(q.pfc for q in classes_qos):
-        return []
-    return [f"qos.{link.qos}: pfc.headroom {format_size(given)} is below what link "
-            f"{link.a}-{link.b} ({phy.mac_rate_bps / 1e9:g} Gb/s) can put in flight after an "
-            f"XOFF ({format_size(need)}: two frames, the round trip and the 802.1Qbb response "
-            "time): the lossless class may drop"]
+    hardware = headroom_bytes(phy.mac_rate_bps, round(phy.delay_ns), mtu_bytes)
+    emulated = headroom_bytes(phy.mac_rate_bps, round(phy.delay_ns), mtu_bytes, response_ns)
+    where = f"link {link.a}-{link.b} ({phy.mac_rate_bps / 1e9:g} Gb/s)"
+    if given < hardware:
+        return [f"qos.{link.qos}: pfc.headroom {format_size(given)} is below what {where} "
+                f"can put in flight after an XOFF ({format_size(hardware)}: two frames, the "
+                "round trip and the 802.1Qbb response time): the lossless class may drop"]
+    if given < emulated:
+        return [f"qos.{link.qos}: pfc.headroom {format_size(given)} covers {where} in "
+                f"hardware, but the emulated PFC loop answers in ~"
+                f"{PFC_EMULATED_RESPONSE_WALL_NS / 1e6:g} ms of wall time, "
+                f"{response_ns / 1e3:.2f} us of fabric time at D = {dilation}, and needs "
+                f"{format_size(emulated)}: the lossless class may drop; raise the headroom "
+                "or D (the run's invariants will say whether it did)"]
+    return []
 
 
 def _egress_loss(fabric, link, sender: str, phy_loss: float) -> float:

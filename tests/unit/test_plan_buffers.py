@@ -47,6 +47,35 @@ def test_an_explicit_headroom_below_what_the_link_needs_is_a_plan_warning():
     assert any("pfc.headroom 5KB is below what link" in w for w in plan.warnings)
 
 
+def _plan_at(dilation: int, extra: str = ""):
+    text = NINE_PORT_SWITCH.format(extra=extra).replace("dilation: 1000",
+                                                        f"dilation: {dilation}")
+    return compile_plan(load_config_text(text, "fanin.yaml"),
+                        max_wall_port_rate_bps=200_000_000)
+
+
+def test_the_auto_headroom_covers_the_emulated_pfc_loops_wall_time_response():
+    # 2 ms of wall time is 1 us of fabric time at D = 2000 and 4 us at D = 500: at
+    # 100 Gb/s that is 12.5 KB and 50 KB the upstream port sends before its gate closes,
+    # both longer than 802.1Qbb's 60 quanta (3840 B). Two 9038 B frames + 2 x 120 ns at
+    # 100 Gb/s (3000 B) + the response.
+    for dilation, response in ((2000, 12_500), (500, 50_000)):
+        [headroom] = {c.pfc.headroom_bytes for c in _roce(_plan_at(dilation), "sw1")}
+        assert headroom == 2 * 9038 + 3000 + response, dilation
+    # at a D where 2 ms of wall time is shorter than 60 quanta, Cisco's figure stands
+    [headroom] = {c.pfc.headroom_bytes for c in _roce(_plan_at(100_000), "sw1")}
+    assert headroom == 2 * 9038 + 3000 + 3840
+
+
+def test_an_explicit_headroom_that_covers_hardware_but_not_the_emulator_is_a_warning():
+    plan = _plan_at(500, "qos: {default: {pfc: {headroom: 30KB}}}")
+    warnings = [w for w in plan.warnings if "pfc.headroom 30KB" in w]
+    assert len(warnings) == 9  # one for each link
+    assert all("emulated PFC loop" in w and "D = 500" in w for w in warnings)
+    quiet = _plan_at(500, "qos: {default: {pfc: {headroom: 80KB}}}")
+    assert not [w for w in quiet.warnings if "pfc.headroom" in w]
+
+
 def test_the_shared_pool_sets_aside_every_ingress_ports_headroom_and_reserve():
     plan = _plan("switch_buffer: {size: 2MiB}")
     sw = plan.node("sw1")

@@ -226,7 +226,7 @@ def _default_fabric_with(traffic: str):
     return loaded, compile_plan(loaded)
 
 
-def test_auto_window_on_the_default_fabric_is_642_packets():
+def test_auto_window_on_the_default_fabric_is_652_packets():
     loaded, plan = _default_fabric_with(
         "    - {name: inc, kind: roce_incast, senders: [h1, h5], receiver: h8, duration: 1ms}")
     # Longest host-to-host path: h1 -> leaf1 -> spine -> leaf2 -> h8 (either spine), four
@@ -234,20 +234,22 @@ def test_auto_window_on_the_default_fabric_is_642_packets():
     # (100G). Links: 2 m 100GBASE-CR1 120 ns, 100 m 400GBASE-DR4 600 ns one way.
     # Base RTT = 2 (120 + 600 + 600 + 120) = 2880 ns.
     # TC3 (roce, lossless) on every port: XOFF 1 MB (half the 2 MB buffer) + headroom
-    # (2 x 9038 B frames + 2 x delay x rate + 3840 B response): 100G 24 916 B, 400G 81 916 B.
-    # Drain: 100G 1 024 916 B x 8 / 100 Gb/s = 81 993.28 ns, 400G 1 081 916 B x 8 / 400 Gb/s
-    # = 21 638.32 ns; twice each: 207 263.2 ns. Round trip 210 143.2 ns.
-    # At h1's 100 Gb/s: 100e9 x 210 143.2e-9 / 8 = 2 626 790 B = 641.3 packets of 4096 B.
+    # (2 x 9038 B frames + 2 x delay x rate + the response: the emulated PFC loop's 2 ms of
+    # wall time at D = 2000 = 1 us, longer than 802.1Qbb's 3840 B): 100G 18 076 + 3 000 +
+    # 12 500 = 33 576 B, 400G 18 076 + 60 000 + 50 000 = 128 076 B.
+    # Drain: 100G 1 033 576 B x 8 / 100 Gb/s = 82 686.08 ns, 400G 1 128 076 B x 8 / 400 Gb/s
+    # = 22 561.52 ns; twice each: 210 495.2 ns. Round trip 213 375.2 ns.
+    # At h1's 100 Gb/s: 100e9 x 213 375.2e-9 / 8 = 2 667 190 B = 651.2 packets of 4096 B.
     assert {tuple(i.ifname for i in p) for p in egress_paths(plan, "h1", "h8")} == {
         ("eth0", "swp5", "swp2", "swp4"), ("eth0", "swp6", "swp2", "swp4")}
-    assert roce_round_trip_ns(plan, 3) == Fr("210143.2")
-    assert roce_window_packets(100 * 10**9, roce_round_trip_ns(plan, 3), 4096) == 642
+    assert roce_round_trip_ns(plan, 3) == Fr("213375.2")
+    assert roce_window_packets(100 * 10**9, roce_round_trip_ns(plan, 3), 4096) == 652
     parser = roce_main.build_parser()
     for spec in expand_workload(loaded.fabric, plan):
         args = parser.parse_args(spec.argv)
-        assert args.window_packets == 642, spec.name
+        assert args.window_packets == 652, spec.name
         if spec.role == "sender":   # a full window posted, and one 64 KiB message more
-            assert args.tx_depth == 642 // 16 + 1 + 1 == 42
+            assert args.tx_depth == 652 // 16 + 1 + 1 == 42
 
 
 def _brute_port_ns(plan, iface, tc: int = 3) -> Fr:
