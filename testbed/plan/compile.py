@@ -283,11 +283,16 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
         return pool or implied.get(node, 0)
 
     response_ns = round(dilation.to_fabric_ns(PFC_EMULATED_RESPONSE_WALL_NS))
+    headroom_room = _pool_headroom_room(fabric, links, role, pool_of)
+    headroom_seen: list[tuple] = []
     for i, (link, phy) in enumerate(zip(links, phys, strict=True)):
         port_class = fabric.qos[link.qos]
         classes_qos, qos_problems = resolve_port_qos(
             port_class, tclasses, phy.mac_rate_bps, round(phy.delay_ns), fabric.mtu_bytes,
-            shared_pool=bool(pool_of(link.a) or pool_of(link.b)), response_ns=response_ns)
+            shared_pool=bool(pool_of(link.a) or pool_of(link.b)), response_ns=response_ns,
+            pool_headroom_room_bytes=min(
+                (headroom_room[n] for n in (link.a, link.b) if n in headroom_room),
+                default=None))
         for qp in qos_problems:
             loc = ("qos", link.qos, *qp.field.split("."))
             msg = f"{qp.message} (link {link.a}-{link.b}, {link.port})"
@@ -302,8 +307,7 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
         warnings += _fan_in_warnings(link, classes_qos, ports_of,
                                      {n: r for n, r in role.items() if not pool_of(n)},
                                      fabric.mtu_bytes)
-        warnings += _headroom_warnings(link, port_class, classes_qos, phy, fabric.mtu_bytes,
-                                       response_ns, dplan.factor)
+        headroom_seen.append((link, port_class, classes_qos, phy))
         link_plans.append(LinkPlan(
             index=i, a=LinkEndPlan(node=link.a, ifname=ifnames[(i, "a")]),
             b=LinkEndPlan(node=link.b, ifname=ifnames[(i, "b")]), subnet=str(subnets[i]),
@@ -311,6 +315,7 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
             rate_bps=phy.mac_rate_bps, wall_rate_bps=dilation.to_wall_bps(phy.mac_rate_bps),
             delay_ns=round(phy.delay_ns), wall_delay_ns=dilation.to_wall_ns(round(phy.delay_ns)),
             frame_loss_ratio=phy.frame_loss_ratio, phy_warnings=list(phy.warnings)))
+    warnings += _headroom_warnings(headroom_seen, fabric.mtu_bytes, response_ns, dplan.factor)
     if problems:
         raise ConfigError(loaded.path, problems)
 
@@ -369,6 +374,26 @@ def _implied_pools(fabric, links, role: dict[str, str]) -> dict[str, int]:
             if pfc.mode == "dynamic" and "mode" in pfc.model_fields_set:
                 dynamic.add(node)
     return {node: size for node, size in out.items() if node in dynamic and size}
+
+
+def _pool_headroom_room(fabric, links, role: dict[str, str], pool_of) -> dict[str, int]:
+    """For each switch with a shared pool, the most auto headroom one (port, lossless
+    class) may set aside: together at most half of what the pool keeps after its
+    reserves, so the emulator's allowance (auto_headroom_bytes) leaves the pool room
+    to share."""
+    reserve = (fabric.switch_buffer or SwitchBuffer(size=0)).reserve_bytes
+    lossless = {t.tc for t in fabric.traffic_classes if t.lossless}
+    entries: dict[str, int] = defaultdict(int)
+    for link in links:
+        pfc = fabric.qos[link.qos].pfc
+        if not pfc.enabled:
+            continue
+        n = len(lossless if pfc.priorities is None else lossless & set(pfc.priorities))
+        for node in (link.a, link.b):
+            if role[node] == "switch" and pool_of(node):
+                entries[node] += n
+    return {node: max(0, pool_of(node) - reserve * n) // (2 * n)
+            for node, n in entries.items() if n}
 
 
 def _node_buffer(role: str, interfaces: list[InterfacePlan], pool_bytes: int,
@@ -441,28 +466,52 @@ def _fan_in_warnings(link, classes_qos, ports_of: dict[str, int], role: dict[str
     return out
 
 
-def _headroom_warnings(link, port_class, classes_qos, phy, mtu_bytes: int, response_ns: int,
+def _headroom_warnings(seen: list[tuple], mtu_bytes: int, response_ns: int,
                        dilation: int) -> list[str]:
-    """An explicit headroom below what the link can put in flight after XOFF: the
-    hardware's figure (Cisco's formula), or the emulated PFC loop's at this dilation."""
-    given = port_class.pfc.headroom_bytes
-    if given is None or not any(q.pfc for q in classes_qos):
-        return []
-    hardware = headroom_bytes(phy.mac_rate_bps, round(phy.delay_ns), mtu_bytes)
-    emulated = headroom_bytes(phy.mac_rate_bps, round(phy.delay_ns), mtu_bytes, response_ns)
-    where = f"link {link.a}-{link.b} ({phy.mac_rate_bps / 1e9:g} Gb/s)"
-    if given < hardware:
-        return [f"qos.{link.qos}: pfc.headroom {format_size(given)} is below what {where} "
-                f"can put in flight after an XOFF ({format_size(hardware)}: two frames, the "
-                "round trip and the 802.1Qbb response time): the lossless class may drop"]
-    if given < emulated:
-        return [f"qos.{link.qos}: pfc.headroom {format_size(given)} covers {where} in "
-                f"hardware, but the emulated PFC loop answers in ~"
-                f"{PFC_EMULATED_RESPONSE_WALL_NS / 1e6:g} ms of wall time, "
-                f"{response_ns / 1e3:.2f} us of fabric time at D = {dilation}, and needs "
-                f"{format_size(emulated)}: the lossless class may drop; raise the headroom "
-                "or D (the run's invariants will say whether it did)"]
-    return []
+    """Headroom below what a link can put in flight after XOFF: an explicit one below the
+    hardware's figure (Cisco's formula) or the emulated PFC loop's at this dilation, or
+    an auto one the buffer had no room to size for the emulated loop. One warning per
+    kind of port, naming how many links it covers."""
+    found: dict[tuple, list[str]] = defaultdict(list)
+    for link, port_class, classes_qos, phy in seen:
+        pfcs = [q.pfc for q in classes_qos if q.pfc is not None]
+        if not pfcs:
+            continue
+        given = min(p.headroom_bytes for p in pfcs)
+        hardware = headroom_bytes(phy.mac_rate_bps, round(phy.delay_ns), mtu_bytes)
+        emulated = headroom_bytes(phy.mac_rate_bps, round(phy.delay_ns), mtu_bytes, response_ns)
+        explicit = port_class.pfc.headroom_bytes is not None
+        if given < hardware:
+            kind = "hardware"
+        elif given < emulated:
+            kind = "explicit" if explicit else "no_room"
+        else:
+            continue
+        key = (kind, link.qos, phy.mac_rate_bps, given, hardware, emulated)
+        found[key].append(f"{link.a}-{link.b}")
+    out = []
+    for (kind, qos, rate_bps, given, hardware, emulated), where in found.items():
+        links = (f"link {where[0]}" if len(where) == 1
+                 else f"{len(where)} links (first {where[0]})")
+        rate = f"{rate_bps / 1e9:g} Gb/s"
+        loop = (f"the emulated PFC loop answers in ~{PFC_EMULATED_RESPONSE_WALL_NS / 1e6:g} ms "
+                f"of wall time, {response_ns / 1e3:.2f} us of fabric time at D = {dilation}, "
+                f"and needs {format_size(emulated)}")
+        if kind == "hardware":
+            out.append(f"qos.{qos}: pfc.headroom {format_size(given)} is below what {links} "
+                       f"({rate}) can put in flight after an XOFF ({format_size(hardware)}: two "
+                       "frames, the round trip and the 802.1Qbb response time): the lossless "
+                       "class may drop")
+        elif kind == "explicit":
+            out.append(f"qos.{qos}: pfc.headroom {format_size(given)} covers {links} ({rate}) "
+                       f"in hardware, but {loop}: the lossless class may drop; raise the "
+                       "headroom or D (the run's invariants will say whether it did)")
+        else:
+            out.append(f"qos.{qos}: the auto PFC headroom on {links} ({rate}) is "
+                       f"{format_size(given)}, all the buffer has room for (hardware needs "
+                       f"{format_size(hardware)}), but {loop}: the lossless class may drop; "
+                       "raise the buffer or D (the run's invariants will say whether it did)")
+    return out
 
 
 def _egress_loss(fabric, link, sender: str, phy_loss: float) -> float:

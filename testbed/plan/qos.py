@@ -108,15 +108,30 @@ def _default_buffer(tclass: TrafficClass) -> int:
     return DEFAULT_BUFFER_BYTES["lossy"]
 
 
+def auto_headroom_bytes(hardware_bytes: int, emulated_bytes: int, room_bytes: int | None) -> int:
+    """The headroom a port gets when the config names none: what the emulated PFC loop
+    needs, as far as the buffer has room for it, and never less than the hardware's
+    figure. The emulator's allowance never turns a config that is sound in hardware
+    into an error: where the room is short, the plan warns and the run's invariants
+    say whether the class dropped."""
+    if room_bytes is None:
+        return emulated_bytes
+    return max(hardware_bytes, min(emulated_bytes, room_bytes))
+
+
 def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_bps: int,
                      one_way_delay_ns: int, mtu_bytes: int, shared_pool: bool = False,
-                     response_ns: int = 0) -> tuple[list[ClassQos], list[QosProblem]]:
+                     response_ns: int = 0, pool_headroom_room_bytes: int | None = None,
+                     ) -> tuple[list[ClassQos], list[QosProblem]]:
     """Concrete settings for every traffic class on one port, and any problems found.
 
     `shared_pool`: the fabric has a switch_buffer, so lossless classes at switches
     draw from it rather than from their per-port buffer: the per-port XOFF and
     headroom checks do not apply, and PFC defaults to the dynamic threshold.
     `response_ns`: the emulated PFC loop's response in fabric time (headroom_bytes).
+    `pool_headroom_room_bytes`: with a shared pool, the most auto headroom a port's
+    lossless class may set aside in it (auto_headroom_bytes); per-port buffers give
+    the class buffer above XOFF.
     """
     problems: list[QosProblem] = []
     pfc_cfg = port_class.pfc
@@ -129,12 +144,15 @@ def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_b
         ecn_here = ecn if tclass.ecn else None
         pfc_here = None
         if pfc_cfg.enabled and tclass.tc in pfc_tcs:
-            headroom = pfc_cfg.headroom_bytes
-            if headroom is None:
-                headroom = headroom_bytes(rate_bps, one_way_delay_ns, mtu_bytes, response_ns)
             mode = pfc_cfg.mode if "mode" in pfc_cfg.model_fields_set else (
                 "dynamic" if shared_pool else "static")
             xoff = pfc_cfg.xoff_bytes if pfc_cfg.xoff_bytes is not None else limit // 2
+            headroom = pfc_cfg.headroom_bytes
+            if headroom is None:
+                headroom = auto_headroom_bytes(
+                    headroom_bytes(rate_bps, one_way_delay_ns, mtu_bytes),
+                    headroom_bytes(rate_bps, one_way_delay_ns, mtu_bytes, response_ns),
+                    pool_headroom_room_bytes if shared_pool else limit - xoff)
             xon = pfc_cfg.xon_bytes
             if xon is None:
                 xon = max(0, xoff - 2 * (mtu_bytes + ETH_WIRE_OVERHEAD_BYTES))
