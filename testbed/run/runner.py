@@ -25,10 +25,11 @@ from testbed.net.probe import probe_report
 from testbed.net.state import LabState
 from testbed.plan.model import Plan
 from testbed.run.accounts import stream_accounts
+from testbed.run.capture import start_captures, stop_captures
 from testbed.run.collector import AgentEndpoint, Collector, LiveTotals, agent_read_notes
 from testbed.run.fabric_agents import has_pfc, start_pfc_agents
 from testbed.run.fidelity import base_rtt_shortfall_ns
-from testbed.run.procs import AgentProcess, socket_path, start_agent, start_process
+from testbed.run.procs import AgentProcess, socket_path, start_agent
 from testbed.run.rundir import create_run_dir, machine_metadata, write_json, write_private
 from testbed.run.store import Store
 from testbed.run.summary import PHY_DROP_COUNTERS, QUEUE_DROP_COUNTERS, build_summary
@@ -169,7 +170,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 fidelity.append(f"no port programs ({report.datapath[6:]}): no ECN marking, "
                                 "no queue accounting, no PFC, no PHY loss")
             if options.capture:
-                captures = _start_captures(plan, run_dir, options.capture_snaplen)
+                captures = start_captures(plan, run_dir, options.capture_snaplen)
             fabric_endpoints: list[AgentEndpoint] = []
             if has_pfc(plan):
                 if _has_port_programs(plan):
@@ -266,7 +267,8 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                     results[spec.name] = proc.result(timeout_s=5)
                 except RuntimeError as exc:
                     fidelity.append(f"agent {spec.name} on {spec.node}: {exc}")
-            for proc in captures + fabric_procs:
+            fidelity += stop_captures(captures, run_dir)
+            for proc in fabric_procs:
                 proc.stop()
             if collector is not None:
                 collector.stop()
@@ -378,26 +380,6 @@ def _has_port_programs(plan: Plan) -> bool:
     node = plan.nodes[0]
     return bool(node.interfaces) and pin_dir_of(plan.lab, node.name,
                                                 node.interfaces[0].ifname).exists()
-
-
-def _start_captures(plan: Plan, run_dir: Path, snaplen: int = 0) -> list[AgentProcess]:
-    """tcpdump on every host NIC. Whole frames by default: a RoCE packet's ICRC is its
-    last four bytes, and a truncated capture cannot show it (tcpdump -s 0 = 262144).
-    --immediate-mode: without it libpcap hands packets over a ring block at a time (up
-    to a second late) and tcpdump stopped at the end of a run lost the last block.
-    -Z root: the files stay root's, like the rest of the run directory."""
-    pcap = run_dir / "pcap"
-    pcap.mkdir(mode=0o700)
-    procs = []
-    for host in plan.hosts():
-        for iface in host.interfaces:
-            out = pcap / f"{host.name}-{iface.ifname}.pcap"
-            procs.append(start_process(plan.lab, host.netns,
-                                       ["tcpdump", "-q", "--immediate-mode", "-U", "-Z", "root",
-                                        "-i", iface.ifname, "-s", str(snaplen),
-                                        "-w", str(out)], f"tcpdump-{host.name}-{iface.ifname}"))
-    time.sleep(0.5)   # tcpdump needs a moment before it sees packets
-    return procs
 
 
 def _write_results(store: Store, plan: Plan, agents, results: dict, dilation: Dilation) -> None:

@@ -77,7 +77,7 @@ def test_the_run_moved_data_and_congestion_signals(captured):
 
 
 def test_every_captured_roce_packet_decodes_with_a_correct_icrc(captured):
-    _run_dir, summary, pcaps = captured
+    run_dir, summary, pcaps = captured
     h1, h3 = pcaps["h1"], pcaps["h3"]
     for host, packets in pcaps.items():
         assert packets, host
@@ -88,12 +88,19 @@ def test_every_captured_roce_packet_decodes_with_a_correct_icrc(captured):
     assert set(sent) == WRITES, sent
     assert set(got) == {Opcode.RC_ACKNOWLEDGE, Opcode.CNP}, got
     (h1_row,) = [r for w in summary["workloads"] for r in w["results"] if r["src"] == "h1"]
-    # every packet the agents counted is in the captures, the last ones included
-    assert sum(sent.values()) == h1_row["tx_packets"]
-    assert got[Opcode.CNP] == h1_row["cnps_received"]
+    # every packet the agents counted is in the captures, the last ones included, or
+    # the run says which capture missed how many (tcpdump's kernel ring overflowed on a
+    # busy VM once in CI: 3 of 944 at h3; the fabric had delivered them)
+    stats = json.loads((run_dir / "pcap" / "capture.json").read_text())
+    missed = {port: s["dropped_by_kernel"] for port, s in stats.items()}
+    notes = summary["fidelity"]
+    for port, n in missed.items():
+        assert (n > 0) == any(f"the capture on {port} missed {n} packets" in x for x in notes)
+    assert sum(sent.values()) + missed["h1:eth0"] >= h1_row["tx_packets"] >= sum(sent.values())
+    assert got[Opcode.CNP] + missed["h1:eth0"] >= h1_row["cnps_received"] >= got[Opcode.CNP]
     h1_ip = h1[0][IP].src
-    assert sum(1 for p in h3 if p[IP].src == h1_ip and p[BTH].opcode in WRITES) \
-        == h1_row["rx_packets"]
+    at_h3 = sum(1 for p in h3 if p[IP].src == h1_ip and p[BTH].opcode in WRITES)
+    assert at_h3 + missed["h3:eth0"] >= h1_row["rx_packets"] >= at_h3
     # the switch marked data on its way to h3; the marks do not break the ICRC
     marked = [p for p in h3 if p[UDP].dport == ROCE_UDP_PORT and p[IP].tos & 3 == CE]
     assert marked and all(_icrc_ok(p) for p in marked)
