@@ -24,7 +24,7 @@ from testbed.net.sampler import KernelSampler
 from testbed.plan.model import Plan
 from testbed.run.fidelity import PortWatchdog
 from testbed.run.invariants import InvariantMonitor
-from testbed.run.store import Sample, Store
+from testbed.run.store import Event, Sample, Store
 from testbed.run.summary import PHY_DROP_COUNTERS, QUEUE_DROP_COUNTERS
 
 SNAPSHOT_WORKERS = 8
@@ -112,6 +112,9 @@ class Collector:
         self.cpu_ns = 0
         self.wall_active_ns = 0
         self.late_ticks = 0
+        # fabric time of the first and last late tick, and the longest tick's wall time
+        self.late_span_fabric_ns: tuple[int, int] | None = None
+        self.longest_tick_wall_ns = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -141,6 +144,7 @@ class Collector:
         started = time.monotonic_ns()
         next_tick = started
         while not self._stop.is_set():
+            tick = time.monotonic_ns()
             self.sample_once()
             next_tick += self.period_wall_ns
             now = time.monotonic_ns()
@@ -150,9 +154,23 @@ class Collector:
                 # starting (a burst of CPU) and no measurement is being taken.
                 if now >= self.t0_mono_ns:
                     self.late_ticks += 1
+                    at = self.fabric_now_ns(tick)
+                    first = self.late_span_fabric_ns[0] if self.late_span_fabric_ns else at
+                    self.late_span_fabric_ns = (first, at)
+                    self.longest_tick_wall_ns = max(self.longest_tick_wall_ns, now - tick)
                 next_tick = now
             self._stop.wait(max(0.0, (next_tick - now) / 1e9))
         self.wall_active_ns = time.monotonic_ns() - started
+
+    def late_notes(self) -> list[str]:
+        """A fidelity note if the collector missed its period during the workload."""
+        if not self.late_ticks or self.late_span_fabric_ns is None:
+            return []
+        first, last = self.late_span_fabric_ns
+        return [f"the collector fell behind its period {self.late_ticks} times, between "
+                f"{first / 1e3:.0f} and {last / 1e3:.0f} us fabric (its slowest sample took "
+                f"{self.longest_tick_wall_ns / self.period_wall_ns:.1f} periods): samples are "
+                "sparser there"]
 
     def sample_once(self, final: bool = False) -> None:
         """Take one sample; `final` (the last one, from stop()) writes the end state."""
@@ -166,8 +184,10 @@ class Collector:
                 samples.extend(rows)
             ts_fabric = self.fabric_now_ns(mono)
             self.store.add_samples(ts_fabric, mono, samples, final=final)
+            events: list[Event] = []
             for agent in self.agents:
-                self._import_events(agent)
+                events += self._read_events(agent)
+            self.store.add_events(events)
             self.watchdog.observe(mono, samples)
             self.invariants.observe(ts_fabric, samples, getattr(self.sampler, "brackets", {}))
             self._update_totals(ts_fabric, samples)
@@ -184,28 +204,29 @@ class Collector:
             with self._cpu_lock:
                 self.cpu_ns += time.thread_time_ns() - cpu0
 
-    def _import_events(self, agent: AgentEndpoint) -> None:
-        """Copy new complete lines of the agent's event file into the store."""
+    def _read_events(self, agent: AgentEndpoint) -> list[Event]:
+        """The new complete lines of the agent's event file, as events for the store."""
         if not agent.events_path:
-            return
+            return []
         try:
             with open(agent.events_path, "rb") as fh:
                 fh.seek(agent.events_offset)
                 data = fh.read()
         except FileNotFoundError:
-            return
+            return []
         end = data.rfind(b"\n") + 1
         agent.events_offset += end
+        out = []
         for line in data[:end].splitlines():
             try:
                 event = json.loads(line)
             except ValueError:
                 continue
             mono = int(event.pop("mono_ns", time.monotonic_ns()))
-            self.store.add_event(self.fabric_now_ns(mono), mono, event.pop("kind", "agent"),
-                                 node=event.pop("node", agent.node),
-                                 port=event.pop("port", ""),
-                                 tclass=int(event.pop("tclass", -1)), **event)
+            out.append(Event(self.fabric_now_ns(mono), mono, event.pop("kind", "agent"),
+                             node=event.pop("node", agent.node), port=event.pop("port", ""),
+                             tclass=int(event.pop("tclass", -1)), detail=event))
+        return out
 
     def _update_totals(self, ts_fabric: int, samples: list[Sample]) -> None:
         t = self.totals

@@ -292,9 +292,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 except Exception as exc:   # the run's data is kept; say why it is unchecked
                     fidelity.append(f"could not check the run's invariants: {exc!r}")
                 fidelity += collector.watchdog.notes(plan.dilation.factor)
-                if collector.late_ticks:
-                    fidelity.append(f"the collector fell behind its period "
-                                    f"{collector.late_ticks} times (samples are sparser there)")
+                fidelity += collector.late_notes()
                 fidelity += agent_read_notes(collector.agents)
             if not options.keep_up:
                 removed = destroy_lab(plan.lab)

@@ -1,14 +1,17 @@
 """counters.sqlite (docs/run-format.md): format 2 writes a group only when it changed and
 reads back every sample; format 1 databases read as before; SQL written against format
-1's `samples` table keeps giving the same answers through the view."""
+1's `samples` table keeps giving the same answers through the view. The collector
+writes a sample's agent events in one transaction and says when it missed its period."""
 
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
 
+from testbed.run.collector import AgentEndpoint
 from testbed.run.store import STORE_FORMAT_VERSION, Sample, Store, StoreVersionError, convert_v1
 from tests.unit.v1_store import V1Store
 
@@ -338,3 +341,69 @@ def test_the_collector_writes_the_end_state_with_its_last_sample(tmp_path, monke
                                 "GROUP BY 1 ORDER BY 1").fetchall()
     store.close()
     assert [n for _, n in per_sample] == [2, 0, 0, 2]
+
+
+def _collector(tmp_path, monkeypatch, sample_s: float = 0.0, agents=None):
+    from testbed.config import load_config
+    from testbed.plan import compile_plan
+    from testbed.run import collector as collector_mod
+    from tests.conftest import REPO
+
+    class Sampler:
+        def __init__(self, plan) -> None:
+            pass
+
+        def sample(self) -> list[Sample]:
+            time.sleep(sample_s)
+            return [Sample(*STEADY, "class_bytes", 500)]
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(collector_mod, "KernelSampler", Sampler)
+    plan = compile_plan(load_config(REPO / "configs/default.yaml"),
+                        max_wall_port_rate_bps=200_000_000)
+    store = Store(tmp_path / "c.sqlite", create=True)
+    return store, collector_mod.Collector(plan, store, 10**6, 0, agents)
+
+
+def test_the_collector_imports_each_samples_agent_events_in_one_transaction(
+        tmp_path, monkeypatch) -> None:
+    events = tmp_path / "sw1-pfc.events.jsonl"
+    events.write_text(
+        '{"kind": "pfc_xoff", "mono_ns": 5, "port": "swp1", "tclass": 3, "bytes": 9000}\n'
+        '{"kind": "pfc_xon", "mono_ns": 7, "port": "swp1", "tclass": 3}\n'
+        'not json\n'
+        '{"kind": "pfc_xoff", "mono_ns": 9')            # a line still being written
+    agent = AgentEndpoint("pfc-sw1", "sw1", str(tmp_path / "no.sock"), str(events))
+    store, collector = _collector(tmp_path, monkeypatch, agents=[agent])
+    calls = []
+    real = store.add_events
+    monkeypatch.setattr(store, "add_events", lambda evs: (calls.append(len(evs)), real(evs)))
+    collector.sample_once()
+    with events.open("a") as fh:
+        fh.write(', "port": "swp2", "tclass": 3}\n')
+    collector.sample_once()
+    got = [(e["kind"], e["node"], e["port"], e["tclass"], e.get("bytes")) for e in store.events()]
+    store.close()
+    assert calls == [2, 1]
+    assert got == [("pfc_xoff", "sw1", "swp1", 3, 9000), ("pfc_xon", "sw1", "swp1", 3, None),
+                   ("pfc_xoff", "sw1", "swp2", 3, None)]
+
+
+def test_a_collector_that_misses_its_period_says_when_and_by_how_much(
+        tmp_path, monkeypatch) -> None:
+    # a 1 ms period and a sample that takes 5 ms: every tick of the workload is late
+    store, collector = _collector(tmp_path, monkeypatch, sample_s=0.005)
+    assert collector.late_notes() == []
+    collector.start()
+    time.sleep(0.05)
+    collector.stop()
+    store.close()
+    [note] = collector.late_notes()
+    assert collector.late_ticks >= 2
+    assert f"fell behind its period {collector.late_ticks} times, between " in note
+    first, last = collector.late_span_fabric_ns
+    assert 0 <= first < last
+    assert collector.longest_tick_wall_ns >= 5 * collector.period_wall_ns
+    assert "us fabric (its slowest sample took" in note
