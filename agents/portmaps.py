@@ -45,6 +45,7 @@ MAX_SLOTS = 512             #: ingress slots per node; slot 0 is the node's own 
 MAX_TRACKED = 2             #: lossless classes with per-ingress accounting per node
 RING = 16384                #: FIFO entries (packet descriptors) per (port, tracked class)
 NO_TRACK = 0xFF
+NODE_DIR = "_node"          #: a node's shared maps, beside its ports' pin dirs (eth<N> / swp<N>)
 FP_SHIFT = 32
 FP_ONE = 1 << FP_SHIFT      #: probability 1.0
 ALPHA_SHIFT = 16            #: node alpha in units of 2^-16
@@ -315,9 +316,8 @@ def acct_offset(tracked_index: int, slot: int) -> int:
 _NR_BPF = {"x86_64": 321, "aarch64": 280, "armv7l": 386, "riscv64": 280, "ppc64le": 361,
            "s390x": 351}
 BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_GET_NEXT_KEY = 1, 2, 4
-BPF_OBJ_GET, BPF_OBJ_GET_INFO_BY_FD, BPF_MAP_LOOKUP_BATCH = 7, 15, 24
-BPF_ANY, BPF_F_LOCK = 0, 4
-_ENOTSUPP = 524     # kernel-internal "not supported" that bpf(2) can leak
+BPF_OBJ_GET, BPF_OBJ_GET_INFO_BY_FD = 7, 15
+BPF_ANY = 0
 _ATTR_SIZE = 128   # larger than any command's part of union bpf_attr we use; rest zero
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -372,7 +372,8 @@ def map_info(fd: int) -> tuple[int, int, int, int, str]:
 
 
 class BpfMap:
-    """An open array map with u32 keys: element and batch access."""
+    """An open pinned map, its sizes checked: element writes with u32 keys (configuration).
+    Counters are read through MmapArray, hash maps through iter_keys / lookup_raw."""
 
     def __init__(self, fd: int, value_size: int, entries: int, name: str = "") -> None:
         self.fd = fd
@@ -381,13 +382,7 @@ class BpfMap:
         self.entries = entries
         self.bpf = _Bpf()
         self.key = ctypes.c_uint32(0)
-        self.next_key = ctypes.c_uint32(0)
         self.value = ctypes.create_string_buffer(value_size)
-        self.keys = (ctypes.c_uint32 * entries)()
-        self.values = ctypes.create_string_buffer(value_size * entries)
-        self.out_batch = ctypes.c_uint32(0)
-        self._batch_ok = True
-        self._batch_checked = False
 
     @classmethod
     def open_pinned(cls, path: Path, value_size: int, entries: int,
@@ -410,15 +405,6 @@ class BpfMap:
             os.close(self.fd)
             self.fd = -1
 
-    def lookup(self, key: int, flags: int = 0) -> bytes:
-        self.key.value = key
-        b = self.bpf
-        b.clear()
-        struct.pack_into("=IIQQQ", b.attr, 0, self.fd, 0, ctypes.addressof(self.key),
-                         ctypes.addressof(self.value), flags)
-        b.call(BPF_MAP_LOOKUP_ELEM, f"MAP_LOOKUP_ELEM {self.name}[{key}]")
-        return self.value.raw
-
     def update(self, key: int, value: bytes, flags: int = BPF_ANY) -> None:
         if len(value) != self.value_size:
             raise ValueError(f"{self.name}: value of {len(value)} bytes, map holds "
@@ -430,65 +416,6 @@ class BpfMap:
         struct.pack_into("=IIQQQ", b.attr, 0, self.fd, 0, ctypes.addressof(self.key),
                          ctypes.addressof(self.value), flags)
         b.call(BPF_MAP_UPDATE_ELEM, f"MAP_UPDATE_ELEM {self.name}[{key}]")
-
-    def next_key_of(self, key: int | None) -> int | None:
-        b = self.bpf
-        b.clear()
-        self.key.value = key or 0
-        struct.pack_into("=IIQQ", b.attr, 0, self.fd, 0,
-                         0 if key is None else ctypes.addressof(self.key),
-                         ctypes.addressof(self.next_key))
-        try:
-            b.call(BPF_MAP_GET_NEXT_KEY, f"MAP_GET_NEXT_KEY {self.name}")
-        except OSError as exc:
-            if exc.errno == errno.ENOENT:
-                return None
-            raise
-        return self.next_key.value
-
-    def lookup_all(self, flags: int = 0) -> memoryview:
-        """Every value, key order, in one BPF_MAP_LOOKUP_BATCH (element calls if unsupported)."""
-        return self.lookup_range(0, self.entries, flags)
-
-    def lookup_range(self, start: int, count: int, flags: int = 0) -> memoryview:
-        """Values of keys start .. start + count - 1, in one BPF_MAP_LOOKUP_BATCH.
-
-        The kernel copies every element a batch covers (~0.15 us each): reading one
-        class's 64 ingress slots instead of the whole 512-slot map is 8x cheaper, and
-        the PFC agent does it for every port on every poll.
-        """
-        if not (0 <= start and count > 0 and start + count <= self.entries):
-            raise ValueError(f"{self.name}: keys {start}..{start + count - 1} outside "
-                             f"0..{self.entries - 1}")
-        size = count * self.value_size
-        if self._batch_ok:
-            b = self.bpf
-            b.clear()
-            # An array batch continues after the key in_batch points at.
-            self.key.value = start - 1
-            in_batch = ctypes.addressof(self.key) if start else 0
-            struct.pack_into("=QQQQIIQQ", b.attr, 0, in_batch, ctypes.addressof(self.out_batch),
-                             ctypes.addressof(self.keys), ctypes.addressof(self.values),
-                             count, self.fd, flags, 0)
-            got = -1
-            try:
-                b.call(BPF_MAP_LOOKUP_BATCH, f"MAP_LOOKUP_BATCH {self.name}")
-                got = count
-            except OSError as exc:
-                if exc.errno == errno.ENOENT:       # "no more": count says how many came
-                    got = struct.unpack_from("=I", b.attr, 32)[0]
-                elif exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, _ENOTSUPP):
-                    raise
-            if got == count and (self._batch_checked or
-                                 list(self.keys[:count]) == list(range(start, start + count))):
-                self._batch_checked = True
-                return memoryview(self.values).cast("B")[:size]
-            self._batch_ok = False
-        for i in range(count):
-            value = self.lookup(start + i, flags)
-            ctypes.memmove(ctypes.addressof(self.values) + i * self.value_size, value,
-                           self.value_size)
-        return memoryview(self.values).cast("B")[:size]
 
 
 # --- mmap-able arrays and the ring buffer ------------------------------------------------

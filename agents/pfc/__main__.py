@@ -41,7 +41,7 @@ from pathlib import Path
 from agents.control import SnapshotServer
 from agents.pfc import gate as gates
 from agents.pfc.logic import INGRESS, PauseRequests, PauseTimer, egress_reason
-from agents.portmaps import NodeMaps, PortMaps
+from agents.portmaps import NODE_DIR, NodeMaps, PortMaps
 from agents.timebase import Dilation
 from agents.udp import Lifecycle
 from agents.wire import pfc as pfcwire
@@ -49,7 +49,6 @@ from agents.wire import pfc as pfcwire
 SOL_PACKET = 263             # not in Python's socket module
 PACKET_QDISC_BYPASS = 20      # a PFC frame is a MAC control frame: it skips the port's queues
 PIN_ROOT = Path("/sys/fs/bpf/tb")
-NODE_DIR = "_node"
 RESCAN_WALL_NS = 20_000_000   # full rescan of the node's flags (a lost event, new contributors)
 MAX_WAIT_WALL_NS = 20_000_000
 

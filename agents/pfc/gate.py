@@ -29,6 +29,8 @@ import os
 import socket
 import struct
 
+from agents.wire.netlink import attrs
+
 PAUSED_RATE_BPS = 20_000
 PAUSED_MPU_BYTES = 0xFFFF           # tc_ratespec.mpu is 16 bits
 NLMSG_HDR = 16
@@ -39,23 +41,13 @@ RATESPEC_MPU_OFFSET = 6             # cell_log u8, linklayer u8, overhead u16, c
 NLMSG_ERROR, NLM_F_ACK = 2, 0x4
 
 
-def _attrs(buf: bytes | bytearray, start: int, end: int):
-    offset = start
-    while offset + 4 <= end:
-        length, kind = struct.unpack_from("=HH", buf, offset)
-        if length < 4:
-            return
-        yield kind & 0x3FFF, offset + 4, offset + length
-        offset += (length + 3) & ~3
-
-
 def set_rate_mpu(message: bytes, mpu: int) -> bytes:
     """The TBF qdisc message with its rate's mpu set (raises if it is not one)."""
     data = bytearray(message)
-    for kind, start, end in _attrs(data, NLMSG_HDR + TCMSG, len(data)):
+    for kind, start, end in attrs(data, NLMSG_HDR + TCMSG, len(data)):
         if kind != TCA_OPTIONS:
             continue
-        for sub, s0, _s1 in _attrs(data, start, end):
+        for sub, s0, _s1 in attrs(data, start, end):
             if sub == TCA_TBF_PARMS:
                 struct.pack_into("=H", data, s0 + RATESPEC_MPU_OFFSET, mpu)
                 return bytes(data)

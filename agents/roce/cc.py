@@ -181,8 +181,8 @@ PRESETS: dict[str, DcqcnParams] = {
         checks=("alpha_timer_ns", "increase_timer_ns", "byte_counter_bytes", "g",
                 "fast_recovery_steps", "rai_bps", "rhai_bps", "min_rate_bps", "initial_alpha",
                 "kmin_bytes", "kmax_bytes", "pmax"),
-        source="DCQCN paper (Zhu et al., SIGCOMM 2015) as shared/FACTS.md gives it "
-               "[check]; R_HAI and min rate from bobzhuyb/ns3-rdma",
+        source="DCQCN paper (Zhu et al., SIGCOMM 2015), values not yet checked against "
+               "the paper's text; R_HAI and min rate from bobzhuyb/ns3-rdma",
     ),
     # bobzhuyb/ns3-rdma: qbb-net-device.cc + mix/config.txt (40 Gb/s topology).
     "ns3-rdma": DcqcnParams(
@@ -1000,10 +1000,9 @@ def make_cc(kind: str, preset_name: str | None, line_rate_bps: float, now_ns: fl
     kind "dcqcn" takes a name from PRESETS, "dctcp" one from DCTCP_PRESETS, "none"
     ignores the preset name. `overrides` replace preset values (`effective_params`).
     """
+    params = effective_params(kind, preset_name, line_rate_bps, overrides)   # checks them
     if kind == "none":
-        effective_params(kind, preset_name, line_rate_bps, overrides)
         return NoCc(line_rate_bps, now_ns)
-    params = effective_params(kind, preset_name, line_rate_bps, overrides)
     if kind == "dcqcn":
         return DcqcnRp(params, line_rate_bps, now_ns)
     return DctcpRp(params, line_rate_bps, now_ns)

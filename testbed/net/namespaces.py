@@ -121,23 +121,35 @@ def _return_to(home_fd: int) -> None:
 
 
 @contextlib.contextmanager
-def inside(name: str) -> Iterator[None]:
-    """Run the block with this thread in namespace `name` (which must exist)."""
-    _check(name)
+def _coming_back() -> Iterator[None]:
+    """Whatever network namespace the block moves this thread to, it comes back."""
     home = _own_namespace()
     try:
-        target = os.open(_path(name), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            if _libc.setns(target, CLONE_NEWNET) != 0:
-                raise _libc_error(f"setns into {name}")
-        finally:
-            os.close(target)
         try:
             yield
         finally:
             _return_to(home)
     finally:
         os.close(home)
+
+
+def _enter(name: str) -> None:
+    """Move this thread into the named namespace (inside _coming_back)."""
+    target = os.open(_path(name), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(target, CLONE_NEWNET) != 0:
+            raise _libc_error(f"setns into {name}")
+    finally:
+        os.close(target)
+
+
+@contextlib.contextmanager
+def inside(name: str) -> Iterator[None]:
+    """Run the block with this thread in namespace `name` (which must exist)."""
+    _check(name)
+    with _coming_back():
+        _enter(name)
+        yield
 
 
 def write_sysctls(name: str, sysctls: Mapping[str, str]) -> None:
@@ -187,16 +199,10 @@ def in_scratch_namespace(fn: Callable[[], T]) -> T:
     namespace other than the initial one offers). Nothing is named or mounted: the
     kernel frees the namespace as soon as the worker thread leaves it."""
     def work():
-        home = _own_namespace()
-        try:
+        with _coming_back():
             if _libc.unshare(CLONE_NEWNET) != 0:
                 raise _libc_error("unshare(CLONE_NEWNET)")
-            try:
-                return fn()
-            finally:
-                _return_to(home)
-        finally:
-            os.close(home)
+            return fn()
     return _in_worker(work)
 
 
@@ -213,32 +219,21 @@ def with_sysfs(names: Sequence[str], fn: Callable[[str], object]) -> None:
         _check(name)
 
     def work() -> None:
-        home = _own_namespace()
-        try:
+        with _coming_back():
             if _libc.unshare(CLONE_NEWNS) != 0:
                 raise _libc_error("unshare(CLONE_NEWNS)")
             if _libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None) != 0:
                 # Without this a mount below could propagate to the initial mount
                 # namespace: stop before mounting anything.
                 raise _libc_error("making / a slave mount in a private mount namespace")
-            try:
-                for name in names:
-                    target = os.open(_path(name), os.O_RDONLY | os.O_CLOEXEC)
-                    try:
-                        if _libc.setns(target, CLONE_NEWNET) != 0:
-                            raise _libc_error(f"setns into {name}")
-                    finally:
-                        os.close(target)
-                    if _libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
-                        raise _libc_error(f"mounting sysfs for {name}")
-                    try:
-                        fn(name)
-                    finally:
-                        _libc.umount2(b"/sys", MNT_DETACH)
-            finally:
-                _return_to(home)
-        finally:
-            os.close(home)
+            for name in names:
+                _enter(name)
+                if _libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
+                    raise _libc_error(f"mounting sysfs for {name}")
+                try:
+                    fn(name)
+                finally:
+                    _libc.umount2(b"/sys", MNT_DETACH)
     _in_worker(work)
 
 

@@ -43,6 +43,7 @@ from agents.portmaps import (  # re-exported (see __all__): one module for the p
     MAPS,
     MAX_SLOTS,
     MAX_TRACKED,
+    NODE_DIR,
     NODE_MAPS,
     NUM_DSCP,
     NUM_SLOTS,
@@ -68,7 +69,7 @@ from testbed.net.bpf import PORT_SOURCE
 from testbed.plan.model import EgressPlan, NodePlan
 
 __all__ = [
-    "CLASS_CFG", "LAYOUTS", "MAPS", "MAX_SLOTS", "MAX_TRACKED", "NODE_MAPS", "NUM_DSCP",
+    "CLASS_CFG", "LAYOUTS", "MAPS", "MAX_SLOTS", "MAX_TRACKED", "NODE_DIR", "NODE_MAPS", "NUM_DSCP",
     "NUM_SLOTS", "NUM_TC", "OTHER", "PORT_MAPS", "ClassCounters", "ClassParams",
     "IngressParams", "NodeMaps", "NodeParams", "PortHandle", "PortMapError", "PortMaps",
     "PortParams", "PortProgError", "attach_port", "configure_node", "detach_lab",
@@ -91,7 +92,6 @@ CLSACT_INGRESS = 0xFFFFFFF2     # "ffff:fff2"
 FILTER_PRIO = 1
 FILTER_HANDLE = 1
 ETH_P_ALL = 0x0003
-NODE_DIR = "_node"              # not a port name: ports are eth<N> / swp<N>
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")
 
 
@@ -468,19 +468,10 @@ def attach_port(lab: str, node: str, netns: str, ifname: str, params: PortParams
     maps = PortMaps(pin_dir)
     try:
         maps.write_params(params)
-        dep_fd = obj_get(pin_dir / "progs" / "port_departure")
-        try:
-            _method, peer_index = _attach(peer[0], peer[1], dep_fd,
-                                          pin_dir / "progs" / "port_departure", peer_ipr,
-                                          peer_ifindex, CLSACT_INGRESS, "port_departure")
-        finally:
-            os.close(dep_fd)
-        prog_fd = obj_get(pin_dir / "progs" / "port_egress")
-        try:
-            method, ifindex = _attach(netns, ifname, prog_fd, pin_dir / "progs" / "port_egress",
-                                      ipr, ifindex, CLSACT_EGRESS, "port_egress")
-        finally:
-            os.close(prog_fd)
+        _method, peer_index = _attach(peer[0], peer[1], pin_dir / "progs" / "port_departure",
+                                      peer_ipr, peer_ifindex, CLSACT_INGRESS)
+        method, ifindex = _attach(netns, ifname, pin_dir / "progs" / "port_egress", ipr,
+                                  ifindex, CLSACT_EGRESS)
     except BaseException:
         maps.close()
         raise
@@ -489,8 +480,10 @@ def attach_port(lab: str, node: str, netns: str, ifname: str, params: PortParams
                       (peer[0], peer[1], peer_index))
 
 
-def _attach(netns: str, ifname: str, prog_fd: int, pin: Path, ipr, ifindex: int | None,
-            parent: int, name: str) -> tuple[str, int]:
+def _attach(netns: str, ifname: str, pin: Path, ipr, ifindex: int | None,
+            parent: int) -> tuple[str, int]:
+    """Attach the program pinned at `pin` (named as its pin) to the interface's clsact
+    `parent`: by pyroute2 on `ipr` (opened if None), else by tc. (method, ifindex)."""
     from pyroute2 import IPRoute
     from pyroute2.netlink.exceptions import NetlinkError
 
@@ -503,11 +496,14 @@ def _attach(netns: str, ifname: str, prog_fd: int, pin: Path, ipr, ifindex: int 
             if not found:
                 raise PortProgError(f"no interface {ifname!r} in namespace {netns!r}")
             ifindex = found[0]
+        prog_fd = obj_get(pin)
         try:
-            _attach_pyroute2(ipr, ifindex, prog_fd, parent, name)
+            _attach_pyroute2(ipr, ifindex, prog_fd, parent, pin.name)
             return "pyroute2", ifindex
         except NetlinkError as exc:
             first = exc
+        finally:
+            os.close(prog_fd)
     finally:
         if own:
             ipr.close()

@@ -18,6 +18,7 @@ import struct
 
 from pyroute2 import netns as _netns
 
+from agents.wire.netlink import attrs
 from testbed.net import portprog
 from testbed.net.qdisc import parse_handle
 from testbed.plan.model import Plan
@@ -31,7 +32,6 @@ RTM_GETQDISC, RTM_NEWQDISC = 38, 36
 RTM_GETSTATS, RTM_NEWSTATS = 94, 92
 IF_STATS_MSG = struct.Struct("=BBHII")       # family, pad1, pad2, ifindex, filter_mask
 TCMSG = struct.Struct("=BBHiIII")            # family, pad1, pad2, ifindex, handle, parent, info
-RTA = struct.Struct("=HH")
 IFLA_STATS_LINK_64 = 1
 TCA_STATS2 = 7
 TCA_STATS_BASIC, TCA_STATS_QUEUE = 1, 3
@@ -40,15 +40,6 @@ STATS64 = struct.Struct("=8Q")
 BASIC = struct.Struct("=QI")                 # bytes, packets
 QUEUE = struct.Struct("=5I")                 # qlen, backlog, drops, requeues, overlimits
 DUMP_ATTEMPTS = 3
-
-
-def _attrs(buf: memoryview, offset: int, end: int):
-    while offset + 4 <= end:
-        length, kind = RTA.unpack_from(buf, offset)
-        if length < 4:
-            return
-        yield kind & 0x3FFF, offset + 4, offset + length
-        offset += (length + 3) & ~3
 
 
 class _NetlinkDumper:
@@ -163,7 +154,7 @@ class KernelSampler:
                 name = names.get(ifindex)
                 if name is None:
                     continue
-                for attr, start, stop in _attrs(view, off + IF_STATS_MSG.size, end):
+                for attr, start, stop in attrs(view, off + IF_STATS_MSG.size, end):
                     if attr == IFLA_STATS_LINK_64 and stop - start >= STATS64.size:
                         rxp, txp, rxb, txb, _rxe, _txe, rxd, txd = STATS64.unpack_from(view, start)
                         append(Sample(node, name, -1, "tx_bytes", txb))
@@ -224,10 +215,10 @@ class KernelSampler:
             if where is None:
                 continue
             name, tc = where
-            for attr, start, stop in _attrs(view, off + TCMSG.size, end):
+            for attr, start, stop in attrs(view, off + TCMSG.size, end):
                 if attr != TCA_STATS2:
                     continue
-                for sub, s0, _s1 in _attrs(view, start, stop):
+                for sub, s0, _s1 in attrs(view, start, stop):
                     if sub == TCA_STATS_BASIC:
                         nbytes, packets = BASIC.unpack_from(view, s0)
                         append(Sample(node, name, tc, "class_bytes", nbytes))
@@ -269,7 +260,7 @@ def _link_names(dumper: _NetlinkDumper) -> dict[int, str]:
         if kind != RTM_NEWLINK:
             continue
         ifindex = IFINFOMSG.unpack_from(view, off)[3]
-        for attr, start, stop in _attrs(view, off + IFINFOMSG.size, end):
+        for attr, start, stop in attrs(view, off + IFINFOMSG.size, end):
             if attr == IFLA_IFNAME:
                 names[ifindex] = bytes(view[start:stop]).rstrip(b"\0").decode()
     return names

@@ -25,10 +25,9 @@ from testbed.plan.model import Plan
 from testbed.run.fidelity import PortWatchdog
 from testbed.run.invariants import InvariantMonitor
 from testbed.run.store import Event, Sample, Store
-from testbed.run.summary import PHY_DROP_COUNTERS, QUEUE_DROP_COUNTERS
+from testbed.run.summary import DROP_COUNTERS
 
 SNAPSHOT_WORKERS = 8
-DROP_COUNTERS = (*QUEUE_DROP_COUNTERS, *PHY_DROP_COUNTERS)
 SNAPSHOT_TIMEOUT_S = 0.2      # wall: a slower agent's sample is skipped (and counted)
 
 

@@ -167,7 +167,7 @@ class InvariantMonitor:
 
         `snapshot`: datapath_snapshot() at the end (None without port programs);
         `last`: the store's last value per counter; `streams`: one dict per stream
-        (see testbed/run/runner.py `_stream_accounts`); `host_udp_errors`: per host,
+        (testbed/run/accounts.py `stream_accounts`); `host_udp_errors`: per host,
         UDP RcvbufErrors during the run."""
         out: list[Violation] = []
         out += self._queue_violations()

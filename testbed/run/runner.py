@@ -32,7 +32,7 @@ from testbed.run.fidelity import base_rtt_shortfall_ns
 from testbed.run.procs import AgentProcess, socket_path, start_agent
 from testbed.run.rundir import create_run_dir, machine_metadata, write_json, write_private
 from testbed.run.store import Store
-from testbed.run.summary import PHY_DROP_COUNTERS, QUEUE_DROP_COUNTERS, build_summary
+from testbed.run.summary import DROP_COUNTERS, build_summary
 from testbed.run.workload import (
     DEFAULT_DRAIN_WALL_NS,
     DEFAULT_SAMPLE_PERIOD_WALL_NS,
@@ -277,7 +277,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 results_written = True
                 paused = {n for (n, _p, _t), v in store.last_values("pause_rx").items() if v}
                 fidelity += _agent_fidelity(plan, agents, results, dilation, paused)
-                drops = sum(v for counter in (*QUEUE_DROP_COUNTERS, *PHY_DROP_COUNTERS)
+                drops = sum(v for counter in DROP_COUNTERS
                             for (_n, _p, tc), v in store.last_values(counter).items()
                             if tc in _lossless_tcs(plan))
                 fidelity += _roce_fidelity(run_dir, agents, results, dilation,

@@ -12,6 +12,7 @@ from testbed.run.store import Store
 #: at 0 unless something is wrong)
 QUEUE_DROP_COUNTERS = ("tail_drops", "mmu_drops", "desc_drops", "class_drops")
 PHY_DROP_COUNTERS = ("bpf_drops",)
+DROP_COUNTERS = (*QUEUE_DROP_COUNTERS, *PHY_DROP_COUNTERS)
 
 
 def port_rows(plan: Plan | None, store: Store) -> list[dict]:
@@ -24,12 +25,12 @@ def port_rows(plan: Plan | None, store: Store) -> list[dict]:
     run whose plan is lost), the ports are the ones the store has samples of.
     """
     counters = ("class_bytes", "class_packets", "ecn_marks", "pause_tx", "pause_rx",
-                "paused_ns", "max_vq_bytes", *QUEUE_DROP_COUNTERS, *PHY_DROP_COUNTERS)
+                "paused_ns", "max_vq_bytes", *DROP_COUNTERS)
     last = {c: store.last_values(c) for c in counters}
     max_backlog: dict[tuple[str, str, int], float] = {}
     for key, series in store.series("backlog_bytes").items():
         max_backlog[key] = max(v for _, v in series)
-    keys: set[tuple[str, str, int]] = set()
+    keys: set[tuple[str, str, int]]
     if plan is not None:
         keys = {(node.name, iface.ifname, cls.tc) for node in plan.nodes
                 for iface in node.interfaces for cls in iface.egress.classes}
@@ -37,24 +38,21 @@ def port_rows(plan: Plan | None, store: Store) -> list[dict]:
         keys = set(max_backlog) | {k for values in last.values() for k in values if k[2] >= 0}
     rows = []
     for key in keys:
-        values = {c: int(last[c].get(key, 0)) for c in counters}
-
-        def v(counter: str, values: dict[str, int] = values) -> int:
-            return values[counter]
-        queue_drops = sum(v(c) for c in QUEUE_DROP_COUNTERS)
-        phy_drops = sum(v(c) for c in PHY_DROP_COUNTERS)
+        v = {c: int(last[c].get(key, 0)) for c in counters}
+        queue_drops = sum(v[c] for c in QUEUE_DROP_COUNTERS)
+        phy_drops = sum(v[c] for c in PHY_DROP_COUNTERS)
         rows.append({
             "node": key[0], "port": key[1], "tclass": key[2],
-            "tx_bytes": v("class_bytes"),
-            "tx_packets": v("class_packets"),
+            "tx_bytes": v["class_bytes"],
+            "tx_packets": v["class_packets"],
             "drops": queue_drops + phy_drops,
             "queue_drops": queue_drops,
             "phy_drops": phy_drops,
-            "ecn_marks": v("ecn_marks"),
-            "pause_tx": v("pause_tx"),
-            "pause_rx": v("pause_rx"),
-            "paused_ns": v("paused_ns"),
-            "max_queue_bytes": max(v("max_vq_bytes"), int(max_backlog.get(key, 0))),
+            "ecn_marks": v["ecn_marks"],
+            "pause_tx": v["pause_tx"],
+            "pause_rx": v["pause_rx"],
+            "paused_ns": v["paused_ns"],
+            "max_queue_bytes": max(v["max_vq_bytes"], int(max_backlog.get(key, 0))),
         })
     rows.sort(key=lambda r: (r["node"], r["port"], r["tclass"]))
     return rows

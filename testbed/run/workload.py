@@ -28,7 +28,13 @@ import json
 from dataclasses import dataclass
 from fractions import Fraction
 
-from testbed.config.models import MAX_ROCE_WINDOW_PACKETS, Fabric, RoceTraffic, UdpTraffic
+from testbed.config.models import (
+    MAX_ROCE_WINDOW_PACKETS,
+    Fabric,
+    RoceTraffic,
+    TrafficClass,
+    UdpTraffic,
+)
 from testbed.plan.model import InterfacePlan, Plan
 
 BASE_PORT = 20000
@@ -78,11 +84,20 @@ def streams(traffic: UdpTraffic | RoceTraffic, hosts: list[str]) -> list[tuple[s
     return [tuple(p) for p in traffic.pairs or []]
 
 
-def dscp_of(fabric: Fabric, tclass: str | int) -> int:
+def _traffic_class(fabric: Fabric, tclass: str | int) -> TrafficClass:
     for t in fabric.traffic_classes:
         if tclass in (t.name, t.tc):
-            return t.dscp[0] if t.dscp else 0
+            return t
     raise KeyError(f"unknown traffic class {tclass!r}")
+
+
+def dscp_of(fabric: Fabric, tclass: str | int) -> int:
+    t = _traffic_class(fabric, tclass)
+    return t.dscp[0] if t.dscp else 0
+
+
+def tc_of(fabric: Fabric, tclass: str | int) -> int:
+    return _traffic_class(fabric, tclass).tc
 
 
 def address_of(plan: Plan, host: str) -> str:
@@ -140,13 +155,6 @@ def roce_ports(n: int) -> tuple[int, int]:
     return ROCE_SETUP_PORT + n, ROCE_UDP_PORT + n
 
 
-def tc_of(fabric: Fabric, tclass: str | int) -> int:
-    for t in fabric.traffic_classes:
-        if tclass in (t.name, t.tc):
-            return t.tc
-    raise KeyError(f"unknown traffic class {tclass!r}")
-
-
 class _Routes:
     """The plan's forwarding, for walking paths: nodes by name, each node's routes as one
     {network: next-hop interfaces} table per prefix length, longest first."""
@@ -176,25 +184,6 @@ class _Routes:
             if hops is not None:
                 return hops
         return []
-
-
-def egress_paths(plan: Plan, src: str, dst: str) -> list[list[InterfacePlan]]:
-    """Every path the plan's routes can take from host `src` to host `dst`, each as the
-    egress ports on the way (the sender's NIC first); ECMP next hops branch."""
-    routes = _Routes(plan)
-    address = address_of(plan, dst)
-    paths: list[list[InterfacePlan]] = []
-
-    def walk(node: str, path: list[InterfacePlan], seen: set[str]) -> None:
-        for iface in routes.egress_toward(node, address):
-            nxt = iface.peer.node
-            if nxt == dst:
-                paths.append(path + [iface])
-            elif nxt not in seen and routes.nodes[nxt].role == "switch":  # hosts don't forward
-                walk(nxt, path + [iface], seen | {nxt})
-
-    walk(src, [], {src})
-    return paths
 
 
 def _port_time_ns(plan: Plan, iface: InterfacePlan, tc: int) -> Fraction:
@@ -243,13 +232,14 @@ def roce_round_trip_ns(plan: Plan, tc: int) -> Fraction:
     and every ECMP path between them (`egress_paths`), the base RTT (each link's delay,
     there and back) plus the time to drain every egress port's buffer of the class on the
     way. One pass per destination with each node's longest remaining time memoised, so
-    the cost grows with hosts x nodes, not with the number of paths."""
+    the cost grows with hosts x nodes, not with the number of paths (the unit tests
+    check it against every path enumerated)."""
     hosts = [h.name for h in plan.hosts()]
     routes = _Routes(plan)
     port_ns: dict[tuple[str, str], Fraction] = {}
     worst = Fraction(0)
     for dst in hosts:
-        address = routes.nodes[dst].interfaces[0].address.split("/")[0]
+        address = address_of(plan, dst)
         memo: dict[str, Fraction | None] = {}
         for src in hosts:
             if src != dst:

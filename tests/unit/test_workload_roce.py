@@ -32,7 +32,8 @@ from testbed.run.store import Store
 from testbed.run.workload import (
     ROCE_SETUP_PORT,
     ROCE_UDP_PORT,
-    egress_paths,
+    _Routes,
+    address_of,
     expand_workload,
     roce_ports,
     roce_round_trip_ns,
@@ -250,6 +251,26 @@ def test_auto_window_on_the_default_fabric_is_652_packets():
         assert args.window_packets == 652, spec.name
         if spec.role == "sender":   # a full window posted, and one 64 KiB message more
             assert args.tx_depth == 652 // 16 + 1 + 1 == 42
+
+
+def egress_paths(plan, src: str, dst: str) -> list:
+    """Every path the plan's routes can take from host `src` to host `dst`, each as the
+    egress ports on the way (the sender's NIC first); ECMP next hops branch. The brute
+    force roce_round_trip_ns's memoised walk is checked against."""
+    routes = _Routes(plan)
+    address = address_of(plan, dst)
+    paths: list = []
+
+    def walk(node: str, path: list, seen: set[str]) -> None:
+        for iface in routes.egress_toward(node, address):
+            nxt = iface.peer.node
+            if nxt == dst:
+                paths.append(path + [iface])
+            elif nxt not in seen and routes.nodes[nxt].role == "switch":  # hosts don't forward
+                walk(nxt, path + [iface], seen | {nxt})
+
+    walk(src, [], {src})
+    return paths
 
 
 def _brute_port_ns(plan, iface, tc: int = 3) -> Fr:
