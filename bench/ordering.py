@@ -204,7 +204,7 @@ def wait_ready(path: Path, proc: AgentProcess, timeout_s: float = 10.0) -> None:
 def udp_receiver(plan: Plan, host: str, tmp: Path) -> AgentProcess:
     ready = tmp / f"recv-{host}.ready"
     ready.unlink(missing_ok=True)
-    d = Dilation(plan.dilation.factor)
+    d = plan.timebase
     proc = start_agent(plan.lab, plan.node(host).netns, "agents.udp",
                        ["recv", "--port", str(PORT), "--ready-file", str(ready),
                         "--idle-exit-ns", str(round(d.to_fabric_ns_from_wall_s(1.0))),
@@ -215,7 +215,7 @@ def udp_receiver(plan: Plan, host: str, tmp: Path) -> AgentProcess:
 
 def udp_sender(plan: Plan, src: str, dst: str, rate_bps: int, size: int,
                seconds: float) -> AgentProcess:
-    d = Dilation(plan.dilation.factor)
+    d = plan.timebase
     return start_agent(plan.lab, plan.node(src).netns, "agents.udp",
                        ["send", "--dst", address(plan, dst), "--dport", str(PORT),
                         "--sport", "40000", "--rate-bps", str(rate_bps), "--size", str(size),

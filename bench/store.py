@@ -4,7 +4,7 @@ Reads a format 1 database (default: the 30 ms 7:1 RoCE incast fixture) and
 replays it sample by sample, as the collector wrote it, through
 - format 1's writer (its own schema, taken from the source database, and one
   executemany of a row per counter per sample), and
-- format 2's Store (testbed/run/store.py), the last sample marked final as
+- format 2's Store (testbed/results/store.py), the last sample marked final as
   Collector.stop() does, then closed (points clustered by series).
 Prints, per format, the file size, the rows, the write CPU per sample (thread
 CPU time of add_samples: Python and SQLite, commit included) and the bytes
@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from testbed.run.store import _POINTS_BY_SERIES, _SAMPLES_VIEW, Sample, Store, v1_samples  # noqa: E402
+from testbed.results.store import _POINTS_BY_SERIES, _SAMPLES_VIEW, Sample, Store, v1_samples  # noqa: E402
 
 FIXTURE = Path("/work/fixtures/v1-dcqcnoff/counters.sqlite")
 SELF_JOIN = """

@@ -10,9 +10,11 @@ import difflib
 from collections.abc import Iterator
 
 from testbed.config.errors import format_loc
-from testbed.config.models import Fabric
+from testbed.config.models import Fabric, TrafficClass
 from testbed.config.topology import Expanded
-from testbed.units import format_rate, format_size
+from testbed.units import format_size
+from testbed.workloads.base import SHAPE_FIELD_NAMES, CheckContext, Shape, TrafficEntry
+from testbed.workloads.registry import REGISTRY
 
 # agents.portmaps.MAX_TRACKED: lossless classes the port program accounts per ingress port.
 MAX_LOSSLESS_CLASSES = 2
@@ -164,31 +166,18 @@ def check_fabric(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
                "use /30 or larger (default 198.18.0.0/15)")
 
 
-# What each shape of traffic needs; the kind's prefix (udp_ / roce_) picks the agents.
-_SHAPE_FIELDS = {"incast": ("senders", "receiver"), "all_to_all": ("hosts",),
-                 "pairs": ("pairs",)}
-_CC_PRESETS = {"dcqcn": ("hpcc-ns3", "hpcc-ns3-config", "hpcc-ns3-paper", "ns3-rdma", "paper"),
-               "dctcp": ("hpcc-ns3", "rfc8257")}
-ROCE_MAX_MESSAGE_BYTES = (1 << 31) - 1
-
-
 def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:
+    """What every traffic entry needs of the fabric (a unique name, a known class, hosts
+    of its shape), then what its kind checks (testbed/workloads)."""
     if fabric.workload is None:
         return
     hosts = [n.name for n in expanded.nodes if n.role == "host"]
-    classes = {t.name: t for t in fabric.traffic_classes} | {
-        t.tc: t for t in fabric.traffic_classes}
+    classes: dict[str | int, TrafficClass] = {t.name: t for t in fabric.traffic_classes}
+    classes |= {t.tc: t for t in fabric.traffic_classes}
+    ctx = CheckContext(hosts=hosts, classes=classes, nic_bps=_host_nic_rates(expanded))
     names: set[str] = set()
-
-    def host_ok(loc: tuple, name: str) -> Iterator[tuple[tuple, str]]:
-        if name not in hosts:
-            yield loc, (f"{name!r} is not a host of this fabric{_suggest(name, hosts)}; "
-                        f"hosts are {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''}")
-
-    nic_bps = _host_nic_rates(expanded)
     for i, t in enumerate(fabric.workload.traffic):
         loc = ("workload", "traffic", i)
-        family, _, shape = t.kind.partition("_")
         if t.name in names:
             yield loc + ("name",), f"traffic name {t.name!r} is used twice"
         names.add(t.name)
@@ -198,58 +187,45 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
                    f"{', '.join(f'{c.name} ({c.tc})' for c in fabric.traffic_classes)}")
         if t.duration_ns is not None and t.duration_ns <= 0:
             yield loc + ("duration",), "duration must be above 0"
-        if family == "roce":
-            yield from _check_roce(t, loc, classes.get(t.tclass))
-            yield from _check_cc_params(t, loc, _senders(t, hosts), nic_bps)
-        if shape == "incast":
-            if not t.senders or not t.receiver:
-                yield loc, f"{t.kind} needs senders: [...] and receiver:"
-                continue
-            for j, s in enumerate(t.senders):
-                yield from host_ok(loc + ("senders", j), s)
-                if s == t.receiver:
-                    yield loc + ("senders", j), f"{s!r} is also the receiver"
-            yield from host_ok(loc + ("receiver",), t.receiver)
-        elif shape == "all_to_all":
-            for j, h in enumerate(t.hosts or []):
-                yield from host_ok(loc + ("hosts", j), h)
-            if t.hosts is not None and len(t.hosts) < 2:
-                yield loc + ("hosts",), "all-to-all needs at least two hosts"
-        else:
-            if not t.pairs:
-                yield loc, f"{t.kind} needs pairs: [[src, dst], ...]"
-                continue
-            for j, (src, dst) in enumerate(t.pairs):
-                yield from host_ok(loc + ("pairs", j), src)
-                yield from host_ok(loc + ("pairs", j), dst)
-                if src == dst:
-                    yield loc + ("pairs", j), f"a pair from {src!r} to itself"
-        for field, value in (("senders", t.senders), ("receiver", t.receiver),
-                             ("hosts", t.hosts), ("pairs", t.pairs)):
-            if value is not None and field not in _SHAPE_FIELDS[shape]:
-                yield loc + (field,), f"{field} does not apply to {t.kind}"
+        kind = REGISTRY.of(t.kind)
+        yield from kind.check(t, loc, ctx)
+        yield from _check_shape(t, kind.shape(t), loc, hosts)
 
 
-def _check_roce(t, loc: tuple, tclass) -> Iterator[tuple[tuple, str]]:
-    if t.duration_ns is None and t.messages is None:
-        yield (loc, f"{t.kind} needs duration: (post messages for that long) or messages: "
-               "(post exactly that many per QP)")
-    elif t.duration_ns is not None and t.messages is not None:
-        yield (loc + ("messages",), "duration and messages are both given; give one: "
-               "duration posts messages for that long, messages exactly that many per QP")
-    if t.cc == "none" and t.cc_preset is not None:
-        yield (loc + ("cc_preset",), f"cc_preset {t.cc_preset!r} does nothing with cc: none; "
-               "remove it or pick cc: dcqcn or dctcp")
-    elif t.cc_preset is not None and t.cc_preset not in _CC_PRESETS[t.cc]:
-        owner = next(k for k, names in _CC_PRESETS.items() if t.cc_preset in names)
-        yield (loc + ("cc_preset",), f"{t.cc_preset!r} is not a {t.cc.upper()} preset (it is "
-               f"{owner.upper()}'s); {t.cc.upper()} presets are {', '.join(_CC_PRESETS[t.cc])}")
-    if t.cc != "none" and tclass is not None and not tclass.ecn:
-        yield (loc + ("tclass",), f"class {tclass.name!r} (TC{tclass.tc}) does not mark ECN, so "
-               f"{t.cc.upper()} never gets a CNP; use an ECN class (roce) or cc: none")
-    if not 0 < t.size_bytes <= ROCE_MAX_MESSAGE_BYTES:
-        yield (loc + ("size",), f"message size {t.size_bytes} B is outside 1 B .. 2 GiB - 1; "
-               "RDMA messages carry a 31-bit length here")
+def _check_shape(t: TrafficEntry, shape: Shape, loc: tuple,
+                 hosts: list[str]) -> Iterator[tuple[tuple, str]]:
+    """The hosts an entry names exist and fit its shape; other shapes' fields are absent."""
+    def host_ok(at: tuple, name: str) -> Iterator[tuple[tuple, str]]:
+        if name not in hosts:
+            yield at, (f"{name!r} is not a host of this fabric{_suggest(name, hosts)}; "
+                       f"hosts are {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''}")
+
+    if shape is Shape.INCAST:
+        if not t.senders or not t.receiver:
+            yield loc, f"{t.kind} needs senders: [...] and receiver:"
+            return
+        for j, s in enumerate(t.senders):
+            yield from host_ok(loc + ("senders", j), s)
+            if s == t.receiver:
+                yield loc + ("senders", j), f"{s!r} is also the receiver"
+        yield from host_ok(loc + ("receiver",), t.receiver)
+    elif shape is Shape.ALL_TO_ALL:
+        for j, h in enumerate(t.hosts or []):
+            yield from host_ok(loc + ("hosts", j), h)
+        if t.hosts is not None and len(t.hosts) < 2:
+            yield loc + ("hosts",), "all-to-all needs at least two hosts"
+    else:
+        if not t.pairs:
+            yield loc, f"{t.kind} needs pairs: [[src, dst], ...]"
+            return
+        for j, (src, dst) in enumerate(t.pairs):
+            yield from host_ok(loc + ("pairs", j), src)
+            yield from host_ok(loc + ("pairs", j), dst)
+            if src == dst:
+                yield loc + ("pairs", j), f"a pair from {src!r} to itself"
+    for field in SHAPE_FIELD_NAMES:
+        if getattr(t, field) is not None and field not in shape.fields:
+            yield loc + (field,), f"{field} does not apply to {t.kind}"
 
 
 def _host_nic_rates(expanded: Expanded) -> dict[str, int]:
@@ -264,31 +240,6 @@ def _host_nic_rates(expanded: Expanded) -> dict[str, int]:
             if port is not None and roles.get(end) == "host":
                 out.setdefault(end, port.mac_rate_gbps * 10**9)
     return out
-
-
-def _senders(t, hosts: list[str]) -> list[str]:
-    if t.kind.endswith("_incast"):
-        return list(t.senders or [])
-    if t.kind.endswith("_all_to_all"):
-        return list(t.hosts or hosts)
-    return [src for src, _ in t.pairs or []]
-
-
-def _check_cc_params(t, loc: tuple, senders: list[str],
-                     nic_bps: dict[str, int]) -> Iterator[tuple[tuple, str]]:
-    """What cc_params' own validation cannot see: the entry's other fields, the NICs."""
-    if t.cc_params is None:
-        return
-    given = t.cc_params.model_fields_set
-    if "cnp_interval_ns" in given and t.cnp_interval_ns is not None:
-        yield (loc + ("cc_params", "cnp_interval"), "cnp_interval is given twice, here and "
-               "as the entry's cnp_interval; keep one of them")
-    min_rate = t.cc_params.min_rate_bps if "min_rate_bps" in given else None
-    slow = sorted((nic_bps[s], s) for s in set(senders) if s in nic_bps)
-    if min_rate is not None and slow and min_rate > slow[0][0]:
-        yield (loc + ("cc_params", "min_rate"), f"{format_rate(min_rate)} is above the line "
-               f"rate of sender {slow[0][1]} ({format_rate(slow[0][0])}); the minimum rate "
-               "must not exceed any sender's NIC rate")
 
 
 def check_impairments(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:

@@ -12,61 +12,25 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
-from collections.abc import Callable
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
+    SerializeAsAny,
     ValidationError,
-    ValidationInfo,
-    WithJsonSchema,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from testbed.units import (
-    QUANTITY_PATTERN,
-    parse_duration_ns,
-    parse_length_m,
-    parse_rate_bps,
-    parse_size_bytes,
-)
+from testbed.fields import NAME_RE, DurationNs, LengthM, RateBps, SizeBytes, Strict
+from testbed.workloads.base import TrafficEntry
+from testbed.workloads.registry import REGISTRY
 
 FORMAT_VERSION = 1
 
 
-def _quantity_schema(number: dict, what: str, examples: list[str]) -> WithJsonSchema:
-    # What the YAML may hold, not what the parser returns: a string with a unit,
-    # or a bare number in the base unit. The units themselves are checked on load.
-    return WithJsonSchema({
-        "anyOf": [{"type": "string", "pattern": QUANTITY_PATTERN}, number],
-        "description": f"{what}, e.g. {', '.join(examples)}",
-        "examples": examples,
-    })
-
-
-RateBps = Annotated[int, BeforeValidator(parse_rate_bps), Field(gt=0), _quantity_schema(
-    {"type": "integer", "exclusiveMinimum": 0},
-    "a rate in bits per second (bare number: bit/s)", ["100Gbps", "25Gb/s", "400Mbps"])]
-SizeBytes = Annotated[int, BeforeValidator(parse_size_bytes), Field(ge=0), _quantity_schema(
-    {"type": "integer", "minimum": 0},
-    "a size in bytes, KB = 1000 B, KiB = 1024 B (bare number: bytes)", ["9000", "512KB", "4MiB"])]
-DurationNs = Annotated[int, BeforeValidator(parse_duration_ns), Field(ge=0), _quantity_schema(
-    {"type": "integer", "minimum": 0},
-    "a duration (bare number: nanoseconds)", ["500ns", "2us", "1.5ms"])]
-LengthM = Annotated[float, BeforeValidator(parse_length_m), Field(gt=0), _quantity_schema(
-    {"type": "number", "exclusiveMinimum": 0},
-    "a cable length (bare number: metres)", ["2m", "100m", "2km"])]
-
-NAME_RE = r"^[a-z][a-z0-9_]*$"
 LAB_NAME_RE = r"^[a-z][a-z0-9]{0,15}$"
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class TrafficClass(Strict):
@@ -198,302 +162,6 @@ class Link(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-EcnCodepoint = Literal["notect", "ect0", "ect1", "ce"]
-
-
-class UdpTraffic(Strict):
-    """Paced UDP flows: N:1 incast, all-to-all among hosts, or explicit pairs.
-
-    Rates, start times and durations are fabric units. A flow's rate defaults
-    to the sender's NIC line rate shared by the sender's flows of this entry.
-    """
-
-    name: str = Field(pattern=NAME_RE)
-    kind: Literal["udp_incast", "udp_all_to_all", "udp_pairs"]
-    senders: list[str] | None = Field(None, description="udp_incast: sending hosts")
-    receiver: str | None = Field(None, description="udp_incast: the receiving host")
-    hosts: list[str] | None = Field(None, description="udp_all_to_all: hosts (default all)")
-    pairs: list[tuple[str, str]] | None = Field(None, description="udp_pairs: [src, dst] lists")
-    rate_bps: RateBps | None = Field(
-        None, alias="rate",
-        description="per sender->receiver stream, fabric (default: line rate over its streams)")
-    size_bytes: SizeBytes | None = Field(None, alias="size",
-                                         description="UDP payload (default: MTU - 28)")
-    start_ns: DurationNs = Field(0, alias="start")
-    duration_ns: DurationNs = Field(alias="duration")
-    tclass: str | int = Field("default", description="traffic class name or number")
-    ecn: EcnCodepoint = "notect"
-    flows: int = Field(1, ge=1, le=64, description="flows (source ports) per sender-receiver pair")
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-
-RoceKind = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
-# agents.roce.qp.MAX_WINDOW_PACKETS: the most unacknowledged packets a QP may have.
-MAX_ROCE_WINDOW_PACKETS = 1 << 22
-
-
-# --- cc_params: per-workload DCQCN / DCTCP parameters ----------------------------------
-#
-# Keys are the agents' parameter names (agents.roce.cc.DcqcnParams / DctcpParams fields)
-# without their unit suffix, the way every quantity of this config is named; values are
-# absolute for the sender's link (a per-25G preset is scaled first, then overridden).
-# tests/unit/test_workload_roce.py keeps the field names equal to the agent's tunables.
-
-def _none_or(parse: Callable[[object], object]) -> Callable[[object], object]:
-    """`parse`, but None and 'none' mean none (a parameter the agents take as None)."""
-    def parse_or_none(value: object) -> object:
-        if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
-            return None
-        return parse(value)
-    return parse_or_none
-
-
-def _quantity_or_none_schema(number: dict, what: str, examples: list[str]) -> WithJsonSchema:
-    return WithJsonSchema({
-        "anyOf": [{"type": "string", "pattern": QUANTITY_PATTERN}, number,
-                  {"const": "none"}, {"type": "null"}],
-        "description": f"{what}, or none, e.g. {', '.join(examples)}",
-        "examples": examples,
-    })
-
-
-PositiveDurationNs = Annotated[int, BeforeValidator(parse_duration_ns), Field(gt=0),
-                               _quantity_schema({"type": "integer", "exclusiveMinimum": 0},
-                                                "a duration above 0 (bare number: ns)",
-                                                ["55us", "4us", "1ms"])]
-_Positive = Annotated[int, Field(gt=0)]
-DurationOrNone = Annotated[_Positive | None, BeforeValidator(_none_or(parse_duration_ns)),
-                           _quantity_or_none_schema(
-                               {"type": "integer", "exclusiveMinimum": 0},
-                               "a duration above 0 (bare number: ns)", ["50us", "none"])]
-SizeOrNone = Annotated[_Positive | None, BeforeValidator(_none_or(parse_size_bytes)),
-                       _quantity_or_none_schema({"type": "integer", "exclusiveMinimum": 0},
-                                                "a size above 0 (bare number: bytes)",
-                                                ["10MB", "300KB", "none"])]
-RateOrNone = Annotated[_Positive | None, BeforeValidator(_none_or(parse_rate_bps)),
-                       _quantity_or_none_schema({"type": "integer", "exclusiveMinimum": 0},
-                                                "a rate above 0 (bare number: bit/s)",
-                                                ["615Mbps", "none"])]
-Gain = Annotated[float, Field(gt=0, le=1)]
-Fraction = Annotated[float, Field(ge=0, le=1)]
-
-
-class DcqcnCcParams(Strict):
-    """DCQCN parameters of one workload, on top of its preset (docs/dcqcn.md)."""
-
-    alpha_timer_ns: PositiveDurationNs | None = Field(
-        None, alias="alpha_timer", description="alpha update period (HPCC ALPHA_RESUME_INTERVAL)")
-    increase_timer_ns: PositiveDurationNs | None = Field(
-        None, alias="increase_timer", description="rate-increase timer T (HPCC RP_TIMER)")
-    rate_decrease_interval_ns: DurationOrNone = Field(
-        None, alias="rate_decrease_interval",
-        description="one cut per this tick (HPCC RATE_DECREASE_INTERVAL); none: cut on each CNP")
-    byte_counter_bytes: SizeOrNone = Field(
-        None, alias="byte_counter", description="byte counter BC; none: no byte counter")
-    g: Gain | None = Field(None, description="alpha gain (HPCC EWMA_GAIN), e.g. 0.00390625")
-    fast_recovery_steps: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="F: increase events before additive increase (FAST_RECOVERY_TIMES)")
-    rai_bps: RateBps | None = Field(None, alias="rai", description="additive increase R_AI")
-    rhai_bps: RateBps | None = Field(None, alias="rhai", description="hyper increase R_HAI")
-    min_rate_bps: RateBps | None = Field(None, alias="min_rate", description="lowest rate")
-    initial_alpha: Fraction | None = Field(None, description="alpha before the first CNP")
-    cnp_interval_ns: DurationNs | None = Field(
-        None, alias="cnp_interval",
-        description="receiver: at most one CNP per QP per this time (0: every CE packet)")
-    np_mode: Literal["interval", "timer"] | None = Field(
-        None, description="receiver: interval since the last CNP, or free-running slots")
-    alpha_update: Literal["on_cnp", "periodic"] | None = Field(
-        None, description="alpha on each CNP (paper), or once per alpha period (HPCC)")
-    cut_with_updated_alpha: bool | None = Field(
-        None, description="update alpha before the cut it causes (ns3-rdma)")
-    target_clamp: Literal["always", "after_increase"] | None = Field(
-        None, description="Rt = Rc on every cut, or only after an increase (CLAMP_TARGET_RATE 0)")
-    increase_rule: Literal["qcn", "mlx"] | None = Field(
-        None, description="phase rule: QCN's two counters, or HPCC's event count")
-    hyper_scaled: bool | None = Field(None, description="hyper step i x R_HAI instead of R_HAI")
-    hyper_halves_periods: bool | None = Field(
-        None, description="in hyper increase, T and BC run at half period (ns3-rdma)")
-    rt_shrink_quirk: bool | None = Field(None, description="ns3-rdma's Rt /= 8 quirk")
-
-
-class DctcpCcParams(Strict):
-    """DCTCP parameters of one workload, on top of its preset (docs/dcqcn.md)."""
-
-    window_ns: PositiveDurationNs | None = Field(
-        None, alias="window", description="one DCTCP window (an RTT estimate)")
-    g: Gain | None = Field(None, description="alpha gain, e.g. 0.0625")
-    rai_bps: RateOrNone = Field(
-        None, alias="rai", description="increase per clean window; none: one MSS per window")
-    mss_bytes: SizeBytes | None = Field(None, alias="mss", description="segment size")
-    min_rate_bps: RateBps | None = Field(None, alias="min_rate", description="lowest rate")
-    initial_alpha: Fraction | None = Field(None, description="alpha before the first window")
-    cnp_marked_bytes: SizeOrNone = Field(
-        None, alias="cnp_marked", description="marked bytes one CNP stands for; none: one MSS")
-
-
-CC_PARAMS_MODELS: dict[str, type[Strict]] = {"dcqcn": DcqcnCcParams, "dctcp": DctcpCcParams}
-# Keys that are the switch's ECN marking (the CP): set on the port class, not per workload.
-_SWITCH_KEYS = ("kmin", "kmax", "pmax", "k")
-
-
-def cc_param_keys(cc: str) -> list[str]:
-    """The keys `cc_params` takes for congestion control `cc`, as written in a config."""
-    model = CC_PARAMS_MODELS[cc]
-    return [f.alias or n for n, f in model.model_fields.items()]
-
-
-def _nullable(model: type[Strict], key: str) -> bool:
-    """Whether `key` takes none (its type parses 'none': byte_counter, rai, ...)."""
-    field = next(f for n, f in model.model_fields.items() if (f.alias or n) == key)
-    return any(isinstance(m, BeforeValidator) and m.func.__name__ == "parse_or_none"
-               for m in field.metadata)
-
-
-def _cc_params(value: object, cc: str) -> Strict:
-    """`cc_params` of an entry whose `cc` is `cc`, validated key by key: every problem at
-    once, each at cc_params.<key>, unknown keys with a did-you-mean and the valid keys."""
-    if cc == "none":
-        raise ValueError("cc: none has no parameters; remove cc_params or pick cc: dcqcn "
-                         "or dctcp")
-    if not isinstance(value, dict):
-        raise ValueError("expected a mapping of parameter: value (e.g. {alpha_timer: 1us, "
-                         f"g: 0.0625}}), got {type(value).__name__}")
-    kind = cc.upper()
-    other = next(k for k in CC_PARAMS_MODELS if k != cc)
-    model = CC_PARAMS_MODELS[cc]
-    keys = cc_param_keys(cc)
-    listed = f"{kind} parameters: {', '.join(keys)}"
-    errors: list[dict] = []
-    known: dict[str, object] = {}
-
-    def problem(key: object, text: str) -> None:
-        errors.append({"type": "value_error", "loc": (key,), "input": value[key],
-                       "ctx": {"error": ValueError(text)}})
-
-    for key, item in value.items():
-        name = str(key)
-        if name in keys:
-            if item is None and not _nullable(model, name):
-                problem(key, f"{name} needs a value; only "
-                        f"{', '.join(k for k in keys if _nullable(model, k))} may be none")
-            else:
-                known[name] = item
-        elif name in _SWITCH_KEYS:
-            problem(key, f"{name} is the switch's ECN marking, not a {kind} parameter; set it "
-                         f"on the port class (qos.<class>.ecn.{name})")
-        elif name in cc_param_keys(other):
-            problem(key, f"{name} is a {other.upper()} parameter, but this entry has cc: {cc}; "
-                         f"{listed}")
-        else:
-            close = difflib.get_close_matches(name, keys, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            problem(key, f"unknown {kind} parameter {name!r}{hint} ({listed})")
-    try:
-        params = model.model_validate(known)
-    except ValidationError as exc:
-        errors += [{"type": e["type"], "loc": e["loc"], "input": e["input"],
-                    **({"ctx": e["ctx"]} if "ctx" in e else {})} for e in exc.errors()]
-    if errors:
-        raise ValidationError.from_exception_data("cc_params", errors)
-    return params
-# agents.roce.cc's PRESETS (DCQCN) and DCTCP_PRESETS; check_workload pairs them with `cc`
-# and tests/unit/test_workload_roce.py keeps this list equal to the agent's.
-CcPresetName = Literal["hpcc-ns3-paper", "hpcc-ns3", "hpcc-ns3-config", "paper", "ns3-rdma",
-                       "rfc8257"]
-# hpcc-ns3-paper (HPCC run.py's dcqcn_paper) is the half of the setting whose switch marking
-# the default port class uses; docs/config.md says why it, not run.py's dcqcn, is the default.
-DEFAULT_CC_PRESETS = {"dcqcn": "hpcc-ns3-paper", "dctcp": "rfc8257"}
-
-
-class RoceTraffic(Strict):
-    """RDMA WRITE or SEND streams over the user-space RoCEv2 RC transport (agents/roce).
-
-    Each (source, destination) stream is one perftest-style client on the source
-    and its own server on the destination; `qps` queue pairs per stream. Start
-    and duration are fabric time: a client posts messages for `duration`, then
-    waits for the outstanding ones; or it posts exactly `messages` per QP. `cc`
-    is the sender's rate controller and the receiver's CNP policy (DCQCN by
-    default, with HPCC's ns-3 "dcqcn_paper" parameter set, whose switch half is
-    the default port class's ECN curve).
-    """
-
-    name: str = Field(pattern=NAME_RE)
-    kind: RoceKind
-    senders: list[str] | None = Field(None, description="roce_incast: sending hosts")
-    receiver: str | None = Field(None, description="roce_incast: the receiving host")
-    hosts: list[str] | None = Field(None, description="roce_all_to_all: hosts (default all)")
-    pairs: list[tuple[str, str]] | None = Field(None, description="roce_pairs: [src, dst] lists")
-    test: Literal["write_bw", "send_bw"] = Field(
-        "write_bw", description="RDMA WRITE or SEND bandwidth test (as perftest's ib_*_bw)")
-    size_bytes: SizeBytes = Field(65536, alias="size", description="message bytes")
-    qps: int = Field(1, ge=1, le=16, description="queue pairs per sender->receiver stream")
-    window_packets: Annotated[int, Field(ge=1, le=MAX_ROCE_WINDOW_PACKETS)] | Literal[
-        "auto"] = Field(
-        "auto", alias="window",
-        description="most unacknowledged packets per QP, 1..2^22, or auto: enough not to bind "
-                    "at line rate over the fabric's longest round trip with every queue of "
-                    "the class on it full (docs/roce.md, 'In-flight window')")
-    start_ns: DurationNs = Field(0, alias="start")
-    duration_ns: DurationNs | None = Field(
-        None, alias="duration",
-        description="post messages for this fabric time, then wait for the outstanding ones "
-                    "(give this or messages)")
-    messages: int | None = Field(
-        None, ge=1, description="post exactly this many messages per QP, then wait for them "
-                                "(give this or duration)")
-    cc: Literal["dcqcn", "dctcp", "none"] = Field(
-        "dcqcn", description="congestion control: sender rate control and receiver CNPs")
-    cc_preset: CcPresetName | None = Field(
-        None, description="parameter set: DCQCN hpcc-ns3-paper (default), hpcc-ns3, "
-                          "hpcc-ns3-config, paper, ns3-rdma; DCTCP rfc8257 (default), hpcc-ns3")
-    cnp_interval_ns: DurationNs | None = Field(
-        None, alias="cnp_interval",
-        description="receiver: at most one CNP per QP per this fabric time (default: the "
-                    "preset's; DCTCP: every CE packet)")
-    cc_params: DcqcnCcParams | DctcpCcParams | None = Field(
-        None, description="DCQCN or DCTCP parameters (as `cc`) in place of the preset's: "
-                          "absolute values for the sender's link (docs/dcqcn.md)")
-    tclass: str | int = Field("roce", description="traffic class name or number")
-    verify: bool = Field(True, description="the receiver checks every byte written or sent")
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    @field_validator("window_packets", mode="before")
-    @classmethod
-    def _window(cls, value: object) -> object:
-        # One clear message instead of one per member of the int | 'auto' union.
-        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)
-                               and 1 <= value <= MAX_ROCE_WINDOW_PACKETS):
-            return value
-        hint = (" (DCTCP's window, a time, is cc_params.window)"
-                if isinstance(value, str) and value != "auto" else "")
-        raise ValueError(f"expected a whole number of packets, 1..2^22 ({MAX_ROCE_WINDOW_PACKETS}),"
-                         f" or auto, got {value!r}{hint}")
-
-    @field_validator("cc_params", mode="before")
-    @classmethod
-    def _cc_params(cls, value: object, info: ValidationInfo) -> object:
-        cc = info.data.get("cc")
-        if value is None or cc is None:      # no cc_params, or a bad cc (reported there)
-            return None
-        return _cc_params(value, cc)
-
-    @property
-    def preset(self) -> str | None:
-        """The parameter set the agents get: cc_preset, or the default of `cc`."""
-        return self.cc_preset or DEFAULT_CC_PRESETS.get(self.cc)
-
-    def cc_overrides(self) -> dict[str, object]:
-        """The parameters `cc_params` sets, by the agents' names (DcqcnParams fields)."""
-        if self.cc_params is None:
-            return {}
-        return self.cc_params.model_dump(include=self.cc_params.model_fields_set)
-
-
-Traffic = UdpTraffic | RoceTraffic
-
-
 def _traffic_items(value: object) -> object:
     """Validate each traffic entry against the model its `kind` names.
 
@@ -503,9 +171,7 @@ def _traffic_items(value: object) -> object:
     """
     if not isinstance(value, list):
         return value        # the list type reports it
-    kinds: dict[str, type[Strict]] = {
-        k: model for model in (UdpTraffic, RoceTraffic)
-        for k in get_args(model.model_fields["kind"].annotation)}
+    kinds = REGISTRY.models()
     out: list[object] = []
     errors: list[dict] = []
     for i, item in enumerate(value):
@@ -514,11 +180,9 @@ def _traffic_items(value: object) -> object:
             continue
         kind = item.get("kind")
         model = kinds.get(kind) if isinstance(kind, str) else None
-        if model is None and "kind" in item:
-            errors.append({"type": "literal_error", "loc": (i, "kind"), "input": kind,
-                           "ctx": {"expected": ", ".join(repr(k) for k in kinds)}})
+        if model is None:
+            errors.append(_kind_error(i, item, kinds))
             continue
-        model = model or UdpTraffic
         try:
             out.append(model.model_validate(item))
         except ValidationError as exc:
@@ -528,7 +192,23 @@ def _traffic_items(value: object) -> object:
     return out
 
 
-def _entry_errors(i: int, model: type[Strict], kinds: dict[str, type[Strict]],
+def _kind_error(i: int, item: dict, kinds: dict[str, type[TrafficEntry]]) -> dict:
+    """An entry whose kind is missing or names no registered kind: one error at its
+    `kind`, with the kinds there are (and the one meant, for a typo)."""
+    known = ", ".join(kinds)
+    if "kind" not in item:
+        text = f"required field is missing; add kind: with one of {known}"
+        return {"type": PydanticCustomError("missing_kind", text), "loc": (i, "kind"),
+                "input": item}
+    kind = item["kind"]
+    close = difflib.get_close_matches(str(kind), list(kinds), n=1)
+    text = (f"unknown workload kind {kind!r}; did you mean {close[0]!r}?" if close
+            else f"unknown workload kind {kind!r}; use one of {known}")
+    return {"type": PydanticCustomError("unknown_kind", text), "loc": (i, "kind"),
+            "input": kind}
+
+
+def _entry_errors(i: int, model: type[TrafficEntry], kinds: dict[str, type[TrafficEntry]],
                   exc: ValidationError) -> list[dict]:
     """One traffic entry's errors, located under its index; unknown fields say which
     fields this kind has (the loader cannot tell which member of the union applies)."""
@@ -569,7 +249,9 @@ class Workload(Strict):
         description="fabric time between counter samples (default: 100 ms of wall time)")
     drain_ns: DurationNs | None = Field(
         None, alias="drain", description="fabric time to let queues drain after traffic stops")
-    traffic: list[Traffic] = Field(default_factory=list)
+    traffic: list[SerializeAsAny[TrafficEntry]] = Field(
+        default_factory=list, description="the traffic entries, each of one registered kind "
+        "(testbed/workloads)")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

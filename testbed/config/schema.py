@@ -18,7 +18,10 @@ from __future__ import annotations
 import json
 import sys
 
+from pydantic.json_schema import models_json_schema
+
 from testbed.config.models import FORMAT_VERSION, Fabric
+from testbed.workloads.registry import REGISTRY
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -26,6 +29,7 @@ SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 def fabric_schema() -> dict:
     """The fabric config schema as a JSON-serialisable dict (the YAML as written)."""
     schema = Fabric.model_json_schema(by_alias=True, mode="validation")
+    _traffic_kinds(schema)
     return {
         "$schema": SCHEMA_DIALECT,
         **schema,
@@ -38,6 +42,19 @@ def fabric_schema() -> dict:
             "`testbed validate` also checks the fabric as a whole."
         ),
     }
+
+
+def _traffic_kinds(schema: dict) -> None:
+    """A traffic entry is one of the registered kinds' models (the Fabric model holds only
+    their common base, since kinds are registered, not listed in the model)."""
+    models = [kind.model for kind in REGISTRY.kinds()]
+    _, extra = models_json_schema([(m, "validation") for m in models], by_alias=True,
+                                  ref_template="#/$defs/{model}")
+    defs = schema["$defs"]
+    defs.pop("TrafficEntry", None)
+    defs.update(extra["$defs"])
+    traffic = defs["Workload"]["properties"]["traffic"]
+    traffic["items"] = {"anyOf": [{"$ref": f"#/$defs/{m.__name__}"} for m in models]}
 
 
 def schema_text() -> str:

@@ -22,7 +22,7 @@ from agents.wire.netlink import attrs
 from testbed.net import portprog
 from testbed.net.qdisc import parse_handle
 from testbed.plan.model import Plan
-from testbed.run.store import Sample
+from testbed.results.store import Sample
 
 NETLINK_ROUTE = 0
 NLMSG_HDR = struct.Struct("=IHHII")          # len, type, flags, seq, pid

@@ -7,7 +7,11 @@ fabric. The plan serialises to deterministic JSON and is golden-tested.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from pydantic import BaseModel, ConfigDict
+
+from agents.timebase import Dilation
 
 PLAN_FORMAT_VERSION = 2
 
@@ -165,6 +169,11 @@ class Plan(PlanModel):
     nodes: list[NodePlan]
     links: list[LinkPlan]
     warnings: list[str]     # fidelity risks known before anything runs
+
+    @cached_property
+    def timebase(self) -> Dilation:
+        """The one converter between this plan's fabric and wall time."""
+        return Dilation(self.dilation.factor)
 
     def node(self, name: str) -> NodePlan:
         for node in self.nodes:

@@ -38,7 +38,7 @@ def build_report(run_dir: Path) -> ReportPaths:
     """Write report.html (self-contained, offline) and report.md into the run directory."""
     from testbed.report.content import build_context
     from testbed.report.render import render_html, render_md
-    from testbed.run.rundir import write_atomic
+    from testbed.results.files import write_atomic
 
     run_dir = Path(run_dir)
     with load_run(run_dir) as run:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from testbed.run.rundir import write_atomic
+from testbed.results.files import write_atomic
 
 # (metric, type, summary port field, scale, help)
 PORT_METRICS = [

@@ -18,16 +18,16 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from testbed.plan import PLAN_FORMAT_VERSION, Plan
-from testbed.run import rundir as run_rundir
-from testbed.run.rundir import RUN_FORMAT_VERSION  # summary.json and metadata.json
-from testbed.run.store import STORE_FORMAT_VERSION, Store, StoreVersionError
-from testbed.run.summary import port_rows, totals, workload_rows
+from testbed.results import files as results_files
+from testbed.results.files import RUN_FORMAT_VERSION  # summary.json and metadata.json
+from testbed.results.store import STORE_FORMAT_VERSION, Store, StoreVersionError
+from testbed.results.tables import port_rows, totals, workload_rows
 
 SUMMARY, PLAN, METADATA, COUNTERS = "summary.json", "plan.json", "metadata.json", "counters.sqlite"
 _RUN_DIR_NAME_RE = re.compile(r"^(?P<ts>\d{8}T\d{6}Z)-(?P<name>.+)$")
 
 
-class RunDirError(run_rundir.RunDirError):
+class RunDirError(results_files.RunDirError):
     """The directory is not a run directory, or one of its files cannot be read."""
 
 

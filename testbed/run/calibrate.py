@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agents.timebase import Dilation
 from testbed.config import load_config_text
 from testbed.plan import compile_plan
 from testbed.run.runner import RunOptions, run_config
@@ -57,7 +58,8 @@ def run_trial(n: int, wall_bps: int, hosts: int, seconds: float) -> Trial:
     pairs = [[f"h{i}", f"h{i + half}"] for i in range(1, half + 1)]
     pairs += [[b, a] for a, b in pairs]
     text = TRIAL.format(n=n, dilation=dilation, wall=wall_bps, hosts=hosts, pairs=pairs,
-                        rate=int(PORT_BPS * 1.05), duration_ns=int(seconds * 1e9 / dilation))
+                        rate=int(PORT_BPS * 1.05),
+                        duration_ns=int(Dilation(dilation).to_fabric_ns_from_wall_s(seconds)))
     loaded = load_config_text(text, "<calibrate>")
     plan = compile_plan(loaded)
     with tempfile.TemporaryDirectory(prefix="tb-calibrate-") as tmp:

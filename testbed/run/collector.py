@@ -19,13 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from agents.control import read_snapshot
-from agents.timebase import Dilation
 from testbed.net.sampler import KernelSampler
 from testbed.plan.model import Plan
+from testbed.results.store import Event, Sample, Store
+from testbed.results.tables import DROP_COUNTERS
 from testbed.run.fidelity import PortWatchdog
 from testbed.run.invariants import InvariantMonitor
-from testbed.run.store import Event, Sample, Store
-from testbed.run.summary import DROP_COUNTERS
 
 SNAPSHOT_WORKERS = 8
 SNAPSHOT_TIMEOUT_S = 0.2      # wall: a slower agent's sample is skipped (and counted)
@@ -102,7 +101,7 @@ class Collector:
         self.store = store
         self.period_wall_ns = period_wall_ns
         self.t0_mono_ns = t0_mono_ns
-        self.dilation = Dilation(plan.dilation.factor)
+        self.dilation = plan.timebase
         self.agents = list(agents or [])
         self.sampler = KernelSampler(plan)
         self.watchdog = PortWatchdog(plan)

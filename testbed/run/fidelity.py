@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agents.timebase import Dilation
 from testbed.plan.model import Plan
-from testbed.run.store import Sample
+from testbed.results.store import Sample
 
 MIN_RATIO = 0.95
 MIN_INTERVALS = 3      # fewer backlogged intervals say too little to judge
@@ -87,14 +88,15 @@ class PortWatchdog:
                     rec.worst_ratio = min(rec.worst_ratio, ratio)
             rec.prev = (mono_ns, tx_bytes, tx_packets, backlog, paused_ns)
 
-    def notes(self, dilation: int) -> list[str]:
+    def notes(self, dilation: Dilation) -> list[str]:
         out = []
         for rec in self.ports.values():
             if rec.intervals >= MIN_INTERVALS and rec.ratio < MIN_RATIO:
+                got_gbps = dilation.to_fabric_bps(rec.bits / rec.seconds) / 1e9
                 out.append(
                     f"port {rec.node}:{rec.port} delivered {100 * rec.ratio:.1f} % of its rate "
-                    f"while backlogged ({rec.bits / rec.seconds * dilation / 1e9:.2f} of "
-                    f"{rec.wall_rate_bps * dilation / 1e9:g} Gb/s fabric, over "
+                    f"while backlogged ({got_gbps:.2f} of "
+                    f"{dilation.to_fabric_bps(rec.wall_rate_bps) / 1e9:g} Gb/s fabric, over "
                     f"{rec.intervals} sample intervals; worst interval "
                     f"{100 * rec.worst_ratio:.0f} %): the machine did not keep up; raise D")
         return out

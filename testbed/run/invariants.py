@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from testbed.plan.model import Plan
-from testbed.run.store import Sample
+from testbed.results.store import Sample
 from testbed.units import format_size
 
 INVARIANTS = {

@@ -1,28 +1,18 @@
-"""Create and read run directories (docs/run-format.md), with their format version."""
+"""Create run directories (docs/run-format.md) and record the machine a run ran on."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import socket
 import sys
-import time
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 import testbed
+from testbed.results.files import RUN_FORMAT_VERSION, utc_stamp
 
-RUN_FORMAT_VERSION = 1
 PACKAGES = ("pyroute2", "pydantic", "numpy", "scapy", "matplotlib", "jinja2", "rich", "pyyaml")
-
-
-class RunDirError(RuntimeError):
-    """Not a run directory, or one written by a newer testbed."""
-
-
-def utc_stamp(unix_s: float | None = None) -> str:
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(unix_s))
 
 
 def create_run_dir(root: Path, name: str) -> Path:
@@ -36,40 +26,6 @@ def create_run_dir(root: Path, name: str) -> Path:
         except FileExistsError:
             n += 1
             path = base.with_name(f"{base.name}-{n}")
-
-
-def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
-    """Write `path.tmp` with `mode`, flush it to disk, rename it over `path`.
-
-    Readers (and a textfile collector) never see half a file; a crash leaves
-    the old file or none. The `.tmp` name does not end in `.prom`, so
-    Prometheus' textfile collector ignores it.
-    """
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            os.fchmod(fh.fileno(), mode)
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write a file readable by its owner only, atomically."""
-    write_atomic(path, text, 0o600)
-
-
-def write_json(path: Path, data: object) -> None:
-    write_private(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def package_versions() -> dict[str, str]:
@@ -105,17 +61,3 @@ def machine_metadata(probe: dict, dilation: int, budget_bps: int, argv: list[str
         "fidelity_budget_bps": budget_bps,
         "argv": argv,
     }
-
-
-def read_json_checked(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise RunDirError(f"{path.parent}: not a run directory (no {path.name})") from None
-    except json.JSONDecodeError as exc:
-        raise RunDirError(f"{path}: unreadable ({exc})") from None
-    version = data.get("format_version", 0)
-    if version > RUN_FORMAT_VERSION:
-        raise RunDirError(f"{path}: written by a newer testbed (format {version}; this one "
-                          f"reads up to {RUN_FORMAT_VERSION}); upgrade to read it")
-    return data

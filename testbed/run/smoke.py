@@ -11,7 +11,6 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from agents.timebase import Dilation
 from testbed.net.counters import read_counters
 from testbed.plan.model import Plan
 from testbed.run.procs import AgentProcess, forget_exited, start_agent
@@ -41,7 +40,7 @@ def _ready(path: str, timeout_s: float = 10.0) -> None:
 def reachability(plan: Plan, tmpdir: str, count: int = 2,
                  timeout_wall_s: float = 1.0) -> dict[tuple[str, str], dict]:
     """UDP echo between every ordered pair of hosts; result per (src, dst)."""
-    d = Dilation(plan.dilation.factor)
+    d = plan.timebase
     hosts = [h.name for h in plan.hosts()]
     echoes: list[AgentProcess] = []
     results: dict[tuple[str, str], dict] = {}
@@ -91,7 +90,7 @@ def stream(plan: Plan, src: str, dst: str, tmpdir: str, wall_seconds: float = 3.
            overdrive: float = 1.1, flows: int = 1, payload_bytes: int | None = None,
            dscp: int = 0) -> StreamResult:
     """Send at `overdrive` x the source NIC's line rate; measure what arrives."""
-    d = Dilation(plan.dilation.factor)
+    d = plan.timebase
     nic = plan.node(src).interfaces[0]
     line_bps = nic.egress.rate_bps
     size = payload_bytes or plan.mtu_bytes - 28

@@ -3,82 +3,9 @@
 from __future__ import annotations
 
 from testbed.plan.model import Plan
-from testbed.run.rundir import RUN_FORMAT_VERSION
-from testbed.run.store import Store
-
-#: what drops a packet at a port: the port program's refusals (tail: the port's buffer;
-#: mmu: the switch's shared buffer; desc: the packet descriptors) and PHY/impairment loss
-#: (bpf_drops), and the kernel's qdisc (class_drops, which the program's tail drop leaves
-#: at 0 unless something is wrong)
-QUEUE_DROP_COUNTERS = ("tail_drops", "mmu_drops", "desc_drops", "class_drops")
-PHY_DROP_COUNTERS = ("bpf_drops",)
-DROP_COUNTERS = (*QUEUE_DROP_COUNTERS, *PHY_DROP_COUNTERS)
-
-
-def port_rows(plan: Plan | None, store: Store) -> list[dict]:
-    """One row per egress port and class: totals over the run, zero where a feature is off.
-
-    `drops` counts every packet dropped at the port: `queue_drops` (tail, shared buffer,
-    descriptors, qdisc) plus `phy_drops` (PHY frame loss, impairments). `max_queue_bytes`
-    is the largest real queue: the port program's exact peak (`max_vq_bytes`) where it
-    ran, else the largest sampled qdisc backlog. Without a plan (a rebuilt report of a
-    run whose plan is lost), the ports are the ones the store has samples of.
-    """
-    counters = ("class_bytes", "class_packets", "ecn_marks", "pause_tx", "pause_rx",
-                "paused_ns", "max_vq_bytes", *DROP_COUNTERS)
-    last = {c: store.last_values(c) for c in counters}
-    max_backlog: dict[tuple[str, str, int], float] = {}
-    for key, series in store.series("backlog_bytes").items():
-        max_backlog[key] = max(v for _, v in series)
-    keys: set[tuple[str, str, int]]
-    if plan is not None:
-        keys = {(node.name, iface.ifname, cls.tc) for node in plan.nodes
-                for iface in node.interfaces for cls in iface.egress.classes}
-    else:
-        keys = set(max_backlog) | {k for values in last.values() for k in values if k[2] >= 0}
-    rows = []
-    for key in keys:
-        v = {c: int(last[c].get(key, 0)) for c in counters}
-        queue_drops = sum(v[c] for c in QUEUE_DROP_COUNTERS)
-        phy_drops = sum(v[c] for c in PHY_DROP_COUNTERS)
-        rows.append({
-            "node": key[0], "port": key[1], "tclass": key[2],
-            "tx_bytes": v["class_bytes"],
-            "tx_packets": v["class_packets"],
-            "drops": queue_drops + phy_drops,
-            "queue_drops": queue_drops,
-            "phy_drops": phy_drops,
-            "ecn_marks": v["ecn_marks"],
-            "pause_tx": v["pause_tx"],
-            "pause_rx": v["pause_rx"],
-            "paused_ns": v["paused_ns"],
-            "max_queue_bytes": max(v["max_vq_bytes"], int(max_backlog.get(key, 0))),
-        })
-    rows.sort(key=lambda r: (r["node"], r["port"], r["tclass"]))
-    return rows
-
-
-def workload_rows(results: list[dict]) -> list[dict]:
-    """Group the store's result rows into `workloads` entries, in first-seen order."""
-    out: dict[str, dict] = {}
-    for row in results:
-        entry = out.setdefault(row["workload"], {"name": row["workload"], "kind": row["kind"],
-                                                 "results": []})
-        entry["results"].append({k: v for k, v in row.items() if k not in ("workload", "kind")})
-    return list(out.values())
-
-
-def totals(ports: list[dict], delivered_bytes: int) -> dict:
-    """summary.json's `totals`: sums over every port row, and what receivers got."""
-    return {
-        "tx_bytes": sum(r["tx_bytes"] for r in ports),
-        "drops": sum(r["drops"] for r in ports),
-        "queue_drops": sum(r.get("queue_drops", r["drops"]) for r in ports),
-        "phy_drops": sum(r.get("phy_drops", 0) for r in ports),
-        "ecn_marks": sum(r["ecn_marks"] for r in ports),
-        "pause_frames": sum(r["pause_tx"] for r in ports),
-        "delivered_bytes": delivered_bytes,
-    }
+from testbed.results.files import RUN_FORMAT_VERSION
+from testbed.results.store import Store
+from testbed.results.tables import port_rows, totals, workload_rows
 
 
 def build_summary(*, name: str, plan: Plan, store: Store, run_dir: str, duration_fabric_ns: int,

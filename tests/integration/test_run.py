@@ -16,8 +16,8 @@ import pytest
 from testbed.config import load_config_text
 from testbed.net.namespaces import list_testbed_namespaces
 from testbed.plan import compile_plan
+from testbed.results.store import Store
 from testbed.run.runner import RunOptions, run_config
-from testbed.run.store import Store
 from tests.conftest import REPO, unique_lab
 
 pytestmark = pytest.mark.root

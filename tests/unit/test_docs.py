@@ -1,8 +1,8 @@
 """docs/config.md documents every field a config may hold, so docs and models cannot drift.
 
 A field counts as documented when docs/config.md names it as code (`` `window` ``) or
-writes it as a YAML key (`window:`). Every model of testbed/config/models.py is checked,
-and every `cc_params` key of both congestion controls.
+writes it as a YAML key (`window:`). Every model of testbed/config/models.py and of each
+workload kind is checked, and every `cc_params` key of both congestion controls.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import pytest
 from pydantic import BaseModel
 
 import testbed.config.models as models
-from testbed.config.models import CC_PARAMS_MODELS, cc_param_keys
+from testbed.workloads import roce_params
+from testbed.workloads.registry import REGISTRY
+from testbed.workloads.roce_params import CC_PARAMS_MODELS, cc_param_keys
 from tests.conftest import REPO
 
 CONFIG_DOC = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
@@ -25,9 +27,11 @@ def _documented(name: str) -> bool:
 
 
 def _config_models() -> list[type[BaseModel]]:
-    return [obj for obj in vars(models).values()
-            if isinstance(obj, type) and issubclass(obj, BaseModel)
-            and obj.__module__ == models.__name__ and obj.model_fields]
+    """Every model of the config, the workload kinds' entries and their cc_params."""
+    found = [obj for module in (models, roce_params) for obj in vars(module).values()
+             if isinstance(obj, type) and issubclass(obj, BaseModel)
+             and obj.__module__ == module.__name__ and obj.model_fields]
+    return found + [k.model for k in REGISTRY.kinds()]
 
 
 @pytest.mark.parametrize("model", _config_models(), ids=lambda m: m.__name__)

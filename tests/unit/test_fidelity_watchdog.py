@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from agents.timebase import Dilation
 from testbed.config import load_config_text
 from testbed.plan import compile_plan
+from testbed.results.store import Sample
 from testbed.run.fidelity import PortWatchdog
-from testbed.run.store import Sample
 
 CONFIG = """\
 name: wd
@@ -36,7 +37,7 @@ def _feed(wd, port, rate_share: float, backlog_bytes: int, samples: int = 6) -> 
 def test_a_deep_queue_sent_slowly_is_a_port_that_did_not_keep_up():
     wd, port, egress = _watchdog()
     _feed(wd, port, 0.5, 10 * egress.burst_bytes)
-    (note,) = wd.notes(1000)
+    (note,) = wd.notes(Dilation(1000))
     assert note.startswith(f"port sw1:{port} delivered 50.0 % of its rate")
 
 
@@ -44,12 +45,12 @@ def test_a_packet_or_two_queued_is_not_judged():
     wd, port, egress = _watchdog()
     _feed(wd, port, 0.2, 2 * 4170)          # a host NIC behind a small socket buffer
     assert 2 * 4170 <= egress.burst_bytes
-    assert wd.notes(1000) == []
+    assert wd.notes(Dilation(1000)) == []
     assert wd.ports[("sw1", port)].intervals == 0
 
 
 def test_a_deep_queue_at_line_rate_passes():
     wd, port, egress = _watchdog()
     _feed(wd, port, 1.0, 10 * egress.burst_bytes)
-    assert wd.notes(1000) == []
+    assert wd.notes(Dilation(1000)) == []
     assert wd.ports[("sw1", port)].intervals == 5

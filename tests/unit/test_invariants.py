@@ -7,11 +7,14 @@ tests/integration/test_invariants.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from testbed.plan.model import Plan
-from testbed.run.accounts import stream_accounts
+from testbed.results.store import Sample
 from testbed.run.invariants import INVARIANTS, InvariantMonitor
-from testbed.run.store import Sample
-from testbed.run.workload import AgentSpec
+from testbed.run.workload import run_view
+from testbed.run.workload import stream_accounts as _accounts
+from testbed.workloads.base import AgentSpec
 from tests.conftest import REPO
 
 PLAN = Plan.model_validate_json((REPO / "tests/golden/default.plan.json").read_text())
@@ -114,11 +117,19 @@ def test_a_lossless_class_without_pfc_on_its_port_is_reported_not_violated():
     assert verdict["checks"]["lossless_drop"]["unprotected_drops"] == {"leaf2:swp4 TC3": 7}
 
 
+def stream_accounts(plan, agents, results, flow_drops):
+    """The run's accounts of these (spec, process) pairs, as the runner takes them."""
+    return _accounts([s for s, _ in agents], results, flow_drops,
+                     run_view(plan, Path("/nonexistent"), 0))
+
+
 def _udp_agents():
     recv = AgentSpec(name="incast-recv-h8", node="h8", role="receiver", traffic="incast",
-                     kind="udp_incast", argv=["recv", "--port", "20000"], dst="h8")
+                     kind="udp_incast", module="agents.udp", argv=["recv", "--port", "20000"],
+                     dst="h8")
     send = AgentSpec(name="incast-h1-h8", node="h1", role="sender", traffic="incast",
-                     kind="udp_incast", argv=["send", "--dport", "20000"], src="h1", dst="h8")
+                     kind="udp_incast", module="agents.udp", argv=["send", "--dport", "20000"],
+                     src="h1", dst="h8")
     return [(recv, None), (send, None)]
 
 
@@ -181,9 +192,10 @@ def test_a_multi_homed_senders_datagrams_count_from_any_of_its_addresses():
     assert len(c.interfaces) == 2
     second = c.interfaces[1].address.split("/")[0]       # its route may pick either NIC
     recv = AgentSpec(name="x-recv-b", node="b", role="receiver", traffic="x",
-                     kind="udp_pairs", argv=["recv", "--port", "20000"], dst="b")
+                     kind="udp_pairs", module="agents.udp", argv=["recv", "--port", "20000"],
+                     dst="b")
     send = AgentSpec(name="x-c-b", node="c", role="sender", traffic="x", kind="udp_pairs",
-                     argv=["send", "--dport", "20000"], src="c", dst="b")
+                     module="agents.udp", argv=["send", "--dport", "20000"], src="c", dst="b")
     results = {"x-c-b": {"flows": {"0": {"sport": 40000, "packets": 50}}},
                "x-recv-b": {"flows": {f"{second}:40000/0": {"received": 50}}}}
     [account] = stream_accounts(plan, [(recv, None), (send, None)], results, [])

@@ -32,7 +32,7 @@ from testbed.report import (
 )
 from testbed.report.plots import Series, fabric_layers
 from testbed.report.prometheus import escape_label, prometheus_text
-from testbed.run.store import Sample, Store
+from testbed.results.store import Sample, Store
 from tests.conftest import REPO
 from tests.unit.v1_store import V1Store
 

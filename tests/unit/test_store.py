@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from testbed.results.store import STORE_FORMAT_VERSION, Sample, Store, StoreVersionError, convert_v1
 from testbed.run.collector import AgentEndpoint
-from testbed.run.store import STORE_FORMAT_VERSION, Sample, Store, StoreVersionError, convert_v1
 from tests.unit.v1_store import V1Store
 
 HOT = ("sw1", "swp1", 3)          # queue and virtual queue move; PFC agent counters too

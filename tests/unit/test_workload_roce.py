@@ -17,29 +17,21 @@ from agents.roce import __main__ as roce_main
 from agents.roce.cc import DCQCN_TUNABLE, DCTCP_PRESETS, DCTCP_TUNABLE, PRESETS
 from agents.roce.perftest import cc_params, cc_settings, flat_counters, make_np
 from testbed.config import ConfigError, load_config_text
-from testbed.config.checks import _CC_PRESETS
-from testbed.config.models import (
-    CcPresetName,
-    DcqcnCcParams,
-    DctcpCcParams,
-    RoceTraffic,
-    UdpTraffic,
-    cc_param_keys,
-)
 from testbed.plan import compile_plan
-from testbed.run.runner import _roce_fidelity, _write_roce_results
-from testbed.run.store import Store
-from testbed.run.workload import (
+from testbed.plan.paths import Routes, host_address, longest_round_trip_ns
+from testbed.results.store import Store
+from testbed.run.workload import expand_workload, ready_file, run_view, workload_span_ns
+from testbed.workloads.roce import KIND as ROCE
+from testbed.workloads.roce import (
     ROCE_SETUP_PORT,
     ROCE_UDP_PORT,
-    _Routes,
-    address_of,
-    expand_workload,
+    CcPresetName,
+    RoceTraffic,
     roce_ports,
-    roce_round_trip_ns,
     roce_window_packets,
-    workload_span_ns,
 )
+from testbed.workloads.roce_params import DcqcnCcParams, DctcpCcParams, cc_param_keys
+from testbed.workloads.udp import UdpTraffic
 from tests.conftest import REPO
 
 FABRIC = """\
@@ -213,8 +205,9 @@ def test_roce_ports_stay_below_the_udp_agents_ports():
 
 def test_preset_names_are_the_agents_and_match_their_kind():
     assert set(get_args(CcPresetName)) == set(PRESETS) | set(DCTCP_PRESETS)
-    assert set(_CC_PRESETS["dcqcn"]) == set(PRESETS)
-    assert set(_CC_PRESETS["dctcp"]) == set(DCTCP_PRESETS)
+    from testbed.workloads.roce import _presets
+    assert set(_presets()["dcqcn"]) == set(PRESETS)
+    assert set(_presets()["dctcp"]) == set(DCTCP_PRESETS)
 
 
 # --- the in-flight window --------------------------------------------------------------
@@ -243,8 +236,8 @@ def test_auto_window_on_the_default_fabric_is_652_packets():
     # At h1's 100 Gb/s: 100e9 x 213 375.2e-9 / 8 = 2 667 190 B = 651.2 packets of 4096 B.
     assert {tuple(i.ifname for i in p) for p in egress_paths(plan, "h1", "h8")} == {
         ("eth0", "swp5", "swp2", "swp4"), ("eth0", "swp6", "swp2", "swp4")}
-    assert roce_round_trip_ns(plan, 3) == Fr("213375.2")
-    assert roce_window_packets(100 * 10**9, roce_round_trip_ns(plan, 3), 4096) == 652
+    assert longest_round_trip_ns(plan, 3) == Fr("213375.2")
+    assert roce_window_packets(100 * 10**9, longest_round_trip_ns(plan, 3), 4096) == 652
     parser = roce_main.build_parser()
     for spec in expand_workload(loaded.fabric, plan):
         args = parser.parse_args(spec.argv)
@@ -256,9 +249,9 @@ def test_auto_window_on_the_default_fabric_is_652_packets():
 def egress_paths(plan, src: str, dst: str) -> list:
     """Every path the plan's routes can take from host `src` to host `dst`, each as the
     egress ports on the way (the sender's NIC first); ECMP next hops branch. The brute
-    force roce_round_trip_ns's memoised walk is checked against."""
-    routes = _Routes(plan)
-    address = address_of(plan, dst)
+    force longest_round_trip_ns's memoised walk is checked against."""
+    routes = Routes(plan)
+    address = host_address(plan, dst)
     paths: list = []
 
     def walk(node: str, path: list, seen: set[str]) -> None:
@@ -290,7 +283,7 @@ def test_round_trip_is_the_longest_over_every_path_the_routes_allow(name):
     paths = [p for a in hosts for b in hosts if a != b for p in egress_paths(plan, a, b)]
     assert paths and all(p[0].ifname.startswith("eth") for p in paths)   # a host NIC first
     brute = max(sum(_brute_port_ns(plan, i) for i in p) for p in paths)
-    assert roce_round_trip_ns(plan, 3) == brute
+    assert longest_round_trip_ns(plan, 3) == brute
 
 
 def test_window_is_at_least_rxes_and_at_most_2_to_the_22():
@@ -478,7 +471,8 @@ def test_one_result_row_per_stream_from_client_and_server(tmp_path):
     server = {"role": "server", "verified": True, "error": None, "qps": {"512": _qp(512)}}
     results = {s.name: (server if s.role == "receiver" else client) for s in specs}
     store = Store(tmp_path / "c.sqlite", create=True)
-    _write_roce_results(store, [(s, None) for s in specs], results)
+    for row in ROCE.result_rows(specs, results, run_view(plan, tmp_path, 0)):
+        store.add_result(row.traffic, row.kind, row.fields)
     rows = store.results()
     store.close()
     assert [(r["src"], r["dst"]) for r in rows] == [("h1", "h8"), ("h2", "h8"), ("h5", "h8")]
@@ -502,10 +496,9 @@ def test_fidelity_names_late_clients_bad_data_and_timeouts(tmp_path):
     specs = expand_workload(loaded.fabric, plan)
     (tmp_path / "agents").mkdir()
     t0 = time.time_ns() - 10 ** 9
-    from testbed.run.runner import _ready_file
     for s in specs:
         if s.role == "sender":
-            path = _ready_file(tmp_path, s)
+            path = ready_file(tmp_path / "agents", s)
             path.touch()
             late = 300_000_000 if s.src == "h2" else 0          # h2 set up 300 ms late
             os.utime(path, ns=(t0 + late, t0 + late))
@@ -514,8 +507,7 @@ def test_fidelity_names_late_clients_bad_data_and_timeouts(tmp_path):
                "inc-h2-h8": {"verified": True, "qps": {"1": _qp(1, timeouts=0)}},
                "inc-h5-h8": {"verified": True, "qps": {"1": _qp(1, timeouts=3)}},
                "inc-h1-h8-srv": {"error": "remote_access_error"}}
-    from agents.timebase import Dilation
-    notes = _roce_fidelity(tmp_path, [(s, None) for s in specs], results, Dilation(2000), t0)
+    notes = ROCE.fidelity_notes(specs, results, run_view(plan, tmp_path / "agents", t0))
     text = "\n".join(notes)
     assert "RoCE server inc-h1-h8-srv on h8: remote_access_error" in text
     assert "inc-h1-h8: the data did not arrive byte-exact" in text
@@ -524,6 +516,6 @@ def test_fidelity_names_late_clients_bad_data_and_timeouts(tmp_path):
     assert "inc-h5-h8: 3 ACK timeouts" in text
     assert len(notes) == 4
     # with a drop in a lossless queue, timeouts are expected and not a fidelity note
-    notes = _roce_fidelity(tmp_path, [(s, None) for s in specs], results, Dilation(2000), t0,
-                           lossless_drops=1)
+    notes = ROCE.fidelity_notes(specs, results, run_view(plan, tmp_path / "agents", t0,
+                                                         lossless_drops=1))
     assert not any("ACK timeouts" in n for n in notes)

@@ -9,7 +9,7 @@ import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
-from testbed.run.store import Sample
+from testbed.results.store import Sample
 
 V1_SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

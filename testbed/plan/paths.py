@@ -1,0 +1,118 @@
+"""Paths through a planned fabric: where a node sends a packet for an address, and the
+longest round trip a traffic class can see between two hosts. Pure, over a Plan."""
+
+from __future__ import annotations
+
+import ipaddress
+from fractions import Fraction
+
+from testbed.plan.model import InterfacePlan, Plan
+
+
+def host_address(plan: Plan, host: str) -> str:
+    """A host's first NIC address (what agents bind to and send to)."""
+    return plan.node(host).interfaces[0].address.split("/")[0]
+
+
+def host_addresses(plan: Plan, host: str) -> set[str]:
+    """Every address of a host: a multi-homed sender's datagrams leave with the address of
+    the NIC its route picked."""
+    return {i.address.split("/")[0] for i in plan.node(host).interfaces}
+
+
+def line_rate_bps(plan: Plan, host: str) -> int:
+    """A host's first NIC's egress rate (what its agents pace against), fabric bit/s."""
+    return plan.node(host).interfaces[0].egress.rate_bps
+
+
+class Routes:
+    """The plan's forwarding, for walking paths: nodes by name, each node's routes as one
+    {network: next-hop interfaces} table per prefix length, longest first."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.nodes = {n.name: n for n in plan.nodes}
+        self._peers = {n.name: {i.peer.address: i for i in n.interfaces} for n in plan.nodes}
+        self._tables: dict[str, list[tuple[int, dict[int, list[InterfacePlan]]]]] = {}
+        for n in plan.nodes:
+            by_name = {i.ifname: i for i in n.interfaces}
+            lengths: dict[int, dict[int, list[InterfacePlan]]] = {}
+            for r in n.routes:
+                net = ipaddress.IPv4Network(r.dst)
+                lengths.setdefault(net.prefixlen, {})[int(net.network_address)] = [
+                    by_name[h.ifname] for h in r.nexthops if h.ifname in by_name]
+            self._tables[n.name] = sorted(lengths.items(), reverse=True)
+
+    def egress_toward(self, node: str, address: str) -> list[InterfacePlan]:
+        """The interfaces `node` sends a packet for `address` out of: the link to it, or
+        the next hops of the longest matching route (several: ECMP)."""
+        direct = self._peers[node].get(address)
+        if direct is not None:
+            return [direct]
+        ip = int(ipaddress.IPv4Address(address))
+        for length, table in self._tables[node]:
+            hops = table.get(ip & ((0xFFFFFFFF << (32 - length)) & 0xFFFFFFFF))
+            if hops is not None:
+                return hops
+        return []
+
+
+def _port_time_ns(plan: Plan, iface: InterfacePlan, tc: int) -> Fraction:
+    """One egress port's share of a round trip: its link's delay there and back, plus the
+    time to drain what class `tc` can hold there at the port's rate (XOFF + headroom where
+    PFC protects the class, else its byte limit)."""
+    held = 0
+    for c in iface.egress.classes:
+        if c.tc == tc:
+            held = c.limit_bytes if c.pfc is None else min(
+                c.limit_bytes, c.pfc.xoff_bytes + c.pfc.headroom_bytes)
+    return 2 * plan.links[iface.link].delay_ns + Fraction(held * 8 * 10**9,
+                                                          iface.egress.rate_bps)
+
+
+def _longest_to(plan: Plan, routes: Routes, dst: str, address: str, node: str, tc: int,
+                memo: dict[str, Fraction | None],
+                port_ns: dict[tuple[str, str], Fraction]) -> Fraction | None:
+    """Longest time from `node` to host `dst` along the routes (None: no way there);
+    `memo` holds the nodes already done for this destination."""
+    if node in memo:
+        return memo[node]
+    memo[node] = None                       # a routing loop reads as no way
+    best = None
+    for iface in routes.egress_toward(node, address):
+        nxt = iface.peer.node
+        if nxt == dst:
+            rest = Fraction(0)
+        elif routes.nodes[nxt].role == "switch":  # hosts do not forward
+            rest = _longest_to(plan, routes, dst, address, nxt, tc, memo, port_ns)
+        else:
+            rest = None
+        if rest is None:
+            continue
+        key = (node, iface.ifname)
+        if key not in port_ns:
+            port_ns[key] = _port_time_ns(plan, iface, tc)
+        if best is None or port_ns[key] + rest > best:
+            best = port_ns[key] + rest
+    memo[node] = best
+    return best
+
+
+def longest_round_trip_ns(plan: Plan, tc: int) -> Fraction:
+    """The longest round trip class `tc` can see between two hosts: over every host pair
+    and every ECMP path between them, the base RTT (each link's delay,
+    there and back) plus the time to drain every egress port's buffer of the class on the
+    way. One pass per destination with each node's longest remaining time memoised, so
+    the cost grows with hosts x nodes, not with the number of paths (the unit tests
+    check it against every path enumerated)."""
+    hosts = [h.name for h in plan.hosts()]
+    routes = Routes(plan)
+    port_ns: dict[tuple[str, str], Fraction] = {}
+    worst = Fraction(0)
+    for dst in hosts:
+        address = host_address(plan, dst)
+        memo: dict[str, Fraction | None] = {}
+        for src in hosts:
+            if src != dst:
+                found = _longest_to(plan, routes, dst, address, src, tc, memo, port_ns)
+                worst = max(worst, found or Fraction(0))
+    return worst

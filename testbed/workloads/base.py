@@ -1,0 +1,262 @@
+"""What a workload kind is: the contract every kind module fulfils, and the views of the
+fabric and of a finished run that kinds are given.
+
+A kind (UDP streams, RoCE streams, ...) is one module that declares everything the
+testbed needs to know about it:
+
+- its config model (a `TrafficEntry`) and the kind names it answers to, each with a
+  stream `Shape` (incast, all-to-all, explicit pairs);
+- its whole-fabric config checks (`check`), beyond what the model validates;
+- how an entry expands into agents (`expand`: one `AgentSpec` per process, argv in
+  fabric units), how long its schedule is (`span_ns`), what set-up time its agents need
+  before the common start (`startup_wall_s`) and which of them the run waits for
+  (`waits_ready`, `files_argv`);
+- how its agents' results become result rows (`result_rows`, with `result_fields`
+  documenting every column), per-stream packet accounts for the conservation invariant
+  (`stream_accounts`), and its own fidelity notes (`fidelity_notes`).
+
+Kinds see the fabric through `ExpandContext` and a finished run through `RunView`, so a
+kind never imports the plan, the kernel or the run: they sit below the config in the
+layering (the config validates entries with the kinds' models), and adding one is a
+module plus one line in testbed/workloads/registry.py.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from agents.timebase import Dilation
+from testbed.fields import Strict
+
+#: A config problem: (location under the config's root, message).
+Problem = tuple[tuple, str]
+
+
+class Shape(enum.Enum):
+    """Which hosts an entry's streams join, and the fields that say so."""
+
+    INCAST = "incast"            # senders: [...] -> receiver:
+    ALL_TO_ALL = "all_to_all"    # every ordered pair of hosts: (default: all hosts)
+    PAIRS = "pairs"              # pairs: [[src, dst], ...]
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return _SHAPE_FIELDS[self]
+
+
+_SHAPE_FIELDS = {Shape.INCAST: ("senders", "receiver"), Shape.ALL_TO_ALL: ("hosts",),
+                 Shape.PAIRS: ("pairs",)}
+SHAPE_FIELD_NAMES = ("senders", "receiver", "hosts", "pairs")
+
+
+class TrafficEntry(Strict):
+    """What every traffic entry has, whatever its kind: a name, a kind, the fields of its
+    shape, a traffic class and a schedule. A kind's model derives from this and gives
+    each field its own default and description."""
+
+    name: str
+    kind: str
+    senders: list[str] | None = None
+    receiver: str | None = None
+    hosts: list[str] | None = None
+    pairs: list[tuple[str, str]] | None = None
+    tclass: str | int = "default"
+    start_ns: int = 0
+    duration_ns: int | None = None
+
+
+def streams(entry: TrafficEntry, shape: Shape, hosts: Sequence[str]) -> list[tuple[str, str]]:
+    """The (source, destination) streams of an entry of `shape`, in config order."""
+    if shape is Shape.INCAST:
+        return [(s, entry.receiver) for s in entry.senders or [] if entry.receiver]
+    if shape is Shape.ALL_TO_ALL:
+        return list(itertools.permutations(entry.hosts or hosts, 2))
+    return [(src, dst) for src, dst in entry.pairs or []]
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """One agent process a run starts: `python -m MODULE ARGV` in `node`'s namespace."""
+
+    name: str            # unique in the run, e.g. "incast-h1-h8"
+    node: str
+    role: str            # "sender" or "receiver"
+    traffic: str         # traffic entry name
+    kind: str
+    argv: list[str]      # after `python -m MODULE`, fabric units
+    module: str          # e.g. "agents.udp"
+    start_ns: int = 0    # fabric time after t0 at which a sender starts
+    duration_ns: int = 0
+    src: str = ""
+    dst: str = ""
+
+
+@dataclass(frozen=True)
+class AgentFiles:
+    """Files of the run directory an agent may be pointed at."""
+
+    ready: Path          # the agent creates it once it can serve (a server listening)
+    out: Path            # its final JSON counters, kept in the run directory
+
+
+class ClassView(Protocol):
+    """A traffic class as kinds read it (testbed.config.models.TrafficClass)."""
+
+    name: str
+    tc: int
+    ecn: bool
+    lossless: bool
+    dscp: list[int]
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """The fabric as a kind's config checks see it."""
+
+    hosts: Sequence[str]
+    classes: Mapping[str | int, ClassView]       # by name and by number
+    nic_bps: Mapping[str, int]                   # each host's first NIC's MAC rate
+
+
+@dataclass
+class ExpandContext:
+    """The planned fabric as kinds expand entries over it (built by testbed.run.workload).
+
+    `state(owner)` is a scratch dict that lives for one expansion, for numbering that
+    runs across a kind's entries (ports, servers per host)."""
+
+    hosts: Sequence[str]
+    dilation: int
+    mtu_bytes: int
+    roce_mtu_bytes: int
+    address: Callable[[str], str]                # a host's first NIC address
+    line_rate_bps: Callable[[str], int]          # a host's first NIC's egress rate
+    dscp: Callable[[str | int], int]             # a class's first DSCP (0: none)
+    tc: Callable[[str | int], int]
+    cnp_dscp: int | None                         # the `cnp` class's DSCP, if any
+    round_trip_ns: Callable[[int], Fraction]     # longest host-to-host RTT of a class,
+    #                                              every queue on the way full
+    _state: dict[str, dict] = field(default_factory=dict)
+
+    def state(self, owner: str) -> dict:
+        return self._state.setdefault(owner, {})
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A finished run as kinds read it for result rows, accounts and fidelity notes."""
+
+    dilation: Dilation
+    t0_realtime_ns: int                          # the common start, CLOCK_REALTIME
+    address: Callable[[str], str]
+    addresses: Callable[[str], set[str]]         # every NIC address of a host
+    line_rate_bps: Callable[[str], int]
+    ready_mtime_ns: Callable[[AgentSpec], int | None]   # when its ready file appeared
+    paused_nodes: frozenset[str] = frozenset()   # nodes whose ports received a pause
+    lossless_drops: int = 0                      # drops in lossless classes, all ports
+
+
+Results = Mapping[str, dict]                     # agent name -> its final JSON
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    traffic: str
+    kind: str
+    fields: dict[str, Any]
+
+
+class WorkloadKind(ABC):
+    """A family of workload kinds that share a config model and an agent."""
+
+    #: kind name -> stream shape, e.g. {"udp_incast": Shape.INCAST, ...}
+    shapes: ClassVar[Mapping[str, Shape]]
+    #: the config model of an entry (its `kind` field is a Literal of `shapes`' keys)
+    model: ClassVar[type[TrafficEntry]]
+    #: `python -m` module of its agents
+    agent_module: ClassVar[str]
+    #: one paragraph for the docs: what it runs and how
+    doc: ClassVar[str]
+    #: result row column -> what it holds (docs/run-format.md lists them)
+    result_fields: ClassVar[Mapping[str, str]]
+
+    @property
+    def family(self) -> str:
+        """The name kinds are listed under in messages, e.g. 'udp'."""
+        return type(self).__name__.removesuffix("Kind").lower()
+
+    def describe(self, spec: AgentSpec) -> str:
+        """How notes name one of its agents, e.g. 'udp receiver incast-recv-h8'."""
+        return f"{self.family} {spec.role} {spec.name}"
+
+    def shape(self, entry: TrafficEntry) -> Shape:
+        return self.shapes[entry.kind]
+
+    def check(self, entry: TrafficEntry, loc: tuple,
+              ctx: CheckContext) -> Iterator[Problem]:
+        """Problems the model cannot see alone (the fabric's classes, its NICs)."""
+        return iter(())
+
+    @abstractmethod
+    def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
+        """The agents of entry number `index` of the workload (receivers first)."""
+
+    def span_ns(self, entry: TrafficEntry, ctx: ExpandContext | None) -> int:
+        """Fabric time from t0 until the entry's senders are scheduled to stop."""
+        return entry.start_ns + (entry.duration_ns or 0)
+
+    def startup_wall_s(self, spec: AgentSpec) -> float:
+        """Wall time the agent needs between its start and the common start time."""
+        return 0.03
+
+    def waits_ready(self, spec: AgentSpec) -> bool:
+        """Whether the run waits for this agent's ready file before starting senders."""
+        return False
+
+    def files_argv(self, spec: AgentSpec, files: AgentFiles) -> list[str]:
+        """Arguments that point the agent at its files in the run directory."""
+        return []
+
+    @abstractmethod
+    def result_rows(self, specs: Sequence[AgentSpec], results: Results,
+                    view: RunView) -> list[ResultRow]:
+        """One row per stream, from this kind's agents' results."""
+
+    @abstractmethod
+    def stream_accounts(self, specs: Sequence[AgentSpec], results: Results,
+                        flow_drops: Sequence[dict], view: RunView) -> list[dict]:
+        """Per stream: name, kind, src, dst, sent, received, fabric_drops, drops (by
+        cause), reordered, lost_counted, complete (testbed/run/invariants.py)."""
+
+    def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
+                       view: RunView) -> list[str]:
+        """Where this kind's agents did not run as configured."""
+        return []
+
+
+def flow_drops_of(flow_drops: Sequence[dict], saddrs: set[str], daddr: str, dport: int,
+                  sports: set[int] | None, proto: int = 17) -> dict[str, int]:
+    """A stream's drops by cause from the port programs' drops by flow (phy, tail, mmu,
+    desc), for flows from any of `saddrs` (and `sports`, if given) to daddr:dport."""
+    out = {"phy": 0, "tail": 0, "mmu": 0, "desc": 0}
+    for f in flow_drops:
+        if (f["saddr"] not in saddrs or (f["daddr"], f["dport"], f["proto"])
+                != (daddr, dport, proto)):
+            continue
+        if sports is not None and f["sport"] not in sports:
+            continue
+        for k in out:
+            out[k] += f[k]
+    return out
+
+
+def arg_of(argv: Sequence[str], flag: str) -> str | None:
+    """The value after `flag` in an agent's argv, if it is there."""
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else None

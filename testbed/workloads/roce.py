@@ -1,0 +1,487 @@
+"""RoCE streams (`python -m agents.roce`): perftest-style RDMA WRITE or SEND over the
+user-space RoCEv2 RC transport, with DCQCN or DCTCP.
+
+An entry becomes one server on the destination and one client on the source per stream,
+because a perftest-style server serves exactly one client. The streams into one host
+are numbered n = 0, 1, ... over all RoCE entries in config order; server n of a host
+listens for set-up on TCP ROCE_SETUP_PORT + n (18515, perftest's, for the first) and
+takes RDMA traffic on UDP ROCE_UDP_PORT + n (4791, RoCEv2's, for the first). The
+clients' QPs send from rxe-style source ports 0xC000 | hash(QPN). All of it below the
+UDP kind's ports (testbed.workloads.udp.BASE_PORT), so the two never collide.
+
+A RoCE entry's in-flight window (`window: auto`, the default) is computed from the
+fabric by `roce_window_packets`; docs/roce.md, "In-flight window", gives the formula and
+a worked example. argv is in fabric units (agents convert with the dilation they get).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from fractions import Fraction as Exact
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+
+from agents.udp_logic import DEFAULT_WIRE_OVERHEAD_BYTES as WIRE_OVERHEAD_BYTES
+from testbed.fields import NAME_RE, DurationNs, SizeBytes
+from testbed.units import format_rate
+from testbed.workloads.base import (
+    AgentFiles,
+    AgentSpec,
+    CheckContext,
+    ClassView,
+    ExpandContext,
+    Problem,
+    ResultRow,
+    Results,
+    RunView,
+    Shape,
+    TrafficEntry,
+    WorkloadKind,
+    arg_of,
+    flow_drops_of,
+    streams,
+)
+from testbed.workloads.roce_params import DcqcnCcParams, DctcpCcParams, validate_cc_params
+from testbed.workloads.udp import BASE_PORT
+
+RoceKindName = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
+# agents.roce.qp.MAX_WINDOW_PACKETS: the most unacknowledged packets a QP may have.
+MAX_ROCE_WINDOW_PACKETS = 1 << 22
+ROCE_SETUP_PORT = 18515     # TCP, perftest's default port
+ROCE_UDP_PORT = 4791        # RoCEv2
+ROCE_MAX_STREAMS_PER_HOST = BASE_PORT - ROCE_SETUP_PORT
+# The auto window is never below rxe's RXE_MAX_UNACKED_PSNS (what the transport had
+# before the window was sized to the fabric) and never above what the transport allows.
+ROCE_MIN_WINDOW_PACKETS = 128
+ROCE_MAX_WINDOW_PACKETS = MAX_ROCE_WINDOW_PACKETS      # 2^22
+# Bytes of message slots per QP (at least one message): what a server verifies.
+ROCE_BUFFER_BYTES = 8 << 20
+# Wall seconds either side may wait for the other during set-up and tear-down.
+ROCE_CONNECT_TIMEOUT_S = 30
+# The agents' event loops sleep until each event instead of busy-polling the last
+# 150 us: a run has a dozen or more agents on a few cores, where spinning clients
+# starve the PFC agents (drops in the lossless class were seen), and at run
+# dilations select's wake-up error is a few fabric ns.
+ROCE_SPIN_NS = 0
+# A RoCE client imports numpy, connects, and both sides build their data patterns
+# before the start time: about 0.25 s of CPU each, on a VM of two cores.
+ROCE_STARTUP_PER_CLIENT_S = 0.25
+# A client set up later than this after its start time is reported (wall ns).
+ROCE_LATE_TOLERANCE_NS = 20_000_000
+ROCE_MAX_MESSAGE_BYTES = (1 << 31) - 1
+# RETH 16 B once per message; BTH 12 + ICRC 4 B per packet, besides the UDP/IP/Ethernet
+# wire overhead.
+RETH_BYTES, BTH_ICRC_BYTES = 16, 12 + 4
+
+# agents.roce.cc's PRESETS (DCQCN) and DCTCP_PRESETS; RoceKind.check pairs them with `cc`
+# and tests/unit/test_workload_roce.py keeps this list equal to the agent's.
+CcPresetName = Literal["hpcc-ns3-paper", "hpcc-ns3", "hpcc-ns3-config", "paper", "ns3-rdma",
+                       "rfc8257"]
+# hpcc-ns3-paper (HPCC run.py's dcqcn_paper) is the half of the setting whose switch marking
+# the default port class uses; docs/config.md says why it, not run.py's dcqcn, is the default.
+DEFAULT_CC_PRESETS = {"dcqcn": "hpcc-ns3-paper", "dctcp": "rfc8257"}
+
+
+class RoceTraffic(TrafficEntry):
+    """RDMA WRITE or SEND streams over the user-space RoCEv2 RC transport (agents/roce).
+
+    Each (source, destination) stream is one perftest-style client on the source
+    and its own server on the destination; `qps` queue pairs per stream. Start
+    and duration are fabric time: a client posts messages for `duration`, then
+    waits for the outstanding ones; or it posts exactly `messages` per QP. `cc`
+    is the sender's rate controller and the receiver's CNP policy (DCQCN by
+    default, with HPCC's ns-3 "dcqcn_paper" parameter set, whose switch half is
+    the default port class's ECN curve).
+    """
+
+    name: str = Field(pattern=NAME_RE)
+    kind: RoceKindName
+    senders: list[str] | None = Field(None, description="roce_incast: sending hosts")
+    receiver: str | None = Field(None, description="roce_incast: the receiving host")
+    hosts: list[str] | None = Field(None, description="roce_all_to_all: hosts (default all)")
+    pairs: list[tuple[str, str]] | None = Field(None, description="roce_pairs: [src, dst] lists")
+    test: Literal["write_bw", "send_bw"] = Field(
+        "write_bw", description="RDMA WRITE or SEND bandwidth test (as perftest's ib_*_bw)")
+    size_bytes: SizeBytes = Field(65536, alias="size", description="message bytes")
+    qps: int = Field(1, ge=1, le=16, description="queue pairs per sender->receiver stream")
+    window_packets: Annotated[int, Field(ge=1, le=MAX_ROCE_WINDOW_PACKETS)] | Literal[
+        "auto"] = Field(
+        "auto", alias="window",
+        description="most unacknowledged packets per QP, 1..2^22, or auto: enough not to bind "
+                    "at line rate over the fabric's longest round trip with every queue of "
+                    "the class on it full (docs/roce.md, 'In-flight window')")
+    start_ns: DurationNs = Field(0, alias="start")
+    duration_ns: DurationNs | None = Field(
+        None, alias="duration",
+        description="post messages for this fabric time, then wait for the outstanding ones "
+                    "(give this or messages)")
+    messages: int | None = Field(
+        None, ge=1, description="post exactly this many messages per QP, then wait for them "
+                                "(give this or duration)")
+    cc: Literal["dcqcn", "dctcp", "none"] = Field(
+        "dcqcn", description="congestion control: sender rate control and receiver CNPs")
+    cc_preset: CcPresetName | None = Field(
+        None, description="parameter set: DCQCN hpcc-ns3-paper (default), hpcc-ns3, "
+                          "hpcc-ns3-config, paper, ns3-rdma; DCTCP rfc8257 (default), hpcc-ns3")
+    cnp_interval_ns: DurationNs | None = Field(
+        None, alias="cnp_interval",
+        description="receiver: at most one CNP per QP per this fabric time (default: the "
+                    "preset's; DCTCP: every CE packet)")
+    cc_params: DcqcnCcParams | DctcpCcParams | None = Field(
+        None, description="DCQCN or DCTCP parameters (as `cc`) in place of the preset's: "
+                          "absolute values for the sender's link (docs/dcqcn.md)")
+    tclass: str | int = Field("roce", description="traffic class name or number")
+    verify: bool = Field(True, description="the receiver checks every byte written or sent")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("window_packets", mode="before")
+    @classmethod
+    def _window(cls, value: object) -> object:
+        # One clear message instead of one per member of the int | 'auto' union.
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)
+                               and 1 <= value <= MAX_ROCE_WINDOW_PACKETS):
+            return value
+        hint = (" (DCTCP's window, a time, is cc_params.window)"
+                if isinstance(value, str) and value != "auto" else "")
+        raise ValueError(f"expected a whole number of packets, 1..2^22 ({MAX_ROCE_WINDOW_PACKETS}),"
+                         f" or auto, got {value!r}{hint}")
+
+    @field_validator("cc_params", mode="before")
+    @classmethod
+    def _cc_params(cls, value: object, info: ValidationInfo) -> object:
+        cc = info.data.get("cc")
+        if value is None or cc is None:      # no cc_params, or a bad cc (reported there)
+            return None
+        return validate_cc_params(value, cc)
+
+    @property
+    def preset(self) -> str | None:
+        """The parameter set the agents get: cc_preset, or the default of `cc`."""
+        return self.cc_preset or DEFAULT_CC_PRESETS.get(self.cc)
+
+    def cc_overrides(self) -> dict[str, object]:
+        """The parameters `cc_params` sets, by the agents' names (DcqcnParams fields)."""
+        if self.cc_params is None:
+            return {}
+        return self.cc_params.model_dump(include=self.cc_params.model_fields_set)
+
+
+
+
+def _presets() -> dict[str, tuple[str, ...]]:
+    return {"dcqcn": ("hpcc-ns3", "hpcc-ns3-config", "hpcc-ns3-paper", "ns3-rdma", "paper"),
+            "dctcp": ("hpcc-ns3", "rfc8257")}
+
+
+def roce_ports(n: int) -> tuple[int, int]:
+    """(TCP set-up port, UDP RoCE port) of the n-th RoCE server on a host."""
+    if not 0 <= n < ROCE_MAX_STREAMS_PER_HOST:
+        raise ValueError(f"RoCE stream {n} into one host: at most {ROCE_MAX_STREAMS_PER_HOST}")
+    return ROCE_SETUP_PORT + n, ROCE_UDP_PORT + n
+
+
+def roce_window_packets(line_rate_bps: int, round_trip_ns: Exact, mtu_bytes: int) -> int:
+    """The default in-flight window: RoCE MTU packets that a sender at `line_rate_bps` puts
+    on the wire in `round_trip_ns` (the fabric's longest round trip for the class),
+    rounded up, within [ROCE_MIN_WINDOW_PACKETS, ROCE_MAX_WINDOW_PACKETS]."""
+    bits = line_rate_bps * round_trip_ns / 10**9
+    packets = -(-bits // (8 * mtu_bytes))
+    return int(min(ROCE_MAX_WINDOW_PACKETS, max(ROCE_MIN_WINDOW_PACKETS, packets)))
+
+
+def _qp_sum(res: dict, side: str, key: str) -> int:
+    return sum(int(q.get(side, {}).get(key, 0)) for q in (res.get("qps") or {}).values())
+
+
+class RoceKind(WorkloadKind):
+    shapes: ClassVar = {"roce_incast": Shape.INCAST, "roce_all_to_all": Shape.ALL_TO_ALL,
+                        "roce_pairs": Shape.PAIRS}
+    model: ClassVar = RoceTraffic
+    agent_module: ClassVar = "agents.roce"
+    doc: ClassVar = ("perftest-style RDMA WRITE or SEND streams over the user-space RoCEv2 "
+                     "RC transport (agents/roce), with DCQCN or DCTCP: one server and one "
+                     "client per stream, `qps` queue pairs each.")
+    result_fields: ClassVar = {
+        "src": "client (requester) host", "dst": "server (responder) host",
+        "cc": "congestion control and preset, e.g. dcqcn/hpcc-ns3-paper",
+        "cc_overrides": "the cc_params the entry set (null: none)",
+        "window_packets": "the in-flight window per QP, packets",
+        "qps": "queue pairs of the stream",
+        "bytes": "message bytes completed (acknowledged)",
+        "messages": "messages completed",
+        "time_us": "first post to last completion, fabric us (one message: its completion "
+                   "time as the sender sees it, last byte delivered plus the ACK's way back)",
+        "start_us": "the first post, fabric us after the run's common start (the entry's "
+                    "start plus how late the client began)",
+        "end_us": "start_us + time_us: when the last message completed",
+        "gbps": "bytes over time_us, fabric Gb/s",
+        "tx_packets": "data packets the requester sent, retransmissions included",
+        "tx_bytes": "their UDP payload bytes",
+        "rx_packets": "data packets the responder received",
+        "rx_bytes": "their UDP payload bytes",
+        "lost": "tx_packets - rx_packets (at least 0)",
+        "rx_fabric_bps": "wire rate received (UDP payload + 66 B per packet) over time_us, "
+                         "fabric bit/s",
+        "retransmissions": "packets the requester sent again",
+        "naks": "NAKs the requester received (sequence, RNR and fatal)",
+        "timeouts": "ACK timeouts at the requester",
+        "cnps_sent": "CNPs the responder sent", "cnps_received": "CNPs the requester got",
+        "ce_received": "CE-marked packets the responder received",
+        "verified": "the responder checked every byte (null: not checked)",
+        "error": "the first error either side reported (null: none)",
+    }
+
+    def describe(self, spec: AgentSpec) -> str:
+        return f"RoCE {'client' if spec.role == 'sender' else 'server'} {spec.name}"
+
+    def check(self, entry: TrafficEntry, loc: tuple, ctx: CheckContext) -> Iterator[Problem]:
+        assert isinstance(entry, RoceTraffic)
+        yield from _check_schedule_and_cc(entry, loc, ctx.classes.get(entry.tclass))
+        yield from _check_cc_params(entry, loc, [s for s, _ in streams(
+            entry, self.shape(entry), ctx.hosts)], ctx.nic_bps)
+
+    def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
+        """A server (receiver) and a client (sender) per stream; servers come first."""
+        assert isinstance(entry, RoceTraffic)
+        t = entry
+        per_host = ctx.state("roce")   # destination host -> RoCE streams into it so far
+        d = str(ctx.dilation)
+        cc = ["--cc", t.cc] + (["--cc-preset", t.preset] if t.preset else [])
+        overrides = t.cc_overrides()       # DcqcnParams / DctcpParams names, absolute values
+        if overrides:
+            cc += ["--cc-params", json.dumps(overrides, sort_keys=True, separators=(",", ":"))]
+        cnp = ctx.cnp_dscp
+        common = ["--mtu", str(ctx.roce_mtu_bytes), "--dscp", str(ctx.dscp(t.tclass)), *cc,
+                  *(["--cnp-dscp", str(cnp)] if cnp is not None else []),
+                  "--dilation", d, "--connect-timeout-s", str(ROCE_CONNECT_TIMEOUT_S),
+                  "--spin-ns", str(ROCE_SPIN_NS)]
+        verify = ["--verify"] if t.verify else []
+        cnp_interval = ([] if t.cnp_interval_ns is None or t.cc == "none"
+                        else ["--cnp-interval-ns", str(t.cnp_interval_ns)])
+        buffer_bytes = max(t.size_bytes, ROCE_BUFFER_BYTES)
+        mtu = ctx.roce_mtu_bytes
+        per_message = -(-t.size_bytes // mtu)             # packets of one message
+        rtt_ns = ctx.round_trip_ns(ctx.tc(t.tclass)) if t.window_packets == "auto" else None
+        servers: list[AgentSpec] = []
+        clients: list[AgentSpec] = []
+        for j, (src, dst) in enumerate(streams(t, self.shape(t), ctx.hosts)):
+            line_bps = ctx.line_rate_bps(src)
+            window = (roce_window_packets(line_bps, rtt_ns, mtu) if rtt_ns is not None
+                      else int(t.window_packets))
+            # Messages a client keeps posted per QP: a full window and one message more,
+            # so the window, not the posting, bounds what is in flight and the pipe never
+            # empties between messages; no more, so the tail after `duration` stays short.
+            depth = max(2, -(-window // per_message) + 1)
+            n = per_host.get(dst, 0)
+            per_host[dst] = n + 1
+            tcp_port, udp_port = roce_ports(n)
+            name = f"{t.name}-{src}-{dst}"
+            servers.append(AgentSpec(
+                name=f"{name}-srv", node=dst, role="receiver", traffic=t.name, kind=t.kind,
+                src=src, dst=dst, module=self.agent_module,
+                argv=["server", t.test, "--bind", ctx.address(dst), "--port", str(tcp_port),
+                      "--roce-port", str(udp_port), *verify, *cnp_interval, "--line-rate-bps",
+                      str(ctx.line_rate_bps(dst)), "--window-packets", str(window), *common]))
+            stop = (["--iters", str(t.messages)] if t.messages is not None
+                    else ["--duration-ns", str(t.duration_ns)])
+            clients.append(AgentSpec(
+                name=name, node=src, role="sender", traffic=t.name, kind=t.kind,
+                start_ns=t.start_ns, duration_ns=t.duration_ns or 0, src=src, dst=dst,
+                module=self.agent_module,
+                argv=["client", t.test, "--server", ctx.address(dst), "--port", str(tcp_port),
+                      "--bind", ctx.address(src), "--size", str(t.size_bytes),
+                      "--qps", str(t.qps), *stop,
+                      "--tx-depth", str(depth), "--buffer-bytes", str(buffer_bytes),
+                      "--seed", str(1 + 16 * j), *verify, "--line-rate-bps", str(line_bps),
+                      "--window-packets", str(window), *common]))
+        return servers + clients
+
+    def span_ns(self, entry: TrafficEntry, ctx: ExpandContext | None) -> int:
+        """An entry that posts a number of messages has no schedule: it counts from its
+        start for as long as its busiest host takes to move its bytes at line rate (0
+        without a fabric to tell)."""
+        assert isinstance(entry, RoceTraffic)
+        if entry.duration_ns is not None:
+            return entry.start_ns + entry.duration_ns
+        if ctx is None or entry.messages is None:
+            return entry.start_ns
+        mtu = ctx.roce_mtu_bytes
+        per_message = (entry.size_bytes + RETH_BYTES + -(-entry.size_bytes // mtu)
+                       * (BTH_ICRC_BYTES + WIRE_OVERHEAD_BYTES))
+        wire_bytes = per_message * entry.messages * entry.qps
+        load: dict[str, int] = {}
+        for src, dst in streams(entry, self.shape(entry), ctx.hosts):
+            load[src] = load.get(src, 0) + wire_bytes
+            load[dst] = load.get(dst, 0) + wire_bytes
+        return entry.start_ns + max((-(-n * 8 * 10**9 // ctx.line_rate_bps(h))
+                                     for h, n in load.items()), default=0)
+
+    def startup_wall_s(self, spec: AgentSpec) -> float:
+        return ROCE_STARTUP_PER_CLIENT_S if spec.role == "sender" else super().startup_wall_s(
+            spec)
+
+    def waits_ready(self, spec: AgentSpec) -> bool:
+        return spec.role == "receiver"     # a server must listen before its client sets up
+
+    def files_argv(self, spec: AgentSpec, files: AgentFiles) -> list[str]:
+        return ["--ready-file", str(files.ready), "--out", str(files.out)]
+
+    def result_rows(self, specs: Sequence[AgentSpec], results: Results,
+                    view: RunView) -> list[ResultRow]:
+        """One row per stream (client + its server), in fabric units (result_fields)."""
+        servers = {(s.traffic, s.src, s.dst): results.get(s.name) for s in specs
+                   if s.role == "receiver"}
+        rows = []
+        for spec in specs:
+            if spec.role != "sender":
+                continue
+            c = results.get(spec.name) or {}
+            srv = servers.get((spec.traffic, spec.src, spec.dst)) or {}
+            fabric_ns = float(c.get("elapsed_fabric_ns") or 0)
+            start_us = (spec.start_ns + (c.get("start_late_fabric_ns") or 0)) / 1e3
+            tx_packets = _qp_sum(c, "requester", "packets_sent")
+            rx_packets = _qp_sum(srv, "responder", "packets_received")
+            rx_bytes = sum(int(q.get("bytes_received", 0))
+                           for q in (srv.get("qps") or {}).values())
+            rx_wire_bits = (rx_bytes + rx_packets * WIRE_OVERHEAD_BYTES) * 8
+            verified = c.get("verified")
+            if verified is None:
+                verified = srv.get("verified")
+            rows.append(ResultRow(spec.traffic, spec.kind, {
+                "src": spec.src, "dst": spec.dst,
+                "cc": "/".join(str(x) for x in (c.get("cc"), c.get("cc_preset")) if x),
+                "cc_overrides": c.get("cc_overrides") or None,
+                "window_packets": c.get("window_packets"),
+                "qps": c.get("qp_count", 0),
+                "bytes": int(c.get("bytes", 0)), "messages": int(c.get("messages", 0)),
+                "time_us": round(fabric_ns / 1e3, 3),
+                "start_us": round(start_us, 3),
+                "end_us": (round(start_us + fabric_ns / 1e3, 3)
+                           if "elapsed_fabric_ns" in c else None),
+                "gbps": round(float(c.get("bw_fabric_bps", 0)) / 1e9, 3),
+                "tx_packets": tx_packets, "tx_bytes": _qp_sum(c, "requester", "bytes_sent"),
+                "rx_packets": rx_packets, "rx_bytes": rx_bytes,
+                "lost": max(0, tx_packets - rx_packets),
+                "rx_fabric_bps": round(rx_wire_bits / fabric_ns * 1e9) if fabric_ns else 0,
+                "retransmissions": _qp_sum(c, "requester", "retransmissions"),
+                "naks": sum(_qp_sum(c, "requester", k) for k in (
+                    "naks_received", "rnr_naks_received", "fatal_naks_received")),
+                "timeouts": _qp_sum(c, "requester", "timeouts"),
+                "cnps_sent": _qp_sum(srv, "responder", "cnps_sent"),
+                "cnps_received": _qp_sum(c, "requester", "cnps_received"),
+                "ce_received": _qp_sum(srv, "responder", "ce_packets_received"),
+                "verified": verified,
+                "error": c.get("error") or srv.get("error"),
+            }))
+        return rows
+
+    def stream_accounts(self, specs: Sequence[AgentSpec], results: Results,
+                        flow_drops: Sequence[dict], view: RunView) -> list[dict]:
+        servers = {(s.traffic, s.src, s.dst): s for s in specs if s.role == "receiver"}
+        out = []
+        for spec in specs:
+            if spec.role != "sender":
+                continue
+            res = results.get(spec.name) or {}
+            srv = servers.get((spec.traffic, spec.src, spec.dst))
+            srv_res = (results.get(srv.name) if srv else None) or {}
+            dport = int(arg_of(srv.argv, "--roce-port") or ROCE_UDP_PORT) if srv else (
+                ROCE_UDP_PORT)
+            qps = (res.get("qps") or {}).values()
+            sent = sum(int(q.get("requester", {}).get("packets_sent", 0)) for q in qps)
+            sports = {int(q["sport"]) for q in qps if "sport" in q}
+            injected = sum(int(q.get("injected_drops", 0)) for q in qps)
+            srv_qps = (srv_res.get("qps") or {}).values()
+            received = sum(int(q.get("responder", {}).get("packets_received", 0))
+                           for q in srv_qps)
+            ooo = sum(int(q.get("responder", {}).get("ooo_drops", 0)) for q in srv_qps)
+            drops = flow_drops_of(flow_drops, view.addresses(spec.src), view.address(spec.dst),
+                                  dport, sports or None)
+            drops["injected"] = injected
+            lost = sum(drops.values())
+            # out-of-order arrivals follow every loss until go-back-N resends: only with
+            # nothing lost on the flow are they the emulator reordering
+            reordered = ooo if not lost else 0
+            out.append({"name": spec.name, "kind": spec.kind, "src": spec.src,
+                        "dst": spec.dst, "sent": sent, "received": received,
+                        "fabric_drops": lost, "drops": drops, "reordered": reordered,
+                        "lost_counted": lost > 0, "complete": bool(res and srv_res)})
+        return out
+
+    def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
+                       view: RunView) -> list[str]:
+        """Where RoCE streams did not run as configured: a client set up after the common
+        start, an error, data that did not verify, ACK timeouts without a drop."""
+        notes = []
+        for spec in specs:
+            res = results.get(spec.name) or {}
+            who = self.describe(spec)
+            if res.get("error"):
+                notes.append(f"{who} on {spec.node}: {res['error']}")
+            if spec.role != "sender":
+                continue
+            ready_ns = view.ready_mtime_ns(spec)
+            late = None if ready_ns is None else (
+                ready_ns - view.t0_realtime_ns - view.dilation.to_wall_ns(spec.start_ns))
+            if late is None:
+                notes.append(f"{who} on {spec.node} never finished set-up")
+            elif late > ROCE_LATE_TOLERANCE_NS:
+                notes.append(f"{who} on {spec.node} finished set-up {late / 1e6:.0f} ms (wall) "
+                             f"after its start time, so it started "
+                             f"{view.dilation.to_fabric_ns(late) / 1e3:.1f} us fabric late")
+            if res.get("verified") is False:
+                notes.append(f"{who}: the data did not arrive byte-exact (first mismatch "
+                             f"{res.get('first_mismatch')})")
+            timeouts = _qp_sum(res, "requester", "timeouts")
+            if timeouts and not view.lossless_drops:
+                notes.append(f"{who}: {timeouts} ACK timeouts although no lossless queue "
+                             "dropped: ACKs came later than the QP timeout (long pauses, or an "
+                             "agent short of CPU)")
+        return notes
+
+
+def _check_schedule_and_cc(t: RoceTraffic, loc: tuple,
+                           tclass: ClassView | None) -> Iterator[Problem]:
+    presets = _presets()
+    if t.duration_ns is None and t.messages is None:
+        yield (loc, f"{t.kind} needs duration: (post messages for that long) or messages: "
+               "(post exactly that many per QP)")
+    elif t.duration_ns is not None and t.messages is not None:
+        yield (loc + ("messages",), "duration and messages are both given; give one: "
+               "duration posts messages for that long, messages exactly that many per QP")
+    if t.cc == "none" and t.cc_preset is not None:
+        yield (loc + ("cc_preset",), f"cc_preset {t.cc_preset!r} does nothing with cc: none; "
+               "remove it or pick cc: dcqcn or dctcp")
+    elif t.cc_preset is not None and t.cc_preset not in presets[t.cc]:
+        owner = next(k for k, names in presets.items() if t.cc_preset in names)
+        yield (loc + ("cc_preset",), f"{t.cc_preset!r} is not a {t.cc.upper()} preset (it is "
+               f"{owner.upper()}'s); {t.cc.upper()} presets are {', '.join(presets[t.cc])}")
+    if t.cc != "none" and tclass is not None and not tclass.ecn:
+        yield (loc + ("tclass",), f"class {tclass.name!r} (TC{tclass.tc}) does not mark ECN, so "
+               f"{t.cc.upper()} never gets a CNP; use an ECN class (roce) or cc: none")
+    if not 0 < t.size_bytes <= ROCE_MAX_MESSAGE_BYTES:
+        yield (loc + ("size",), f"message size {t.size_bytes} B is outside 1 B .. 2 GiB - 1; "
+               "RDMA messages carry a 31-bit length here")
+
+
+def _check_cc_params(t: RoceTraffic, loc: tuple, senders: list[str],
+                     nic_bps: Mapping[str, int]) -> Iterator[Problem]:
+    """What cc_params' own validation cannot see: the entry's other fields, the NICs."""
+    if t.cc_params is None:
+        return
+    given = t.cc_params.model_fields_set
+    if "cnp_interval_ns" in given and t.cnp_interval_ns is not None:
+        yield (loc + ("cc_params", "cnp_interval"), "cnp_interval is given twice, here and "
+               "as the entry's cnp_interval; keep one of them")
+    min_rate = t.cc_params.min_rate_bps if "min_rate_bps" in given else None
+    slow = sorted((nic_bps[s], s) for s in set(senders) if s in nic_bps)
+    if min_rate is not None and slow and min_rate > slow[0][0]:
+        yield (loc + ("cc_params", "min_rate"), f"{format_rate(min_rate)} is above the line "
+               f"rate of sender {slow[0][1]} ({format_rate(slow[0][0])}); the minimum rate "
+               "must not exceed any sender's NIC rate")
+
+
+KIND = RoceKind()
