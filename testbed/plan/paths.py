@@ -80,6 +80,7 @@ def _longest_to(plan: Plan, routes: Routes, dst: str, address: str, node: str, t
     best = None
     for iface in routes.egress_toward(node, address):
         nxt = iface.peer.node
+        rest: Fraction | None
         if nxt == dst:
             rest = Fraction(0)
         elif routes.nodes[nxt].role == "switch":  # hosts do not forward

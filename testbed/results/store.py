@@ -364,7 +364,8 @@ class Store:
         """Each series' rows as a step function ((ts, value), None = unknown from ts), and
         the sample times. Format 1 rows are every sample at which a series was read: a
         sample without its row is a gap, marked None the same way."""
-        where, args = "counter = ?", [counter]
+        where = "counter = ?"
+        args: list[str | int] = [counter]
         for name, value in (("node", node), ("port", port), ("tclass", tclass)):
             if value is not None:
                 where += f" AND {name} = ?"

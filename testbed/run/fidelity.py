@@ -33,7 +33,7 @@ class PortRecord:
     bits: float = 0.0
     seconds: float = 0.0
     worst_ratio: float = 1.0
-    prev: tuple[int, int, int, int, float] | None = None
+    prev: tuple[int, float, float, float, float] | None = None
     # (mono_ns, tx_bytes, tx_packets, backlog, paused fabric ns)
     ratios: list[float] = field(default_factory=list)
 
@@ -55,18 +55,18 @@ class PortWatchdog:
                     iface.egress.overhead_bytes, iface.egress.burst_bytes)
 
     def observe(self, mono_ns: int, samples: list[Sample]) -> None:
-        now: dict[tuple[str, str], list[int]] = {}
+        now: dict[tuple[str, str], list[float]] = {}
         for s in samples:
             key = (s.node, s.port)
             if key not in self.ports:
                 continue
             entry = now.setdefault(key, [0, 0, 0, 0.0])
             if s.counter == "tx_bytes":
-                entry[0] = int(s.value)
+                entry[0] = s.value
             elif s.counter == "tx_packets":
-                entry[1] = int(s.value)
+                entry[1] = s.value
             elif s.counter == "backlog_bytes":
-                entry[2] += int(s.value)
+                entry[2] += s.value
             elif s.counter == "paused_ns":
                 # A paused class is meant to be silent (PFC): its paused time is
                 # not time the port failed to send.

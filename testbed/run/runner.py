@@ -32,7 +32,7 @@ from testbed.net.state import LabState
 from testbed.plan.model import Plan
 from testbed.report import build_report
 from testbed.results.files import write_json, write_private
-from testbed.results.store import Store
+from testbed.results.store import Event, Store
 from testbed.results.tables import DROP_COUNTERS
 from testbed.run.capture import start_captures, stop_captures
 from testbed.run.collector import AgentEndpoint, Collector, LiveTotals, agent_read_notes
@@ -142,8 +142,9 @@ class Run:
     def fabric_now_ns(self) -> int:
         return self.collector.fabric_now_ns() if self.collector else 0
 
-    def event(self, kind: str, **fields: object) -> None:
-        self.store.add_event(self.fabric_now_ns(), time.monotonic_ns(), kind, **fields)
+    def event(self, kind: str, **detail: object) -> None:
+        self.store.add_events([Event(self.fabric_now_ns(), time.monotonic_ns(), kind,
+                                     detail=detail)])
 
     def by_kind(self) -> dict[WorkloadKind, list[AgentSpec]]:
         return by_kind(spec for spec, _ in self.agents)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
+from pydantic_core import InitErrorDetails
 
 from testbed.fields import DurationNs, RateBps, SizeBytes, Strict, quantity_schema
 from testbed.units import QUANTITY_PATTERN, parse_duration_ns, parse_rate_bps, parse_size_bytes
@@ -142,12 +143,12 @@ def validate_cc_params(value: object, cc: str) -> Strict:
     model = CC_PARAMS_MODELS[cc]
     keys = cc_param_keys(cc)
     listed = f"{kind} parameters: {', '.join(keys)}"
-    errors: list[dict] = []
+    errors: list[InitErrorDetails] = []
     known: dict[str, object] = {}
 
-    def problem(key: object, text: str) -> None:
-        errors.append({"type": "value_error", "loc": (key,), "input": value[key],
-                       "ctx": {"error": ValueError(text)}})
+    def problem(key: str, text: str) -> None:
+        errors.append(InitErrorDetails(type="value_error", loc=(key,), input=value[key],
+                                       ctx={"error": ValueError(text)}))
 
     for key, item in value.items():
         name = str(key)
@@ -170,8 +171,11 @@ def validate_cc_params(value: object, cc: str) -> Strict:
     try:
         params = model.model_validate(known)
     except ValidationError as exc:
-        errors += [{"type": e["type"], "loc": e["loc"], "input": e["input"],
-                    **({"ctx": e["ctx"]} if "ctx" in e else {})} for e in exc.errors()]
+        for e in exc.errors():
+            detail = InitErrorDetails(type=e["type"], loc=e["loc"], input=e["input"])
+            if "ctx" in e:
+                detail["ctx"] = e["ctx"]
+            errors.append(detail)
     if errors:
         raise ValidationError.from_exception_data("cc_params", errors)
     return params
