@@ -599,30 +599,63 @@ def _egress_loss(fabric, link, sender: str, phy_loss: float) -> float:
     return 1.0 - keep
 
 
-def _routes(nodes, links, role, ends, subnets, blocks, aggregated,
-            pool) -> dict[str, list[RoutePlan]]:
+def _routes(nodes: list[Node], links: list[Link], role: Mapping[str, str],
+            ends: Mapping[tuple[int, str], _End], subnets: Mapping[int, ipaddress.IPv4Network],
+            blocks: Mapping[str, ipaddress.IPv4Network], aggregated: Mapping[str, list[int]],
+            pool: ipaddress.IPv4Network) -> dict[str, list[RoutePlan]]:
+    """Every node's routes, by destination: a switch reaches each host prefix over all of
+    its equal-cost next hops; a host sends the whole pool to the switches it is linked to."""
     switches = [n.name for n in nodes if n.role == "switch"]
-    # Switch adjacency with the (link, end) of each hop, in link order.
-    adj: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
+    adj = _switch_adjacency(links, role)
+    out: dict[str, list[RoutePlan]] = defaultdict(list)
+    for prefix, owner in _destinations(switches, links, role, subnets, blocks, aggregated):
+        for sw, hops in _ecmp_next_hops(owner, switches, adj, ends):
+            out[sw].append(RoutePlan(dst=str(prefix), nexthops=hops))
+    for node in nodes:
+        if node.role != "host":
+            continue
+        hops = _host_next_hops(node.name, links, role, ends)
+        if hops:
+            out[node.name].append(RoutePlan(dst=str(pool), nexthops=hops))
+    for name in out:
+        out[name].sort(key=lambda r: ipaddress.IPv4Network(r.dst))
+    return out
+
+
+# Switch -> (neighbour switch, link index, this switch's end) for each hop, in link order.
+_Adjacency = dict[str, list[tuple[str, int, str]]]
+
+
+def _switch_adjacency(links: list[Link], role: Mapping[str, str]) -> _Adjacency:
+    adj: _Adjacency = defaultdict(list)
     for i, link in enumerate(links):
         if role[link.a] == "switch" and role[link.b] == "switch":
             adj[link.a].append((link.b, i, "a"))
             adj[link.b].append((link.a, i, "b"))
+    return adj
 
-    def distances(target: str) -> dict[str, int]:
-        dist = {target: 0}
-        queue = deque([target])
-        while queue:
-            cur = queue.popleft()
-            for nbr, _, _ in adj[cur]:
-                if nbr not in dist:
-                    dist[nbr] = dist[cur] + 1
-                    queue.append(nbr)
-        return dist
 
-    # Destinations: (prefix, switch that owns it).
-    dests: list[tuple[ipaddress.IPv4Network, str]] = [(blocks[s], s) for s in switches
-                                                       if s in blocks]
+def _hop_distances(adj: _Adjacency, target: str) -> dict[str, int]:
+    """Switch hops from each switch that can reach `target` (breadth-first)."""
+    dist = {target: 0}
+    queue = deque([target])
+    while queue:
+        cur = queue.popleft()
+        for nbr, _, _ in adj[cur]:
+            if nbr not in dist:
+                dist[nbr] = dist[cur] + 1
+                queue.append(nbr)
+    return dist
+
+
+def _destinations(switches: list[str], links: list[Link], role: Mapping[str, str],
+                  subnets: Mapping[int, ipaddress.IPv4Network],
+                  blocks: Mapping[str, ipaddress.IPv4Network],
+                  aggregated: Mapping[str, list[int]],
+                  ) -> list[tuple[ipaddress.IPv4Network, str]]:
+    """(prefix, switch that owns it): each switch's host block, then the /31 of every
+    host link outside a block (multi-homed hosts)."""
+    dests = [(blocks[s], s) for s in switches if s in blocks]
     aggregated_links = {i for idxs in aggregated.values() for i in idxs}
     for i, link in enumerate(links):
         if i in aggregated_links:
@@ -631,28 +664,31 @@ def _routes(nodes, links, role, ends, subnets, blocks, aggregated,
         if is_host_link:
             switch = link.a if role[link.a] == "switch" else link.b
             dests.append((subnets[i], switch))
+    return dests
 
-    out: dict[str, list[RoutePlan]] = defaultdict(list)
-    for prefix, owner in dests:
-        dist = distances(owner)
-        for sw in switches:
-            if sw == owner or sw not in dist:
-                continue
-            hops = [NextHopPlan(gateway=str(ends[(i, "b" if end == "a" else "a")].address),
-                                ifname=ends[(i, end)].ifname)
-                    for nbr, i, end in adj[sw] if dist.get(nbr, math.inf) == dist[sw] - 1]
-            out[sw].append(RoutePlan(dst=str(prefix), nexthops=hops))
-    for node in nodes:
-        if node.role != "host":
+
+def _ecmp_next_hops(owner: str, switches: list[str], adj: _Adjacency,
+                    ends: Mapping[tuple[int, str], _End]) -> list[tuple[str, list[NextHopPlan]]]:
+    """For each other switch that can reach `owner`: its neighbours one hop closer."""
+    dist = _hop_distances(adj, owner)
+    out = []
+    for sw in switches:
+        if sw == owner or sw not in dist:
             continue
-        hops = []
-        for i, link in enumerate(links):
-            for end, other in (("a", "b"), ("b", "a")):
-                if getattr(link, end) == node.name and role[getattr(link, other)] == "switch":
-                    hops.append(NextHopPlan(gateway=str(ends[(i, other)].address),
-                                            ifname=ends[(i, end)].ifname))
-        if hops:
-            out[node.name].append(RoutePlan(dst=str(pool), nexthops=hops))
-    for name in out:
-        out[name].sort(key=lambda r: ipaddress.IPv4Network(r.dst))
+        hops = [NextHopPlan(gateway=str(ends[(i, "b" if end == "a" else "a")].address),
+                            ifname=ends[(i, end)].ifname)
+                for nbr, i, end in adj[sw] if dist.get(nbr, math.inf) == dist[sw] - 1]
+        out.append((sw, hops))
     return out
+
+
+def _host_next_hops(host: str, links: list[Link], role: Mapping[str, str],
+                    ends: Mapping[tuple[int, str], _End]) -> list[NextHopPlan]:
+    """A host's gateways: the switch end of each of its links, in link order."""
+    hops = []
+    for i, link in enumerate(links):
+        for end, other in (("a", "b"), ("b", "a")):
+            if getattr(link, end) == host and role[getattr(link, other)] == "switch":
+                hops.append(NextHopPlan(gateway=str(ends[(i, other)].address),
+                                        ifname=ends[(i, end)].ifname))
+    return hops
