@@ -20,6 +20,7 @@ from pyroute2 import netns as _netns
 
 from agents.wire.netlink import attrs
 from testbed.net import portprog
+from testbed.net.batch import dump_link_indexes
 from testbed.net.qdisc import parse_handle
 from testbed.plan.model import Plan
 from testbed.run.store import Sample
@@ -91,7 +92,7 @@ class KernelSampler:
         for node in plan.nodes:
             dumper = _NetlinkDumper(node.netns)
             self._dumpers[node.name] = dumper
-            index = {name: idx for idx, name in _link_names(dumper).items()}
+            index = dump_link_indexes(dumper.sock, node.name)
             wanted = {i.ifname for i in node.interfaces}
             self._ifname[node.name] = {index[n]: n for n in wanted if n in index}
             self._leaf[node.name] = {
@@ -247,20 +248,3 @@ class KernelSampler:
                     out.append(Sample(node, ifname, tc, "headroom_used_bytes", a.hdrm_bytes))
                 out.append(Sample(node, ifname, tc, "ingress_drops", a.drops))
         return out
-
-
-RTM_GETLINK, RTM_NEWLINK = 18, 16
-IFINFOMSG = struct.Struct("=BBHiII")
-IFLA_IFNAME = 3
-
-
-def _link_names(dumper: _NetlinkDumper) -> dict[int, str]:
-    names = {}
-    for kind, view, off, end in dumper.dump(RTM_GETLINK, IFINFOMSG.pack(0, 0, 0, 0, 0, 0)):
-        if kind != RTM_NEWLINK:
-            continue
-        ifindex = IFINFOMSG.unpack_from(view, off)[3]
-        for attr, start, stop in attrs(view, off + IFINFOMSG.size, end):
-            if attr == IFLA_IFNAME:
-                names[ifindex] = bytes(view[start:stop]).rstrip(b"\0").decode()
-    return names
