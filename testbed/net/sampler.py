@@ -42,6 +42,9 @@ BASIC = struct.Struct("=QI")                 # bytes, packets
 QUEUE = struct.Struct("=5I")                 # qlen, backlog, drops, requeues, overlimits
 DUMP_ATTEMPTS = 3
 
+# (port, traffic class) -> (bytes admitted, bytes departed) by the port program
+_Queues = dict[tuple[str, int], tuple[int, int]]
+
 
 class _NetlinkDumper:
     def __init__(self, netns: str) -> None:
@@ -132,9 +135,9 @@ class KernelSampler:
             nm.close()
         self._nodes.clear()
 
-    def _queues(self, node: str) -> dict[tuple[str, int], tuple[int, int]]:
+    def _queues(self, node: str) -> _Queues:
         """(port, class) -> (admitted, departed) bytes now, from the mmap-ed state."""
-        out = {}
+        out: _Queues = {}
         for ifname, maps, tcs in self._bpf.get(node, ()):
             for tc in tcs:
                 row = maps.row(tc)
@@ -169,7 +172,7 @@ class KernelSampler:
             # A thread preempted in between (2 cores, a loaded run) leaves a wide bracket;
             # then the node is read again, at most DUMP_ATTEMPTS times, keeping the
             # tightest, so a stored vq_bytes and backlog_bytes describe one instant.
-            best = None
+            best: tuple[int, _Queues, list[Sample], _Queues] | None = None
             for _attempt in range(DUMP_ATTEMPTS):
                 before = self._queues(node)
                 rows = self._qdisc_rows(node, dumper)
@@ -180,6 +183,7 @@ class KernelSampler:
                     best = (width, before, rows, after)
                 if width <= self.bracket_tolerance_bytes:
                     break
+            assert best is not None     # DUMP_ATTEMPTS >= 1
             width, before, rows, after = best
             out.extend(rows)
             for (ifname, tc), (enq1, dep1) in after.items():
