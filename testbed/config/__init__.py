@@ -75,7 +75,7 @@ def _models_in(annotation: object, value: object) -> list[type[BaseModel]]:
 def _fields_of_parent(loc: tuple, data: object) -> list[str] | None:
     """Field names allowed beside `loc[-1]`, by walking the models along `loc`; None if unsure."""
     annotation: object = Fabric
-    value = data
+    value: Any = data    # parsed YAML of any shape: a failed lookup is caught below
     for part in loc[:-1]:
         models = _models_in(annotation, value)
         if len(models) == 1:
@@ -94,7 +94,7 @@ def _fields_of_parent(loc: tuple, data: object) -> list[str] | None:
             else:
                 return None
         try:
-            value = value[part]  # type: ignore[index]
+            value = value[part]
         except (KeyError, IndexError, TypeError):
             value = None
     models = _models_in(annotation, value)
