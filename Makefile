@@ -52,7 +52,8 @@ $(VENV)/.installed: $(VENV)/.apt-done pyproject.toml
 demo: setup
 	$(VENV)/bin/testbed run configs/default.yaml
 
-test: setup test-deps
+# Lint first: a type or complexity error fails in seconds, not after the root suite.
+test: setup test-deps lint
 	$(VENV)/bin/pytest -q
 
 test-deps: $(VENV)/.apt-test-done
@@ -66,11 +67,15 @@ $(VENV)/.apt-test-done: $(VENV)/.apt-done Makefile
 	 fi
 	@touch $@
 
+# The quick loop: ruff only (about a second); mypy, at ten seconds or more, runs in lint.
 test-unit: setup
+	$(VENV)/bin/ruff check testbed agents tests bench
 	$(VENV)/bin/pytest -q -m "not root"
 
+# mypy's settings (plugins, per-module overrides) are in pyproject.toml.
 lint: setup
 	$(VENV)/bin/ruff check testbed agents tests bench
+	$(VENV)/bin/mypy testbed agents
 
 bench: setup
 	@missing=$$(for p in $(BENCH_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

@@ -83,7 +83,7 @@ def run_one(path: str, args) -> int:
             console.print(msg)
 
     def on_sample(phase, totals, elapsed):
-        if live_ui:
+        if live is not None:
             live.update(_progress_table(loaded.fabric.name, phase, totals, elapsed))
         elif not quiet and time.monotonic() - last_line[0] >= 2.0:
             last_line[0] = time.monotonic()

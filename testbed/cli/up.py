@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from testbed.cli.common import (
     EXIT_OK,
@@ -12,6 +13,10 @@ from testbed.cli.common import (
     wide_console,
 )
 from testbed.cli.plan import print_plan_table
+
+if TYPE_CHECKING:     # testbed.net pulls in pyroute2: imported where a verb runs, not here
+    from testbed.net import BuildReport
+    from testbed.plan import Plan
 
 
 def add_parser(sub):
@@ -52,7 +57,7 @@ def run(args) -> int:
     return EXIT_OK
 
 
-def _start_pfc(plan, report) -> str:
+def _start_pfc(plan: Plan, report: BuildReport) -> str:
     """PFC agents are part of the fabric: they outlive this command, `down` ends them."""
     from testbed.net import LabState
     from testbed.run.fabric_agents import has_pfc, start_pfc_agents
@@ -62,6 +67,8 @@ def _start_pfc(plan, report) -> str:
     if report.datapath != "bpf":
         return "PFC not running (no port programs)"
     state = LabState.load(plan.lab)
+    if state is None:       # apply_plan wrote it just now: a `down` ran in between
+        return "PFC not started (the lab's state is gone; was it taken down?)"
     started = start_pfc_agents(plan, state.plan_path, state.directory / "agents",
                                parent_watch=False)
     return (f"PFC agents on {len(started)} nodes (events in "

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Union, get_args, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from testbed.config.checks import (
     check_fabric,
@@ -73,7 +75,7 @@ def _models_in(annotation: object, value: object) -> list[type[BaseModel]]:
 def _fields_of_parent(loc: tuple, data: object) -> list[str] | None:
     """Field names allowed beside `loc[-1]`, by walking the models along `loc`; None if unsure."""
     annotation: object = Fabric
-    value = data
+    value: Any = data    # parsed YAML of any shape: a failed lookup is caught below
     for part in loc[:-1]:
         models = _models_in(annotation, value)
         if len(models) == 1:
@@ -92,7 +94,7 @@ def _fields_of_parent(loc: tuple, data: object) -> list[str] | None:
             else:
                 return None
         try:
-            value = value[part]  # type: ignore[index]
+            value = value[part]
         except (KeyError, IndexError, TypeError):
             value = None
     models = _models_in(annotation, value)
@@ -128,71 +130,93 @@ def _fmt_input(value: object) -> str:
     return repr(value)
 
 
-def _message(err: dict) -> str:
+# Error types whose message needs only the input and pydantic's context, as
+# str.format templates over `got` (the input, described) and `ctx`.
+_TEMPLATES: dict[str, str] = {
+    "missing": "required field is missing; add it",
+    "int_parsing": "expected a whole number, got {got}",
+    "int_type": "expected a whole number, got {got}",
+    "int_from_float": "expected a whole number, got {got}",
+    "float_parsing": "expected a number, got {got}",
+    "float_type": "expected a number, got {got}",
+    "bool_parsing": "expected true or false, got {got}",
+    "bool_type": "expected true or false, got {got}",
+    "string_type": "expected a text value, got {got}",
+    "string_too_long": "{got} is too long: use at most {ctx[max_length]} characters",
+    "list_type": "expected a list (lines starting with '- ', or [a, b]), got {got}",
+    "dict_type": "expected a mapping (key: value lines, or {{key: value}}), got {got}",
+    "model_type": "expected a mapping (key: value lines, or {{key: value}}), got {got}",
+    "model_attributes_type": "expected a mapping (key: value lines, or {{key: value}}), "
+                             "got {got}",
+    "greater_than_equal": "{got} is too small; use a value >= {ctx[ge]}",
+    "greater_than": "{got} is too small; use a value > {ctx[gt]}",
+    "less_than_equal": "{got} is too large; use a value <= {ctx[le]}",
+    "less_than": "{got} is too large; use a value < {ctx[lt]}",
+    "ip_v4_network": "{got} is not an IPv4 network; write it like 198.18.0.0/15, "
+                     "with the host bits zero",
+}
+
+
+def _pattern_message(err: ErrorDetails, got: str, ctx: dict[str, Any]) -> str | None:
+    """Names: say what a valid one looks like; None for patterns with no better words."""
+    pattern = ctx.get("pattern")
+    if pattern == LAB_NAME_RE:
+        return (f"{got} is not a valid lab name: use lower-case letters and "
+                "digits, starting with a letter, at most 16 characters")
+    if pattern == NAME_RE:
+        return (f"{got} is not a valid name: use lower-case letters, digits "
+                "and _, starting with a letter")
+    return None
+
+
+def _literal_message(err: ErrorDetails, got: str, ctx: dict[str, Any]) -> str:
+    allowed = re.findall(r"'([^']*)'", ctx.get("expected", ""))
+    guess = _did_you_mean(str(err.get("input")), allowed) if allowed else None
+    hint = f"; did you mean {guess!r}?" if guess else ""
+    return f"must be {ctx.get('expected', 'one of the listed values')}, got {got}{hint}"
+
+
+def _union_tag_message(err: ErrorDetails, got: str, ctx: dict[str, Any]) -> str:
+    """The topology's `kind:` missing or unknown (the only tagged union a user writes)."""
+    kinds = re.findall(r"'([^']*)'", ctx.get("expected_tags", "")) or list(_TOPOLOGY_KINDS)
+    if err["type"] == "union_tag_not_found":
+        return f"required field is missing; add kind: with one of {', '.join(kinds)}"
+    guess = _did_you_mean(str(ctx.get("tag")), kinds)
+    if guess:
+        return f"unknown topology kind {ctx.get('tag')!r}; did you mean {guess!r}?"
+    return f"unknown topology kind {ctx.get('tag')!r}; use one of {', '.join(kinds)}"
+
+
+_RENDERERS: dict[str, Callable[[ErrorDetails, str, dict[str, Any]], str | None]] = {
+    "string_pattern_mismatch": _pattern_message,
+    "literal_error": _literal_message,
+    "union_tag_invalid": _union_tag_message,
+    "union_tag_not_found": _union_tag_message,
+}
+
+
+def _message(err: ErrorDetails) -> str:
+    """pydantic's error in the user's terms; pydantic's own text where we have nothing better."""
     msg = err["msg"]
-    kind = err["type"]
-    ctx = err.get("ctx", {})
-    got = _fmt_input(err.get("input"))
-    if msg.startswith("Value error, "):
+    if msg.startswith("Value error, "):     # our validators' messages are already worded
         return msg[len("Value error, "):]
-    if "[key]" in err["loc"]:
-        if "buffer" in err["loc"]:
-            return f"buffer keys are traffic classes 0..7, got {got}"
-    if kind == "string_pattern_mismatch":
-        pattern = ctx.get("pattern")
-        if pattern == LAB_NAME_RE:
-            return (f"{got} is not a valid lab name: use lower-case letters and "
-                    "digits, starting with a letter, at most 16 characters")
-        if pattern == NAME_RE:
-            return (f"{got} is not a valid name: use lower-case letters, digits "
-                    "and _, starting with a letter")
-    if kind == "missing":
-        return "required field is missing; add it"
-    if kind in ("int_parsing", "int_type", "int_from_float"):
-        return f"expected a whole number, got {got}"
-    if kind in ("float_parsing", "float_type"):
-        return f"expected a number, got {got}"
-    if kind in ("bool_parsing", "bool_type"):
-        return f"expected true or false, got {got}"
-    if kind == "string_type":
-        return f"expected a text value, got {got}"
-    if kind == "string_too_long":
-        return f"{got} is too long: use at most {ctx['max_length']} characters"
-    if kind == "list_type":
-        return f"expected a list (lines starting with '- ', or [a, b]), got {got}"
-    if kind in ("dict_type", "model_type", "model_attributes_type"):
-        return f"expected a mapping (key: value lines, or {{key: value}}), got {got}"
-    if kind == "greater_than_equal":
-        return f"{got} is too small; use a value >= {ctx['ge']}"
-    if kind == "greater_than":
-        return f"{got} is too small; use a value > {ctx['gt']}"
-    if kind == "less_than_equal":
-        return f"{got} is too large; use a value <= {ctx['le']}"
-    if kind == "less_than":
-        return f"{got} is too large; use a value < {ctx['lt']}"
-    if kind == "literal_error":
-        allowed = re.findall(r"'([^']*)'", ctx.get("expected", ""))
-        guess = _did_you_mean(str(err.get("input")), allowed) if allowed else None
-        hint = f"; did you mean {guess!r}?" if guess else ""
-        return f"must be {ctx.get('expected', 'one of the listed values')}, got {got}{hint}"
-    if kind in ("union_tag_invalid", "union_tag_not_found"):
-        kinds = re.findall(r"'([^']*)'", ctx.get("expected_tags", "")) or list(_TOPOLOGY_KINDS)
-        if kind == "union_tag_not_found":
-            return f"required field is missing; add kind: with one of {', '.join(kinds)}"
-        guess = _did_you_mean(str(ctx.get("tag")), kinds)
-        if guess:
-            return f"unknown topology kind {ctx.get('tag')!r}; did you mean {guess!r}?"
-        return f"unknown topology kind {ctx.get('tag')!r}; use one of {', '.join(kinds)}"
-    if kind == "ip_v4_network":
-        return (f"{got} is not an IPv4 network; write it like 198.18.0.0/15, "
-                "with the host bits zero")
-    return msg
+    got = _fmt_input(err.get("input"))
+    ctx = err.get("ctx", {})
+    if "[key]" in err["loc"] and "buffer" in err["loc"]:
+        return f"buffer keys are traffic classes 0..7, got {got}"
+    kind = err["type"]
+    render = _RENDERERS.get(kind)
+    if render is not None:
+        text = render(err, got, ctx)
+        return msg if text is None else text
+    template = _TEMPLATES.get(kind)
+    return msg if template is None else template.format(got=got, ctx=ctx)
 
 
-def _clean_loc(err: dict) -> tuple:
+def _clean_loc(err: ErrorDetails) -> tuple[int | str, ...]:
     """The location a user wrote: no union tags, no '[key]' marker; tag errors on `kind`."""
     loc = tuple(err["loc"])
-    out = []
+    out: list[int | str] = []
     for i, part in enumerate(loc):
         if i > 0 and loc[i - 1] == "topology" and part in _TOPOLOGY_KINDS:
             continue

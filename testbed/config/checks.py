@@ -7,7 +7,7 @@ a line. All problems are collected, none stops the others.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from testbed.config.errors import format_loc
 from testbed.config.models import Fabric, TrafficClass
@@ -25,7 +25,7 @@ def _suggest(name: str, known: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def _tc_list(tcs) -> str:
+def _tc_list(tcs: Iterable[int]) -> str:
     return ", ".join(str(tc) for tc in sorted(tcs))
 
 
@@ -72,20 +72,21 @@ def check_qos(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
                 yield (loc + ("buffer", tc), f"TC{tc} is not a defined traffic class "
                        f"(defined: {_tc_list(tcs)}); remove it or define the class")
         ecn = port_class.ecn
-        forms = [ecn.preset is not None, ecn.kmin_bytes is not None or ecn.kmax_bytes is not None,
+        kmin, kmax = ecn.kmin_bytes, ecn.kmax_bytes
+        forms = [ecn.preset is not None, kmin is not None or kmax is not None,
                  ecn.k_bytes is not None]
         if sum(forms) > 1:
             given = " and ".join(form for form, on in zip(("preset", "kmin/kmax", "k"), forms,
                                                           strict=True) if on)
             yield (loc + ("ecn",), f"{given} are given together; give only one of preset, "
                    "kmin/kmax/pmax, or k (step marking)")
-        elif forms[1] and (ecn.kmin_bytes is None or ecn.kmax_bytes is None):
-            missing = "kmax" if ecn.kmax_bytes is None else "kmin"
+        elif forms[1] and (kmin is None or kmax is None):
+            missing = "kmax" if kmax is None else "kmin"
             yield (loc + ("ecn",), f"{missing} is missing: kmin and kmax go together "
                    "(write k: for step marking)")
-        elif forms[1] and ecn.kmin_bytes > ecn.kmax_bytes:
+        elif kmin is not None and kmax is not None and kmin > kmax:
             yield (loc + ("ecn", "kmin"),
-                   f"{format_size(ecn.kmin_bytes)} is above kmax {format_size(ecn.kmax_bytes)}; "
+                   f"{format_size(kmin)} is above kmax {format_size(kmax)}; "
                    "kmin must be <= kmax (equal values mark as a step)")
         elif ecn.pmax is not None and not forms[1]:
             yield loc + ("ecn", "pmax"), "pmax goes with kmin/kmax; add them or remove pmax"
@@ -152,8 +153,8 @@ def check_topology(fabric: Fabric, expanded: Expanded,
             yield loc + ("qos",), f"unknown port class {link.qos!r}{hint}"
     for node, loc in zip(expanded.nodes, expanded.node_locs, strict=True):
         if node.name not in linked and node.name in names:
-            where = loc if loc == ("topology",) else loc + ("name",)
-            yield where, f"node {node.name!r} has no link; link it or remove it"
+            at = loc if loc == ("topology",) else loc + ("name",)
+            yield at, f"node {node.name!r} has no link; link it or remove it"
 
 
 def check_fabric(fabric: Fabric) -> Iterator[tuple[tuple, str]]:

@@ -63,7 +63,7 @@ def _scalar(node: yaml.ScalarNode) -> Any:
 def _to_python(node: yaml.Node, path: tuple, lines: LineMap) -> Any:
     lines.lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
-        out: dict[str, Any] = {}
+        out: dict[str | int, Any] = {}   # int keys: qos buffers by traffic class
         for key_node, value_node in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 raise YamlProblem(key_node.start_mark.line + 1,

@@ -107,7 +107,8 @@ class PortClass(Strict):
     # HPCC's ns-3 figures for 25G, unscaled: marks start well below the
     # default PFC XOFF at every port speed, so DCQCN acts before PFC.
     ecn: EcnConfig = Field(
-        default_factory=lambda: EcnConfig(kmin="100KB", kmax="400KB", pmax=0.2))
+        default_factory=lambda: EcnConfig.model_validate(
+            {"kmin": "100KB", "kmax": "400KB", "pmax": 0.2}))
     pfc: PfcConfig = Field(default_factory=PfcConfig)
 
 

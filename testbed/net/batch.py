@@ -61,6 +61,8 @@ from pyroute2.netlink.rtnl.ifinfmsg import IFF_UP, ifinfmsg
 from pyroute2.netlink.rtnl.ndmsg import NUD_PERMANENT
 from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
+from agents.wire.netlink import attrs
+
 # <linux/netlink.h>
 NLMSG_HDR = struct.Struct("=IHHII")     # length, type, flags, seq, port id
 NLMSG_ERROR = 2
@@ -146,23 +148,20 @@ def parse_acks(data: bytes | bytearray | memoryview) -> Iterator[Ack]:
         off += (length + 3) & ~3
 
 
-def _extack_message(data, off: int, length: int, flags: int) -> str:
+def _extack_message(data: bytes | bytearray | memoryview, off: int, length: int,
+                    flags: int) -> str:
+    """The kernel's error text (NLMSGERR_ATTR_MSG) in the ack at `off`, or ""."""
     if not flags & NLM_F_ACK_TLVS:
         return ""
     quoted = off + NLMSG_HDR.size + 4       # the request's header, echoed after the error
     if flags & NLM_F_CAPPED:
-        attrs = quoted + NLMSG_HDR.size
+        tlvs = quoted + NLMSG_HDR.size
     else:
         (quoted_len,) = struct.unpack_from("=I", data, quoted)
-        attrs = quoted + ((quoted_len + 3) & ~3)
-    end = off + length
-    while attrs + 4 <= end:
-        alen, atype = struct.unpack_from("=HH", data, attrs)
-        if alen < 4:
-            break
-        if atype == NLMSGERR_ATTR_MSG:
-            return bytes(data[attrs + 4:attrs + alen]).rstrip(b"\0").decode(errors="replace")
-        attrs += (alen + 3) & ~3
+        tlvs = quoted + ((quoted_len + 3) & ~3)
+    for kind, start, stop in attrs(data, tlvs, off + length):
+        if kind == NLMSGERR_ATTR_MSG:
+            return bytes(data[start:stop]).rstrip(b"\0").decode(errors="replace")
     return ""
 
 
@@ -272,17 +271,14 @@ def _read_link_dump(sock, node: str, seq: int, out: dict[str, int]) -> dict[str,
             off += (length + 3) & ~3
 
 
-def _link_name(data, off: int, length: int) -> tuple[int, str | None]:
+def _link_name(data: bytes | bytearray | memoryview, off: int,
+               length: int) -> tuple[int, str | None]:
+    """ifindex and IFLA_IFNAME of the RTM_NEWLINK message at `off`."""
     body = off + NLMSG_HDR.size
     (index,) = struct.unpack_from("=i", data, body + 4)     # ifinfomsg: family, pad, type
-    attr, end = body + 16, off + length
-    while attr + 4 <= end:
-        alen, atype = struct.unpack_from("=HH", data, attr)
-        if alen < 4:
-            break
-        if atype == IFLA_IFNAME:
-            return index, bytes(data[attr + 4:attr + alen]).rstrip(b"\0").decode()
-        attr += (alen + 3) & ~3
+    for kind, start, stop in attrs(data, body + 16, off + length):
+        if kind == IFLA_IFNAME:
+            return index, bytes(data[start:stop]).rstrip(b"\0").decode()
     return index, None
 
 

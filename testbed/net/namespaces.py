@@ -337,18 +337,18 @@ def _create_one(name: str, paths: Mapping[str, str],
         raise NamespaceError(name, f"creating {path}", exc) from exc
     step = "unshare(CLONE_NEWNET)"
     if _libc.unshare(CLONE_NEWNET) != 0:
-        exc = _libc_error(step)
+        error = _libc_error(step)
         with contextlib.suppress(OSError):
             os.unlink(path)
-        raise NamespaceError(name, step, exc)
+        raise NamespaceError(name, step, error)
     try:
         step = f"bind-mounting it on {path}"
         if _libc.mount(b"/proc/thread-self/ns/net", path.encode(), b"none", MS_BIND,
                        None) != 0:
-            exc = _libc_error("mount")
+            error = _libc_error("mount")
             with contextlib.suppress(OSError):
                 os.unlink(path)
-            raise NamespaceError(name, step, exc)
+            raise NamespaceError(name, step, error)
         step = "writing sysctls"
         _write(paths)
         step = "opening a socket inside"

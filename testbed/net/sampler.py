@@ -20,6 +20,7 @@ from pyroute2 import netns as _netns
 
 from agents.wire.netlink import attrs
 from testbed.net import portprog
+from testbed.net.batch import dump_link_indexes
 from testbed.net.qdisc import parse_handle
 from testbed.plan.model import Plan
 from testbed.results.store import Sample
@@ -40,6 +41,9 @@ STATS64 = struct.Struct("=8Q")
 BASIC = struct.Struct("=QI")                 # bytes, packets
 QUEUE = struct.Struct("=5I")                 # qlen, backlog, drops, requeues, overlimits
 DUMP_ATTEMPTS = 3
+
+# (port, traffic class) -> (bytes admitted, bytes departed) by the port program
+_Queues = dict[tuple[str, int], tuple[int, int]]
 
 
 class _NetlinkDumper:
@@ -91,7 +95,7 @@ class KernelSampler:
         for node in plan.nodes:
             dumper = _NetlinkDumper(node.netns)
             self._dumpers[node.name] = dumper
-            index = {name: idx for idx, name in _link_names(dumper).items()}
+            index = dump_link_indexes(dumper.sock, node.name)
             wanted = {i.ifname for i in node.interfaces}
             self._ifname[node.name] = {index[n]: n for n in wanted if n in index}
             self._leaf[node.name] = {
@@ -131,9 +135,9 @@ class KernelSampler:
             nm.close()
         self._nodes.clear()
 
-    def _queues(self, node: str) -> dict[tuple[str, int], tuple[int, int]]:
+    def _queues(self, node: str) -> _Queues:
         """(port, class) -> (admitted, departed) bytes now, from the mmap-ed state."""
-        out = {}
+        out: _Queues = {}
         for ifname, maps, tcs in self._bpf.get(node, ()):
             for tc in tcs:
                 row = maps.row(tc)
@@ -168,7 +172,7 @@ class KernelSampler:
             # A thread preempted in between (2 cores, a loaded run) leaves a wide bracket;
             # then the node is read again, at most DUMP_ATTEMPTS times, keeping the
             # tightest, so a stored vq_bytes and backlog_bytes describe one instant.
-            best = None
+            best: tuple[int, _Queues, list[Sample], _Queues] | None = None
             for _attempt in range(DUMP_ATTEMPTS):
                 before = self._queues(node)
                 rows = self._qdisc_rows(node, dumper)
@@ -179,6 +183,7 @@ class KernelSampler:
                     best = (width, before, rows, after)
                 if width <= self.bracket_tolerance_bytes:
                     break
+            assert best is not None     # DUMP_ATTEMPTS >= 1
             width, before, rows, after = best
             out.extend(rows)
             for (ifname, tc), (enq1, dep1) in after.items():
@@ -247,20 +252,3 @@ class KernelSampler:
                     out.append(Sample(node, ifname, tc, "headroom_used_bytes", a.hdrm_bytes))
                 out.append(Sample(node, ifname, tc, "ingress_drops", a.drops))
         return out
-
-
-RTM_GETLINK, RTM_NEWLINK = 18, 16
-IFINFOMSG = struct.Struct("=BBHiII")
-IFLA_IFNAME = 3
-
-
-def _link_names(dumper: _NetlinkDumper) -> dict[int, str]:
-    names = {}
-    for kind, view, off, end in dumper.dump(RTM_GETLINK, IFINFOMSG.pack(0, 0, 0, 0, 0, 0)):
-        if kind != RTM_NEWLINK:
-            continue
-        ifindex = IFINFOMSG.unpack_from(view, off)[3]
-        for attr, start, stop in attrs(view, off + IFINFOMSG.size, end):
-            if attr == IFLA_IFNAME:
-                names[ifindex] = bytes(view[start:stop]).rstrip(b"\0").decode()
-    return names

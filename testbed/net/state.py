@@ -97,7 +97,7 @@ class LabState:
 
 
 def list_states() -> list[LabState]:
-    out = []
+    out: list[LabState] = []
     directory = state_dir()
     if not directory.is_dir():
         return out

@@ -12,12 +12,13 @@ from __future__ import annotations
 import ipaddress
 import math
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from agents.timebase import Dilation
 from testbed.config import LoadedConfig
 from testbed.config.errors import ConfigError, Problem
-from testbed.config.models import SwitchBuffer
+from testbed.config.models import Fabric, Link, Node, SwitchBuffer
 from testbed.phy import PhyResult, evaluate
 from testbed.plan.model import (
     ClassPlan,
@@ -194,21 +195,53 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
     role = {n.name: n.role for n in nodes}
     budget = (fabric.max_wall_port_rate_bps or max_wall_port_rate_bps
               or DEFAULT_MAX_WALL_PORT_RATE_BPS)
-    problems: list[Problem] = []
 
     phys: list[PhyResult] = [evaluate(link.port, link.length_m, fabric.mtu_bytes)
                              for link in links]
     busiest = max((p.mac_rate_bps for p in phys), default=1)
     dplan = choose_dilation(fabric.dilation, busiest, budget)
-    dilation = Dilation(dplan.factor)
-    warnings: list[str] = []
-    if dplan.busiest_wall_port_bps > budget:
-        warnings.append(f"dilation D={dplan.factor} puts the busiest port at "
-                        f"{dplan.busiest_wall_port_bps / 1e6:g} Mb/s wall, above this machine's "
-                        f"{budget / 1e6:g} Mb/s budget: ports may fall behind their rate; "
-                        "raise D or use dilation: auto")
+    warnings = _budget_warnings(dplan, budget)
 
-    # Interface names: hosts eth0.., switches swp1.. in link order.
+    ifnames = _interface_names(links, role)
+    aggregated = _aggregated_host_links(links, role)
+    subnets, blocks = _address_plan(loaded, aggregated)
+    ends = _link_ends(links, role, ifnames, subnets)
+
+    pools = _pools(fabric, links, role)
+    warnings += pools.warnings()
+    ports = _port_plans(loaded, phys, role, ifnames, subnets, Dilation(dplan.factor), pools)
+    warnings += ports.warnings
+    if ports.problems:
+        raise ConfigError(loaded.path, ports.problems)
+
+    routes = _routes(nodes, links, role, ends, subnets, blocks, aggregated, fabric.address_pool)
+    node_plans = [_node_plan(fabric, node, links, phys, ends, ports.egress, routes, pools)
+                  for node in nodes]
+    problems = _pool_problems(loaded, node_plans)
+    if problems:
+        raise ConfigError(loaded.path, problems)
+    warnings += [f"link {link.index} {link.a.node}-{link.b.node}: {w}"
+                 for link in ports.links for w in link.phy_warnings]
+    return Plan(
+        lab=fabric.name, netns_prefix=netns_name(fabric.name, ""),
+        address_pool=str(fabric.address_pool), mtu_bytes=fabric.mtu_bytes,
+        roce_mtu_bytes=fabric.roce_mtu_bytes, dilation=dplan,
+        traffic_classes=[TrafficClassPlan(**t.model_dump()) for t in fabric.traffic_classes],
+        nodes=node_plans, links=ports.links, warnings=warnings)
+
+
+def _budget_warnings(dplan: DilationPlan, budget_bps: int) -> list[str]:
+    """A fixed D that leaves the busiest port above the machine's wall-rate budget."""
+    if dplan.busiest_wall_port_bps <= budget_bps:
+        return []
+    return [f"dilation D={dplan.factor} puts the busiest port at "
+            f"{dplan.busiest_wall_port_bps / 1e6:g} Mb/s wall, above this machine's "
+            f"{budget_bps / 1e6:g} Mb/s budget: ports may fall behind their rate; "
+            "raise D or use dilation: auto"]
+
+
+def _interface_names(links: list[Link], role: Mapping[str, str]) -> dict[tuple[int, str], str]:
+    """Each (link, end)'s interface name: hosts eth0.., switches swp1.., in link order."""
     ifnames: dict[tuple[int, str], str] = {}
     count: dict[str, int] = defaultdict(int)
     for i, link in enumerate(links):
@@ -217,25 +250,36 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
             n = count[node]
             count[node] += 1
             ifnames[(i, end)] = f"eth{n}" if role[node] == "host" else f"swp{n + 1}"
+    return ifnames
 
-    # Host links: which are single-homed host <-> switch links, grouped by switch.
+
+def _aggregated_host_links(links: list[Link], role: Mapping[str, str]) -> dict[str, list[int]]:
+    """Switch -> the links of its single-homed hosts, whose /31s share one routed block."""
     host_links_of_host: dict[str, list[int]] = defaultdict(list)
     for i, link in enumerate(links):
         for end, other in (("a", "b"), ("b", "a")):
             if role[getattr(link, end)] == "host" and role[getattr(link, other)] == "switch":
                 host_links_of_host[getattr(link, end)].append(i)
-    aggregated: dict[str, list[int]] = defaultdict(list)   # switch -> host link indices
+    aggregated: dict[str, list[int]] = defaultdict(list)
     for idxs in host_links_of_host.values():
         if len(idxs) == 1:
             link = links[idxs[0]]
             switch = link.b if role[link.b] == "switch" else link.a
             aggregated[switch].append(idxs[0])
+    return aggregated
 
+
+def _address_plan(loaded: LoadedConfig, aggregated: Mapping[str, list[int]],
+                  ) -> tuple[dict[int, ipaddress.IPv4Network], dict[str, ipaddress.IPv4Network]]:
+    """Each link's /31 and each switch's host block, from the address pool in node order
+    (blocks first, then the other links); ConfigError with the size needed if it is full."""
+    fabric = loaded.fabric
+    links = loaded.expanded.links
     alloc = _Allocator(fabric.address_pool)
     subnets: dict[int, ipaddress.IPv4Network] = {}
     blocks: dict[str, ipaddress.IPv4Network] = {}
     try:
-        for switch in [n.name for n in nodes if n.name in aggregated]:
+        for switch in [n.name for n in loaded.expanded.nodes if n.name in aggregated]:
             idxs = aggregated[switch]
             block = alloc.block(2 * len(idxs))
             blocks[switch] = block
@@ -251,113 +295,141 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
         need = sum(1 << max(1, math.ceil(math.log2(2 * len(v)))) for v in aggregated.values())
         need += 2 * (len(links) - sum(len(v) for v in aggregated.values()))
         prefix = 32 - math.ceil(math.log2(need))
-        problems.append(Problem(loaded.lines.line_for(("address_pool",)), ("address_pool",),
-                                f"{exc}: {len(links)} links need at least {need} addresses; "
-                                f"use a /{prefix} or larger (default 198.18.0.0/15)"))
-        raise ConfigError(loaded.path, problems) from None
+        raise ConfigError(loaded.path, [Problem(
+            loaded.lines.line_for(("address_pool",)), ("address_pool",),
+            f"{exc}: {len(links)} links need at least {need} addresses; "
+            f"use a /{prefix} or larger (default 198.18.0.0/15)")]) from None
+    return subnets, blocks
 
-    # The switch end is the lower (gateway) address; otherwise the a end.
+
+def _link_ends(links: list[Link], role: Mapping[str, str],
+               ifnames: Mapping[tuple[int, str], str],
+               subnets: Mapping[int, ipaddress.IPv4Network]) -> dict[tuple[int, str], _End]:
+    """Both ends of every link; the switch end is the lower (gateway) address, else the a end."""
     ends: dict[tuple[int, str], _End] = {}
     for i, link in enumerate(links):
         low, high = subnets[i].network_address, subnets[i].network_address + 1
         a_low = not (role[link.a] == "host" and role[link.b] == "switch")
         ends[(i, "a")] = _End(link.a, ifnames[(i, "a")], low if a_low else high)
         ends[(i, "b")] = _End(link.b, ifnames[(i, "b")], high if a_low else low)
+    return ends
 
-    # Per-port QoS, both ends of every link.
-    link_plans: list[LinkPlan] = []
-    egress: dict[tuple[int, str], EgressPlan] = {}
+
+@dataclass(frozen=True)
+class _Pools:
+    """Each switch's shared buffer pool: the switch_buffer's size for all, or, without one,
+    the pool dynamic PFC implies for some (`implied`); 0 means per-port buffers."""
+
+    configured: int
+    implied: dict[str, int]
+
+    def of(self, node: str) -> int:
+        return self.configured or self.implied.get(node, 0)
+
+    def warnings(self) -> list[str]:
+        return [f"{node}: PFC mode dynamic without a switch_buffer: its lossless classes "
+                f"share one pool of their ports' buffers ({format_size(size)}); set "
+                "switch_buffer: {size: ...} to size the pool"
+                for node, size in sorted(self.implied.items())]
+
+
+def _pools(fabric: Fabric, links: list[Link], role: Mapping[str, str]) -> _Pools:
+    configured = fabric.switch_buffer.size_bytes if fabric.switch_buffer else 0
+    return _Pools(configured, {} if configured else _implied_pools(fabric, links, role))
+
+
+@dataclass
+class _Ports:
+    """Every link's plan and each end's egress, with what the per-port QoS checks found."""
+
+    links: list[LinkPlan] = field(default_factory=list)
+    egress: dict[tuple[int, str], EgressPlan] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+
+def _port_plans(loaded: LoadedConfig, phys: list[PhyResult], role: Mapping[str, str],
+                ifnames: Mapping[tuple[int, str], str],
+                subnets: Mapping[int, ipaddress.IPv4Network], dilation: Dilation,
+                pools: _Pools) -> _Ports:
+    """Per-port QoS at both ends of every link, and each link's plan."""
+    fabric = loaded.fabric
+    links = loaded.expanded.links
     tclasses = list(fabric.traffic_classes)
-    pool = fabric.switch_buffer.size_bytes if fabric.switch_buffer else 0
     ports_of: dict[str, int] = defaultdict(int)
     for link in links:
         ports_of[link.a] += 1
         ports_of[link.b] += 1
-    implied = {} if pool else _implied_pools(fabric, links, role)
-    for node, size in sorted(implied.items()):
-        warnings.append(f"{node}: PFC mode dynamic without a switch_buffer: its lossless classes "
-                        f"share one pool of their ports' buffers ({format_size(size)}); set "
-                        "switch_buffer: {size: ...} to size the pool")
-
-    def pool_of(node: str) -> int:
-        return pool or implied.get(node, 0)
-
+    # Fan-in warnings are about per-port buffers: nodes with a pool are not asked.
+    per_port_role = {n: r for n, r in role.items() if not pools.of(n)}
     response_ns = round(dilation.to_fabric_ns(PFC_EMULATED_RESPONSE_WALL_NS))
-    headroom_room = _pool_headroom_room(fabric, links, role, pool_of)
+    headroom_room = _pool_headroom_room(fabric, links, role, pools.of)
     headroom_seen: list[tuple] = []
+    out = _Ports()
     for i, (link, phy) in enumerate(zip(links, phys, strict=True)):
         port_class = fabric.qos[link.qos]
         classes_qos, qos_problems = resolve_port_qos(
             port_class, tclasses, phy.mac_rate_bps, round(phy.delay_ns), fabric.mtu_bytes,
-            shared_pool=bool(pool_of(link.a) or pool_of(link.b)), response_ns=response_ns,
+            shared_pool=bool(pools.of(link.a) or pools.of(link.b)), response_ns=response_ns,
             pool_headroom_room_bytes=min(
                 (headroom_room[n] for n in (link.a, link.b) if n in headroom_room),
                 default=None))
         for qp in qos_problems:
             loc = ("qos", link.qos, *qp.field.split("."))
             msg = f"{qp.message} (link {link.a}-{link.b}, {link.port})"
-            if not any(p.loc == loc for p in problems):
-                problems.append(Problem(loaded.lines.line_for(loc), loc, msg))
+            if not any(p.loc == loc for p in out.problems):
+                out.problems.append(Problem(loaded.lines.line_for(loc), loc, msg))
         for end in ("a", "b"):
             name = getattr(link, end)
-            egress[(i, end)] = _egress(phy.mac_rate_bps, dilation, classes_qos, tclasses,
-                                       fabric.mtu_bytes, _EndRole(
-                                           host=role[name] == "host", pool_bytes=pool_of(name),
-                                           fan_in=ports_of[name] - 1))
-        warnings += _fan_in_warnings(link, classes_qos, ports_of,
-                                     {n: r for n, r in role.items() if not pool_of(n)},
-                                     fabric.mtu_bytes)
+            out.egress[(i, end)] = _egress(phy.mac_rate_bps, dilation, classes_qos, tclasses,
+                                           fabric.mtu_bytes, _EndRole(
+                                               host=role[name] == "host",
+                                               pool_bytes=pools.of(name),
+                                               fan_in=ports_of[name] - 1))
+        out.warnings += _fan_in_warnings(link, classes_qos, ports_of, per_port_role,
+                                         fabric.mtu_bytes)
         headroom_seen.append((link, port_class, classes_qos, phy))
-        link_plans.append(LinkPlan(
+        out.links.append(LinkPlan(
             index=i, a=LinkEndPlan(node=link.a, ifname=ifnames[(i, "a")]),
             b=LinkEndPlan(node=link.b, ifname=ifnames[(i, "b")]), subnet=str(subnets[i]),
             port_type=link.port, length_m=link.length_m, qos=link.qos,
             rate_bps=phy.mac_rate_bps, wall_rate_bps=dilation.to_wall_bps(phy.mac_rate_bps),
             delay_ns=round(phy.delay_ns), wall_delay_ns=dilation.to_wall_ns(round(phy.delay_ns)),
             frame_loss_ratio=phy.frame_loss_ratio, phy_warnings=list(phy.warnings)))
-    warnings += _headroom_warnings(headroom_seen, fabric.mtu_bytes, response_ns, dplan.factor)
-    if problems:
-        raise ConfigError(loaded.path, problems)
-
-    routes = _routes(nodes, links, role, ends, subnets, blocks, aggregated, fabric.address_pool)
-
-    node_plans = []
-    for node in nodes:
-        interfaces = []
-        for i in range(len(links)):
-            for end, other in (("a", "b"), ("b", "a")):
-                if ends[(i, end)].node != node.name:
-                    continue
-                me, peer = ends[(i, end)], ends[(i, other)]
-                interfaces.append(InterfacePlan(
-                    ifname=me.ifname, loss_probability=_egress_loss(
-                        fabric, links[i], me.node, phys[i].frame_loss_ratio),
-                    mac=mac_for(i, 0 if end == "a" else 1),
-                    address=f"{me.address}/31", mtu_bytes=fabric.mtu_bytes, link=i,
-                    peer=PeerPlan(node=peer.node, ifname=peer.ifname, address=str(peer.address)),
-                    egress=egress[(i, end)]))
-        node_plans.append(NodePlan(
-            name=node.name, role=node.role, netns=netns_name(fabric.name, node.name),
-            buffer=_node_buffer(node.role, interfaces, pool_of(node.name),
-                                fabric.switch_buffer or SwitchBuffer(size=pool_of(node.name))),
-            sysctls=dict(SWITCH_SYSCTLS if node.role == "switch" else HOST_SYSCTLS),
-            interfaces=interfaces, routes=routes.get(node.name, [])))
-
-    problems += _pool_problems(loaded, node_plans)
-    if problems:
-        raise ConfigError(loaded.path, problems)
-    for link in link_plans:
-        warnings += [f"link {link.index} {link.a.node}-{link.b.node}: {w}"
-                     for w in link.phy_warnings]
-    return Plan(
-        lab=fabric.name, netns_prefix=netns_name(fabric.name, ""),
-        address_pool=str(fabric.address_pool), mtu_bytes=fabric.mtu_bytes,
-        roce_mtu_bytes=fabric.roce_mtu_bytes, dilation=dplan,
-        traffic_classes=[TrafficClassPlan(**t.model_dump()) for t in tclasses],
-        nodes=node_plans, links=link_plans, warnings=warnings)
+    out.warnings += _headroom_warnings(headroom_seen, fabric.mtu_bytes, response_ns,
+                                       dilation.factor)
+    return out
 
 
-def _implied_pools(fabric, links, role: dict[str, str]) -> dict[str, int]:
+def _node_plan(fabric: Fabric, node: Node, links: list[Link], phys: list[PhyResult],
+               ends: Mapping[tuple[int, str], _End],
+               egress: Mapping[tuple[int, str], EgressPlan],
+               routes: Mapping[str, list[RoutePlan]], pools: _Pools) -> NodePlan:
+    """One node: its namespace, buffer, sysctls, an interface per link end it holds, routes."""
+    interfaces = []
+    for i in range(len(links)):
+        for end, other in (("a", "b"), ("b", "a")):
+            if ends[(i, end)].node != node.name:
+                continue
+            me, peer = ends[(i, end)], ends[(i, other)]
+            interfaces.append(InterfacePlan(
+                ifname=me.ifname, loss_probability=_egress_loss(
+                    fabric, links[i], me.node, phys[i].frame_loss_ratio),
+                mac=mac_for(i, 0 if end == "a" else 1),
+                address=f"{me.address}/31", mtu_bytes=fabric.mtu_bytes, link=i,
+                peer=PeerPlan(node=peer.node, ifname=peer.ifname, address=str(peer.address)),
+                egress=egress[(i, end)]))
+    pool_bytes = pools.of(node.name)
+    return NodePlan(
+        name=node.name, role=node.role, netns=netns_name(fabric.name, node.name),
+        buffer=_node_buffer(node.role, interfaces, pool_bytes,
+                            fabric.switch_buffer or SwitchBuffer(size_bytes=pool_bytes)),
+        sysctls=dict(SWITCH_SYSCTLS if node.role == "switch" else HOST_SYSCTLS),
+        interfaces=interfaces, routes=routes.get(node.name, []))
+
+
+def _implied_pools(fabric: Fabric, links: list[Link],
+                   role: Mapping[str, str]) -> dict[str, int]:
     """Switches whose lossless classes ask for dynamic PFC with no switch_buffer given: a
     pool of those classes' port buffers each (what they hold together)."""
     lossless = [t for t in fabric.traffic_classes if t.lossless]
@@ -376,12 +448,13 @@ def _implied_pools(fabric, links, role: dict[str, str]) -> dict[str, int]:
     return {node: size for node, size in out.items() if node in dynamic and size}
 
 
-def _pool_headroom_room(fabric, links, role: dict[str, str], pool_of) -> dict[str, int]:
+def _pool_headroom_room(fabric: Fabric, links: list[Link], role: Mapping[str, str],
+                        pool_of: Callable[[str], int]) -> dict[str, int]:
     """For each switch with a shared pool, the most auto headroom one (port, lossless
     class) may set aside: together at most half of what the pool keeps after its
     reserves, so the emulator's allowance (auto_headroom_bytes) leaves the pool room
     to share."""
-    reserve = (fabric.switch_buffer or SwitchBuffer(size=0)).reserve_bytes
+    reserve = (fabric.switch_buffer or SwitchBuffer(size_bytes=0)).reserve_bytes
     lossless = {t.tc for t in fabric.traffic_classes if t.lossless}
     entries: dict[str, int] = defaultdict(int)
     for link in links:
@@ -526,30 +599,63 @@ def _egress_loss(fabric, link, sender: str, phy_loss: float) -> float:
     return 1.0 - keep
 
 
-def _routes(nodes, links, role, ends, subnets, blocks, aggregated,
-            pool) -> dict[str, list[RoutePlan]]:
+def _routes(nodes: list[Node], links: list[Link], role: Mapping[str, str],
+            ends: Mapping[tuple[int, str], _End], subnets: Mapping[int, ipaddress.IPv4Network],
+            blocks: Mapping[str, ipaddress.IPv4Network], aggregated: Mapping[str, list[int]],
+            pool: ipaddress.IPv4Network) -> dict[str, list[RoutePlan]]:
+    """Every node's routes, by destination: a switch reaches each host prefix over all of
+    its equal-cost next hops; a host sends the whole pool to the switches it is linked to."""
     switches = [n.name for n in nodes if n.role == "switch"]
-    # Switch adjacency with the (link, end) of each hop, in link order.
-    adj: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
+    adj = _switch_adjacency(links, role)
+    out: dict[str, list[RoutePlan]] = defaultdict(list)
+    for prefix, owner in _destinations(switches, links, role, subnets, blocks, aggregated):
+        for sw, hops in _ecmp_next_hops(owner, switches, adj, ends):
+            out[sw].append(RoutePlan(dst=str(prefix), nexthops=hops))
+    for node in nodes:
+        if node.role != "host":
+            continue
+        hops = _host_next_hops(node.name, links, role, ends)
+        if hops:
+            out[node.name].append(RoutePlan(dst=str(pool), nexthops=hops))
+    for name in out:
+        out[name].sort(key=lambda r: ipaddress.IPv4Network(r.dst))
+    return out
+
+
+# Switch -> (neighbour switch, link index, this switch's end) for each hop, in link order.
+_Adjacency = dict[str, list[tuple[str, int, str]]]
+
+
+def _switch_adjacency(links: list[Link], role: Mapping[str, str]) -> _Adjacency:
+    adj: _Adjacency = defaultdict(list)
     for i, link in enumerate(links):
         if role[link.a] == "switch" and role[link.b] == "switch":
             adj[link.a].append((link.b, i, "a"))
             adj[link.b].append((link.a, i, "b"))
+    return adj
 
-    def distances(target: str) -> dict[str, int]:
-        dist = {target: 0}
-        queue = deque([target])
-        while queue:
-            cur = queue.popleft()
-            for nbr, _, _ in adj[cur]:
-                if nbr not in dist:
-                    dist[nbr] = dist[cur] + 1
-                    queue.append(nbr)
-        return dist
 
-    # Destinations: (prefix, switch that owns it).
-    dests: list[tuple[ipaddress.IPv4Network, str]] = [(blocks[s], s) for s in switches
-                                                       if s in blocks]
+def _hop_distances(adj: _Adjacency, target: str) -> dict[str, int]:
+    """Switch hops from each switch that can reach `target` (breadth-first)."""
+    dist = {target: 0}
+    queue = deque([target])
+    while queue:
+        cur = queue.popleft()
+        for nbr, _, _ in adj[cur]:
+            if nbr not in dist:
+                dist[nbr] = dist[cur] + 1
+                queue.append(nbr)
+    return dist
+
+
+def _destinations(switches: list[str], links: list[Link], role: Mapping[str, str],
+                  subnets: Mapping[int, ipaddress.IPv4Network],
+                  blocks: Mapping[str, ipaddress.IPv4Network],
+                  aggregated: Mapping[str, list[int]],
+                  ) -> list[tuple[ipaddress.IPv4Network, str]]:
+    """(prefix, switch that owns it): each switch's host block, then the /31 of every
+    host link outside a block (multi-homed hosts)."""
+    dests = [(blocks[s], s) for s in switches if s in blocks]
     aggregated_links = {i for idxs in aggregated.values() for i in idxs}
     for i, link in enumerate(links):
         if i in aggregated_links:
@@ -558,28 +664,31 @@ def _routes(nodes, links, role, ends, subnets, blocks, aggregated,
         if is_host_link:
             switch = link.a if role[link.a] == "switch" else link.b
             dests.append((subnets[i], switch))
+    return dests
 
-    out: dict[str, list[RoutePlan]] = defaultdict(list)
-    for prefix, owner in dests:
-        dist = distances(owner)
-        for sw in switches:
-            if sw == owner or sw not in dist:
-                continue
-            hops = [NextHopPlan(gateway=str(ends[(i, "b" if end == "a" else "a")].address),
-                                ifname=ends[(i, end)].ifname)
-                    for nbr, i, end in adj[sw] if dist.get(nbr, math.inf) == dist[sw] - 1]
-            out[sw].append(RoutePlan(dst=str(prefix), nexthops=hops))
-    for node in nodes:
-        if node.role != "host":
+
+def _ecmp_next_hops(owner: str, switches: list[str], adj: _Adjacency,
+                    ends: Mapping[tuple[int, str], _End]) -> list[tuple[str, list[NextHopPlan]]]:
+    """For each other switch that can reach `owner`: its neighbours one hop closer."""
+    dist = _hop_distances(adj, owner)
+    out = []
+    for sw in switches:
+        if sw == owner or sw not in dist:
             continue
-        hops = []
-        for i, link in enumerate(links):
-            for end, other in (("a", "b"), ("b", "a")):
-                if getattr(link, end) == node.name and role[getattr(link, other)] == "switch":
-                    hops.append(NextHopPlan(gateway=str(ends[(i, other)].address),
-                                            ifname=ends[(i, end)].ifname))
-        if hops:
-            out[node.name].append(RoutePlan(dst=str(pool), nexthops=hops))
-    for name in out:
-        out[name].sort(key=lambda r: ipaddress.IPv4Network(r.dst))
+        hops = [NextHopPlan(gateway=str(ends[(i, "b" if end == "a" else "a")].address),
+                            ifname=ends[(i, end)].ifname)
+                for nbr, i, end in adj[sw] if dist.get(nbr, math.inf) == dist[sw] - 1]
+        out.append((sw, hops))
     return out
+
+
+def _host_next_hops(host: str, links: list[Link], role: Mapping[str, str],
+                    ends: Mapping[tuple[int, str], _End]) -> list[NextHopPlan]:
+    """A host's gateways: the switch end of each of its links, in link order."""
+    hops = []
+    for i, link in enumerate(links):
+        for end, other in (("a", "b"), ("b", "a")):
+            if getattr(link, end) == host and role[getattr(link, other)] == "switch":
+                hops.append(NextHopPlan(gateway=str(ends[(i, other)].address),
+                                        ifname=ends[(i, end)].ifname))
+    return hops

@@ -164,7 +164,9 @@ def _created(run: RunData) -> str:
 
 def header(run: RunData) -> dict:
     s, m = run.summary, run.metadata
-    probe = m.get("probe") if isinstance(m.get("probe"), dict) else {}
+    probe = m.get("probe")
+    if not isinstance(probe, dict):
+        probe = {}
     features = probe.get("features") or {}
     missing = []
     for name in probe.get("missing") or []:
@@ -195,7 +197,9 @@ def header(run: RunData) -> dict:
         facts.append(("host", f"{m['hostname']} ({m.get('cpus', '?')} CPUs)"))
     if m.get("testbed_version"):
         facts.append(("testbed", str(m["testbed_version"])))
-    collector = s.get("collector") if isinstance(s.get("collector"), dict) else {}
+    collector = s.get("collector")
+    if not isinstance(collector, dict):
+        collector = {}
     if collector.get("samples"):
         period = collector.get("period_fabric_ns")
         facts.append(("samples", f"{collector['samples']}"
@@ -227,7 +231,7 @@ def totals(run: RunData) -> Table | None:
     labels = {"tx_bytes": "bytes sent (all egress ports)", "drops": "drops",
               "ecn_marks": "ECN marks", "pause_frames": "PFC pause frames sent",
               "delivered_bytes": "bytes delivered to receivers"}
-    keys = [k for k in labels if k in t] + [k for k in t if k not in labels]
+    keys: list[str] = [k for k in labels if k in t] + [k for k in t if k not in labels]
     for key, value in ((k, t[k]) for k in keys):
         text = fmt_int(value) if _is_number(value) else str(value)
         if key.endswith("bytes") and _is_number(value) and value >= 1000:
@@ -322,9 +326,10 @@ def queues(run: RunData, idx: PlanIndex) -> dict | None:
         peak = max(max(v for _, v in series[k]) for k in chunk)
         hlines = []
         thresholds = {_thresholds(idx.class_plan(*k)) for k in chunk}
-        if len(thresholds) == 1 and None not in thresholds:
+        shared = thresholds.pop() if len(thresholds) == 1 else None    # lines only if alike
+        if shared is not None:
             seen = set()
-            for value, name in thresholds.pop():
+            for value, name in shared:
                 if value <= 1.3 * peak and value not in seen:
                     seen.add(value)
                     hlines.append((value, f"{name} {fmt_bytes(value)}"))

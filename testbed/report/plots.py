@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 from matplotlib.figure import Figure
@@ -22,7 +23,10 @@ from matplotlib.lines import Line2D
 
 from testbed.plan.model import Plan
 
-_RC = {
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
+
+_RC: dict[RcKeyType, Any] = {
     "svg.fonttype": "none",
     "svg.hashsalt": "testbed-report",        # deterministic ids
     "font.family": "sans-serif",
@@ -268,9 +272,9 @@ def _circle_positions(plan: Plan) -> dict[str, tuple[float, float]]:
         hosts = set()
     pos: dict[str, tuple[float, float]] = {}
     angle: dict[str, float] = {}
-    start = math.pi if len(order) == 2 else math.pi / 2     # two switches side by side
+    first = math.pi if len(order) == 2 else math.pi / 2     # two switches side by side
     for i, name in enumerate(order):
-        a = start - 2 * math.pi * i / len(order)
+        a = first - 2 * math.pi * i / len(order)
         angle[name] = a
         pos[name] = (math.cos(a), math.sin(a))
     # Hosts sit outside the switch they hang off; a host homed to switches on
@@ -306,9 +310,12 @@ def fabric_plot(plan: Plan, prefix: str = "fabric") -> str:
     """Nodes and links, link rates in fabric units; leaf-spine layers or a circle."""
     layer = fabric_layers(plan)
     layered = layer is not None
-    pos = _layered_positions(plan, layer) if layered else _circle_positions(plan)
     roles = {n.name: n.role for n in plan.nodes}
-    tiers = layer if layered else {n: 0 if r == "host" else 1 for n, r in roles.items()}
+    if layer is not None:
+        pos, tiers = _layered_positions(plan, layer), layer
+    else:
+        pos = _circle_positions(plan)
+        tiers = {n: 0 if r == "host" else 1 for n, r in roles.items()}
     rates = sorted({link.rate_bps for link in plan.links})
     color_of = {r: _RATE_COLORS[min(i, len(_RATE_COLORS) - 1)] for i, r in enumerate(rates)}
     width_of = {r: 1.3 + 1.1 * i for i, r in enumerate(rates)}

@@ -10,6 +10,7 @@ is fabric seconds and says so in its name).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from testbed.results.files import write_atomic
@@ -57,7 +58,7 @@ def format_value(value: float | int | bool) -> str:
     return repr(float(value))
 
 
-def _labels(labels: dict[str, object]) -> str:
+def _labels(labels: Mapping[str, object]) -> str:
     return "{" + ",".join(f'{k}="{escape_label(v)}"' for k, v in labels.items()) + "}"
 
 
@@ -66,7 +67,7 @@ class _Writer:
         self.lines: list[str] = []
 
     def family(self, name: str, kind: str, help_text: str,
-               samples: list[tuple[dict[str, object], float]]) -> None:
+               samples: Sequence[tuple[Mapping[str, object], float]]) -> None:
         if not samples:
             return
         self.lines.append(f"# HELP {name} {escape_help(help_text)}")
@@ -80,7 +81,9 @@ def prometheus_text(summary: dict, metadata: dict | None = None, incomplete: boo
     metadata = metadata or {}
     lab = str(summary.get("lab", ""))
     w = _Writer()
-    probe = metadata.get("probe") if isinstance(metadata.get("probe"), dict) else {}
+    probe = metadata.get("probe")
+    if not isinstance(probe, dict):
+        probe = {}
     w.family("testbed_run_info", "gauge", "The run this file describes (value is always 1).",
              [({"lab": lab, "name": summary.get("name", ""),
                 "testbed_version": metadata.get("testbed_version", ""),

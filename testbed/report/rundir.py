@@ -129,7 +129,7 @@ def load_run(run_dir: Path) -> RunData:
         if store is None:
             notes.append(f"{COUNTERS} is missing: no time series")
         rebuilt = summary is None
-        if rebuilt:
+        if summary is None:
             summary = rebuild_summary(run_dir, plan, store, metadata)
     except BaseException:
         if store is not None:
@@ -237,7 +237,8 @@ def rebuild_summary(run_dir: Path, plan: Plan | None, store: Store | None,
     }
 
 
-def _int(value: object) -> int | None:
+def _int(value: str | None) -> int | None:
+    """A counters-database meta value as a whole number; None if absent or not a number."""
     try:
         return int(float(value)) if value not in (None, "") else None
     except (TypeError, ValueError):
