@@ -21,7 +21,7 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from testbed.fields import NAME_RE, DurationNs, LengthM, RateBps, SizeBytes, Strict
 from testbed.workloads.base import TrafficEntry
@@ -174,7 +174,7 @@ def _traffic_items(value: object) -> object:
         return value        # the list type reports it
     kinds = REGISTRY.models()
     out: list[object] = []
-    errors: list[dict] = []
+    errors: list[InitErrorDetails] = []
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             out.append(item)
@@ -193,31 +193,31 @@ def _traffic_items(value: object) -> object:
     return out
 
 
-def _kind_error(i: int, item: dict, kinds: dict[str, type[TrafficEntry]]) -> dict:
+def _kind_error(i: int, item: dict, kinds: dict[str, type[TrafficEntry]]) -> InitErrorDetails:
     """An entry whose kind is missing or names no registered kind: one error at its
     `kind`, with the kinds there are (and the one meant, for a typo)."""
     known = ", ".join(kinds)
     if "kind" not in item:
         text = f"required field is missing; add kind: with one of {known}"
-        return {"type": PydanticCustomError("missing_kind", text), "loc": (i, "kind"),
-                "input": item}
+        return InitErrorDetails(type=PydanticCustomError("missing_kind", text), loc=(i, "kind"),
+                                input=item)
     kind = item["kind"]
     close = difflib.get_close_matches(str(kind), list(kinds), n=1)
     text = (f"unknown workload kind {kind!r}; did you mean {close[0]!r}?" if close
             else f"unknown workload kind {kind!r}; use one of {known}")
-    return {"type": PydanticCustomError("unknown_kind", text), "loc": (i, "kind"),
-            "input": kind}
+    return InitErrorDetails(type=PydanticCustomError("unknown_kind", text), loc=(i, "kind"),
+                            input=kind)
 
 
 def _entry_errors(i: int, model: type[TrafficEntry], kinds: dict[str, type[TrafficEntry]],
-                  exc: ValidationError) -> list[dict]:
+                  exc: ValidationError) -> list[InitErrorDetails]:
     """One traffic entry's errors, located under its index; unknown fields say which
     fields this kind has (the loader cannot tell which member of the union applies)."""
     fields = sorted(f.alias or n for n, f in model.model_fields.items())
     other_fields = {(f.alias or n): [k for k, m2 in kinds.items() if m2 is m]
                     for m in set(kinds.values()) - {model}
                     for n, f in m.model_fields.items() if (f.alias or n) not in fields}
-    out: list[dict] = []
+    out: list[InitErrorDetails] = []
     meant: set[str] = set()
     for e in exc.errors():
         loc = (i, *e["loc"])
@@ -232,11 +232,13 @@ def _entry_errors(i: int, model: type[TrafficEntry], kinds: dict[str, type[Traff
                 text = f"unknown field {name!r}; did you mean {close[0]!r}?"
             else:
                 text = f"unknown field {name!r}; fields here: {', '.join(fields)}"
-            out.append({"type": PydanticCustomError("unknown_field", text), "loc": loc,
-                        "input": e["input"]})
+            out.append(InitErrorDetails(type=PydanticCustomError("unknown_field", text),
+                                        loc=loc, input=e["input"]))
         else:
-            out.append({"type": e["type"], "loc": loc, "input": e["input"],
-                        **({"ctx": e["ctx"]} if "ctx" in e else {})})
+            detail = InitErrorDetails(type=e["type"], loc=loc, input=e["input"])
+            if "ctx" in e:
+                detail["ctx"] = e["ctx"]
+            out.append(detail)
     # a misspelt required field is also missing; the did-you-mean says it all
     return [e for e in out if not (e["type"] == "missing" and len(e["loc"]) == 2
                                    and e["loc"][1] in meant)]

@@ -126,6 +126,59 @@ class _Writer:
         self.rows = 0                                   # points rows written
 
 
+class _SeriesIds:
+    """Series ids for one write: the known ones, and new ones numbered on from the writer's
+    next id; the writer learns the new ones only once the write has committed."""
+
+    def __init__(self, w: _Writer) -> None:
+        self._ids = w.ids
+        self.next_id = w.next_id
+        self.new_ids: dict[tuple[Key, str], int] = {}
+        self.new_series: list[tuple[int, str, str, int, str]] = []
+
+    def __call__(self, key: Key, counter: str) -> int:
+        known = self._ids.get(key)
+        i = known.get(counter) if known is not None else None
+        if i is None:
+            i = self.new_ids.get((key, counter))
+            if i is None:
+                i = self.new_ids[(key, counter)] = self.next_id
+                self.new_series.append((self.next_id, *key, counter))
+                self.next_id += 1
+        return i
+
+    def commit(self, w: _Writer) -> None:
+        for (key, counter), i in self.new_ids.items():
+            w.ids.setdefault(key, {})[counter] = i
+        w.next_id = self.next_id
+
+
+def _changed_rows(w: _Writer, groups: dict[Key, dict[str, float]], sid: _SeriesIds, ts: int,
+                  final: bool) -> tuple[list[tuple[int, int, float | None]], list[Key],
+                                        list[Key], list[Key]]:
+    """The points one sample writes, and which groups it wrote, changed and lost. A group
+    equal to its last row is skipped (except at the final sample, where only groups all
+    zero and never changed are); a counter or group that disappeared gets a None row, so
+    a reader sees the gap instead of a stale value."""
+    rows: list[tuple[int, int, float | None]] = []
+    written: list[Key] = []
+    moved: list[Key] = []
+    for key, values in groups.items():
+        old = w.last.get(key)
+        if old == values:
+            if not final or (key not in w.moved and not any(values.values())):
+                continue
+        elif old is not None:
+            moved.append(key)
+            rows += [(sid(key, counter), ts, None) for counter in old.keys() - values.keys()]
+        written.append(key)
+        rows += [(sid(key, counter), ts, value) for counter, value in values.items()]
+    gone = [key for key in w.last if key not in groups]
+    for key in gone:
+        rows += [(sid(key, counter), ts, None) for counter in w.last[key]]
+    return rows, written, moved, gone
+
+
 class Store:
     """Append-only writer (and reader) of one run's counters.sqlite."""
 
@@ -194,65 +247,24 @@ class Store:
         """
         groups: dict[Key, dict[str, float]] = {}
         for s in samples:
-            key = (s.node, s.port, s.tclass)
-            values = groups.get(key)
-            if values is None:
-                values = groups[key] = {}
-            values[s.counter] = s.value
+            groups.setdefault((s.node, s.port, s.tclass), {})[s.counter] = s.value
         with self.lock:
             w = self._writer_state()
-            last, ids = w.last, w.ids
-            rows: list[tuple[int, int, float | None]] = []
-            new_series: list[tuple[int, str, str, int, str]] = []
-            next_id = w.next_id
-            new_ids: dict[tuple[Key, str], int] = {}
-
-            def sid(key: Key, counter: str) -> int:
-                nonlocal next_id
-                known = ids.get(key)
-                i = known.get(counter) if known is not None else None
-                if i is None:
-                    i = new_ids.get((key, counter))
-                    if i is None:
-                        i = new_ids[(key, counter)] = next_id
-                        new_series.append((next_id, *key, counter))
-                        next_id += 1
-                return i
-
-            written: list[Key] = []
-            moved: list[Key] = []
-            for key, values in groups.items():
-                old = last.get(key)
-                if old == values:
-                    if not final or (key not in w.moved and not any(values.values())):
-                        continue
-                elif old is not None:
-                    moved.append(key)
-                    for counter in old.keys() - values.keys():
-                        rows.append((sid(key, counter), ts_fabric_ns, None))
-                written.append(key)
-                known = ids.get(key, {})
-                for counter, value in values.items():
-                    i = known.get(counter)
-                    rows.append((sid(key, counter) if i is None else i, ts_fabric_ns, value))
-            gone = [key for key in last if key not in groups]
-            for key in gone:
-                for counter in last[key]:
-                    rows.append((sid(key, counter), ts_fabric_ns, None))
+            sid = _SeriesIds(w)
+            rows, written, moved, gone = _changed_rows(w, groups, sid, ts_fabric_ns, final)
             with self.db:
-                if new_series:
-                    self.db.executemany("INSERT INTO series VALUES (?, ?, ?, ?, ?)", new_series)
+                if sid.new_series:
+                    self.db.executemany("INSERT INTO series VALUES (?, ?, ?, ?, ?)",
+                                        sid.new_series)
                 self.db.execute("INSERT OR IGNORE INTO sample_times VALUES (?, ?)",
                                 (ts_fabric_ns, ts_wall_ns))
                 self.db.executemany("INSERT OR REPLACE INTO points VALUES (?, ?, ?)", rows)
             # Remember only what was committed.
-            for (key, counter), i in new_ids.items():
-                ids.setdefault(key, {})[counter] = i
-            w.next_id = next_id
+            sid.commit(w)
             for key in written:
-                last[key] = groups[key]
+                w.last[key] = groups[key]
             for key in gone:
-                del last[key]
+                del w.last[key]
             w.moved.update(moved)
             w.moved.update(gone)
             w.ts, w.written, w.final = (ts_fabric_ns, ts_wall_ns), set(written), final

@@ -109,11 +109,14 @@ class AgentFiles:
 class ClassView(Protocol):
     """A traffic class as kinds read it (testbed.config.models.TrafficClass)."""
 
-    name: str
-    tc: int
-    ecn: bool
-    lossless: bool
-    dscp: list[int]
+    @property
+    def name(self) -> str: ...
+    @property
+    def tc(self) -> int: ...
+    @property
+    def ecn(self) -> bool: ...
+    @property
+    def lossless(self) -> bool: ...
 
 
 @dataclass(frozen=True)
