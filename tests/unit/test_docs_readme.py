@@ -28,3 +28,30 @@ def test_readme_sample_error_is_what_validate_prints(
     assert shown == capsys.readouterr().err.splitlines(), (
         f"README.md's sample error differs from `testbed validate {path}`; paste the real one")
     assert len(shown) >= 3, "the sample should show several problems at once"
+
+
+def _table_after(heading: str) -> list[list[str]]:
+    """The body rows of the first markdown table under `heading`, as lists of cells."""
+    section = README[README.index(f"\n{heading}\n"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in row.strip("|").split(" | ")] for row in rows[2:]]
+
+
+def test_readme_kernel_features_are_what_probe_says() -> None:
+    from testbed.net.probe import IMPACT
+
+    rows = _table_after("## Kernel features and what needs them")
+    assert rows == [[f"`{name}`", text] for name, text in IMPACT.items()], (
+        "README.md's kernel feature table must be testbed/net/probe.py's IMPACT, in order, "
+        "word for word")
+
+
+def test_probe_claims_nothing_the_code_does_not_do() -> None:
+    from testbed.net.probe import IMPACT
+
+    # the issue's findings: no pfifo fallback, no RED marker, no Soft-RoCE endpoints
+    text = " ".join(IMPACT.values()).lower()
+    assert "pfifo" not in text
+    assert IMPACT["red"].startswith("nothing") and IMPACT["rdma_rxe"].startswith("nothing")
+    assert "not emulated" in IMPACT["netem"]
