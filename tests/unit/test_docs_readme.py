@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 
@@ -55,3 +56,51 @@ def test_probe_claims_nothing_the_code_does_not_do() -> None:
     assert "pfifo" not in text
     assert IMPACT["red"].startswith("nothing") and IMPACT["rdma_rxe"].startswith("nothing")
     assert "not emulated" in IMPACT["netem"]
+
+
+PLANNED_RE = re.compile(r"\s\(planned: [^)]*\)\s*$")
+
+
+def _layout() -> dict[str, bool]:
+    """Path -> planned, for each line of the code block of README's Layout section."""
+    section = README[README.index("\n## Layout\n"):]
+    section = section[:section.index("\n## ", 1)]
+    block = re.search(r"```\n(?P<body>.*?)\n```", section, re.S)
+    assert block, "README.md's Layout section has no code block"
+    out: dict[str, bool] = {}
+    for line in block["body"].splitlines():
+        path = line.split()[0]
+        assert path.endswith("/"), f"Layout: {path!r} is not a directory (write it with a /)"
+        assert path not in out, f"Layout names {path} twice"
+        out[path.rstrip("/")] = PLANNED_RE.search(line) is not None
+    return out
+
+
+def _tracked_top_level_dirs() -> set[str]:
+    try:
+        files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the tracked directories are unknown")
+    return {f.split("/")[0] for f in files if "/" in f and not f.startswith(".")}
+
+
+def _packages(top: str) -> set[str]:
+    return {str(p.parent.relative_to(REPO)) for p in (REPO / top).rglob("__init__.py")}
+
+
+def test_readme_layout_names_only_directories_that_exist() -> None:
+    layout = _layout()
+    missing = [p for p, planned in layout.items() if not planned and not (REPO / p).is_dir()]
+    landed = [p for p, planned in layout.items() if planned and (REPO / p).exists()]
+    assert not missing, f"README.md's Layout names {missing}, which do not exist"
+    assert not landed, (f"{landed} exist now: remove their '(planned: ...)' mark in "
+                        "README.md's Layout and check their line")
+
+
+def test_readme_layout_names_every_top_level_directory_and_package() -> None:
+    layout = _layout()
+    wanted = _tracked_top_level_dirs() | _packages("testbed") | _packages("agents")
+    unnamed = sorted(wanted - set(layout))
+    assert not unnamed, f"add {unnamed} to README.md's Layout, one line each"
+    assert {"testbed/config", "agents/pfc", "tests"} <= set(layout)
