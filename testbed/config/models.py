@@ -90,8 +90,9 @@ class TrafficClass(Strict):
 
 
 def default_traffic_classes() -> list[TrafficClass]:
-    # The usual RoCE class plan (FACTS.md): data DSCP 26 -> TC3 lossless + ECN,
-    # CNP DSCP 48 -> TC6 strict, everything else TC0 lossy.
+    # The usual RoCE class plan: RoCE data at DSCP 26 -> TC3, lossless (PFC) and
+    # ECN-marked; CNPs at DSCP 48 -> TC6, strict priority (where NVIDIA NICs send
+    # them: DSCP 48, priority 6); everything else TC0, lossy.
     return [
         TrafficClass(tc=3, name="roce", dscp=[26], lossless=True, ecn=True, weight=1),
         TrafficClass(tc=6, name="cnp", dscp=[48], strict=True),
