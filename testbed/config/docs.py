@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import NoneType, UnionType
-from typing import Annotated, Literal, TypeGuard, Union, get_args, get_origin
+from typing import Annotated, Literal, NamedTuple, TypeGuard, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import BaseModel, BeforeValidator
@@ -348,43 +348,57 @@ def _region_key(model: type[BaseModel], kinds: tuple[str, ...], is_traffic: bool
     return model.__name__
 
 
+class _Visit(NamedTuple):
+    """A model the walk is to render, and how it was reached."""
+
+    model: type[BaseModel]
+    path: str
+    kinds: tuple[str, ...] = ()       # the `kind` values that choose it
+    variant_of: int = 0               # the size of the union it is a member of, if any
+    is_traffic: bool = False
+
+
 def collect_tables(root: type[BaseModel] = Fabric) -> list[Table]:
     """Every model reachable from `root`, in the order the walk meets them, with its rows."""
     tables: dict[type[BaseModel], Table] = {}
-    queue: list[tuple[type[BaseModel], str, tuple[str, ...], int, bool]] = [
-        (root, "", (), 0, False)]
+    queue = [_Visit(root, "")]
     while queue:
-        model, path, kinds, variants, is_traffic = queue.pop(0)
-        if model in tables:
-            if path not in tables[model].paths:
-                tables[model].paths.append(path)
+        visit = queue.pop(0)
+        if visit.model in tables:
+            if visit.path not in tables[visit.model].paths:
+                tables[visit.model].paths.append(visit.path)
             continue
-        table = tables[model] = Table(_region_key(model, kinds, is_traffic), model, [path],
-                                      kinds, variants)
-        nested: list[tuple[type[BaseModel], str, tuple[str, ...], int, bool]] = []
-        for name, info in model.model_fields.items():
-            key = info.alias or name
-            fpath = f"{path}.{key}" if path else key
-            found = _Found()
-            if fpath == TRAFFIC_PATH:
-                by_model: dict[type[BaseModel], list[str]] = {}
-                for kind, traffic in traffic_models().items():
-                    by_model.setdefault(traffic, []).append(kind)
-                type_text = "list of mappings, one per `kind`: `workload.traffic[]`"
-                nested += [(m, f"{fpath}[]", tuple(ks), 0, True) for m, ks in by_model.items()]
-            else:
-                type_text = _type(info.annotation, list(info.metadata), fpath, found)
-                models = found.models
-                for m, mpath in models:
-                    mkinds = _kind_values(m)
-                    share = sum(1 for other, p in models if p == mpath)
-                    nested.append((m, mpath, mkinds, share if share > 1 else 0, False))
-            unit = _unit(name, found.units, fpath)
-            base_unit = found.units[0] if found.units else None
-            table.rows.append(Row(key, type_text, _default(info, base_unit), unit,
-                                  info.description or ""))
-        queue += nested
+        table = tables[visit.model] = Table(
+            _region_key(visit.model, visit.kinds, visit.is_traffic), visit.model,
+            [visit.path], visit.kinds, visit.variant_of)
+        for name, info in visit.model.model_fields.items():
+            row, nested = _field_row(name, info, visit.path)
+            table.rows.append(row)
+            queue += nested
     return list(tables.values())
+
+
+def _field_row(name: str, info: FieldInfo, parent: str) -> tuple[Row, list[_Visit]]:
+    """One field's row, and the models its value holds (to be rendered next)."""
+    key = info.alias or name
+    path = f"{parent}.{key}" if parent else key
+    found = _Found()
+    if path == TRAFFIC_PATH:
+        by_model: dict[type[BaseModel], list[str]] = {}
+        for kind, traffic in traffic_models().items():
+            by_model.setdefault(traffic, []).append(kind)
+        type_text = "list of mappings, one per `kind`: `workload.traffic[]`"
+        nested = [_Visit(m, f"{path}[]", tuple(ks), is_traffic=True)
+                  for m, ks in by_model.items()]
+    else:
+        type_text = _type(info.annotation, list(info.metadata), path, found)
+        nested = []
+        for model, mpath in found.models:
+            share = sum(1 for _, p in found.models if p == mpath)
+            nested.append(_Visit(model, mpath, _kind_values(model), share if share > 1 else 0))
+    base_unit = found.units[0] if found.units else None
+    return Row(key, type_text, _default(info, base_unit), _unit(name, found.units, path),
+               info.description or ""), nested
 
 
 def _kind_values(model: type[BaseModel]) -> tuple[str, ...]:
