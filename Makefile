@@ -14,7 +14,7 @@ APT_OPTIONAL := bpftool
 TEST_APT_PACKAGES := chromium tshark
 BENCH_APT_PACKAGES := mininet
 
-.PHONY: setup system-deps test-deps demo test test-unit lint bench clean
+.PHONY: setup system-deps test-deps demo test test-unit lint docs bench clean
 
 BPF_SRC := testbed/net/bpf/port.bpf.c
 
@@ -76,6 +76,11 @@ test-unit: setup
 lint: setup
 	$(VENV)/bin/ruff check testbed agents tests bench
 	$(VENV)/bin/mypy testbed agents
+
+# Files generated from the config models; tests fail while the committed ones are stale.
+docs: $(VENV)/.installed
+	$(PY) -m testbed.config.docs --write docs/config.md
+	$(PY) -m testbed.config.schema > configs/schema/fabric.schema.json
 
 bench: setup
 	@missing=$$(for p in $(BENCH_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

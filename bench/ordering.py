@@ -61,7 +61,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from agents.timebase import Dilation  # noqa: E402
 from testbed.config import load_config_text  # noqa: E402
 from testbed.net import LabState, apply_plan, destroy_lab, namespaces, steering  # noqa: E402
 from testbed.net.counters import read_counters  # noqa: E402

@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO))
 
 from testbed.config import load_config_text  # noqa: E402
 from testbed.plan import compile_plan  # noqa: E402
-from testbed.run.runner import RunOptions, run_config  # noqa: E402
 from testbed.results.store import Store  # noqa: E402
+from testbed.run.runner import RunOptions, run_config  # noqa: E402
 
 MATCH_WINDOW_NS = 50_000     # a gate change later than this after its frame is not its own
 

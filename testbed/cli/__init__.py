@@ -1,6 +1,8 @@
-"""Command-line entry point: wires one module per verb (see STYLE.md).
+"""Command-line entry point: wires one module per verb, and nothing else.
 
-Each verb module has `add_parser(sub)` and `run(args) -> int`. Exit codes:
+Each verb module has `add_parser(sub)` and `run(args) -> int`; it parses its
+arguments and calls the pipeline, and holds no logic a test would want to
+call directly. Exit codes:
 0 success, 1 operational failure, 2 bad input (config or arguments).
 """
 

@@ -53,8 +53,8 @@ def print_plan_table(plan: Plan, console: Console) -> None:
             qos.add_row(str(c.tc), c.name, ",".join(map(str, c.dscp)) or "(default)", c.classid,
                         str(c.prio), format_size(c.limit_bytes), ecn, pfc)
         console.print(qos)
-    console.print("note: link delays are emulated only on a kernel with sch_netem (`testbed "
-                  "probe` tells); without it every run reports how much the base RTT is short")
+    console.print("note: link propagation and FEC delays are not emulated (no netem stage is "
+                  "built): a base RTT on the fabric is shorter than these delays make it")
     for warning in plan.warnings:
         console.print(f"[yellow]warning[/]: {warning}")
 

@@ -36,19 +36,27 @@ LAB_NAME_RE = r"^[a-z][a-z0-9]{0,15}$"
 class TrafficClass(Strict):
     """One of the eight 802.1p priorities, selected by DSCP."""
 
-    tc: int = Field(ge=0, le=7, description="traffic class = 802.1p priority (0..7)")
-    name: str = Field(pattern=NAME_RE)
-    dscp: list[Annotated[int, Field(ge=0, le=63)]] = Field(default_factory=list)
+    tc: int = Field(ge=0, le=7, description="traffic class = 802.1p priority (0..7); one "
+                                            "class per value")
+    name: str = Field(pattern=NAME_RE, description="the class's name, unique; traffic entries "
+                                                    "(tclass:) and reports use it")
+    dscp: list[Annotated[int, Field(ge=0, le=63)]] = Field(
+        default_factory=list, description="DSCP values (0..63) that select this class, each in "
+                                          "one class only; the agents send the first")
     lossless: bool = Field(False, description="PFC protects this class")
     ecn: bool = Field(False, description="ECN marking (DCQCN CP) on this class")
-    strict: bool = Field(False, description="strict priority over the weighted classes")
-    weight: int = Field(1, ge=1, le=100, description="ETS weight among non-strict classes")
-    default: bool = Field(False, description="class for packets whose DSCP no class names")
+    strict: bool = Field(False, description="strict priority: served before the weighted "
+                                            "classes (HTB prio 0, 1 % guaranteed, borrows first)")
+    weight: int = Field(1, ge=1, le=100, description="ETS weight among the non-strict classes: "
+                                                     "their guaranteed share of the port")
+    default: bool = Field(False, description="the class of packets whose DSCP no class names; "
+                                             "exactly one class has it")
 
 
 def default_traffic_classes() -> list[TrafficClass]:
-    # The usual RoCE class plan (FACTS.md): data DSCP 26 -> TC3 lossless + ECN,
-    # CNP DSCP 48 -> TC6 strict, everything else TC0 lossy.
+    # The usual RoCE class plan: RoCE data at DSCP 26 -> TC3, lossless (PFC) and
+    # ECN-marked; CNPs at DSCP 48 -> TC6, strict priority (where NVIDIA NICs send
+    # them: DSCP 48, priority 6); everything else TC0, lossy.
     return [
         TrafficClass(tc=3, name="roce", dscp=[26], lossless=True, ecn=True, weight=1),
         TrafficClass(tc=6, name="cnp", dscp=[48], strict=True),
@@ -62,11 +70,21 @@ EcnPresetName = Literal["hpcc-ns3", "dcqcn-paper", "ns3-rdma"]
 class EcnConfig(Strict):
     """DCQCN CP marking curve. A preset, or kmin/kmax/pmax, or a step at k."""
 
-    preset: EcnPresetName | None = None
-    kmin_bytes: SizeBytes | None = Field(None, alias="kmin")
-    kmax_bytes: SizeBytes | None = Field(None, alias="kmax")
-    pmax: float | None = Field(None, gt=0, le=1)
-    k_bytes: SizeBytes | None = Field(None, alias="k", description="step marking at K")
+    preset: EcnPresetName | None = Field(
+        None, description="a named curve (kmin / kmax / pmax): hpcc-ns3 (100 KB / 400 KB per "
+                          "25 Gb/s of port rate / 0.2), dcqcn-paper (5 KB / 200 KB / 0.01), "
+                          "ns3-rdma (40 KB / 1000 KB / 1); not with kmin/kmax or k. An ecn "
+                          "mapping with none of them is dcqcn-paper")
+    kmin_bytes: SizeBytes | None = Field(
+        None, alias="kmin", description="queue at which marking starts (no marks at or below "
+                                        "it); goes with kmax")
+    kmax_bytes: SizeBytes | None = Field(
+        None, alias="kmax", description="queue at which the mark probability reaches pmax; "
+                                        "every packet is marked above it")
+    pmax: float | None = Field(None, gt=0, le=1, description="mark probability at kmax, rising "
+                                                             "linearly from kmin (unset: 1)")
+    k_bytes: SizeBytes | None = Field(None, alias="k", description="step marking (DCTCP style): "
+                                      "every packet is marked above this queue")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -74,12 +92,22 @@ class EcnConfig(Strict):
 class PfcConfig(Strict):
     """802.1Qbb priority flow control on a port class."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="PFC on the class's ports; false: lossless "
+                                            "classes are not protected (they can drop)")
     priorities: list[Annotated[int, Field(ge=0, le=7)]] | None = Field(
-        None, description="paused priorities; default: every lossless class")
-    xoff_bytes: SizeBytes | None = Field(None, alias="xoff")
-    xon_bytes: SizeBytes | None = Field(None, alias="xon")
-    headroom_bytes: SizeBytes | None = Field(None, alias="headroom")
+        None, description="paused priorities, each a lossless class; default: every lossless "
+                          "class")
+    xoff_bytes: SizeBytes | None = Field(
+        None, alias="xoff", description="static mode: an ingress port holding this much of the "
+                                        "priority sends XOFF (default: half the class buffer)")
+    xon_bytes: SizeBytes | None = Field(
+        None, alias="xon", description="static mode: XON when the ingress falls to this "
+                                       "(default: xoff - 2 frames of MTU)")
+    headroom_bytes: SizeBytes | None = Field(
+        None, alias="headroom",
+        description="what a port must still absorb after its XOFF (default: Cisco's formula, "
+                    "MTU + 2 x delay x rate + response + MTU, with the emulated PFC loop's "
+                    "response as far as the buffer has room; docs/config.md, Port classes)")
     watchdog_ns: DurationNs | None = Field(
         None, alias="watchdog",
         description="PFC watchdog: a class paused this long (fabric time) is declared stormed "
@@ -102,63 +130,89 @@ class PortClass(Strict):
     """Queueing settings shared by every port that names this class."""
 
     buffer: dict[Annotated[int, Field(ge=0, le=7)], SizeBytes] = Field(
-        default_factory=dict, description="per traffic class byte limit; missing ones default",
+        default_factory=dict,
+        description="byte limit of each traffic class's queue at a port, by tc; a class not "
+                    "named gets 2MB if lossless, 256KB if strict, else 1MB",
         json_schema_extra={"propertyNames": {"pattern": "^[0-7]$"}})
     # HPCC's ns-3 figures for 25G, unscaled: marks start well below the
     # default PFC XOFF at every port speed, so DCQCN acts before PFC.
     ecn: EcnConfig = Field(
         default_factory=lambda: EcnConfig.model_validate(
-            {"kmin": "100KB", "kmax": "400KB", "pmax": 0.2}))
-    pfc: PfcConfig = Field(default_factory=PfcConfig)
+            {"kmin": "100KB", "kmax": "400KB", "pmax": 0.2}),
+        description="ECN marking curve of the classes with ecn: true, at switch ports (host "
+                    "NICs never mark); default: HPCC's ns-3 switch setting, unscaled")
+    pfc: PfcConfig = Field(default_factory=PfcConfig,
+                           description="priority flow control of the lossless classes")
 
 
 class LinkSpec(Strict):
     """The physical layer of a link: a port type from the PHY catalogue and a length."""
 
-    port: str = Field(description="IEEE 802.3 port type, e.g. 400GBASE-DR4")
-    length_m: LengthM = Field(alias="length")
+    port: str = Field(description="IEEE 802.3 port type from the PHY catalogue, e.g. "
+                                  "400GBASE-DR4 (testbed phy --list)")
+    length_m: LengthM = Field(alias="length", description="cable length; the PHY model "
+                              "derives the link's delay and bit error ratio from it")
     qos: str = Field("default", description="port class (key of `qos`) for both ends")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+_HOST_LINK = "every host's link to its switch"
+
+
 class LeafSpine(Strict):
-    kind: Literal["leaf_spine"]
-    spines: int = Field(ge=1, le=64)
-    leaves: int = Field(ge=1, le=128)
-    hosts_per_leaf: int = Field(ge=1, le=64)
-    host_link: LinkSpec
-    fabric_link: LinkSpec
+    """A two-tier Clos: every leaf linked to every spine, hosts on the leaves."""
+
+    kind: Literal["leaf_spine"] = Field(description="the topology's kind")
+    spines: int = Field(ge=1, le=64, description="spine switches, spine1..")
+    leaves: int = Field(ge=1, le=128, description="leaf switches, leaf1..")
+    hosts_per_leaf: int = Field(ge=1, le=64, description="hosts on each leaf; h1.. numbered "
+                                                         "across the fabric")
+    host_link: LinkSpec = Field(description=_HOST_LINK)
+    fabric_link: LinkSpec = Field(description="every leaf-spine link")
 
 
 class SingleSwitch(Strict):
-    kind: Literal["single_switch"]
-    hosts: int = Field(ge=1, le=256)
-    host_link: LinkSpec
+    """One switch, sw1, with every host on it."""
+
+    kind: Literal["single_switch"] = Field(description="the topology's kind")
+    hosts: int = Field(ge=1, le=256, description="hosts, h1..")
+    host_link: LinkSpec = Field(description=_HOST_LINK)
 
 
 class Ring(Strict):
-    kind: Literal["ring"]
-    switches: int = Field(ge=3, le=64)
-    hosts_per_switch: int = Field(ge=1, le=64)
-    host_link: LinkSpec
-    fabric_link: LinkSpec
+    """Switches sw1.. in a ring, each linked to its two neighbours, hosts on every switch."""
+
+    kind: Literal["ring"] = Field(description="the topology's kind")
+    switches: int = Field(ge=3, le=64, description="switches in the ring, sw1..")
+    hosts_per_switch: int = Field(ge=1, le=64, description="hosts on each switch; h1.. "
+                                                           "numbered across the fabric")
+    host_link: LinkSpec = Field(description=_HOST_LINK)
+    fabric_link: LinkSpec = Field(description="every switch-switch link of the ring")
 
 
 Topology = Annotated[LeafSpine | SingleSwitch | Ring, Field(discriminator="kind")]
 
 
 class Node(Strict):
-    name: str = Field(pattern=NAME_RE, max_length=15)
-    role: Literal["host", "switch"]
+    """A node given by hand; it may add to a generated topology."""
+
+    name: str = Field(pattern=NAME_RE, max_length=15,
+                      description="unique node name; its namespace is tb-<lab>-<name>")
+    role: Literal["host", "switch"] = Field(
+        description="host: runs traffic agents, NICs eth0..; switch: routes (ECMP), ports swp1..")
 
 
 class Link(Strict):
+    """A link given by hand between two nodes, as LinkSpec with its two ends."""
+
     a: str = Field(description="node name of one end")
     b: str = Field(description="node name of the other end")
-    port: str
-    length_m: LengthM = Field(alias="length")
-    qos: str = "default"
+    port: str = Field(description="IEEE 802.3 port type from the PHY catalogue, e.g. "
+                                  "100GBASE-CR1 (testbed phy --list)")
+    length_m: LengthM = Field(alias="length", description="cable length; the PHY model "
+                              "derives the link's delay and bit error ratio from it")
+    qos: str = Field("default", description="port class (key of `qos`) for both ends")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -303,28 +357,42 @@ class SwitchBuffer(Strict):
 class Fabric(Strict):
     """A whole fabric: what `testbed validate/plan/up` read."""
 
-    name: str = Field(pattern=LAB_NAME_RE, description="lab name: lower-case, <= 16 characters")
+    name: str = Field(pattern=LAB_NAME_RE, description="lab name, at most 16 characters; the "
+                                                        "nodes' namespaces are tb-<name>-<node>")
     dilation: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        "auto", description="time dilation D (the fabric runs D times slower), or auto")
+        "auto", description="time dilation D (the fabric runs D times slower), or auto: the "
+                            "smallest of 1, 2, 5 x 10^k that keeps the busiest port's wall rate "
+                            "within max_wall_port_rate")
     max_wall_port_rate_bps: RateBps | None = Field(
         None, alias="max_wall_port_rate",
-        description="wall-rate budget per port for dilation: auto (default: calibrated or 200Mbps)")
-    address_pool: ipaddress.IPv4Network = ipaddress.IPv4Network("198.18.0.0/15")
-    mtu_bytes: int = Field(9000, alias="mtu", ge=1280, le=9216)
-    roce_mtu_bytes: Literal[256, 512, 1024, 2048, 4096] = Field(4096, alias="roce_mtu")
-    traffic_classes: list[TrafficClass] = Field(default_factory=default_traffic_classes)
+        description="wall-rate budget per port for dilation: auto (default: calibrated or "
+                    "200Mbps); a fixed D above it is a plan warning")
+    address_pool: ipaddress.IPv4Network = Field(
+        ipaddress.IPv4Network("198.18.0.0/15"),
+        description="IPv4 pool the links' /31s come from (default: the benchmarking range)")
+    mtu_bytes: int = Field(9000, alias="mtu", ge=1280, le=9216,
+                           description="interface MTU of every port (a bare number)")
+    roce_mtu_bytes: Literal[256, 512, 1024, 2048, 4096] = Field(
+        4096, alias="roce_mtu", description="RoCE path MTU; needs mtu >= roce_mtu + 80")
+    traffic_classes: list[TrafficClass] = Field(
+        default_factory=default_traffic_classes,
+        description="the class plan (default: RoCE TC3 lossless + ECN, CNP TC6 strict, the "
+                    "rest TC0)")
     qos: dict[Annotated[str, Field(pattern=NAME_RE)], PortClass] = Field(
         default_factory=lambda: {"default": PortClass()},
         description="port classes by name; links pick one with qos:, `default` always exists",
         json_schema_extra={"propertyNames": {"pattern": NAME_RE}})
-    topology: Topology | None = None
-    nodes: list[Node] = Field(default_factory=list)
-    links: list[Link] = Field(default_factory=list)
-    impairments: list[Impairment] = Field(default_factory=list)
+    topology: Topology | None = Field(None, description="a generated topology, chosen by kind")
+    nodes: list[Node] = Field(default_factory=list,
+                              description="nodes given by hand (may add to a topology)")
+    links: list[Link] = Field(default_factory=list,
+                              description="links given by hand (may add to a topology)")
+    impairments: list[Impairment] = Field(default_factory=list,
+                                          description="extra packet loss on links")
     switch_buffer: SwitchBuffer | None = Field(
         None, description="a shared buffer per switch for the lossless classes (absent: every "
                           "port keeps its own buffer per class, qos.<class>.buffer)")
-    workload: Workload | None = None
+    workload: Workload | None = Field(None, description="what `testbed run` drives")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

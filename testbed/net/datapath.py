@@ -2,7 +2,7 @@
 
 A build step after queues and routes: every port, host NICs included, gets
 its own tc-BPF program instance configured from the plan (rate, classes,
-ECN curve, PHY frame-loss where netem cannot apply it). Teardown removes
+ECN curve, the PHY's frame loss and impairments). Teardown removes
 the lab's pins, also after a SIGKILL (it works from paths alone).
 """
 
@@ -30,9 +30,10 @@ def attach_port_programs(plan: Plan, apply_phy_loss: bool,
     Every instance is loaded first (one bpftool batch; the first port of each node
     makes the node's shared maps), then each node's buffer model is written, then
     per port the departure program goes on its peer's ingress and the egress program
-    on the port. `apply_phy_loss`: drop with each link's PHY frame-loss ratio here (the
-    fallback where sch_netem cannot). `ifindex`: node -> ifname -> ifindex, if the
-    caller has it (the builder dumped every node's links already).
+    on the port. `apply_phy_loss`: drop with each link's PHY frame-loss ratio here; the
+    builder always asks for it, as it installs no netem (False would leave the PHY's
+    share to a netem stage). `ifindex`: node -> ifname -> ifindex, if the caller has it
+    (the builder dumped every node's links already).
     """
     obj = portprog.ensure_object()
     portprog.load_programs([portprog.pin_dir_of(plan.lab, node.name, iface.ifname)

@@ -1,9 +1,13 @@
 """Find out what this kernel and machine can do, by trying it.
 
-Each feature is exercised for real in a scratch namespace (`tb-probe-PID`)
-that is removed afterwards; module lists are not trusted, because this
-project runs on kernels with everything built in and no modules at all.
-Every missing feature is reported with what it disables and the fallback.
+Each kernel feature is exercised for real in a scratch namespace
+(`tb-probe-PID`) that is removed afterwards; module lists are not trusted,
+because this project runs on kernels with everything built in and no modules
+at all. The tools are looked up on PATH, rdma_rxe in /sys/module, bpffs in
+/proc/self/mounts. Every feature is reported with what it is for and what its
+absence costs (IMPACT); a few are probed for uses that are not built, and
+their absence costs nothing today. README.md's feature table is IMPACT,
+word for word (tests/unit/test_docs_readme.py).
 """
 
 from __future__ import annotations
@@ -24,28 +28,40 @@ class Feature:
     name: str
     present: bool
     detail: str
-    disables: str      # what a missing feature costs, and the fallback
+    disables: str      # what the feature is for, and what its absence costs
 
 
 IMPACT = {
     "netns": "everything: the fabric is built from network namespaces",
     "veth": "everything: links are veth pairs",
-    "htb": "per-port rates and traffic classes",
-    "bfifo": "byte-limited class buffers (packet-limited pfifo would be used)",
-    "tbf": "PFC pause gates (per-class TBF leaves)",
-    "u32": "DSCP classification into traffic classes",
-    "clsact": "the tc-BPF port program (queue accounting, ECN marking, tail drop, PFC)",
-    "netem": "propagation/FEC delay and PHY loss in the kernel; delay is not emulated and "
-             "loss is applied by the BPF port program",
-    "red": "the RED-based ECN marker alternative; the BPF marker is used",
-    "vxlan": "stitching links across VMs (scale-out)",
-    "ifb": "ingress shaping through IFB devices",
+    "htb": "per-port rates and traffic classes (an HTB tree on every port); up fails "
+           "without it",
+    "bfifo": "the byte-limited buffers of the classes without PFC (bfifo leaves); up fails "
+             "without it",
+    "tbf": "PFC pause gates (a TBF leaf per PFC class, closed and opened by the PFC agents); "
+           "up fails without it on a fabric with PFC",
+    "u32": "DSCP classification into traffic classes (u32 filters); up fails without it",
+    "clsact": "attaching the tc-BPF port program (queue accounting, ECN marking, tail drop, "
+              "PHY loss, PFC decisions); up fails without it",
+    # The builder installs no netem on any kernel (yet): link delay is never emulated
+    # and the port program always applies the PHY's frame loss.
+    "netem": "nothing yet: no netem is installed on any kernel, so link propagation and FEC "
+             "delay are not emulated and PHY loss is applied by the BPF port program; a run "
+             "on a kernel without it notes how short the base RTT is",
+    "red": "nothing: sch_red is not used; ECN marking is done by the BPF port program",
+    "vxlan": "nothing yet: spreading a fabric over several VMs is planned, not built",
+    "ifb": "nothing: IFB devices are not used",
     "rps": "keeping a flow in order when its packets are handled on several CPUs (RPS on "
            "every port, testbed/net/steering.py); without it the fabric can reorder a flow",
-    "rdma_rxe": "kernel Soft-RoCE endpoints; the user-space RoCE transport is used",
-    "clang": "compiling the tc-BPF port program",
-    "bpftool": "inspecting pinned BPF maps from the shell (the testbed reads maps itself)",
-    "bpffs": "pinning BPF maps (mount -t bpf bpf /sys/fs/bpf)",
+    "rdma_rxe": "nothing: RoCE endpoints are the user-space transport (agents/roce), not "
+                "Soft-RoCE",
+    "clang": "compiling the tc-BPF port program (once per source version, then cached); "
+             "without it and a cached object the fabric is built without port programs: no "
+             "ECN marking, queue accounting, PHY loss or PFC (the run says so)",
+    "bpftool": "loading the tc-BPF port program (bpftool batch, prog loadall); up fails "
+               "without it",
+    "bpffs": "pinning the port programs and their maps; mounted on use when it is not "
+             "(mount -t bpf bpf /sys/fs/bpf)",
 }
 
 

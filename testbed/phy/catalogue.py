@@ -132,9 +132,9 @@ def _optic(name: str, medium: Medium, lanes: int, modulation: Modulation, baud: 
 
 
 # FEC + DSP delay per hop (docs/phy.md, "Delay"): KP4 with a PAM4 DSP receiver
-# 110 ns (FACTS: 100-120 ns); KR4 at 100G over NRZ (no ADC/DSP) 90 ns; RS(528,514)
-# on a single 25G lane 250 ns, because filling one 5280-bit codeword at
-# 25.78 Gb/s alone takes 205 ns.
+# 110 ns (the middle of the 100-120 ns usually quoted); KR4 at 100G over NRZ (no
+# ADC/DSP) 90 ns; RS(528,514) on a single 25G lane 250 ns, because filling one
+# 5280-bit codeword at 25.78 Gb/s alone takes 205 ns.
 _KP4_NS = 110.0
 _KR4_100G_NS = 90.0
 _RS528_25G_NS = 250.0

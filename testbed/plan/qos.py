@@ -2,7 +2,7 @@
 
 Pure. Inputs are fabric units (the port's MAC rate, the link's one-way
 delay); outputs are bytes and probabilities, which time dilation leaves
-unchanged. Presets come from shared/FACTS.md and live in one table here.
+unchanged. The ECN presets live in one table here, each with its source.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ from testbed.units import format_size
 # Per traffic-class buffer when the port class does not say (bytes).
 DEFAULT_BUFFER_BYTES = {"lossless": 2_000_000, "strict": 256_000, "lossy": 1_000_000}
 
-# DCQCN CP presets (FACTS.md). `per_25g` presets scale with the port rate
-# the way HPCC's ns-3 scripts do (25G 100/400 KB, 100G 400/1600 KB).
+# DCQCN CP (switch) marking presets: hpcc-ns3 is HPCC's ns-3 setting (run.py's
+# KMIN/KMAX/PMAX maps: 100/400 KB per 25 Gb/s, so 100G 400/1600 KB, Pmax 0.2);
+# dcqcn-paper the DCQCN paper's (Zhu et al., SIGCOMM 2015; a secondary source only);
+# ns3-rdma that of the DCQCN authors' ns-3 simulator. `per_25g` presets scale with
+# the port rate, the way HPCC's scripts do.
 ECN_PRESETS = {
     "hpcc-ns3": {"kmin_bytes": 100_000, "kmax_bytes": 400_000, "pmax": 0.2, "per_25g": True},
     "dcqcn-paper": {"kmin_bytes": 5_000, "kmax_bytes": 200_000, "pmax": 0.01, "per_25g": False},

@@ -96,15 +96,19 @@ class RoceTraffic(TrafficEntry):
     the default port class's ECN curve).
     """
 
-    name: str = Field(pattern=NAME_RE)
-    kind: RoceKindName
+    name: str = Field(pattern=NAME_RE, description="the entry's name: lower-case letters, "
+                      "digits and _, unique in the workload; agents and results carry it")
+    kind: RoceKindName = Field(
+        description="roce_incast: senders to one receiver; roce_all_to_all: every ordered pair "
+                    "of hosts; roce_pairs: the pairs listed; one client and server per stream")
     senders: list[str] | None = Field(None, description="roce_incast: sending hosts")
     receiver: str | None = Field(None, description="roce_incast: the receiving host")
     hosts: list[str] | None = Field(None, description="roce_all_to_all: hosts (default all)")
     pairs: list[tuple[str, str]] | None = Field(None, description="roce_pairs: [src, dst] lists")
     test: Literal["write_bw", "send_bw"] = Field(
         "write_bw", description="RDMA WRITE or SEND bandwidth test (as perftest's ib_*_bw)")
-    size_bytes: SizeBytes = Field(65536, alias="size", description="message bytes")
+    size_bytes: SizeBytes = Field(65536, alias="size",
+                                  description="message bytes, 1 B .. 2 GiB - 1 (a 31-bit length)")
     qps: int = Field(1, ge=1, le=16, description="queue pairs per sender->receiver stream")
     window_packets: Annotated[int, Field(ge=1, le=MAX_ROCE_WINDOW_PACKETS)] | Literal[
         "auto"] = Field(
@@ -112,7 +116,8 @@ class RoceTraffic(TrafficEntry):
         description="most unacknowledged packets per QP, 1..2^22, or auto: enough not to bind "
                     "at line rate over the fabric's longest round trip with every queue of "
                     "the class on it full (docs/roce.md, 'In-flight window')")
-    start_ns: DurationNs = Field(0, alias="start")
+    start_ns: DurationNs = Field(0, alias="start", description="when the clients start posting, "
+                                 "fabric time after the run's common start t0")
     duration_ns: DurationNs | None = Field(
         None, alias="duration",
         description="post messages for this fabric time, then wait for the outstanding ones "
@@ -132,7 +137,9 @@ class RoceTraffic(TrafficEntry):
     cc_params: DcqcnCcParams | DctcpCcParams | None = Field(
         None, description="DCQCN or DCTCP parameters (as `cc`) in place of the preset's: "
                           "absolute values for the sender's link (docs/dcqcn.md)")
-    tclass: str | int = Field("roce", description="traffic class name or number")
+    tclass: str | int = Field(
+        "roce", description="traffic class name or number of the data and ACKs (CNPs go in the "
+                            "class named cnp, if there is one); with cc, a class that marks ECN")
     verify: bool = Field(True, description="the receiver checks every byte written or sent")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)

@@ -44,8 +44,11 @@ class UdpTraffic(TrafficEntry):
     to the sender's NIC line rate shared by the sender's flows of this entry.
     """
 
-    name: str = Field(pattern=NAME_RE)
-    kind: Literal["udp_incast", "udp_all_to_all", "udp_pairs"]
+    name: str = Field(pattern=NAME_RE, description="the entry's name: lower-case letters, "
+                      "digits and _, unique in the workload; agents and results carry it")
+    kind: Literal["udp_incast", "udp_all_to_all", "udp_pairs"] = Field(
+        description="udp_incast: senders to one receiver; udp_all_to_all: every ordered pair "
+                    "of hosts; udp_pairs: the pairs listed")
     senders: list[str] | None = Field(None, description="udp_incast: sending hosts")
     receiver: str | None = Field(None, description="udp_incast: the receiving host")
     hosts: list[str] | None = Field(None, description="udp_all_to_all: hosts (default all)")
@@ -55,10 +58,13 @@ class UdpTraffic(TrafficEntry):
         description="per sender->receiver stream, fabric (default: line rate over its streams)")
     size_bytes: SizeBytes | None = Field(None, alias="size",
                                          description="UDP payload (default: MTU - 28)")
-    start_ns: DurationNs = Field(0, alias="start")
-    duration_ns: DurationNs = Field(alias="duration")
+    start_ns: DurationNs = Field(0, alias="start", description="when the senders start, "
+                                 "fabric time after the run's common start t0")
+    duration_ns: DurationNs = Field(alias="duration",
+                                    description="how long each sender sends, fabric time")
     tclass: str | int = Field("default", description="traffic class name or number")
-    ecn: EcnCodepoint = "notect"
+    ecn: EcnCodepoint = Field("notect", description="the ECN codepoint the datagrams carry "
+                              "(ect0/ect1: ECN-capable, so switches mark CE instead of dropping)")
     flows: int = Field(1, ge=1, le=64, description="flows (source ports) per sender-receiver pair")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
