@@ -81,6 +81,7 @@ lint: setup
 docs: $(VENV)/.installed
 	$(PY) -m testbed.config.docs --write docs/config.md
 	$(PY) -m testbed.config.schema > configs/schema/fabric.schema.json
+	$(PY) -m testbed.workloads.docs --write docs/run-format.md
 
 bench: setup
 	@missing=$$(for p in $(BENCH_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \

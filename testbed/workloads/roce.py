@@ -211,6 +211,8 @@ class RoceKind(WorkloadKind):
     doc: ClassVar = ("perftest-style RDMA WRITE or SEND streams over the user-space RoCEv2 "
                      "RC transport (agents/roce), with DCQCN or DCTCP: one server and one "
                      "client per stream, `qps` queue pairs each.")
+    example: ClassVar = {"name": "writes", "kind": "roce_pairs", "pairs": [["h1", "h4"]],
+                         "size": "1MB", "messages": 8}
     result_fields: ClassVar = {
         "src": "client (requester) host", "dst": "server (responder) host",
         "cc": "congestion control and preset, e.g. dcqcn/hpcc-ns3-paper",

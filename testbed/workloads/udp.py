@@ -80,6 +80,8 @@ class UdpKind(WorkloadKind):
     doc: ClassVar = ("Paced UDP datagrams (agents/udp): one receiver per destination host, "
                      "one sender per stream, each pacing its datagrams at a set rate for a "
                      "set time. Losses are what the receiver did not get.")
+    example: ClassVar = {"name": "incast", "kind": "udp_incast", "senders": ["h1", "h2", "h3"],
+                         "receiver": "h4", "duration": "1ms"}
     result_fields: ClassVar = {
         "src": "sending host", "dst": "receiving host",
         "tx_packets": "datagrams the sender sent", "tx_bytes": "their UDP payload bytes",

@@ -51,6 +51,8 @@ class EchoKind(WorkloadKind):
     agent_module: ClassVar = "tests.no_such_agent"
     doc: ClassVar = "A toy: echo probes between pairs."
     result_fields: ClassVar = {"src": "sender", "dst": "echoer", "echoed": "probes back"}
+    example: ClassVar = {"name": "e", "kind": "echo_pairs", "pairs": [["h1", "h2"]],
+                         "duration": "1ms"}
 
     def check(self, entry: TrafficEntry, loc: tuple, ctx: CheckContext) -> Iterator[Problem]:
         assert isinstance(entry, EchoTraffic)
