@@ -263,6 +263,16 @@ def flow_drops_of(flow_drops: Sequence[dict], saddrs: set[str], daddr: str, dpor
     return out
 
 
+def stream_account(spec: AgentSpec, *, sent: int, received: int, drops: dict[str, int],
+                   reordered: int, complete: bool) -> dict:
+    """One stream's packet account, as testbed/run/invariants.py reads it: `drops` by
+    cause (flow_drops_of, plus any the kind counts itself) are the fabric's losses."""
+    lost = sum(drops.values())
+    return {"name": spec.name, "kind": spec.kind, "src": spec.src, "dst": spec.dst,
+            "sent": sent, "received": received, "fabric_drops": lost, "drops": drops,
+            "reordered": reordered, "lost_counted": lost > 0, "complete": complete}
+
+
 def arg_of(argv: Sequence[str], flag: str) -> str | None:
     """The value after `flag` in an agent's argv, if it is there."""
     return argv[argv.index(flag) + 1] if flag in argv[:-1] else None

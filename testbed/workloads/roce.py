@@ -41,6 +41,7 @@ from testbed.workloads.base import (
     WorkloadKind,
     arg_of,
     flow_drops_of,
+    stream_account,
     streams,
 )
 from testbed.workloads.roce_params import DcqcnCcParams, DctcpCcParams, validate_cc_params
@@ -410,14 +411,11 @@ class RoceKind(WorkloadKind):
             drops = flow_drops_of(flow_drops, view.addresses(spec.src), view.address(spec.dst),
                                   dport, sports or None)
             drops["injected"] = injected
-            lost = sum(drops.values())
             # out-of-order arrivals follow every loss until go-back-N resends: only with
             # nothing lost on the flow are they the emulator reordering
-            reordered = ooo if not lost else 0
-            out.append({"name": spec.name, "kind": spec.kind, "src": spec.src,
-                        "dst": spec.dst, "sent": sent, "received": received,
-                        "fabric_drops": lost, "drops": drops, "reordered": reordered,
-                        "lost_counted": lost > 0, "complete": bool(res and srv_res)})
+            reordered = 0 if any(drops.values()) else ooo
+            out.append(stream_account(spec, sent=sent, received=received, drops=drops,
+                                      reordered=reordered, complete=bool(res and srv_res)))
         return out
 
     def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,

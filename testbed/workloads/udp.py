@@ -27,6 +27,7 @@ from testbed.workloads.base import (
     WorkloadKind,
     arg_of,
     flow_drops_of,
+    stream_account,
     streams,
 )
 
@@ -186,11 +187,8 @@ class UdpKind(WorkloadKind):
                     reordered += int(f.get("reordered", 0))
             drops = flow_drops_of(flow_drops, src_ips, view.address(spec.dst), dport,
                                   sports or None)
-            lost = sum(drops.values())
-            out.append({"name": spec.name, "kind": spec.kind, "src": spec.src,
-                        "dst": spec.dst, "sent": sent, "received": received,
-                        "fabric_drops": lost, "drops": drops, "reordered": reordered,
-                        "lost_counted": lost > 0, "complete": bool(res and recv_res)})
+            out.append(stream_account(spec, sent=sent, received=received, drops=drops,
+                                      reordered=reordered, complete=bool(res and recv_res)))
         return out
 
     def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
