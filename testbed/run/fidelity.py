@@ -46,7 +46,7 @@ class PortRecord:
 
 class PortWatchdog:
     def __init__(self, plan: Plan) -> None:
-        self.dilation = plan.dilation.factor
+        self.dilation = plan.timebase
         self.ports: dict[tuple[str, str], PortRecord] = {}
         for node in plan.nodes:
             for iface in node.interfaces:
@@ -76,7 +76,7 @@ class PortWatchdog:
             if rec.prev is not None:
                 p_mono, p_bytes, p_packets, p_backlog, p_paused = rec.prev
                 dt = (mono_ns - p_mono) / 1e9
-                paused_wall_s = max(0.0, paused_ns - p_paused) * self.dilation / 1e9
+                paused_wall_s = self.dilation.to_wall_s(max(0.0, paused_ns - p_paused))
                 if paused_wall_s > 0.1 * dt:
                     dt = 0.0   # paused for a real part of the interval: not judged
                 if min(p_backlog, backlog) > rec.burst_bytes and dt > 0:
