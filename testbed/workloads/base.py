@@ -189,6 +189,9 @@ class WorkloadKind(ABC):
     doc: ClassVar[str]
     #: result row column -> what it holds (docs/run-format.md lists them)
     result_fields: ClassVar[Mapping[str, str]]
+    #: the host ports its agents listen on, by protocol ("tcp", "udp"); the registry
+    #: refuses a kind whose ranges overlap another's, so kinds never share a socket
+    ports: ClassVar[Mapping[str, range]]
     #: one entry of this kind on any fabric with hosts h1..h4, as a config would hold it
     #: (the docs show it; tests expand it and check the rows it writes)
     example: ClassVar[Mapping[str, object]]

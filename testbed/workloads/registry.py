@@ -33,6 +33,13 @@ class Registry:
         if taken:
             raise ValueError(f"workload kind {taken[0]!r} is already registered by "
                              f"{type(self._by_name[taken[0]]).__name__}")
+        for other in self.kinds():
+            for proto, ports in kind.ports.items():
+                theirs = other.ports.get(proto, range(0))
+                if max(ports.start, theirs.start) < min(ports.stop, theirs.stop):
+                    raise ValueError(f"{type(kind).__name__}'s {proto} ports {ports.start}.."
+                                     f"{ports.stop - 1} overlap {type(other).__name__}'s "
+                                     f"{theirs.start}..{theirs.stop - 1}")
         literal = getattr(kind.model.model_fields["kind"].annotation, "__args__", None)
         if literal is not None and set(literal) != set(kind.shapes):
             raise ValueError(f"{type(kind).__name__}: its model's kind values {literal} and "

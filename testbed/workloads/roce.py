@@ -6,8 +6,8 @@ because a perftest-style server serves exactly one client. The streams into one 
 are numbered n = 0, 1, ... over all RoCE entries in config order; server n of a host
 listens for set-up on TCP ROCE_SETUP_PORT + n (18515, perftest's, for the first) and
 takes RDMA traffic on UDP ROCE_UDP_PORT + n (4791, RoCEv2's, for the first). The
-clients' QPs send from rxe-style source ports 0xC000 | hash(QPN). All of it below the
-UDP kind's ports (testbed.workloads.udp.BASE_PORT), so the two never collide.
+clients' QPs send from rxe-style source ports 0xC000 | hash(QPN). The kind's listening
+ports are `ports` below, which the registry keeps apart from every other kind's.
 
 A RoCE entry's in-flight window (`window: auto`, the default) is computed from the
 fabric by `roce_window_packets`; docs/roce.md, "In-flight window", gives the formula and
@@ -45,14 +45,14 @@ from testbed.workloads.base import (
     streams,
 )
 from testbed.workloads.roce_params import DcqcnCcParams, DctcpCcParams, validate_cc_params
-from testbed.workloads.udp import BASE_PORT
 
 RoceKindName = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
 # agents.roce.qp.MAX_WINDOW_PACKETS: the most unacknowledged packets a QP may have.
 MAX_ROCE_WINDOW_PACKETS = 1 << 22
 ROCE_SETUP_PORT = 18515     # TCP, perftest's default port
 ROCE_UDP_PORT = 4791        # RoCEv2
-ROCE_MAX_STREAMS_PER_HOST = BASE_PORT - ROCE_SETUP_PORT
+# Servers per host: set-up ports 18515 .. 19999, RoCE ports 4791 .. 6275.
+ROCE_MAX_STREAMS_PER_HOST = 1485
 # The auto window is never below rxe's RXE_MAX_UNACKED_PSNS (what the transport had
 # before the window was sized to the fabric) and never above what the transport allows.
 ROCE_MIN_WINDOW_PACKETS = 128
@@ -212,6 +212,9 @@ class RoceKind(WorkloadKind):
     doc: ClassVar = ("perftest-style RDMA WRITE or SEND streams over the user-space RoCEv2 "
                      "RC transport (agents/roce), with DCQCN or DCTCP: one server and one "
                      "client per stream, `qps` queue pairs each.")
+    ports: ClassVar = {
+        "tcp": range(ROCE_SETUP_PORT, ROCE_SETUP_PORT + ROCE_MAX_STREAMS_PER_HOST),
+        "udp": range(ROCE_UDP_PORT, ROCE_UDP_PORT + ROCE_MAX_STREAMS_PER_HOST)}
     example: ClassVar = {"name": "writes", "kind": "roce_pairs", "pairs": [["h1", "h4"]],
                          "size": "1MB", "messages": 8}
     result_fields: ClassVar = {

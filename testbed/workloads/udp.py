@@ -3,8 +3,9 @@ hosts, or explicit pairs.
 
 An entry becomes one receiver per destination host and one sender per (source,
 destination) stream. The receivers of entry k listen on BASE_PORT + k, so entries never
-share a socket. A sender paces its stream's datagrams at `rate` (default: its NIC's line
-rate shared by its streams of the entry) over `flows` source ports.
+share a socket; the kind's ports are PORTS, apart from every other kind's. A sender
+paces its stream's datagrams at `rate` (default: its NIC's line rate shared by its
+streams of the entry) over `flows` source ports.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from testbed.workloads.base import (
 )
 
 BASE_PORT = 20000
+PORTS = range(BASE_PORT, 30000)       # receivers of entries 0 .. 9999
 #: IPv4 20 + UDP 8: the default datagram fills one MTU
 IP_UDP_HEADER_BYTES = 28
 
@@ -81,6 +83,7 @@ class UdpKind(WorkloadKind):
     doc: ClassVar = ("Paced UDP datagrams (agents/udp): one receiver per destination host, "
                      "one sender per stream, each pacing its datagrams at a set rate for a "
                      "set time. Losses are what the receiver did not get.")
+    ports: ClassVar = {"udp": PORTS}
     example: ClassVar = {"name": "incast", "kind": "udp_incast", "senders": ["h1", "h2", "h3"],
                          "receiver": "h4", "duration": "1ms"}
     result_fields: ClassVar = {
@@ -100,6 +103,9 @@ class UdpKind(WorkloadKind):
         assert isinstance(entry, UdpTraffic)
         d = str(ctx.dilation)
         port = BASE_PORT + index
+        if port not in PORTS:
+            raise ValueError(f"traffic entry {index}: UDP entries take ports "
+                             f"{PORTS.start}..{PORTS.stop - 1}, one each; this is one too many")
         pairs = streams(entry, self.shape(entry), ctx.hosts)
         size = entry.size_bytes or ctx.mtu_bytes - IP_UDP_HEADER_BYTES
         specs = [AgentSpec(

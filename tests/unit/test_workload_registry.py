@@ -51,6 +51,7 @@ class EchoKind(WorkloadKind):
     agent_module: ClassVar = "tests.no_such_agent"
     doc: ClassVar = "A toy: echo probes between pairs."
     result_fields: ClassVar = {"src": "sender", "dst": "echoer", "echoed": "probes back"}
+    ports: ClassVar = {"udp": range(30000, 31000)}
     example: ClassVar = {"name": "e", "kind": "echo_pairs", "pairs": [["h1", "h2"]],
                          "duration": "1ms"}
 
@@ -168,3 +169,14 @@ def test_a_kind_name_is_registered_once(echo) -> None:
     with pytest.raises(ValueError, match="already registered"):
         REGISTRY.add(EchoKind())
     assert "echo_pairs" in REGISTRY and REGISTRY.of("echo_pairs") is echo
+
+
+def test_a_kind_whose_ports_overlap_another_kinds_is_refused() -> None:
+    class Clash(EchoKind):
+        shapes: ClassVar = {"clash_pairs": Shape.PAIRS}
+        ports: ClassVar = {"udp": range(29990, 30010)}
+
+    with pytest.raises(ValueError, match=r"udp ports 29990..30009 overlap UdpKind's "
+                                         r"20000..29999"):
+        REGISTRY.add(Clash())
+    assert "clash_pairs" not in REGISTRY
