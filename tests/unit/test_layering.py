@@ -101,3 +101,37 @@ def test_an_import_running_back_up_is_named(tmp_path: Path, where: str, source: 
     target.write_text(source)
     problems = layering_violations(tmp_path)
     assert any(expected in p for p in problems), problems
+
+
+# Modules of testbed/workloads that are not a kind: the contract, the registry, the docs.
+WORKLOAD_CORE = {"__init__", "base", "registry", "docs"}
+
+
+def kind_import_violations(root: Path = ROOT) -> list[str]:
+    """A workload kind (testbed/workloads/<family>[_part].py) imports the kinds' contract
+    and its own family's modules, never another kind: like agents, kinds share through
+    base.py, so removing one never breaks another."""
+    problems = []
+    for path in sorted((root / "testbed" / "workloads").glob("*.py")):
+        if path.stem in WORKLOAD_CORE:
+            continue
+        family = path.stem.split("_")[0]
+        for line, name in _imports(path, root):
+            if not name.startswith("testbed.workloads."):
+                continue
+            other = name.split(".")[2]
+            if other not in WORKLOAD_CORE - {"registry", "docs"} and other.split("_")[0] != family:
+                problems.append(f"{path.relative_to(root)}:{line}: the {family} kind imports "
+                                f"{name}, another kind's module")
+    return problems
+
+
+def test_workload_kinds_do_not_import_each_other(tmp_path: Path) -> None:
+    assert kind_import_violations() == []
+    kinds = tmp_path / "testbed" / "workloads"
+    kinds.mkdir(parents=True)
+    (kinds / "flows.py").write_text("from testbed.workloads.udp import BASE_PORT\n"
+                                    "from testbed.workloads.base import Shape\n")
+    assert kind_import_violations(tmp_path) == [
+        "testbed/workloads/flows.py:1: the flows kind imports testbed.workloads.udp, another "
+        "kind's module"]
