@@ -82,8 +82,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from agents import argtypes
-from agents.control import SnapshotServer, write_counters
+from agents.runtime import argtypes
+from agents.runtime.control import SnapshotServer, write_counters
 from agents.timebase import Dilation
 from agents.udp_logic import (
     DEFAULT_MAX_BURST_BYTES,

@@ -38,10 +38,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agents.control import SnapshotServer
 from agents.pfc import gate as gates
 from agents.pfc.logic import INGRESS, PauseRequests, PauseTimer, egress_reason
 from agents.portmaps import NODE_DIR, NodeMaps, PortMaps
+from agents.runtime.control import SnapshotServer
 from agents.timebase import Dilation
 from agents.udp import Lifecycle
 from agents.wire import pfc as pfcwire

@@ -38,8 +38,6 @@ import argparse
 import json
 import sys
 
-from agents import argtypes
-from agents.control import write_counters
 from agents.roce.cc import CC_KINDS
 from agents.roce.perftest import (
     DEFAULT_CONTROL_PORT,
@@ -54,6 +52,8 @@ from agents.roce.perftest import (
 )
 from agents.roce.qp import IB_MTUS, QpAttrs
 from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, NIC_SNDBUF_BYTES, SPIN_NS, Stopped
+from agents.runtime import argtypes
+from agents.runtime.control import write_counters
 from agents.udp import Lifecycle
 from agents.wire.roce import ROCE_UDP_PORT
 

@@ -31,7 +31,6 @@ import time
 
 import numpy as np
 
-from agents.control import SnapshotServer
 from agents.roce.cc import (
     DCTCP_PRESETS,
     PRESETS,
@@ -43,6 +42,7 @@ from agents.roce.cc import (
 )
 from agents.roce.qp import WIRE_OVERHEAD_BYTES, MemoryRegion, QpAttrs, RcQp, WcStatus
 from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
+from agents.runtime.control import SnapshotServer
 from agents.timebase import Dilation, FabricClock
 from agents.udp import Lifecycle
 from agents.udp_logic import pause_step

@@ -23,7 +23,6 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from agents.control import read_snapshot
 from agents.roce.cc import DcqcnNp, DcqcnRp, NoCc, make_cc, preset
 from agents.roce.qp import (
     MAX_WINDOW_PACKETS,
@@ -40,6 +39,7 @@ from agents.roce.qp import (
     packets_for,
 )
 from agents.roce.transport import Endpoint, Engine, rxe_sport
+from agents.runtime.control import read_snapshot
 from agents.timebase import Dilation, FabricClock
 from agents.wire.roce import (
     PSN_MASK,

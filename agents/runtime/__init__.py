@@ -1,0 +1,10 @@
+"""What every agent needs and no agent owns: the shared agent runtime.
+
+- `agents.runtime.control`: the live counter snapshot on a UNIX socket, and the
+  final counters (--control-sock, --out);
+- `agents.runtime.argtypes`: argparse types of the agents' command lines.
+
+An agent (`agents.udp`, `agents.pfc`, `agents.roce`) may import this package,
+`agents.wire`, `agents.timebase` and `agents.portmaps`, never another agent
+(tests/unit/test_agent_imports.py holds them to it).
+"""
