@@ -56,12 +56,9 @@ in the local qdisc) with IP_RECVERR, which `--recverr` turns on; it is off by
 default because then a drop that the host's own egress emulates on purpose
 (PHY loss in tc-BPF) would be retried as well.
 
-Lifecycle: SIGTERM and SIGINT stop the agent cleanly (counters are written).
-The agent also exits by itself when its parent process dies: it polls
-os.getppid() against the value at start (at most every 100 ms of wall time).
-prctl(PR_SET_PDEATHSIG) is deliberately not used: it fires when the parent
-*thread* that forked the agent exits, so a control plane that starts agents
-from a worker thread would kill them spuriously. (A parent that dies before
+Lifecycle (`agents.runtime.lifecycle`): SIGTERM and SIGINT stop the agent
+cleanly (counters are written), and it exits by itself when its parent process
+dies, checked at most every 100 ms of wall time. (A parent that dies before
 the agent has started Python is not noticed; bound such agents with
 --duration-ns / --count / --idle-exit-ns.)
 
@@ -75,15 +72,14 @@ import argparse
 import errno
 import json
 import os
-import signal
 import socket
 import struct
 import sys
 import time
-from collections.abc import Callable
 
 from agents.runtime import argtypes
 from agents.runtime.control import SnapshotServer, write_counters
+from agents.runtime.lifecycle import PARENT_CHECK_NS, Lifecycle
 from agents.timebase import Dilation
 from agents.udp_logic import (
     DEFAULT_MAX_BURST_BYTES,
@@ -111,52 +107,14 @@ MSG_ERRQUEUE = getattr(socket, "MSG_ERRQUEUE", 0x2000)
 SO_MEMINFO = getattr(socket, "SO_MEMINFO", 55)
 SK_MEMINFO_DROPS = 8            # index in the u32 array SO_MEMINFO returns
 
-TICK_NS = 100_000_000  # longest blocking socket call / parent-check period
+# Longest blocking socket call: a stop request is seen within one parent check.
+TICK_NS = PARENT_CHECK_NS
 ENOBUFS_BACKOFF_S = 50e-6
 MAX_FLOW_KEYS = 65536  # receiver: flows tracked individually
 MAX_RTT_SAMPLES = 1000
 TIMESPEC = struct.Struct("@ll")
 U32 = struct.Struct("@I")
 ANC_BUFSIZE = socket.CMSG_SPACE(1) + socket.CMSG_SPACE(TIMESPEC.size) + socket.CMSG_SPACE(4) + 64
-
-
-# --- lifecycle ---------------------------------------------------------------------------
-
-
-class Lifecycle:
-    """Stop requests: SIGTERM/SIGINT, death of the parent process, or the mode itself."""
-
-    def __init__(self, getppid: Callable[[], int] = os.getppid,
-                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
-        self._getppid = getppid
-        self._clock_ns = clock_ns
-        self._ppid = getppid()
-        self._next_check_ns = 0
-        self.stop_reason: str | None = None
-
-    def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, _frame) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = f"signal:{signal.Signals(signum).name}"
-
-    def stop(self, reason: str) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = reason
-
-    def should_stop(self, now_ns: int | None = None) -> bool:
-        """True once a stop was requested; checks the parent at most every TICK_NS."""
-        if self.stop_reason is not None:
-            return True
-        now = self._clock_ns() if now_ns is None else now_ns
-        if now >= self._next_check_ns:
-            self._next_check_ns = now + TICK_NS
-            if self._getppid() != self._ppid:
-                self.stop_reason = "parent"
-                return True
-        return False
 
 
 # --- helpers -----------------------------------------------------------------------------

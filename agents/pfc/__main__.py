@@ -42,8 +42,8 @@ from agents.pfc import gate as gates
 from agents.pfc.logic import INGRESS, PauseRequests, PauseTimer, egress_reason
 from agents.portmaps import NODE_DIR, NodeMaps, PortMaps
 from agents.runtime.control import SnapshotServer
+from agents.runtime.lifecycle import Lifecycle
 from agents.timebase import Dilation
-from agents.udp import Lifecycle
 from agents.wire import pfc as pfcwire
 
 SOL_PACKET = 263             # not in Python's socket module
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             os.nice(-10)
     except OSError:
         pass        # not root, or RT not allowed: normal priority (the run still works)
-    life = Lifecycle(getppid=(lambda: 0) if args.no_parent_watch else os.getppid)
+    life = Lifecycle(watch_parent=not args.no_parent_watch)
     life.install_signal_handlers()
     agent = Agent(args)
     server = SnapshotServer(args.control_sock, agent.snapshot) if args.control_sock else None

@@ -28,7 +28,7 @@ asked) with the first mismatch.
 
 SIGTERM / SIGINT stop either side cleanly (the client still tells the server,
 which still verifies what was completed); both exit by themselves when their
-parent process dies (agents.udp.Lifecycle). Exit codes: 0 done, 1 a QP error,
+parent process dies (agents.runtime.lifecycle). Exit codes: 0 done, 1 a QP error,
 a failed verification or a socket error, 2 bad arguments.
 """
 
@@ -54,7 +54,7 @@ from agents.roce.qp import IB_MTUS, QpAttrs
 from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, NIC_SNDBUF_BYTES, SPIN_NS, Stopped
 from agents.runtime import argtypes
 from agents.runtime.control import write_counters
-from agents.udp import Lifecycle
+from agents.runtime.lifecycle import Lifecycle
 from agents.wire.roce import ROCE_UDP_PORT
 
 _DEFAULTS = QpAttrs()

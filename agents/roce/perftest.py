@@ -43,8 +43,8 @@ from agents.roce.cc import (
 from agents.roce.qp import WIRE_OVERHEAD_BYTES, MemoryRegion, QpAttrs, RcQp, WcStatus
 from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
 from agents.runtime.control import SnapshotServer
+from agents.runtime.lifecycle import Lifecycle
 from agents.timebase import Dilation, FabricClock
-from agents.udp import Lifecycle
 from agents.udp_logic import pause_step
 from agents.wire.roce import PSN_MASK, ROCE_UDP_PORT, icrc_context
 

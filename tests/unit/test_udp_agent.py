@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.udp import Lifecycle, build_parser
+from agents.runtime.lifecycle import Lifecycle
+from agents.udp import build_parser
 from agents.udp_logic import (
     DEFAULT_WIRE_OVERHEAD_BYTES,
     HEADER_BYTES,
