@@ -80,11 +80,19 @@ import time
 from agents.runtime import argtypes
 from agents.runtime.control import SnapshotServer, write_counters
 from agents.runtime.lifecycle import PARENT_CHECK_NS, Lifecycle
+from agents.runtime.sockets import (
+    ECN_CODEPOINTS,
+    SendErrors,
+    set_recv_buffer,
+    set_recv_timeout,
+    set_send_buffer,
+    set_send_timeout,
+    tos_byte,
+)
 from agents.timebase import Dilation
 from agents.udp_logic import (
     DEFAULT_MAX_BURST_BYTES,
     DEFAULT_WIRE_OVERHEAD_BYTES,
-    ECN_CODEPOINTS,
     HEADER_BYTES,
     Pacer,
     RunningStats,
@@ -92,7 +100,6 @@ from agents.udp_logic import (
     interval_rate_bps,
     pack_header_into,
     pause_step,
-    tos_byte,
     unpack_header,
 )
 
@@ -100,8 +107,6 @@ from agents.udp_logic import (
 # as on x86 and arm).
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
-SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
-SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 IP_RECVERR = getattr(socket, "IP_RECVERR", 11)
 MSG_ERRQUEUE = getattr(socket, "MSG_ERRQUEUE", 0x2000)
 SO_MEMINFO = getattr(socket, "SO_MEMINFO", 55)
@@ -109,7 +114,6 @@ SK_MEMINFO_DROPS = 8            # index in the u32 array SO_MEMINFO returns
 
 # Longest blocking socket call: a stop request is seen within one parent check.
 TICK_NS = PARENT_CHECK_NS
-ENOBUFS_BACKOFF_S = 50e-6
 MAX_FLOW_KEYS = 65536  # receiver: flows tracked individually
 MAX_RTT_SAMPLES = 1000
 TIMESPEC = struct.Struct("@ll")
@@ -135,20 +139,6 @@ class Live:
 
 
 LIVE = Live("none")
-
-
-def _timeval(ns: int) -> bytes:
-    ns = max(ns, 1_000)  # 0 would mean "block forever"
-    return struct.pack("@ll", ns // 1_000_000_000, (ns % 1_000_000_000) // 1_000)
-
-
-def _set_buf(sock: socket.socket, force_opt: int, opt: int, nbytes: int | None) -> None:
-    if not nbytes:
-        return
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, force_opt, nbytes)  # needs CAP_NET_ADMIN
-    except OSError:
-        sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)  # capped at net.core.[rw]mem_max
 
 
 def _touch(path: str | None) -> None:
@@ -186,11 +176,11 @@ def _make_tx_socket(bind_ip: str, sport: int, tos: int, sndbuf: int | None,
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(TICK_NS))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(TICK_NS))
+        set_send_timeout(sock, TICK_NS)
+        set_recv_timeout(sock, TICK_NS)
         if recverr:
             sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
-        _set_buf(sock, SO_SNDBUFFORCE, socket.SO_SNDBUF, sndbuf)
+        set_send_buffer(sock, sndbuf)
         sock.bind((bind_ip, sport))
     except BaseException:
         sock.close()
@@ -198,15 +188,8 @@ def _make_tx_socket(bind_ip: str, sport: int, tos: int, sndbuf: int | None,
     return sock
 
 
-class _TxErrors:
-    def __init__(self) -> None:
-        self.enobufs = 0
-        self.eagain = 0
-        self.icmp_errors = 0
-
-
-def _send_one(sock: socket.socket, data, dest: tuple[str, int], errs: _TxErrors,
-              life: Lifecycle) -> bool:
+def _send_one(sock: socket.socket, data: bytes | bytearray | memoryview, dest: tuple[str, int],
+              errs: SendErrors, life: Lifecycle) -> bool:
     """Send one datagram, retrying EAGAIN (send timeout), ENOBUFS and queued ICMP errors.
 
     Returns False only if a stop was requested before it could go out.
@@ -215,19 +198,9 @@ def _send_one(sock: socket.socket, data, dest: tuple[str, int], errs: _TxErrors,
         try:
             sock.sendto(data, dest)
             return True
-        except BlockingIOError:
-            errs.eagain += 1
         except OSError as e:
-            if e.errno == errno.ENOBUFS:
-                errs.enobufs += 1
-                time.sleep(ENOBUFS_BACKOFF_S)
-            elif e.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
-                             errno.EHOSTDOWN):
-                # an earlier ICMP error reported on this send; the datagram did not go out
-                errs.icmp_errors += 1
+            if errs.absorb(e) == "icmp":
                 _drain_errqueue(sock)
-            else:
-                raise
         if life.should_stop():
             return False
 
@@ -253,7 +226,7 @@ def run_send(args, life: Lifecycle) -> tuple[dict, int]:
         buf = bytearray(args.size)
         seqs = [0] * args.flows
         flow_bytes = [0] * args.flows
-        errs = _TxErrors()
+        errs = SendErrors()
         packets = 0
         first_mono = last_mono = None
         first_real = last_real = None
@@ -390,9 +363,9 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
             sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
         except OSError:
             pass
-        _set_buf(sock, SO_RCVBUFFORCE, socket.SO_RCVBUF, args.rcvbuf_bytes)
+        set_recv_buffer(sock, args.rcvbuf_bytes)
         tick = _rx_tick_ns(duration_wall, idle_wall)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(tick))
+        set_recv_timeout(sock, tick)
         sock.bind((args.bind or "", args.port))
         _touch(args.ready_file)
 
@@ -519,10 +492,9 @@ def run_echo(args, life: Lifecycle) -> tuple[dict, int]:
     sock = _make_tx_socket(args.bind or "", args.port, tos_byte(args.dscp, args.ecn), None,
                            False)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                        _timeval(_rx_tick_ns(duration_wall)))
+        set_recv_timeout(sock, _rx_tick_ns(duration_wall))
         _touch(args.ready_file)
-        errs = _TxErrors()
+        errs = SendErrors()
         buf = bytearray(65536)
         view = memoryview(buf)
         clock = time.monotonic_ns
@@ -592,7 +564,7 @@ def run_ping(args, life: Lifecycle) -> tuple[dict, int]:
                            None, False)
     try:
         _touch(args.ready_file)
-        errs = _TxErrors()
+        errs = SendErrors()
         buf = bytearray(args.size)
         rbuf = bytearray(65536)
         clock = time.monotonic_ns
@@ -622,8 +594,7 @@ def run_ping(args, life: Lifecycle) -> tuple[dict, int]:
                 now = clock()
                 if now >= deadline:
                     break
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                                _timeval(min(deadline - now, TICK_NS)))
+                set_recv_timeout(sock, min(deadline - now, TICK_NS))
                 try:
                     n, addr = sock.recvfrom_into(rbuf)
                 except (BlockingIOError, TimeoutError, InterruptedError):

@@ -30,20 +30,6 @@ MAGIC = 0x46425544  # b"FBUD"
 #: 8 UDP + 20 IPv4 + 14 Ethernet + 24 (8 preamble/SFD + 12 inter-frame gap + 4 FCS).
 DEFAULT_WIRE_OVERHEAD_BYTES = 8 + 20 + 14 + 24
 
-#: ECN codepoints (the two low bits of the IPv4 TOS byte), RFC 3168.
-ECN_CODEPOINTS = {"notect": 0b00, "ect1": 0b01, "ect0": 0b10, "ce": 0b11}
-
-
-def tos_byte(dscp: int, ecn: str = "notect") -> int:
-    """The IPv4 TOS byte for a DSCP (0..63) and an ECN codepoint name."""
-    if not 0 <= dscp <= 63:
-        raise ValueError(f"dscp must be 0..63, got {dscp}")
-    try:
-        return dscp << 2 | ECN_CODEPOINTS[ecn]
-    except KeyError:
-        raise ValueError(f"ecn must be one of {sorted(ECN_CODEPOINTS)}, got {ecn!r}") from None
-
-
 def pack_header_into(buf: bytearray, flow: int, seq: int, send_ns: int) -> None:
     HEADER.pack_into(buf, 0, MAGIC, flow, seq, send_ns)
 

@@ -3,7 +3,8 @@
 - `agents.runtime.control`: the live counter snapshot on a UNIX socket, and the
   final counters (--control-sock, --out);
 - `agents.runtime.argtypes`: argparse types of the agents' command lines;
-- `agents.runtime.lifecycle`: stop on SIGTERM / SIGINT or when the parent dies.
+- `agents.runtime.lifecycle`: stop on SIGTERM / SIGINT or when the parent dies;
+- `agents.runtime.sockets`: TOS, timeouts, buffer sizes, retried sends.
 
 An agent (`agents.udp`, `agents.pfc`, `agents.roce`) may import this package,
 `agents.wire`, `agents.timebase` and `agents.portmaps`, never another agent

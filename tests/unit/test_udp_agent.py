@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from agents.runtime.lifecycle import Lifecycle
+from agents.runtime.sockets import tos_byte
 from agents.udp import build_parser
 from agents.udp_logic import (
     DEFAULT_WIRE_OVERHEAD_BYTES,
@@ -23,7 +24,6 @@ from agents.udp_logic import (
     interval_rate_bps,
     pack_header_into,
     pause_step,
-    tos_byte,
     unpack_header,
 )
 from tests.conftest import REPO
