@@ -70,16 +70,15 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
-import os
 import socket
 import struct
 import sys
 import time
 
 from agents.runtime import argtypes
-from agents.runtime.control import SnapshotServer, write_counters
+from agents.runtime.control import SnapshotServer
 from agents.runtime.lifecycle import PARENT_CHECK_NS, Lifecycle
+from agents.runtime.output import mark_ready, report_counters
 from agents.runtime.sockets import (
     ECN_CODEPOINTS,
     SendErrors,
@@ -139,13 +138,6 @@ class Live:
 
 
 LIVE = Live("none")
-
-
-def _touch(path: str | None) -> None:
-    if path:
-        with open(path, "a"):
-            pass
-        os.utime(path, None)
 
 
 def _rates(dilation: Dilation, wire_total: int, wire_first: int, payload_total: int,
@@ -221,7 +213,7 @@ def run_send(args, life: Lifecycle) -> tuple[dict, int]:
             sport = args.sport + k if args.sport else 0
             socks.append(_make_tx_socket(args.bind or "", sport, tos, args.sndbuf_bytes,
                                          args.recverr))
-        _touch(args.ready_file)
+        mark_ready(args.ready_file)
 
         buf = bytearray(args.size)
         seqs = [0] * args.flows
@@ -367,7 +359,7 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
         tick = _rx_tick_ns(duration_wall, idle_wall)
         set_recv_timeout(sock, tick)
         sock.bind((args.bind or "", args.port))
-        _touch(args.ready_file)
+        mark_ready(args.ready_file)
 
         buf = bytearray(65536)
         clock = time.monotonic_ns
@@ -493,7 +485,7 @@ def run_echo(args, life: Lifecycle) -> tuple[dict, int]:
                            False)
     try:
         set_recv_timeout(sock, _rx_tick_ns(duration_wall))
-        _touch(args.ready_file)
+        mark_ready(args.ready_file)
         errs = SendErrors()
         buf = bytearray(65536)
         view = memoryview(buf)
@@ -563,7 +555,7 @@ def run_ping(args, life: Lifecycle) -> tuple[dict, int]:
     sock = _make_tx_socket(args.bind or "", args.sport or 0, tos_byte(args.dscp, args.ecn),
                            None, False)
     try:
-        _touch(args.ready_file)
+        mark_ready(args.ready_file)
         errs = SendErrors()
         buf = bytearray(args.size)
         rbuf = bytearray(65536)
@@ -751,8 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.close()
-    write_counters(args.out, counters)
-    print(json.dumps(counters, sort_keys=True, separators=(",", ":")), flush=True)
+    report_counters(counters, args.out)
     return rc
 
 

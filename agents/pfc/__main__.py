@@ -43,6 +43,7 @@ from agents.pfc.logic import INGRESS, PauseRequests, PauseTimer, egress_reason
 from agents.portmaps import NODE_DIR, NodeMaps, PortMaps
 from agents.runtime.control import SnapshotServer
 from agents.runtime.lifecycle import Lifecycle
+from agents.runtime.output import mark_ready, report_counters
 from agents.timebase import Dilation
 from agents.wire import pfc as pfcwire
 
@@ -420,15 +421,14 @@ def main(argv: list[str] | None = None) -> int:
     life.install_signal_handlers()
     agent = Agent(args)
     server = SnapshotServer(args.control_sock, agent.snapshot) if args.control_sock else None
-    if args.ready_file:
-        Path(args.ready_file).touch()
+    mark_ready(args.ready_file)
     try:
         agent.run(life)
     finally:
         if server is not None:
             server.close()
         agent.close()
-    print(json.dumps(agent.snapshot(), sort_keys=True), flush=True)
+    report_counters(agent.snapshot())
     return 0
 
 

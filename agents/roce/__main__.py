@@ -35,7 +35,6 @@ a failed verification or a socket error, 2 bad arguments.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from agents.roce.cc import CC_KINDS
@@ -53,8 +52,8 @@ from agents.roce.perftest import (
 from agents.roce.qp import IB_MTUS, QpAttrs
 from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, NIC_SNDBUF_BYTES, SPIN_NS, Stopped
 from agents.runtime import argtypes
-from agents.runtime.control import write_counters
 from agents.runtime.lifecycle import Lifecycle
+from agents.runtime.output import report_counters
 from agents.wire.roce import ROCE_UDP_PORT
 
 _DEFAULTS = QpAttrs()
@@ -220,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.close()
-    write_counters(args.out, counters)
-    print(json.dumps(counters, sort_keys=True, separators=(",", ":")), flush=True)
+    report_counters(counters, args.out)
     return rc
 
 

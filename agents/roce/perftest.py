@@ -44,6 +44,7 @@ from agents.roce.qp import WIRE_OVERHEAD_BYTES, MemoryRegion, QpAttrs, RcQp, WcS
 from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
 from agents.runtime.control import SnapshotServer
 from agents.runtime.lifecycle import Lifecycle
+from agents.runtime.output import mark_ready
 from agents.timebase import Dilation, FabricClock
 from agents.udp_logic import pause_step
 from agents.wire.roce import PSN_MASK, ROCE_UDP_PORT, icrc_context
@@ -100,23 +101,6 @@ def latency_stats(samples_ns: list[float]) -> dict:
     return {"t_min": s[0] * to_us, "t_max": s[-1] * to_us, "t_typical": s[n // 2] * to_us,
             "t_avg": avg * to_us, "t_stdev": math.sqrt(var) * to_us, "p99": pct(0.99) * to_us,
             "p99_9": pct(0.999) * to_us}
-
-
-def _touch(path: str | None, content: dict | None = None) -> None:
-    """Create `path` (atomically, with one JSON line when `content` is given)."""
-    if not path:
-        return
-    if content is None:
-        with open(path, "a"):
-            pass
-        os.utime(path, None)
-        return
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(content, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
 
 
 def cc_settings(args) -> tuple[str, str | None]:
@@ -462,7 +446,7 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
                                       drop_seed=args.drop_seed + i))
             engine.add(ep)
         live.bindings = bindings
-        _touch(args.ready_file)
+        mark_ready(args.ready_file)
         _wait_until_mono(args.start_at_mono_ns, life)
         live.phase = "running"
         if test == "write_lat":
@@ -667,7 +651,7 @@ def _accept(args, life: Lifecycle) -> tuple[socket.socket, socket.socket]:
         probe.bind((args.bind or "", 0))
         args.roce_port = probe.getsockname()[1]
         probe.close()
-    _touch(args.ready_file, {"port": lsock.getsockname()[1], "roce_port": args.roce_port,
+    mark_ready(args.ready_file, {"port": lsock.getsockname()[1], "roce_port": args.roce_port,
                              "pid": os.getpid()})
     while True:
         if life.should_stop():

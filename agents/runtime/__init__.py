@@ -1,7 +1,9 @@
 """What every agent needs and no agent owns: the shared agent runtime.
 
-- `agents.runtime.control`: the live counter snapshot on a UNIX socket, and the
-  final counters (--control-sock, --out);
+- `agents.runtime.control`: the live counter snapshot on a UNIX socket
+  (--control-sock), and the client that reads it;
+- `agents.runtime.output`: the ready file (--ready-file) and the final counters
+  (stdout and --out);
 - `agents.runtime.argtypes`: argparse types of the agents' command lines;
 - `agents.runtime.lifecycle`: stop on SIGTERM / SIGINT or when the parent dies;
 - `agents.runtime.sockets`: TOS, timeouts, buffer sizes, retried sends.

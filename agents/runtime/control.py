@@ -67,14 +67,3 @@ def read_snapshot(path: str, timeout_s: float = 0.5) -> dict:
                 break
             chunks.append(data)
     return json.loads(b"".join(chunks))
-
-
-def write_counters(path: str | None, counters: dict) -> None:
-    """An agent's final counters as JSON at `path` (--out), written atomically."""
-    if not path:
-        return
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(counters, f, sort_keys=True, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
