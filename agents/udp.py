@@ -76,7 +76,7 @@ import sys
 import time
 
 from agents.runtime import argtypes
-from agents.runtime.control import SnapshotServer
+from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import PARENT_CHECK_NS, Lifecycle
 from agents.runtime.output import mark_ready, report_counters
 from agents.runtime.sockets import (
@@ -734,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     life = Lifecycle()
     life.install_signal_handlers()
     LIVE.mode = args.mode
-    server = SnapshotServer(args.control_sock, LIVE.snapshot) if args.control_sock else None
+    server = serve_snapshots(args.control_sock, LIVE.snapshot)
     try:
         counters, rc = MODES[args.mode](args, life)
     except OSError as e:  # e.g. the address cannot be bound: say so on both channels

@@ -41,7 +41,7 @@ from pathlib import Path
 from agents.pfc import gate as gates
 from agents.pfc.logic import INGRESS, PauseRequests, PauseTimer, egress_reason
 from agents.portmaps import NODE_DIR, NodeMaps, PortMaps
-from agents.runtime.control import SnapshotServer
+from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
 from agents.timebase import Dilation
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     life = Lifecycle(watch_parent=not args.no_parent_watch)
     life.install_signal_handlers()
     agent = Agent(args)
-    server = SnapshotServer(args.control_sock, agent.snapshot) if args.control_sock else None
+    server = serve_snapshots(args.control_sock, agent.snapshot)
     mark_ready(args.ready_file)
     try:
         agent.run(life)

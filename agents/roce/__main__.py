@@ -47,11 +47,11 @@ from agents.roce.perftest import (
     cc_settings,
     run_client,
     run_server,
-    snapshot_server,
 )
 from agents.roce.qp import IB_MTUS, QpAttrs
 from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, NIC_SNDBUF_BYTES, SPIN_NS, Stopped
 from agents.runtime import argtypes
+from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import report_counters
 from agents.wire.roce import ROCE_UDP_PORT
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     life = Lifecycle()
     life.install_signal_handlers()
     live = Live(args.role, args.test)
-    server = snapshot_server(args.control_sock, live)
+    server = serve_snapshots(args.control_sock, live.snapshot)
     try:
         if args.role == "client":
             counters, rc = run_client(args, life, live)

@@ -42,7 +42,6 @@ from agents.roce.cc import (
 )
 from agents.roce.qp import WIRE_OVERHEAD_BYTES, MemoryRegion, QpAttrs, RcQp, WcStatus
 from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
-from agents.runtime.control import SnapshotServer
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready
 from agents.timebase import Dilation, FabricClock
@@ -857,9 +856,5 @@ def _verify_writes(mems: list[np.ndarray], messages: list[int], slots: int, size
     return {"verified": True, "first_mismatch": None}
 
 
-def snapshot_server(path: str | None, live: Live) -> SnapshotServer | None:
-    return SnapshotServer(path, live.snapshot) if path else None
-
-
 __all__ = ["CNP_DSCP", "DEFAULT_CONTROL_PORT", "TESTS", "Live", "TestError", "latency_stats",
-           "pattern", "run_client", "run_server", "slots_for", "snapshot_server"]
+           "pattern", "run_client", "run_server", "slots_for"]

@@ -55,6 +55,11 @@ class SnapshotServer:
                 pass
 
 
+def serve_snapshots(path: str | None, snapshot: Callable[[], dict]) -> SnapshotServer | None:
+    """A SnapshotServer on `path` (--control-sock), or None when no path was given."""
+    return SnapshotServer(path, snapshot) if path else None
+
+
 def read_snapshot(path: str, timeout_s: float = 0.5) -> dict:
     """Client side: one snapshot from an agent's socket."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
