@@ -88,6 +88,7 @@ from agents.runtime.sockets import (
     set_send_timeout,
     tos_byte,
 )
+from agents.runtime.waiting import pause_step, wait_until_mono
 from agents.timebase import Dilation
 from agents.udp_logic import (
     DEFAULT_MAX_BURST_BYTES,
@@ -98,7 +99,6 @@ from agents.udp_logic import (
     SeqTracker,
     interval_rate_bps,
     pack_header_into,
-    pause_step,
     unpack_header,
 )
 
@@ -223,11 +223,9 @@ def run_send(args, life: Lifecycle) -> tuple[dict, int]:
         first_mono = last_mono = None
         first_real = last_real = None
         clock = time.monotonic_ns
-        if args.start_at_mono_ns:
-            # Every sender of a workload is started early and released together
-            # at an agreed CLOCK_MONOTONIC time (one clock for all namespaces).
-            while not life.should_stop(clock()) and clock() < args.start_at_mono_ns:
-                pause_step(args.start_at_mono_ns - clock(), clock(), clock, time.sleep)
+        # Every sender of a workload is started early and released together
+        # at an agreed CLOCK_MONOTONIC time (one clock for all namespaces).
+        wait_until_mono(args.start_at_mono_ns, life)
         start = clock()
         end = start + dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
         pacer = Pacer(set_wall_bps, frame_bytes, start, args.max_burst_bytes)
@@ -568,10 +566,7 @@ def run_ping(args, life: Lifecycle) -> tuple[dict, int]:
         for seq in range(args.count):
             if life.should_stop():
                 break
-            due = start + seq * interval_wall
-            while not life.should_stop() and clock() < due:
-                now = clock()
-                pause_step(due - now, now, clock, time.sleep)
+            wait_until_mono(start + seq * interval_wall, life)
             real = time.time_ns()
             pack_header_into(buf, 0, seq, real)
             sent_mono = clock()

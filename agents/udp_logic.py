@@ -2,7 +2,6 @@
 
 - the probe header every datagram starts with (`pack_header_into`, `unpack_header`);
 - `Pacer`: an absolute send schedule at a fixed wire rate with a bounded catch-up;
-- `pause_step`: how the send loop waits for the next due time (sleep, then spin);
 - `SeqTracker`: loss / reorder / duplicate accounting of one flow's sequence numbers;
 - `interval_rate_bps`, `RunningStats`: the arithmetic behind the counters.
 
@@ -162,32 +161,6 @@ class Pacer:
 
     def sent(self) -> None:
         self.index += 1
-
-
-#: The send loop sleeps until this close to a due time, then busy-waits.
-DEFAULT_SPIN_NS = 200_000
-#: Longest single sleep, so stop flags and the parent check stay responsive.
-MAX_SLEEP_NS = 50_000_000
-
-
-def pause_step(wait_ns: int, now_ns: int, clock_ns: Callable[[], int],
-               sleep_s: Callable[[float], None], spin_ns: int = DEFAULT_SPIN_NS,
-               max_sleep_ns: int = MAX_SLEEP_NS) -> None:
-    """One step of waiting `wait_ns` from `now_ns`.
-
-    Far from the deadline: one coarse sleep that stops `spin_ns` short of it
-    (time.sleep overshoots by tens of microseconds) and at most `max_sleep_ns`
-    long; the caller polls again afterwards. Within `spin_ns`: busy-wait on
-    `clock_ns` until the deadline.
-    """
-    if wait_ns <= 0:
-        return
-    if wait_ns > spin_ns:
-        sleep_s(min(wait_ns - spin_ns, max_sleep_ns) / 1e9)
-        return
-    deadline = now_ns + wait_ns
-    while clock_ns() < deadline:
-        pass
 
 
 # --- sequence accounting -----------------------------------------------------------------

@@ -44,8 +44,8 @@ from agents.roce.qp import WIRE_OVERHEAD_BYTES, MemoryRegion, QpAttrs, RcQp, WcS
 from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready
+from agents.runtime.waiting import wait_until_mono
 from agents.timebase import Dilation, FabricClock
-from agents.udp_logic import pause_step
 from agents.wire.roce import PSN_MASK, ROCE_UDP_PORT, icrc_context
 
 PROTOCOL_VERSION = 1
@@ -355,12 +355,6 @@ def _connect(server: str, port: int, bind: str | None, timeout_s: float,
     raise TestError(f"cannot connect to {server}:{port}: {last or 'stopped'}")
 
 
-def _wait_until_mono(target_ns: int, life: Lifecycle) -> None:
-    clock = time.monotonic_ns
-    while target_ns and not life.should_stop(clock()) and clock() < target_ns:
-        pause_step(target_ns - clock(), clock(), clock, time.sleep)
-
-
 # --- client -----------------------------------------------------------------------------
 
 
@@ -446,7 +440,7 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
             engine.add(ep)
         live.bindings = bindings
         mark_ready(args.ready_file)
-        _wait_until_mono(args.start_at_mono_ns, life)
+        wait_until_mono(args.start_at_mono_ns, life)
         live.phase = "running"
         if test == "write_lat":
             result = _client_lat(args, life, engine, bindings[0], bufs[0], remote[0], back[0])

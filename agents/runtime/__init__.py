@@ -6,7 +6,8 @@
   (stdout and --out);
 - `agents.runtime.argtypes`: argparse types of the agents' command lines;
 - `agents.runtime.lifecycle`: stop on SIGTERM / SIGINT or when the parent dies;
-- `agents.runtime.sockets`: TOS, timeouts, buffer sizes, retried sends.
+- `agents.runtime.sockets`: TOS, timeouts, buffer sizes, retried sends;
+- `agents.runtime.waiting`: sleep, then spin, until a wall-clock moment.
 
 An agent (`agents.udp`, `agents.pfc`, `agents.roce`) may import this package,
 `agents.wire`, `agents.timebase` and `agents.portmaps`, never another agent

@@ -15,6 +15,7 @@ import pytest
 
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.sockets import tos_byte
+from agents.runtime.waiting import pause_step
 from agents.udp import build_parser
 from agents.udp_logic import (
     DEFAULT_WIRE_OVERHEAD_BYTES,
@@ -23,7 +24,6 @@ from agents.udp_logic import (
     SeqTracker,
     interval_rate_bps,
     pack_header_into,
-    pause_step,
     unpack_header,
 )
 from tests.conftest import REPO
