@@ -77,6 +77,7 @@ import time
 
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import PARENT_CHECK_NS, Lifecycle
 from agents.runtime.output import mark_ready, report_counters
 from agents.runtime.sockets import (
@@ -92,7 +93,6 @@ from agents.runtime.waiting import pause_step, wait_until_mono
 from agents.timebase import Dilation
 from agents.udp_logic import (
     DEFAULT_MAX_BURST_BYTES,
-    DEFAULT_WIRE_OVERHEAD_BYTES,
     HEADER_BYTES,
     Pacer,
     RunningStats,
@@ -648,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--ready-file", metavar="FILE",
                         help="touch FILE once the socket(s) are bound")
     common.add_argument("--wire-overhead-bytes", type=argtypes.nonneg_int,
-                        default=DEFAULT_WIRE_OVERHEAD_BYTES,
+                        default=WIRE_OVERHEAD_BYTES,
                         help="bytes per packet on the wire beyond the UDP payload: 8 UDP + 20 "
                              "IPv4 + 14 Ethernet + 24 preamble/IFG/FCS (default %(default)s)")
 

@@ -25,10 +25,6 @@ HEADER = struct.Struct("!IHQQ")
 HEADER_BYTES = HEADER.size  # 22
 MAGIC = 0x46425544  # b"FBUD"
 
-#: Bytes a datagram costs on the wire beyond its UDP payload:
-#: 8 UDP + 20 IPv4 + 14 Ethernet + 24 (8 preamble/SFD + 12 inter-frame gap + 4 FCS).
-DEFAULT_WIRE_OVERHEAD_BYTES = 8 + 20 + 14 + 24
-
 def pack_header_into(buf: bytearray, flow: int, seq: int, send_ns: int) -> None:
     HEADER.pack_into(buf, 0, MAGIC, flow, seq, send_ns)
 

@@ -40,8 +40,9 @@ from agents.roce.cc import (
     effective_params,
     make_cc,
 )
-from agents.roce.qp import WIRE_OVERHEAD_BYTES, MemoryRegion, QpAttrs, RcQp, WcStatus
+from agents.roce.qp import MemoryRegion, QpAttrs, RcQp, WcStatus
 from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready
 from agents.runtime.waiting import wait_until_mono

@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import NamedTuple, Protocol
 
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.wire.roce import (
     AETH_BYTES,
     BTH_BYTES,
@@ -78,7 +79,6 @@ __all__ = [
     "PKT_CNP",
     "PKT_DATA",
     "RNR_TIMER_NS",
-    "WIRE_OVERHEAD_BYTES",
     "Completion",
     "MemoryRegion",
     "QpAttrs",
@@ -98,11 +98,6 @@ PKT_ACK = 1     # ACK and NAK (AETH): same traffic class as the data
 PKT_CNP = 2
 
 IB_MTUS = (256, 512, 1024, 2048, 4096)
-
-#: Bytes a RoCEv2 packet costs on an Ethernet wire beyond its UDP payload:
-#: 8 UDP + 20 IPv4 + 14 Ethernet header + 4 FCS + 8 preamble/SFD + 12 inter-frame gap.
-#: (Same figure as agents.udp_logic.DEFAULT_WIRE_OVERHEAD_BYTES.)
-WIRE_OVERHEAD_BYTES = 8 + 20 + 14 + 4 + 8 + 12
 
 #: Most unacknowledged packets a QP may have: 2^22, half of the 2^23 half-space 24-bit PSNs
 #: are compared in, so an ACK, a NAK or a duplicate is never mistaken for the other side of

@@ -33,8 +33,9 @@ Sockets (FACTS.md, "RoCEv2 on the wire" and "Kernel mechanics"):
   is counted too.
 
 Wire bytes per packet (what the pacer charges and `cc.on_bytes_sent` sees):
-len(UDP payload) + 66 = BTH 12 [+ RETH 16] + payload + pad + ICRC 4 + UDP 8 +
-IPv4 20 + Ethernet 14 + FCS 4 + preamble/SFD 8 + inter-frame gap 12.
+len(UDP payload) + 66 (`agents.runtime.framing.WIRE_OVERHEAD_BYTES`) = BTH 12
+[+ RETH 16] + payload + pad + ICRC 4 + UDP 8 + IPv4 20 + Ethernet 14 + FCS 4 +
+preamble/SFD 8 + inter-frame gap 12.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from agents.roce.qp import (
     MAX_WINDOW_PACKETS,
     PKT_ACK,
     PKT_CNP,
-    WIRE_OVERHEAD_BYTES,
     MemoryRegion,
     QpAttrs,
     QpState,
@@ -40,6 +39,7 @@ from agents.roce.qp import (
 )
 from agents.roce.transport import Endpoint, Engine, rxe_sport
 from agents.runtime.control import read_snapshot
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.timebase import Dilation, FabricClock
 from agents.wire.roce import (
     PSN_MASK,

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.sockets import tos_byte
 from agents.runtime.waiting import pause_step
 from agents.udp import build_parser
 from agents.udp_logic import (
-    DEFAULT_WIRE_OVERHEAD_BYTES,
     HEADER_BYTES,
     Pacer,
     SeqTracker,
@@ -199,7 +199,7 @@ def test_header_round_trip_and_foreign_payloads_rejected():
     assert unpack_header(buf, 100) == (3, 2**40 + 5, 1_700_000_000_123_456_789)
     assert unpack_header(buf, HEADER_BYTES - 1) is None
     assert unpack_header(bytearray(100), 100) is None
-    assert DEFAULT_WIRE_OVERHEAD_BYTES == 66
+    assert WIRE_OVERHEAD_BYTES == 66
 
 
 def test_interval_rate_of_a_perfect_train_is_its_set_rate():
