@@ -17,8 +17,8 @@ from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.sockets import tos_byte
 from agents.runtime.waiting import pause_step
-from agents.udp import build_parser
-from agents.udp_logic import (
+from agents.udp.__main__ import build_parser
+from agents.udp.logic import (
     HEADER_BYTES,
     Pacer,
     SeqTracker,

@@ -43,7 +43,7 @@ interval = wire time of payload + `--wire-overhead-bytes` at the wall rate),
 time.sleep while more than 200 us ahead, busy-wait for the last 200 us. A
 sender that falls behind sends back-to-back, but never more than
 `--max-burst-bytes` of frames behind schedule; time owed beyond that is
-forgiven and reported (forgiven_ns, rebases), see `agents.udp_logic.Pacer`.
+forgiven and reported (forgiven_ns, rebases), see `agents.udp.logic.Pacer`.
 `--flows K` sends round-robin from K sockets; with `--sport P` their source
 ports are P, P+1, ..., P+K-1, without it the kernel picks K ports. Each flow
 numbers its packets from 0.
@@ -91,7 +91,7 @@ from agents.runtime.sockets import (
 )
 from agents.runtime.waiting import pause_step, wait_until_mono
 from agents.timebase import Dilation
-from agents.udp_logic import (
+from agents.udp.logic import (
     DEFAULT_MAX_BURST_BYTES,
     HEADER_BYTES,
     Pacer,
