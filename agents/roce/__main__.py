@@ -37,7 +37,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agents.roce.cc import CC_KINDS
+from agents.roce.cc import (
+    CC_KINDS,
+    DCQCN_PRESET_NAMES,
+    DCTCP_PRESET_NAMES,
+    DEFAULT_DCQCN_PRESET,
+    DEFAULT_DCTCP_PRESET,
+)
 from agents.roce.perftest import (
     DEFAULT_CONTROL_PORT,
     TESTS,
@@ -73,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="congestion control of the requester(s) and CNP policy of the "
                              "responder(s) (default %(default)s)")
     common.add_argument("--cc-preset", metavar="NAME",
-                        help="DCQCN preset (paper, ns3-rdma, hpcc-ns3, hpcc-ns3-paper, "
-                             "hpcc-ns3-config; default paper) or DCTCP preset (rfc8257, "
-                             "hpcc-ns3; default rfc8257)")
+                        help=f"DCQCN preset ({', '.join(DCQCN_PRESET_NAMES)}; default "
+                             f"{DEFAULT_DCQCN_PRESET}) or DCTCP preset "
+                             f"({', '.join(DCTCP_PRESET_NAMES)}; default {DEFAULT_DCTCP_PRESET})")
     common.add_argument("--cc-params", type=argtypes.json_object, default={}, metavar="JSON",
                         help="parameters in place of the preset's, by DcqcnParams / DctcpParams "
                              "field name (e.g. '{\"alpha_timer_ns\": 1000, \"g\": 0.0625}'): "

@@ -5,8 +5,9 @@
 - `DctcpRp`: a rate-based DCTCP with the same transport-facing interface;
 - `NoCc`: always line rate, same interface;
 - `DcqcnParams` / `PRESETS` / `preset()`: named parameter sets (paper, ns3-rdma, hpcc-ns3,
-  hpcc-ns3-paper, hpcc-ns3-config), each naming its source in `source`;
-- `DctcpParams` / `DCTCP_PRESETS` / `dctcp_preset()`;
+  hpcc-ns3-paper, hpcc-ns3-config), each naming its source in `source`; their names
+  are `DCQCN_PRESET_NAMES`;
+- `DctcpParams` / `DCTCP_PRESETS` / `dctcp_preset()`, names in `DCTCP_PRESET_NAMES`;
 - `make_cc(kind, preset_name, line_rate_bps, now_ns)`: the factory the transport calls.
 
 Nothing here reads a clock, sleeps or touches a socket. Every time is FABRIC
@@ -271,6 +272,12 @@ PRESETS: dict[str, DcqcnParams] = {
     ),
 }
 
+#: The DCQCN preset names, in table order: what --cc-preset and a workload's cc_preset
+#: accept with cc "dcqcn". Derived from PRESETS, so a new preset is named here by itself.
+DCQCN_PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
+#: The agent's DCQCN preset when none is named (a workload names its own default).
+DEFAULT_DCQCN_PRESET = "paper"
+
 _SCALED_RATE_FIELDS = ("rai_bps", "rhai_bps")
 _SCALED_SIZE_FIELDS = ("kmin_bytes", "kmax_bytes")
 
@@ -391,6 +398,12 @@ DCTCP_PRESETS: dict[str, DctcpParams] = {
         source=_HPCC + "run.py --cc dctcp (CC_MODE 8) + src/point-to-point/model/rdma-hw.cc",
     ),
 }
+
+
+#: The DCTCP preset names, in table order (cc "dctcp"), derived from DCTCP_PRESETS.
+DCTCP_PRESET_NAMES: tuple[str, ...] = tuple(DCTCP_PRESETS)
+#: The agent's DCTCP preset when none is named.
+DEFAULT_DCTCP_PRESET = "rfc8257"
 
 
 def dctcp_preset(name: str, line_rate_bps: float, *, scale: bool | None = None) -> DctcpParams:

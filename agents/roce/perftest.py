@@ -33,6 +33,8 @@ import numpy as np
 
 from agents.roce.cc import (
     DCTCP_PRESETS,
+    DEFAULT_DCQCN_PRESET,
+    DEFAULT_DCTCP_PRESET,
     PRESETS,
     DcqcnNp,
     DcqcnParams,
@@ -108,12 +110,12 @@ def cc_settings(args) -> tuple[str, str | None]:
     kind = args.cc
     name = args.cc_preset
     if kind == "dcqcn":
-        name = name or "paper"
+        name = name or DEFAULT_DCQCN_PRESET
         if name not in PRESETS:
             raise TestError(f"--cc-preset {name!r} is not a DCQCN preset; "
                             f"known: {', '.join(sorted(PRESETS))}")
     elif kind == "dctcp":
-        name = name or "rfc8257"
+        name = name or DEFAULT_DCTCP_PRESET
         if name not in DCTCP_PRESETS:
             raise TestError(f"--cc-preset {name!r} is not a DCTCP preset; "
                             f"known: {', '.join(sorted(DCTCP_PRESETS))}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import inspect
 import random
+import subprocess
+import sys
 from dataclasses import fields, replace
 from fractions import Fraction as Fr
 
@@ -16,9 +18,13 @@ import pytest
 
 from agents.roce.cc import (
     CC_KINDS,
+    DCQCN_PRESET_NAMES,
     DCQCN_TUNABLE,
+    DCTCP_PRESET_NAMES,
     DCTCP_PRESETS,
     DCTCP_TUNABLE,
+    DEFAULT_DCQCN_PRESET,
+    DEFAULT_DCTCP_PRESET,
     PRESETS,
     DcqcnNp,
     DcqcnParams,
@@ -33,6 +39,7 @@ from agents.roce.cc import (
     preset,
     with_overrides,
 )
+from tests.conftest import REPO
 
 G = 10**9
 M = 10**6
@@ -92,6 +99,19 @@ def test_every_preset_names_its_source():
     assert "run.py --cc dcqcn " in PRESETS["hpcc-ns3"].source
     assert "run.py --cc dcqcn_paper" in PRESETS["hpcc-ns3-paper"].source
     assert "mix/config.txt" in PRESETS["hpcc-ns3-config"].source
+
+
+def test_preset_names_are_the_tables_keys_and_import_without_numpy():
+    assert DCQCN_PRESET_NAMES == tuple(PRESETS)
+    assert DCTCP_PRESET_NAMES == tuple(DCTCP_PRESETS)
+    assert DEFAULT_DCQCN_PRESET in PRESETS and DEFAULT_DCTCP_PRESET in DCTCP_PRESETS
+    # the control plane's config loader imports them: no heavy dependency on the way
+    code = ("import sys, agents.roce.cc as cc; "
+            "assert 'numpy' not in sys.modules, 'numpy'; print(len(cc.DCQCN_PRESET_NAMES))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(len(PRESETS))
 
 
 def test_every_check_mark_names_a_real_field():
