@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, get_args, runtime_checkable
 
 US = 1_000  # fabric ns per fabric microsecond
 MBPS = 1_000_000
@@ -49,6 +49,42 @@ INCREASE_KINDS = (PHASE_FAST, PHASE_ADDITIVE, PHASE_HYPER)
 
 
 # --- parameters -------------------------------------------------------------------------
+
+
+class _Rule(NamedTuple):
+    """A check on one parameter field: `ok(value)`, and what the value `must` be if not."""
+
+    ok: Callable[[Any], bool]
+    must: str
+
+
+_POSITIVE = _Rule(lambda v: v > 0, "must be > 0")
+_NONNEGATIVE = _Rule(lambda v: v >= 0, "must be >= 0")
+_GAIN = _Rule(lambda v: 0 < v <= 1, "must be in (0, 1]")
+_FRACTION = _Rule(lambda v: 0 <= v <= 1, "must be in [0, 1]")
+_STEPS = _Rule(lambda v: isinstance(v, int) and v >= 1, "must be an integer >= 1")
+
+
+def _or_none(rule: _Rule) -> _Rule:
+    return _Rule(lambda v: v is None or rule.ok(v), f"{rule.must} or None")
+
+
+def _one_of(choices: object) -> _Rule:
+    allowed = get_args(choices)
+    return _Rule(lambda v: v in allowed, f"must be one of {list(allowed)}")
+
+
+def _problems(params: DcqcnParams | DctcpParams, rules: Mapping[str, _Rule]) -> list[str]:
+    """What is wrong with `params`, one sentence per field that breaks its rule, in the
+    rules' order; then the one rule across fields both kinds share."""
+    problems = []
+    for name, rule in rules.items():
+        value = getattr(params, name)
+        if not rule.ok(value):
+            problems.append(f"{name} {rule.must}, got {value!r}")
+    if params.scaling == "per_reference" and not (params.reference_rate_bps or 0) > 0:
+        problems.append("scaling 'per_reference' needs reference_rate_bps > 0")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -94,44 +130,33 @@ class DcqcnParams:
     source: str = ""  # where the values come from (file, setting)
 
     def __post_init__(self) -> None:
-        problems = []
-        for f in ("alpha_timer_ns", "increase_timer_ns"):
-            if not getattr(self, f) > 0:
-                problems.append(f"{f} must be > 0, got {getattr(self, f)!r}")
-        if self.byte_counter_bytes is not None and not self.byte_counter_bytes > 0:
-            problems.append("byte_counter_bytes must be > 0 or None, "
-                            f"got {self.byte_counter_bytes!r}")
-        if not 0 < self.g <= 1:
-            problems.append(f"g must be in (0, 1], got {self.g!r}")
-        if not (isinstance(self.fast_recovery_steps, int) and self.fast_recovery_steps >= 1):
-            problems.append("fast_recovery_steps must be an integer >= 1, "
-                            f"got {self.fast_recovery_steps!r}")
-        for f in ("rai_bps", "rhai_bps"):
-            if not getattr(self, f) >= 0:
-                problems.append(f"{f} must be >= 0, got {getattr(self, f)!r}")
-        if not self.min_rate_bps > 0:
-            problems.append(f"min_rate_bps must be > 0, got {self.min_rate_bps!r}")
-        if not 0 <= self.initial_alpha <= 1:
-            problems.append(f"initial_alpha must be in [0, 1], got {self.initial_alpha!r}")
-        if not self.cnp_interval_ns >= 0:
-            problems.append(f"cnp_interval_ns must be >= 0, got {self.cnp_interval_ns!r}")
-        if self.rate_decrease_interval_ns is not None and not self.rate_decrease_interval_ns > 0:
-            problems.append("rate_decrease_interval_ns must be > 0 or None, "
-                            f"got {self.rate_decrease_interval_ns!r}")
-        choices = {"alpha_update": AlphaUpdate, "target_clamp": TargetClamp,
-                   "increase_rule": IncreaseRule, "np_mode": NpMode, "scaling": Scaling}
-        for f, lit in choices.items():
-            if getattr(self, f) not in lit.__args__:
-                problems.append(f"{f} must be one of {list(lit.__args__)}, "
-                                f"got {getattr(self, f)!r}")
-        if self.scaling == "per_reference" and not (self.reference_rate_bps or 0) > 0:
-            problems.append("scaling 'per_reference' needs reference_rate_bps > 0")
+        problems = _problems(self, _DCQCN_RULES)
         if problems:
             raise ValueError(f"DCQCN parameters {self.name!r}: " + "; ".join(problems))
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+
+#: What each DcqcnParams field must be, in the order problems are reported.
+_DCQCN_RULES: dict[str, _Rule] = {
+    "alpha_timer_ns": _POSITIVE,
+    "increase_timer_ns": _POSITIVE,
+    "byte_counter_bytes": _or_none(_POSITIVE),
+    "g": _GAIN,
+    "fast_recovery_steps": _STEPS,
+    "rai_bps": _NONNEGATIVE,
+    "rhai_bps": _NONNEGATIVE,
+    "min_rate_bps": _POSITIVE,
+    "initial_alpha": _FRACTION,
+    "cnp_interval_ns": _NONNEGATIVE,
+    "rate_decrease_interval_ns": _or_none(_POSITIVE),
+    "alpha_update": _one_of(AlphaUpdate),
+    "target_clamp": _one_of(TargetClamp),
+    "increase_rule": _one_of(IncreaseRule),
+    "np_mode": _one_of(NpMode),
+    "scaling": _one_of(Scaling),
+}
 
 #: HPCC's ns-3 DCQCN (rdma-hw.cc, CC_MODE 1, "Mellanox's version of DCQCN"): the knobs its
 #: code fixes, whatever the timers. Its run.py and config.txt set the rest.
@@ -327,24 +352,7 @@ class DctcpParams:
     source: str = ""  # where the values come from (file, setting)
 
     def __post_init__(self) -> None:
-        problems = []
-        if not self.window_ns > 0:
-            problems.append(f"window_ns must be > 0, got {self.window_ns!r}")
-        if not 0 < self.g <= 1:
-            problems.append(f"g must be in (0, 1], got {self.g!r}")
-        if self.rai_bps is not None and not self.rai_bps >= 0:
-            problems.append(f"rai_bps must be >= 0 or None, got {self.rai_bps!r}")
-        if not self.mss_bytes > 0:
-            problems.append(f"mss_bytes must be > 0, got {self.mss_bytes!r}")
-        if not self.min_rate_bps > 0:
-            problems.append(f"min_rate_bps must be > 0, got {self.min_rate_bps!r}")
-        if not 0 <= self.initial_alpha <= 1:
-            problems.append(f"initial_alpha must be in [0, 1], got {self.initial_alpha!r}")
-        if self.scaling not in Scaling.__args__:
-            problems.append(f"scaling must be one of {list(Scaling.__args__)}, "
-                            f"got {self.scaling!r}")
-        if self.scaling == "per_reference" and not (self.reference_rate_bps or 0) > 0:
-            problems.append("scaling 'per_reference' needs reference_rate_bps > 0")
+        problems = _problems(self, _DCTCP_RULES)
         if problems:
             raise ValueError(f"DCTCP parameters {self.name!r}: " + "; ".join(problems))
 
@@ -361,6 +369,17 @@ class DctcpParams:
     def to_dict(self) -> dict:
         return asdict(self)
 
+
+#: What each DctcpParams field must be, in the order problems are reported.
+_DCTCP_RULES: dict[str, _Rule] = {
+    "window_ns": _POSITIVE,
+    "g": _GAIN,
+    "rai_bps": _or_none(_NONNEGATIVE),
+    "mss_bytes": _POSITIVE,
+    "min_rate_bps": _POSITIVE,
+    "initial_alpha": _FRACTION,
+    "scaling": _one_of(Scaling),
+}
 
 DCTCP_PRESETS: dict[str, DctcpParams] = {
     # RFC 8257 gain and once-per-window cut; the window (RTT estimate) is ours [check per
@@ -794,8 +813,8 @@ class DcqcnNp:
     def __init__(self, cnp_interval_ns: float, mode: NpMode = "interval") -> None:
         if not cnp_interval_ns >= 0:
             raise ValueError(f"cnp_interval_ns must be >= 0, got {cnp_interval_ns!r}")
-        if mode not in NpMode.__args__:
-            raise ValueError(f"mode must be one of {list(NpMode.__args__)}, got {mode!r}")
+        if mode not in get_args(NpMode):
+            raise ValueError(f"mode must be one of {list(get_args(NpMode))}, got {mode!r}")
         self.cnp_interval_ns = cnp_interval_ns
         self.mode = mode
         self._last_cnp_ns: float | None = None
