@@ -745,6 +745,13 @@ class RcResponder:
         self._rv: tuple[int, memoryview] | None = None
         self._rv_off = 0
         self.completions: deque[Completion] = deque()
+        # the placer of each request opcode the responder accepts (bound once: per packet)
+        self._placers: dict[int, Callable[[int, Parsed], bool]] = {
+            _OP_WRITE_FIRST: self._write_start, _OP_WRITE_ONLY: self._write_start,
+            _OP_WRITE_MIDDLE: self._write_continue, _OP_WRITE_LAST: self._write_continue,
+            _OP_SEND_FIRST: self._send_start, _OP_SEND_ONLY: self._send_start,
+            _OP_SEND_MIDDLE: self._send_continue, _OP_SEND_LAST: self._send_continue,
+        }
         # counters
         self.packets_received = 0     # data packets for this QP, any PSN
         self.payload_bytes_received = 0   # message bytes accepted in order
@@ -777,113 +784,153 @@ class RcResponder:
 
     def on_request(self, p: Parsed, ce: bool, now_ns: float | None = None) -> None:
         """A data packet (SEND / RDMA WRITE) for this QP."""
+        self._count_arrival(ce, now_ns)
+        if self.state != QpState.RTS:
+            self.error_drops += 1
+            return
         bth = p.bth
+        psn = bth.psn
+        if psn != self._epsn:
+            self._out_of_sequence(psn, bth.ack_req)
+            return
+        self._nak_sent = False
+        self._dup_run = False
+        op = bth.opcode
+        place = self._placers.get(op)
+        if place is None or len(p.payload) > self._mtu:
+            self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
+            return
+        if place(op, p):
+            self._accept(op, psn, len(p.payload), bth.ack_req)
+
+    # -- receiving, step by step
+
+    def _count_arrival(self, ce: bool, now_ns: float | None) -> None:
+        """Every data packet counts, and is shown to the notification point (in any state:
+        a CE mark is congestion whatever becomes of the packet)."""
         self.packets_received += 1
         if ce:
             self.ce_packets_received += 1
         np_ = self.np
         if np_ is not None and np_.on_packet(ce, _now(self.clock, now_ns) if ce else 0.0):
             self._send_cnp()
-        if self.state != QpState.RTS:
-            self.error_drops += 1
+
+    def _out_of_sequence(self, psn: int, ack_req: bool) -> None:
+        """A PSN other than the expected one: NAK the first packet ahead of it (then drop
+        silently until it comes), re-ACK a duplicate (the first of a run, and any AckReq)."""
+        if ((psn - self._epsn) & PSN_MASK) < PSN_HALF:      # ahead of the expected PSN
+            self.ooo_drops += 1
+            if not self._nak_sent:
+                self._nak_sent = True
+                self.seq_naks_sent += 1
+                self._send_aeth(self._epsn, _SYN_NAK_SEQ)
             return
-        psn = bth.psn
-        d = (psn - self._epsn) & PSN_MASK
-        if d:
-            if d < (1 << 23):                       # ahead of the expected PSN
-                self.ooo_drops += 1
-                if not self._nak_sent:
-                    self._nak_sent = True
-                    self.seq_naks_sent += 1
-                    self._send_aeth(self._epsn, _SYN_NAK_SEQ)
-                return
-            self.duplicates += 1                    # behind: already done
-            if bth.ack_req or not self._dup_run:
-                self._dup_run = True
-                self._send_ack()
-            return
-        self._nak_sent = False
-        self._dup_run = False
-        op = bth.opcode
+        self.duplicates += 1                                # behind: already done
+        if ack_req or not self._dup_run:
+            self._dup_run = True
+            self._send_ack()
+
+    # Placers: put an in-order packet's payload where its message goes. Each returns True
+    # when it did, False when it answered the packet instead (fatal NAK, RNR NAK).
+
+    def _write_start(self, op: int, p: Parsed) -> bool:
+        """RDMA WRITE FIRST / ONLY: check the RETH against the memory region, write."""
+        reth = p.reth
+        if self._wr_view is not None or self._rv is not None or reth is None:
+            self._fatal(p.bth.psn, _SYN_NAK_INVALID, "invalid_request")
+            return False
         payload = p.payload
         n = len(payload)
-        if n > self._mtu:
-            self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-            return
-        if op == _OP_WRITE_MIDDLE or op == _OP_WRITE_LAST:
-            if self._wr_view is None or n > self._wr_left or (
-                    op == _OP_WRITE_MIDDLE and (n != self._mtu or n == self._wr_left)) or (
-                    op == _OP_WRITE_LAST and n != self._wr_left):
-                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-                return
-            off = self._wr_off
-            self._wr_view[off:off + n] = payload
+        va, rkey, dma_len = reth
+        if (op == _OP_WRITE_ONLY and n != dma_len) or (
+                op == _OP_WRITE_FIRST and (n != self._mtu or dma_len <= n)):
+            self._fatal(p.bth.psn, _SYN_NAK_INVALID, "invalid_request")
+            return False
+        if not dma_len:
+            return True
+        mr = self.mrs.get(rkey)
+        if (mr is None or not mr.remote_write or va < mr.va
+                or va + dma_len > mr.va + mr.length):
+            self._fatal(p.bth.psn, _SYN_NAK_ACCESS, "remote_access_error")
+            return False
+        off = va - mr.va
+        mr.view[off:off + n] = payload
+        if op == _OP_WRITE_FIRST:
+            self._wr_view = mr.view
             self._wr_off = off + n
-            self._wr_left -= n
-            if op == _OP_WRITE_LAST:
-                self._wr_view = None
-        elif op == _OP_WRITE_FIRST or op == _OP_WRITE_ONLY:
-            if self._wr_view is not None or self._rv is not None:
-                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-                return
-            va, rkey, dma_len = p.reth
-            if (op == _OP_WRITE_ONLY and n != dma_len) or (
-                    op == _OP_WRITE_FIRST and (n != self._mtu or dma_len <= n)):
-                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-                return
-            if dma_len:
-                mr = self.mrs.get(rkey)
-                if (mr is None or not mr.remote_write or va < mr.va
-                        or va + dma_len > mr.va + mr.length):
-                    self._fatal(psn, _SYN_NAK_ACCESS, "remote_access_error")
-                    return
-                off = va - mr.va
-                mr.view[off:off + n] = payload
-                if op == _OP_WRITE_FIRST:
-                    self._wr_view = mr.view
-                    self._wr_off = off + n
-                    self._wr_left = dma_len - n
-        elif op == _OP_SEND_FIRST or op == _OP_SEND_ONLY:
-            if self._wr_view is not None or self._rv is not None or (
-                    op == _OP_SEND_FIRST and n != self._mtu):
-                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-                return
-            if not self._rq:
-                # receiver not ready: RNR NAK, then drop until this PSN comes again
-                self.rnr_naks_sent += 1
-                self._nak_sent = True
-                self._send_aeth(psn, 0x20 | self.attrs.min_rnr_timer)
-                return
-            wr_id, buf = self._rq[0]
-            if n > buf.nbytes:
-                self._fatal(psn, _SYN_NAK_INVALID, "local_length_error")
-                return
-            self._rq.popleft()
-            buf[:n] = payload
-            if op == _OP_SEND_FIRST:
-                self._rv = (wr_id, buf)
-                self._rv_off = n
-            else:
-                self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", n))
-                self.send_messages += 1
-        elif op == _OP_SEND_MIDDLE or op == _OP_SEND_LAST:
-            if self._rv is None or (op == _OP_SEND_MIDDLE and n != self._mtu):
-                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-                return
-            wr_id, buf = self._rv
-            off = self._rv_off
-            if off + n > buf.nbytes:
-                self._fatal(psn, _SYN_NAK_INVALID, "local_length_error")
-                return
-            buf[off:off + n] = payload
-            self._rv_off = off + n
-            if op == _OP_SEND_LAST:
-                self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", off + n))
-                self.send_messages += 1
-                self._rv = None
-        else:
+            self._wr_left = dma_len - n
+        return True
+
+    def _write_continue(self, op: int, p: Parsed) -> bool:
+        """RDMA WRITE MIDDLE / LAST: the next bytes of the WRITE in progress."""
+        payload = p.payload
+        n = len(payload)
+        view = self._wr_view
+        if view is None or n > self._wr_left or (
+                op == _OP_WRITE_MIDDLE and (n != self._mtu or n == self._wr_left)) or (
+                op == _OP_WRITE_LAST and n != self._wr_left):
+            self._fatal(p.bth.psn, _SYN_NAK_INVALID, "invalid_request")
+            return False
+        off = self._wr_off
+        view[off:off + n] = payload
+        self._wr_off = off + n
+        self._wr_left -= n
+        if op == _OP_WRITE_LAST:
+            self._wr_view = None
+        return True
+
+    def _send_start(self, op: int, p: Parsed) -> bool:
+        """SEND FIRST / ONLY: into the next posted receive buffer (none: RNR NAK)."""
+        payload = p.payload
+        n = len(payload)
+        psn = p.bth.psn
+        if self._wr_view is not None or self._rv is not None or (
+                op == _OP_SEND_FIRST and n != self._mtu):
             self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-            return
+            return False
+        if not self._rq:
+            # receiver not ready: RNR NAK, then drop until this PSN comes again
+            self.rnr_naks_sent += 1
+            self._nak_sent = True
+            self._send_aeth(psn, 0x20 | self.attrs.min_rnr_timer)
+            return False
+        wr_id, buf = self._rq[0]
+        if n > buf.nbytes:
+            self._fatal(psn, _SYN_NAK_INVALID, "local_length_error")
+            return False
+        self._rq.popleft()
+        buf[:n] = payload
+        if op == _OP_SEND_FIRST:
+            self._rv = (wr_id, buf)
+            self._rv_off = n
+        else:
+            self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", n))
+            self.send_messages += 1
+        return True
+
+    def _send_continue(self, op: int, p: Parsed) -> bool:
+        """SEND MIDDLE / LAST: the next bytes of the SEND in progress."""
+        payload = p.payload
+        n = len(payload)
+        psn = p.bth.psn
+        if self._rv is None or (op == _OP_SEND_MIDDLE and n != self._mtu):
+            self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
+            return False
+        wr_id, buf = self._rv
+        off = self._rv_off
+        if off + n > buf.nbytes:
+            self._fatal(psn, _SYN_NAK_INVALID, "local_length_error")
+            return False
+        buf[off:off + n] = payload
+        self._rv_off = off + n
+        if op == _OP_SEND_LAST:
+            self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", off + n))
+            self.send_messages += 1
+            self._rv = None
+        return True
+
+    def _accept(self, op: int, psn: int, n: int, ack_req: bool) -> None:
+        """The packet is placed: expect the next PSN, end the message, ACK when due."""
         self.payload_bytes_received += n
         self._epsn = (psn + 1) & PSN_MASK
         self._since_ack += 1
@@ -892,7 +939,7 @@ class RcResponder:
             self.msn = (self.msn + 1) & 0xFFFFFF
             if op == _OP_WRITE_LAST or op == _OP_WRITE_ONLY:
                 self.write_messages += 1
-        if end or bth.ack_req or self._since_ack >= self._ack_every:
+        if end or ack_req or self._since_ack >= self._ack_every:
             self._send_ack()
 
     # -- output
