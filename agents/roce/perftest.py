@@ -28,6 +28,7 @@ import select
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -727,8 +728,9 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
                     if verify and test != "write_lat" else None)
         ctl.send({"ok": True, "qps": reply, "udp_port": ep.port})
         live.phase = "running"
-        result = _serve(args, life, engine, ctl, bindings, hello, rq_bufs, slots, size, seed,
-                        verify, expected)
+        serving = _Serving(test, bindings, hello["qps"], rq_bufs, slots, size, seed, verify,
+                           expected)
+        result = _serve(life, engine, ctl, serving)
         if result.get("done_msg") is not None:
             done_msg = result.pop("done_msg")
             if verify and test == "write_bw":
@@ -767,61 +769,106 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
             ep.close()
 
 
-def _serve(args, life: Lifecycle, engine: Engine, ctl: ControlChannel,
-           bindings: list[Binding], hello: dict, rq_bufs: list[list[np.ndarray]], slots: int,
-           size: int, seed: int, verify: bool, expected: list[np.ndarray] | None) -> dict:
+class _Serving:
+    """What the server does for the client's QPs at every engine step of a running test.
+
+    send_bw: take each received SEND's completion, check it against the client's pattern
+    (with --verify) and post its buffer again; write_lat: answer each WRITE that arrived
+    with a WRITE back (the ping-pong whose round trip the client measures); write_bw:
+    nothing, the data lands in the memory regions by itself.
+    """
+
+    def __init__(self, test: str, bindings: list[Binding], client_qps: list[dict],
+                 rq_bufs: list[list[np.ndarray]], slots: int, size: int, seed: int,
+                 verify: bool, expected: list[np.ndarray] | None) -> None:
+        self.bindings = bindings
+        self.client_qps = client_qps
+        self.rq_bufs = rq_bufs
+        self.slots = slots
+        self.size = size
+        self.expected = expected            # the client's patterns, when verifying
+        self.verified: bool | None = True if verify and test == "send_bw" else None
+        self.first_mismatch: dict | None = None
+        self.done_msg: dict | None = None
+        self.recv_count = [0] * len(bindings)
+        self.lat_seen = [0] * len(bindings)
+        self.lat_view = (memoryview(pattern(seed ^ 0x5A5A, max(size, 1)))[:size]
+                         if test == "write_lat" else memoryview(b""))
+        per_qp: dict[str, Callable[[int, Binding], None]] = {
+            "send_bw": self._take_sends, "write_lat": self._write_back}
+        self._per_qp = per_qp.get(test)
+
+    def step(self) -> None:
+        if self._per_qp is not None:
+            for i, b in enumerate(self.bindings):
+                self._per_qp(i, b)
+
+    def _take_sends(self, i: int, b: Binding) -> None:
+        rs = b.qp.responder
+        comps = rs.completions
+        while comps:
+            c = comps.popleft()
+            buf = self.rq_bufs[i][c.wr_id]
+            if self.verified and self.expected is not None:
+                self._check(i, c.byte_len, buf, self.expected[i])
+            self.recv_count[i] += 1
+            rs.post_recv(c.wr_id, buf)
+
+    def _check(self, i: int, byte_len: int, buf: np.ndarray, want: np.ndarray) -> None:
+        """Received SEND number recv_count[i] of QP i must be slot (that mod slots) of
+        the client's pattern, whole."""
+        size = self.size
+        k = self.recv_count[i] % self.slots
+        bad = first_mismatch(buf[:byte_len], want[k * size:(k + 1) * size])
+        if bad is not None or byte_len != size:
+            self.verified = False
+            self.first_mismatch = {"qp": i, "message": self.recv_count[i], "offset": bad}
+
+    def _write_back(self, i: int, b: Binding) -> None:
+        rs, r = b.qp.responder, b.qp.requester
+        c = self.client_qps[i]
+        while rs.write_messages > self.lat_seen[i]:
+            self.lat_seen[i] += 1
+            r.post_write(self.lat_seen[i], self.lat_view, int(c["va"]), int(c["rkey"]))
+        r.completions.clear()
+
+    def client_finished(self, ctl: ControlChannel, engine: Engine, life: Lifecycle) -> bool:
+        """True once the client said done (after our last ACKs and write-backs went out)
+        or went away."""
+        msg = ctl.poll()
+        if msg is not None and msg.get("done"):
+            self.done_msg = msg
+            engine.run(lambda: all(b.qp.requester.idle for b in self.bindings),
+                       stop=life.should_stop)
+            return True
+        if ctl.closed:
+            life.stop("client_gone")
+            return True
+        return False
+
+    def result(self, dilation: Dilation, wall_ns: int) -> dict:
+        responders = [b.qp.responder for b in self.bindings]
+        nbytes = sum(rs.payload_bytes_received for rs in responders)
+        msgs = sum(rs.write_messages + rs.send_messages for rs in responders)
+        pkts = sum(rs.packets_received for rs in responders)
+        return {"done_msg": self.done_msg, "verified": self.verified,
+                "first_mismatch": self.first_mismatch, "messages": msgs, "bytes": nbytes,
+                "data_packets_received": pkts,
+                **_rates(dilation, nbytes, msgs, pkts, wall_ns)}
+
+
+def _serve(life: Lifecycle, engine: Engine, ctl: ControlChannel, serving: _Serving) -> dict:
     """Run the server side until the client says done (or goes away, or a stop)."""
-    test = args.test
-    state: dict = {"done_msg": None, "verified": None, "first_mismatch": None}
-    want = expected
-    if verify and test == "send_bw":
-        state["verified"] = True
-    recv_count = [0] * len(bindings)
-    lat_seen = [0] * len(bindings)
-    lat_buf = pattern(seed ^ 0x5A5A, max(size, 1)) if test == "write_lat" else None
-    client_qps = hello["qps"]
     steps = 0
     start = time.monotonic_ns()
     try:
         while True:
             busy = engine.step()
             steps += 1
-            for i, b in enumerate(bindings):
-                rs = b.qp.responder
-                if test == "send_bw":
-                    comps = rs.completions
-                    while comps:
-                        c = comps.popleft()
-                        buf = rq_bufs[i][c.wr_id]
-                        if verify and state["verified"]:
-                            k = recv_count[i] % slots
-                            exp = want[i][k * size:(k + 1) * size]
-                            bad = first_mismatch(buf[:c.byte_len], exp)
-                            if bad is not None or c.byte_len != size:
-                                state["verified"] = False
-                                state["first_mismatch"] = {"qp": i, "message": recv_count[i],
-                                                           "offset": bad}
-                        recv_count[i] += 1
-                        rs.post_recv(c.wr_id, buf)
-                elif test == "write_lat":
-                    r = b.qp.requester
-                    while rs.write_messages > lat_seen[i]:
-                        lat_seen[i] += 1
-                        c = client_qps[i]
-                        r.post_write(lat_seen[i], memoryview(lat_buf)[:size], int(c["va"]),
-                                     int(c["rkey"]))
-                    r.completions.clear()
-            if not busy or steps % CONTROL_CHECK_STEPS == 0:
-                msg = ctl.poll()
-                if msg is not None and msg.get("done"):
-                    state["done_msg"] = msg
-                    # let our last ACKs / write-backs finish before answering
-                    engine.run(lambda: all(b.qp.requester.idle for b in bindings),
-                               stop=life.should_stop)
-                    break
-                if ctl.closed:
-                    life.stop("client_gone")
-                    break
+            serving.step()
+            if ((not busy or steps % CONTROL_CHECK_STEPS == 0)
+                    and serving.client_finished(ctl, engine, life)):
+                break
             if life.should_stop():
                 break
             if not busy:
@@ -829,14 +876,7 @@ def _serve(args, life: Lifecycle, engine: Engine, ctl: ControlChannel,
                 engine.wait()
     except Stopped:
         pass
-    wall_ns = time.monotonic_ns() - start
-    dilation = engine.dilation
-    nbytes = sum(b.qp.responder.payload_bytes_received for b in bindings)
-    msgs = sum(b.qp.responder.write_messages + b.qp.responder.send_messages for b in bindings)
-    pkts = sum(b.qp.responder.packets_received for b in bindings)
-    state.update({"messages": msgs, "bytes": nbytes, "data_packets_received": pkts,
-                  **_rates(dilation, nbytes, msgs, pkts, wall_ns)})
-    return state
+    return serving.result(engine.dilation, time.monotonic_ns() - start)
 
 
 def _verify_writes(mems: list[np.ndarray], messages: list[int], slots: int, size: int,
