@@ -81,6 +81,7 @@ from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import PARENT_CHECK_NS, Lifecycle
 from agents.runtime.output import mark_ready, report_counters
 from agents.runtime.sockets import (
+    CE,
     ECN_CODEPOINTS,
     SendErrors,
     set_recv_buffer,
@@ -339,12 +340,9 @@ def _rx_tick_ns(*limits: int | None) -> int:
     return max(1_000_000, min([TICK_NS] + [x for x in limits if x]))
 
 
-def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
-    dilation = Dilation(args.dilation)
-    overhead = args.wire_overhead_bytes
-    duration_wall = dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
-    idle_wall = dilation.to_wall_ns(args.idle_exit_ns) if args.idle_exit_ns else None
-
+def _make_rx_socket(bind_ip: str, port: int, rcvbuf: int | None, tick_ns: int) -> socket.socket:
+    """The receiver's socket: each datagram comes with its TOS byte, a kernel receive
+    timestamp and the socket's drop count; blocking reads return every `tick_ns`."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
@@ -353,26 +351,132 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
             sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
         except OSError:
             pass
-        set_recv_buffer(sock, args.rcvbuf_bytes)
-        tick = _rx_tick_ns(duration_wall, idle_wall)
-        set_recv_timeout(sock, tick)
-        sock.bind((args.bind or "", args.port))
-        mark_ready(args.ready_file)
+        set_recv_buffer(sock, rcvbuf)
+        set_recv_timeout(sock, tick_ns)
+        sock.bind((bind_ip, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
+
+class _Receiver:
+    """What the receiver counts: every datagram, its ECN mark, and per flow its sequence."""
+
+    def __init__(self, overhead: int) -> None:
+        self.overhead = overhead
+        self.packets = self.nbytes = 0
+        self.first_bytes: int | None = None
+        self.first_ns: int | None = None      # CLOCK_REALTIME of the first / last arrival
+        self.last_ns: int | None = None
+        self.last_arrival_mono: int | None = None
+        self.foreign = self.ce = self.ect = 0
+        self.socket_drops = 0
+        self.untracked_flow_packets = 0
+        self.tos_counts: dict[int, int] = {}
+        self.flows: dict[tuple[str, int, int], _FlowCounters] = {}
+        self.owd = RunningStats()
+
+    def on_datagram(self, buf: bytearray, n: int, anc: list, addr: tuple[str, int],
+                    now_mono: int) -> None:
+        tos, ts_ns, drops = _parse_ancillary(anc)
+        if ts_ns is None:
+            ts_ns = time.time_ns()
+        if drops is not None:
+            self.socket_drops = drops
+        self.packets += 1
+        self.nbytes += n
+        LIVE.packets = self.packets
+        LIVE.bytes = self.nbytes
+        LIVE.wire_bytes += n + self.overhead
+        if self.first_ns is None:
+            self.first_ns, self.first_bytes = ts_ns, n
+        self.last_ns = ts_ns
+        self.last_arrival_mono = now_mono
+        if tos is not None:
+            self._on_tos(tos)
+        hdr = unpack_header(buf, n)
+        if hdr is None:
+            self.foreign += 1
+        else:
+            self._on_probe(hdr, addr, n, ts_ns)
+
+    def _on_tos(self, tos: int) -> None:
+        self.tos_counts[tos] = self.tos_counts.get(tos, 0) + 1
+        if tos & 3 == CE:
+            self.ce += 1
+            LIVE.ce_packets = self.ce
+        elif tos & 3:
+            self.ect += 1
+            LIVE.ect_packets = self.ect
+
+    def _on_probe(self, hdr: tuple[int, int, int], addr: tuple[str, int], n: int,
+                  ts_ns: int) -> None:
+        """A datagram an agent sent: its flow's sequence accounting and one-way delay."""
+        flow, seq, send_ns = hdr
+        key = (addr[0], addr[1], flow)
+        fc = self.flows.get(key)
+        if fc is None and len(self.flows) < MAX_FLOW_KEYS:
+            fc = self.flows[key] = _FlowCounters()
+        if fc is None:
+            self.untracked_flow_packets += 1
+        else:
+            fc.tracker.observe(seq)
+            fc.bytes += n
+        self.owd.add(ts_ns - send_ns)
+
+    def counters(self, sock: socket.socket, dilation: Dilation, life: Lifecycle) -> dict:
+        overhead = self.overhead
+        # SO_RXQ_OVFL's count rides on packets queued after a drop: when the last
+        # drops came after the last packet (a receiver that stalled while its queue was
+        # full), only the socket itself still knows them.
+        socket_drops = max(self.socket_drops, _meminfo_drops(sock))
+        trackers = [fc.tracker for fc in self.flows.values()]
+        packets, nbytes, first_bytes = self.packets, self.nbytes, self.first_bytes
+        return {
+            "mode": "recv",
+            "port": sock.getsockname()[1],
+            "packets": packets,
+            "bytes": nbytes,
+            "wire_bytes": nbytes + packets * overhead,
+            "start_wall_ns": self.first_ns,
+            "end_wall_ns": self.last_ns,
+            **_rates(dilation, nbytes + packets * overhead,
+                     (first_bytes + overhead) if first_bytes is not None else 0,
+                     nbytes, first_bytes or 0, self.first_ns, self.last_ns),
+            "dilation": dilation.factor,
+            "wire_overhead_bytes": overhead,
+            "lost": sum(t.lost for t in trackers),
+            "reordered": sum(t.reordered for t in trackers),
+            "duplicates": sum(t.duplicates for t in trackers),
+            "foreign_packets": self.foreign,
+            "untracked_flow_packets": self.untracked_flow_packets,
+            "ce_packets": self.ce,
+            "ect_packets": self.ect,
+            "tos_counts": {str(k): v for k, v in sorted(self.tos_counts.items())},
+            "socket_drops": socket_drops,
+            "owd_wall_ns": self.owd.as_dict(),
+            "owd_fabric_ns": self.owd.as_dict(dilation.to_fabric_ns),
+            "flows": {
+                f"{ip}:{port}/{flow}": {**fc.tracker.as_dict(), "bytes": fc.bytes}
+                for (ip, port, flow), fc in sorted(self.flows.items())
+            },
+            "stopped_by": life.stop_reason or "done",
+        }
+
+
+def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
+    dilation = Dilation(args.dilation)
+    duration_wall = dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
+    idle_wall = dilation.to_wall_ns(args.idle_exit_ns) if args.idle_exit_ns else None
+    sock = _make_rx_socket(args.bind or "", args.port, args.rcvbuf_bytes,
+                           _rx_tick_ns(duration_wall, idle_wall))
+    try:
+        mark_ready(args.ready_file)
+        rx = _Receiver(args.wire_overhead_bytes)
         buf = bytearray(65536)
         clock = time.monotonic_ns
-        start = clock()
-        end = start + duration_wall if duration_wall else None
-        packets = nbytes = 0
-        first_bytes = None
-        first_ns = last_ns = None
-        last_arrival_mono = None
-        foreign = ce = ect = 0
-        socket_drops = 0
-        untracked_flow_packets = 0
-        tos_counts: dict[int, int] = {}
-        flows: dict[tuple[str, int, int], _FlowCounters] = {}
-        owd = RunningStats()
+        end = clock() + duration_wall if duration_wall else None
         draining = False
         while True:
             try:
@@ -381,47 +485,11 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
                 n = None
             now = clock()
             if n is not None:
-                tos, ts_ns, drops = _parse_ancillary(anc)
-                if ts_ns is None:
-                    ts_ns = time.time_ns()
-                if drops is not None:
-                    socket_drops = drops
-                packets += 1
-                nbytes += n
-                LIVE.packets = packets
-                LIVE.bytes = nbytes
-                LIVE.wire_bytes += n + overhead
-                if first_ns is None:
-                    first_ns, first_bytes = ts_ns, n
-                last_ns = ts_ns
-                last_arrival_mono = now
-                if tos is not None:
-                    tos_counts[tos] = tos_counts.get(tos, 0) + 1
-                    if tos & 3 == 3:
-                        ce += 1
-                        LIVE.ce_packets = ce
-                    elif tos & 3:
-                        ect += 1
-                        LIVE.ect_packets = ect
-                hdr = unpack_header(buf, n)
-                if hdr is None:
-                    foreign += 1
-                else:
-                    flow, seq, send_ns = hdr
-                    key = (addr[0], addr[1], flow)
-                    fc = flows.get(key)
-                    if fc is None and len(flows) < MAX_FLOW_KEYS:
-                        fc = flows[key] = _FlowCounters()
-                    if fc is None:
-                        untracked_flow_packets += 1
-                    else:
-                        fc.tracker.observe(seq)
-                        fc.bytes += n
-                    owd.add(ts_ns - send_ns)
+                rx.on_datagram(buf, n, anc, addr, now)
             if end is not None and now >= end:
                 life.stop("duration")
-            if (idle_wall and last_arrival_mono is not None
-                    and now - last_arrival_mono >= idle_wall):
+            if (idle_wall and rx.last_arrival_mono is not None
+                    and now - rx.last_arrival_mono >= idle_wall):
                 life.stop("idle")
             if life.should_stop(now):
                 # Read what is already queued in the socket before exiting: those
@@ -431,43 +499,7 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
                 if not draining:
                     draining = True
                     sock.setblocking(False)
-
-        # SO_RXQ_OVFL's count rides on packets queued after a drop: when the last
-        # drops came after the last packet (a receiver that stalled while its queue was
-        # full), only the socket itself still knows them.
-        socket_drops = max(socket_drops, _meminfo_drops(sock))
-        trackers = [fc.tracker for fc in flows.values()]
-        counters = {
-            "mode": "recv",
-            "port": sock.getsockname()[1],
-            "packets": packets,
-            "bytes": nbytes,
-            "wire_bytes": nbytes + packets * overhead,
-            "start_wall_ns": first_ns,
-            "end_wall_ns": last_ns,
-            **_rates(dilation, nbytes + packets * overhead,
-                     (first_bytes + overhead) if first_bytes is not None else 0,
-                     nbytes, first_bytes or 0, first_ns, last_ns),
-            "dilation": dilation.factor,
-            "wire_overhead_bytes": overhead,
-            "lost": sum(t.lost for t in trackers),
-            "reordered": sum(t.reordered for t in trackers),
-            "duplicates": sum(t.duplicates for t in trackers),
-            "foreign_packets": foreign,
-            "untracked_flow_packets": untracked_flow_packets,
-            "ce_packets": ce,
-            "ect_packets": ect,
-            "tos_counts": {str(k): v for k, v in sorted(tos_counts.items())},
-            "socket_drops": socket_drops,
-            "owd_wall_ns": owd.as_dict(),
-            "owd_fabric_ns": owd.as_dict(dilation.to_fabric_ns),
-            "flows": {
-                f"{ip}:{port}/{flow}": {**fc.tracker.as_dict(), "bytes": fc.bytes}
-                for (ip, port, flow), fc in sorted(flows.items())
-            },
-            "stopped_by": life.stop_reason or "done",
-        }
-        return counters, 0
+        return rx.counters(sock, dilation, life), 0
     finally:
         sock.close()
 
