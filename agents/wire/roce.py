@@ -405,13 +405,7 @@ def build_packet(buf: bytearray, ctx: IcrcContext, bth: Bth, reth: Reth | None =
     of range, and for a buffer too small.
     """
     opcode, se, m, pad_count, tver, p_key, fecn, becn, dest_qp, ack_req, psn = bth
-    info = _INFO[opcode] if 0 <= opcode <= 0xFF else None
-    if info is None:
-        raise ValueError(f"opcode {opcode:#x} is not one this transport speaks")
-    if (reth is not None) != info.reth:
-        raise ValueError(f"{info.name} {'needs' if info.reth else 'takes no'} RETH")
-    if (aeth is not None) != info.aeth:
-        raise ValueError(f"{info.name} {'needs' if info.aeth else 'takes no'} AETH")
+    info = _layout_for(opcode, reth, aeth)
     if type(payload) is not bytes:
         payload = memoryview(payload).cast("B")
     n = len(payload)
@@ -450,6 +444,18 @@ def build_packet(buf: bytearray, ctx: IcrcContext, bth: Bth, reth: Reth | None =
     buf[4] = bool(fecn) << 7 | bool(becn) << 6
     _ICRC.pack_into(buf, end, crc)
     return view[:end + ICRC_BYTES]
+
+
+def _layout_for(opcode: int, reth: Reth | None, aeth: Aeth | None) -> OpcodeInfo:
+    """The layout of `opcode`, which the extension headers given must fit."""
+    info = _INFO[opcode] if 0 <= opcode <= 0xFF else None
+    if info is None:
+        raise ValueError(f"opcode {opcode:#x} is not one this transport speaks")
+    if (reth is not None) != info.reth:
+        raise ValueError(f"{info.name} {'needs' if info.reth else 'takes no'} RETH")
+    if (aeth is not None) != info.aeth:
+        raise ValueError(f"{info.name} {'needs' if info.aeth else 'takes no'} AETH")
+    return info
 
 
 def encode_packet(ctx: IcrcContext, bth: Bth, reth: Reth | None = None,
@@ -515,6 +521,8 @@ def parse_packet(data, ctx: IcrcContext | None, *, check_icrc: bool = True) -> P
     end = n - ICRC_BYTES
     (stored,) = _ICRC.unpack_from(view, end)
     if check_icrc:
+        if ctx is None:
+            raise ValueError("check_icrc needs the datagram's IcrcContext")
         try:
             crc = ctx.icrc(view[:end])
         except ValueError as exc:   # longer than any IP datagram can be
@@ -528,24 +536,9 @@ def parse_packet(data, ctx: IcrcContext | None, *, check_icrc: bool = True) -> P
     info = _INFO[opcode]
     if info is None:
         raise MalformedPacket(MalformedReason.UNKNOWN_OPCODE, f"opcode {opcode:#04x}")
-    hdr = info.header_bytes
-    if end < hdr:
-        raise MalformedPacket(MalformedReason.TOO_SHORT, f"{n} bytes for {info.name}")
-    if n & 3:
-        raise MalformedPacket(MalformedReason.BAD_LENGTH, f"{n} bytes is not a multiple of 4")
     pad = (flags >> 4) & 3
-    if info.payload:
-        size = end - hdr - pad
-        if pad and (size < 0 or not info.pad):
-            raise MalformedPacket(MalformedReason.BAD_PAD_COUNT,
-                                  f"PadCnt {pad} on {info.name} with {end - hdr} payload bytes")
-    else:
-        if end != hdr:
-            raise MalformedPacket(MalformedReason.BAD_LENGTH,
-                                  f"{end - hdr} bytes after the {info.name} headers")
-        if pad:
-            raise MalformedPacket(MalformedReason.BAD_PAD_COUNT, f"PadCnt {pad} on {info.name}")
-        size = 0
+    size = _payload_bytes(info, n, end, pad)
+    hdr = info.header_bytes
     reth = aeth = None
     if info.reth:
         reth = _tuple_new(Reth, _RETH.unpack_from(view, BTH_BYTES))
@@ -559,6 +552,28 @@ def parse_packet(data, ctx: IcrcContext | None, *, check_icrc: bool = True) -> P
                            (w1 & 0x80000000) != 0, (w1 & 0x40000000) != 0, w1 & QPN_MASK,
                            (w2 & 0x80000000) != 0, w2 & PSN_MASK))
     return _tuple_new(Parsed, (bth, reth, aeth, view[hdr:hdr + size], stored))
+
+
+def _payload_bytes(info: OpcodeInfo, n: int, end: int, pad: int) -> int:
+    """Payload bytes of an `n`-byte datagram whose ICRC starts at `end`, PadCnt `pad`,
+    checked against the opcode's layout (TOO_SHORT, BAD_LENGTH, BAD_PAD_COUNT)."""
+    hdr = info.header_bytes
+    if end < hdr:
+        raise MalformedPacket(MalformedReason.TOO_SHORT, f"{n} bytes for {info.name}")
+    if n & 3:
+        raise MalformedPacket(MalformedReason.BAD_LENGTH, f"{n} bytes is not a multiple of 4")
+    if info.payload:
+        size = end - hdr - pad
+        if pad and (size < 0 or not info.pad):
+            raise MalformedPacket(MalformedReason.BAD_PAD_COUNT,
+                                  f"PadCnt {pad} on {info.name} with {end - hdr} payload bytes")
+        return size
+    if end != hdr:
+        raise MalformedPacket(MalformedReason.BAD_LENGTH,
+                              f"{end - hdr} bytes after the {info.name} headers")
+    if pad:
+        raise MalformedPacket(MalformedReason.BAD_PAD_COUNT, f"PadCnt {pad} on {info.name}")
+    return 0
 
 
 def parse_datagram(data, src_ip: str, dst_ip: str, sport: int, dport: int = ROCE_UDP_PORT,
