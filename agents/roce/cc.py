@@ -29,7 +29,7 @@ import difflib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Literal, NamedTuple, Protocol, get_args, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, TypedDict, get_args, runtime_checkable
 
 US = 1_000  # fabric ns per fabric microsecond
 MBPS = 1_000_000
@@ -160,7 +160,27 @@ _DCQCN_RULES: dict[str, _Rule] = {
 
 #: HPCC's ns-3 DCQCN (rdma-hw.cc, CC_MODE 1, "Mellanox's version of DCQCN"): the knobs its
 #: code fixes, whatever the timers. Its run.py and config.txt set the rest.
-_HPCC_MLX = dict(
+class _Knobs(TypedDict):
+    """DcqcnParams fields a family of presets shares (the keyword arguments it spreads)."""
+
+    byte_counter_bytes: int | None
+    g: float
+    fast_recovery_steps: int
+    initial_alpha: float
+    cnp_interval_ns: float
+    np_mode: NpMode
+    pmax: float
+    alpha_update: AlphaUpdate
+    cut_with_updated_alpha: bool
+    target_clamp: TargetClamp
+    increase_rule: IncreaseRule
+    hyper_scaled: bool
+    hyper_halves_periods: bool
+    rt_shrink_quirk: bool
+    checks: tuple[str, ...]
+
+
+_HPCC_MLX = _Knobs(
     byte_counter_bytes=None,  # no byte counter in rdma-hw.cc
     g=1 / 256,  # EWMA_GAIN 0.00390625
     fast_recovery_steps=1,  # FAST_RECOVERY_TIMES 1
@@ -484,7 +504,10 @@ def with_overrides(params: DcqcnParams | DctcpParams,
     if problems:
         raise ValueError(f"{kind} overrides: {'; '.join(problems)}; {kind} parameters: "
                          f"{', '.join(tunable)}")
-    return replace(params, **overrides,
+    # Any: the values are the caller's (JSON from the command line); the dataclass's own
+    # checks (__post_init__) judge them.
+    changes: dict[str, Any] = dict(overrides)
+    return replace(params, **changes,
                    checks=tuple(c for c in params.checks if c not in overrides))
 
 
@@ -493,9 +516,11 @@ def effective_params(kind: str, preset_name: str | None, line_rate_bps: float,
                      ) -> DcqcnParams | DctcpParams | None:
     """The parameter set a QP of `kind` runs with on a link of `line_rate_bps`: the preset,
     scaled to the link, then the overrides (absolute values). None for kind "none"."""
-    if kind == "dcqcn":
-        return with_overrides(preset(preset_name, line_rate_bps), overrides)
-    if kind == "dctcp":
+    if kind in ("dcqcn", "dctcp"):
+        if preset_name is None:
+            raise ValueError(f"congestion control {kind!r} needs a preset name")
+        if kind == "dcqcn":
+            return with_overrides(preset(preset_name, line_rate_bps), overrides)
         return with_overrides(dctcp_preset(preset_name, line_rate_bps), overrides)
     if kind == "none":
         if overrides:
@@ -549,6 +574,11 @@ def _check_line_rate(line_rate_bps: float, min_rate_bps: float, name: str) -> fl
 _ALPHA, _DECREASE, _INCREASE = 0, 1, 2  # timer ids; at equal deadlines they fire in this order
 
 
+def _byte_counter_period(p: DcqcnParams) -> float:
+    """Bytes from a rate cut to the first byte-counter event (never, without a counter)."""
+    return math.inf if p.byte_counter_bytes is None else p.byte_counter_bytes
+
+
 class DcqcnRp:
     """DCQCN reaction point of one QP: current rate Rc, target rate Rt, alpha, timers.
 
@@ -574,8 +604,8 @@ class DcqcnRp:
         self._decrease_pending = False  # deferred decrease: a CNP arrived since last tick
         self._t_stage = 0
         self._bc_stage = 0
-        self._bc_bytes = 0
-        self._bc_threshold = params.byte_counter_bytes
+        self._bc_bytes: float = 0     # counted since the last cut (a threshold may be half)
+        self._bc_threshold = _byte_counter_period(params)
         self._phase = PHASE_INIT
         self._c = {"cnps": 0, "ecn_echoes": 0, "rate_decreases": 0, "alpha_updates": 0,
                    "timer_events": 0, "byte_events": 0, "decrease_ticks": 0, "bytes_sent": 0}
@@ -725,7 +755,8 @@ class DcqcnRp:
 
     def _fire_decrease(self, deadline: float) -> None:
         self._c["decrease_ticks"] += 1
-        self._deadline[_DECREASE] = deadline + self.params.rate_decrease_interval_ns
+        interval = self.params.rate_decrease_interval_ns   # armed only when there is one
+        self._deadline[_DECREASE] = None if interval is None else deadline + interval
         if self._decrease_pending:
             self._decrease_pending = False
             self._cut(deadline)
@@ -752,7 +783,7 @@ class DcqcnRp:
         self._t_stage = 0
         self._bc_stage = 0
         self._bc_bytes = 0
-        self._bc_threshold = p.byte_counter_bytes
+        self._bc_threshold = _byte_counter_period(p)
         self._deadline[_INCREASE] = now + p.increase_timer_ns
         self._phase = PHASE_FAST
         self._c["rate_decreases"] += 1
@@ -872,6 +903,11 @@ class DctcpRp:
     """
 
     kind = "dctcp"
+    # the window being counted, from its start (_reset_window)
+    _win_sent: int
+    _win_acked: int
+    _win_marked: int
+    _win_cut: bool
 
     def __init__(self, params: DctcpParams, line_rate_bps: float, now_ns: float) -> None:
         self.params = params
@@ -1033,8 +1069,8 @@ def make_cc(kind: str, preset_name: str | None, line_rate_bps: float, now_ns: fl
     ignores the preset name. `overrides` replace preset values (`effective_params`).
     """
     params = effective_params(kind, preset_name, line_rate_bps, overrides)   # checks them
-    if kind == "none":
-        return NoCc(line_rate_bps, now_ns)
-    if kind == "dcqcn":
+    if isinstance(params, DcqcnParams):
         return DcqcnRp(params, line_rate_bps, now_ns)
-    return DctcpRp(params, line_rate_bps, now_ns)
+    if isinstance(params, DctcpParams):
+        return DctcpRp(params, line_rate_bps, now_ns)
+    return NoCc(line_rate_bps, now_ns)          # kind "none": no parameters
