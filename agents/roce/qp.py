@@ -201,7 +201,7 @@ class WcStatus:
     FLUSHED = "flushed"                             # IBV_WC_WR_FLUSH_ERR
 
 
-_NAK_STATUS = {
+_NAK_STATUS: dict[int, str] = {
     NakCode.INVALID_REQUEST: WcStatus.REMOTE_INVALID_REQUEST,
     NakCode.REMOTE_ACCESS_ERROR: WcStatus.REMOTE_ACCESS_ERROR,
     NakCode.REMOTE_OPERATIONAL_ERROR: WcStatus.REMOTE_OPERATIONAL_ERROR,
@@ -1039,7 +1039,8 @@ class RcQp:
             self.ce_packets_received += 1
         op = p.bth.opcode
         if op == _OP_ACK:
-            self.requester.on_ack(p.bth, p.aeth, now_ns)
+            if p.aeth is not None:          # parse_packet gives every ACKNOWLEDGE its AETH
+                self.requester.on_ack(p.bth, p.aeth, now_ns)
         elif op in CNP_OPCODES:
             self.requester.on_cnp(now_ns)
         else:

@@ -62,6 +62,7 @@ from agents.wire.roce import (
     IP_MTU_DISCOVER,
     IP_PMTUDISC_DO,
     ROCE_UDP_PORT,
+    IcrcContext,
     MalformedPacket,
     MalformedReason,
     icrc_context,
@@ -184,7 +185,7 @@ class Endpoint:
         self.sock = sock
         self.port = sock.getsockname()[1]
         self._qps: dict[int, Binding] = {}
-        self._rx_ctx: dict[tuple[str, int], object] = {}
+        self._rx_ctx: dict[tuple[str, int], IcrcContext] = {}
         self._buf = bytearray(65536)
         self._view = memoryview(self._buf)
         self.malformed = {r.name: 0 for r in MalformedReason}

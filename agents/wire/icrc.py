@@ -129,7 +129,8 @@ def ipv6_header_for_icrc(src: str, dst: str, payload_len: int, *, traffic_class:
     return _IPV6.pack(first, payload_len, next_header, hop_limit, s, d)
 
 
-def masked_pseudo_header(ip_header: bytes, udp_header: bytes) -> bytes:
+def masked_pseudo_header(ip_header: bytes | bytearray | memoryview,
+                         udp_header: bytes | bytearray | memoryview) -> bytes:
     """8 x 0xFF + IP header + UDP header, with the fields the ICRC ignores set to all ones."""
     ip = bytearray(ip_header)
     version = ip[0] >> 4
