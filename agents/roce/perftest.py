@@ -29,6 +29,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -138,7 +139,7 @@ def make_np(args, kind: str, params: DcqcnParams | DctcpParams | None) -> DcqcnN
     """The notification point of a responder: the DCQCN parameters' interval and mode
     (--cnp-interval-ns replaces the interval); DCTCP gets a CNP for every CE packet (or
     one per --cnp-interval-ns); no CC sends no CNPs unless --cnp-interval-ns asks."""
-    if kind == "dcqcn":
+    if isinstance(params, DcqcnParams):         # kind "dcqcn"
         interval = (args.cnp_interval_ns if args.cnp_interval_ns is not None
                     else params.cnp_interval_ns)
         return DcqcnNp(interval, params.np_mode)
@@ -451,7 +452,7 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
         else:
             result = _client_bw(args, life, engine, bindings, bufs, remote, slots)
         live.phase = "done"
-        verify = {"verified": None, "first_mismatch": None}
+        verify: dict[str, object] = {"verified": None, "first_mismatch": None}
         if not ctl.closed:
             ctl.send({"done": True, "messages": result["per_qp_messages"],
                       "stopped_by": life.stop_reason})
@@ -525,6 +526,15 @@ def _rates(dilation: Dilation, nbytes: int, messages: int, packets: int, wall_ns
     }
 
 
+@dataclass
+class _BwProgress:
+    """Where a bandwidth test's client is: still posting, and what ended it."""
+
+    posting: bool = True
+    failed: str | None = None           # status of an error completion, if one came
+    duration_ended: bool = False
+
+
 def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
                bufs: list[np.ndarray], remote: list[dict], slots: int) -> dict:
     size = args.size
@@ -534,30 +544,30 @@ def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
     posted = [0] * n
     completed = [0] * n
     nbytes = [0] * n
-    views = [memoryview(b) for b in bufs]
+    views = [b.data for b in bufs]      # memoryviews of the patterns
     slot_views = [[views[i][k * size:(k + 1) * size] for k in range(slots)] for i in range(n)]
     reqs = [b.qp.requester for b in bindings]
     depth = args.tx_depth
     send = args.test == "send_bw"
     start = time.monotonic_ns()
     end = start + dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
-    state = {"posting": True, "failed": None, "duration_ended": False}
+    state = _BwProgress()
 
     def hook() -> None:
-        if state["posting"] and end is not None and time.monotonic_ns() >= end:
-            state["posting"] = False
-            state["duration_ended"] = True
+        if state.posting and end is not None and time.monotonic_ns() >= end:
+            state.posting = False
+            state.duration_ended = True
         for i in range(n):
             r = reqs[i]
             comps = r.completions
             while comps:
                 c = comps.popleft()
                 if c.status != WcStatus.SUCCESS:
-                    state["failed"] = c.status
+                    state.failed = c.status
                     continue
                 completed[i] += 1
                 nbytes[i] += c.byte_len
-            if state["posting"]:
+            if state.posting:
                 while r.outstanding_messages < depth and (iters is None or posted[i] < iters):
                     k = posted[i] % slots
                     if send:
@@ -568,11 +578,11 @@ def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
                     posted[i] += 1
 
     def done() -> bool:
-        if state["failed"] or any(r.state != "rts" for r in reqs):
+        if state.failed or any(r.state != "rts" for r in reqs):
             return True
-        if state["posting"] and iters is not None and all(p >= iters for p in posted):
-            state["posting"] = False
-        return not state["posting"] and all(r.idle for r in reqs)
+        if state.posting and iters is not None and all(p >= iters for p in posted):
+            state.posting = False
+        return not state.posting and all(r.idle for r in reqs)
 
     hook()
     try:
@@ -585,8 +595,8 @@ def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
     total = sum(nbytes)
     msgs = sum(completed)
     return {"messages": msgs, "bytes": total, "per_qp_messages": completed,
-            "data_packets_sent": packets, "completion_error": state["failed"],
-            "duration_ended": state["duration_ended"], "first_post_mono_ns": start,
+            "data_packets_sent": packets, "completion_error": state.failed,
+            "duration_ended": state.duration_ended, "first_post_mono_ns": start,
             **_rates(dilation, total, msgs, packets, wall_ns)}
 
 
@@ -597,7 +607,7 @@ def _client_lat(args, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarr
     dilation = engine.dilation
     qp = b.qp
     r, rs = qp.requester, qp.responder
-    view = memoryview(buf)[:size]
+    view = buf.data[:size]
     samples: list[int] = []
     start = time.monotonic_ns()
     end = start + dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
@@ -608,11 +618,14 @@ def _client_lat(args, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarr
             if end is not None and time.monotonic_ns() >= end:
                 ended = True
                 break
-            seen = rs.write_messages
+
+            def answered(seen: int = rs.write_messages) -> bool:
+                """The server's WRITE back has landed (or the QP failed)."""
+                return rs.write_messages > seen or r.state != "rts"
+
             t0 = time.monotonic_ns()
             r.post_write(i, view, remote["va"], remote["rkey"])
-            engine.run(lambda seen=seen: rs.write_messages > seen or r.state != "rts",
-                       stop=life.should_stop)
+            engine.run(answered, stop=life.should_stop)
             if life.stop_reason is not None or r.state != "rts":
                 break
             samples.append(time.monotonic_ns() - t0)
@@ -792,7 +805,7 @@ class _Serving:
         self.done_msg: dict | None = None
         self.recv_count = [0] * len(bindings)
         self.lat_seen = [0] * len(bindings)
-        self.lat_view = (memoryview(pattern(seed ^ 0x5A5A, max(size, 1)))[:size]
+        self.lat_view = (pattern(seed ^ 0x5A5A, max(size, 1)).data[:size]
                          if test == "write_lat" else memoryview(b""))
         per_qp: dict[str, Callable[[int, Binding], None]] = {
             "send_bw": self._take_sends, "write_lat": self._write_back}
