@@ -279,11 +279,12 @@ class Agent:
         for action in self.requests.replace(egress_reason(port.ifname), tc, holders, now):
             self._send(action, port.maps.vq_bytes(tc), crossed)
 
-    def on_events(self) -> None:
-        """Wake-up by the ring buffer: re-read what each event names, act on it."""
+    def on_events(self, node_maps: NodeMaps) -> None:
+        """Wake-up by the ring buffer: re-read what each event names, act on it; rescan
+        when the ring overflowed (events were lost)."""
         self.wakeups += 1
         now = self.now_fabric_ns()
-        for ev in self.node_maps.events():
+        for ev in node_maps.events():
             if ev.tc not in self.tracked:
                 continue
             if ev.kind in ("xoff", "xon"):
@@ -295,13 +296,15 @@ class Agent:
                 self.log("lossless_drop", port.ifname if port else "", ev.tc,
                          ingress=self.by_slot[ev.slot].ifname if ev.slot in self.by_slot
                          else "local", occupancy_bytes=ev.bytes)
+        if node_maps.head().events_lost != self.events_lost_seen:
+            self.rescan(node_maps)
 
-    def rescan(self) -> None:
+    def rescan(self, node_maps: NodeMaps) -> None:
         """Every tracked (slot, class) and hot egress queue, from the maps: catches a lost
         event, and new contributors to a queue under egress protection."""
         self.rescans += 1
         now = self.now_fabric_ns()
-        head = self.node_maps.head()
+        head = node_maps.head()
         self.events_lost_seen = head.events_lost
         for tc in self.tracked:
             for port in self.ports:
@@ -335,31 +338,33 @@ class Agent:
                 "rescans": self.rescans}
 
     def run(self, life: Lifecycle) -> None:
-        socks: dict[int, Port | None] = {p.sock.fileno(): p for p in self.ports}
-        if self.node_maps is not None:
-            socks[self.node_maps.ring.fileno()] = None
-            self.rescan()
-            self.node_maps.events()          # stale ones: the rescan read the truth
+        ports: dict[int, Port] = {p.sock.fileno(): p for p in self.ports}
+        fds = list(ports)
+        node_maps = self.node_maps           # switches with tracked classes only
+        ring_fd = None
+        if node_maps is not None:
+            ring_fd = node_maps.fileno()
+            fds.append(ring_fd)
+            self.rescan(node_maps)
+            node_maps.events()               # stale ones: the rescan read the truth
         while not life.should_stop():
             now_wall = time.monotonic_ns()
-            if self.node_maps is not None and now_wall >= self.next_rescan:
+            if node_maps is not None and now_wall >= self.next_rescan:
                 self.next_rescan = now_wall + RESCAN_WALL_NS
-                self.rescan()
+                self.rescan(node_maps)
             wait_wall = MAX_WAIT_WALL_NS
             for deadline in (self.timer.next_deadline_ns(), self.requests.next_refresh_ns()):
                 if deadline is not None:
                     wait_wall = min(wait_wall, self.dilation.to_wall_ns(
                         max(0.0, deadline - self.now_fabric_ns())))
-            if self.node_maps is not None:
+            if node_maps is not None:
                 wait_wall = min(wait_wall, max(0, self.next_rescan - now_wall))
-            ready, _, _ = select.select(list(socks), [], [], max(0, wait_wall) / 1e9)
+            ready, _, _ = select.select(fds, [], [], max(0, wait_wall) / 1e9)
             for fd in ready:
-                port = socks[fd]
-                if port is None:
-                    self.on_events()
-                    if self.node_maps.head().events_lost != self.events_lost_seen:
-                        self.rescan()
+                if node_maps is not None and fd == ring_fd:
+                    self.on_events(node_maps)
                     continue
+                port = ports[fd]
                 while True:
                     try:
                         data = port.sock.recv(2048)
