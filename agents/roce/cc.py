@@ -203,9 +203,10 @@ _HPCC = "alibaba-edu/High-Precision-Congestion-Control simulation/"
 #: `reference_rate_bps`. Use `preset(name, line_rate_bps)` to get one for a link.
 #: docs/dcqcn.md tabulates them with their sources.
 PRESETS: dict[str, DcqcnParams] = {
-    # DCQCN paper (Zhu et al., SIGCOMM 2015), 40 Gb/s testbed. Every value of the paper's
-    # row in FACTS.md is [check]; R_HAI, min rate and initial alpha are not in that row
-    # (R_HAI and min rate borrowed from the authors' ns-3 code).
+    # DCQCN paper (Zhu et al., SIGCOMM 2015), its 40 Gb/s testbed. No value is checked
+    # against the paper's text yet (every field is in `checks`); R_HAI, the minimum rate
+    # and the initial alpha were not among the values read from it: R_HAI and the
+    # minimum rate are borrowed from the authors' ns-3 code (bobzhuyb/ns3-rdma).
     "paper": DcqcnParams(
         name="paper",
         alpha_timer_ns=55 * US,

@@ -7,10 +7,12 @@ event. Everything the QPs see is fabric time (`agents.timebase.FabricClock`);
 the engine converts a fabric wait into a wall sleep through the `Dilation` and
 nowhere else.
 
-Sockets (FACTS.md, "RoCEv2 on the wire" and "Kernel mechanics"):
+Sockets:
 
-- IPv4 UDP, UNCONNECTED, IP_MTU_DISCOVER = IP_PMTUDISC_DO: DF is set and Linux
-  sends IPv4 ID 0, which is what the ICRC the sender computes assumes.
+- IPv4 UDP, UNCONNECTED, IP_MTU_DISCOVER = IP_PMTUDISC_DO: DF is set, and Linux
+  gives a DF datagram IPv4 ID 0 unless its socket is connected
+  (ip_select_ident_segs); the ICRC the sender computes assumes ID 0, since the
+  ICRC covers the IP header's ID (`agents.wire.icrc`).
 - The responder side (the perftest server) binds port 4791. Each requester QP
   binds its own source port 0xC000 | hash_32(QPN, 14), as rxe does, so ECMP
   spreads QPs; the next QPN is tried when that port is taken. Requests go to

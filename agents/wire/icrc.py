@@ -1,7 +1,8 @@
 """RoCEv2 invariant CRC (ICRC) for a user-space sender and receiver on UDP sockets.
 
-The ICRC is the last 4 bytes of a RoCEv2 UDP payload (FACTS.md, "RoCEv2 on the
-wire")::
+The ICRC is the last 4 bytes of a RoCEv2 UDP payload. IBTA Annex A17 computes
+it as InfiniBand does: 8 bytes of ones stand for IB's masked LRH, and the IP
+and UDP headers, their variant fields masked, take the GRH's place::
 
     crc = zlib.crc32(b"\\xff" * 8              # the masked LRH of InfiniBand
                      + ip_header_masked        # IPv4: TOS, TTL, checksum -> all ones
@@ -66,7 +67,7 @@ IPV6_HEADER_BYTES = 40
 UDP_HEADER_BYTES = 8
 IPPROTO_UDP = 17
 IP_DF = 0x4000
-# Python's socket module lacks these (FACTS.md, "Kernel mechanics").
+# Python's socket module lacks these; Linux's values (include/uapi/linux/in.h).
 IP_MTU_DISCOVER = 10
 IP_PMTUDISC_DO = 2
 

@@ -1,6 +1,8 @@
 """RoCEv2 wire formats: BTH, RETH, AETH, CNP, PSN arithmetic, packet build and parse.
 
-Layout (FACTS.md, "RoCEv2 on the wire"), all big-endian except the ICRC::
+Layout (InfiniBand Architecture Specification Vol. 1, chapter 9: BTH, RETH,
+AETH; IBTA Annex A17, RoCEv2: the IB transport over UDP destination port 4791,
+and the CNP), all big-endian except the ICRC::
 
     UDP payload = BTH (12) [+ RETH (16) | AETH (4) | CNP reserved (16)] + payload + pad + ICRC (4)
 

@@ -59,7 +59,7 @@ def rp(name: str, line_bps: float = 40 * G, now: float = 0) -> DcqcnRp:
 # --- presets -----------------------------------------------------------------------------
 
 
-def test_presets_carry_the_facts_table_values():
+def test_presets_carry_their_sources_values():
     p = PRESETS["paper"]
     assert (p.alpha_timer_ns, p.increase_timer_ns, p.byte_counter_bytes) == (55 * US, 55 * US,
                                                                              10_000_000)
@@ -89,7 +89,7 @@ def test_presets_carry_the_facts_table_values():
     assert (c.rai_bps, c.rhai_bps, c.min_rate_bps, c.scaling) == (50 * M, 100 * M, 100 * M,
                                                                   "absolute")
     assert (c.kmin_bytes, c.kmax_bytes, c.pmax) == (400_000, 1_600_000, 0.2)
-    # the paper row of FACTS.md is [check] throughout
+    # no value of the paper preset is checked against the paper's text yet: all in checks
     assert {"alpha_timer_ns", "byte_counter_bytes", "rai_bps", "kmin_bytes"} <= set(p.checks)
 
 
@@ -129,7 +129,8 @@ def test_hpcc_rates_and_thresholds_scale_per_25g_and_the_paper_stays_absolute():
     assert (h.rai_bps, h.rhai_bps) == (20 * M, 200 * M)
     assert (h.kmin_bytes, h.kmax_bytes) == (400_000, 1_600_000)
     assert h.min_rate_bps == 1 * G  # MIN_RATE is not scaled by HPCC's run.py
-    assert preset("hpcc-ns3", 50 * G).kmin_bytes == 200_000  # FACTS: 50G 200/800 KB
+    # run.py's KMIN/KMAX are 100/400 KB per 25G: 200/800 KB at 50G
+    assert preset("hpcc-ns3", 50 * G).kmin_bytes == 200_000
     assert preset("paper", 100 * G) is PRESETS["paper"]
     # explicit scaling of a 40G preset to 100G: 40 Mb/s x 100/40 = 100 Mb/s
     assert preset("paper", 100 * G, scale=True).rai_bps == 100 * M
