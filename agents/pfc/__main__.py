@@ -149,7 +149,7 @@ def load_ports(plan: dict, node: str, lab: str) -> tuple[dict, list[Port]]:
 
 
 class Agent:
-    def __init__(self, args) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         self.plan = json.loads(Path(args.plan).read_text())
         self.node = args.node
         self.lab = self.plan["lab"]
@@ -186,7 +186,7 @@ class Agent:
     def now_fabric_ns(self) -> float:
         return self.dilation.to_fabric_ns(time.monotonic_ns() - self.t0)
 
-    def log(self, kind: str, port: str, tc: int, **detail) -> None:
+    def log(self, kind: str, port: str, tc: int, **detail: object) -> None:
         """Note an event now; it is written (JSON) by flush_log, after the loop's frames."""
         if self.events is not None:
             self.pending.append((time.monotonic_ns(), kind, port, tc, detail))

@@ -28,6 +28,7 @@ import select
 import socket
 import sys
 import time
+from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -107,7 +108,7 @@ def latency_stats(samples_ns: list[float]) -> dict:
             "p99_9": pct(0.999) * to_us}
 
 
-def cc_settings(args) -> tuple[str, str | None]:
+def cc_settings(args: Namespace) -> tuple[str, str | None]:
     """(kind, preset) from --cc / --cc-preset, with each kind's default preset."""
     kind = args.cc
     name = args.cc_preset
@@ -126,7 +127,7 @@ def cc_settings(args) -> tuple[str, str | None]:
     return kind, name
 
 
-def cc_params(args, cc: tuple[str, str | None]) -> DcqcnParams | DctcpParams | None:
+def cc_params(args: Namespace, cc: tuple[str, str | None]) -> DcqcnParams | DctcpParams | None:
     """The parameters every QP runs with: the preset scaled to --line-rate-bps, then
     --cc-params (absolute values); None without congestion control."""
     try:
@@ -135,7 +136,7 @@ def cc_params(args, cc: tuple[str, str | None]) -> DcqcnParams | DctcpParams | N
         raise TestError(f"--cc-params: {e}") from None
 
 
-def make_np(args, kind: str, params: DcqcnParams | DctcpParams | None) -> DcqcnNp | None:
+def make_np(args: Namespace, kind: str, params: DcqcnParams | DctcpParams | None) -> DcqcnNp | None:
     """The notification point of a responder: the DCQCN parameters' interval and mode
     (--cnp-interval-ns replaces the interval); DCTCP gets a CNP for every CE packet (or
     one per --cnp-interval-ns); no CC sends no CNPs unless --cnp-interval-ns asks."""
@@ -150,14 +151,14 @@ def make_np(args, kind: str, params: DcqcnParams | DctcpParams | None) -> DcqcnN
     return None
 
 
-def cc_record(args, cc: tuple[str, str | None],
+def cc_record(args: Namespace, cc: tuple[str, str | None],
               params: DcqcnParams | DctcpParams | None) -> dict:
     """What a run directory needs to show which congestion control ran."""
     return {"cc": cc[0], "cc_preset": cc[1], "cc_overrides": dict(args.cc_params),
             "cc_params": params.to_dict() if params is not None else None}
 
 
-def qp_attrs(args, mtu: int) -> QpAttrs:
+def qp_attrs(args: Namespace, mtu: int) -> QpAttrs:
     return QpAttrs(mtu=mtu, window_packets=args.window_packets, ack_req_every=args.ack_req_every,
                    ack_every=args.ack_every, timeout_ns=args.timeout_ns,
                    retry_cnt=args.retry_cnt, max_burst_bytes=args.max_burst_bytes)
@@ -290,7 +291,7 @@ def flat_counters(role: str, qps: list[dict]) -> dict:
     return out
 
 
-def _header(args, title: str, dilation: Dilation, cc: tuple[str, str | None], qps: int,
+def _header(args: Namespace, title: str, dilation: Dilation, cc: tuple[str, str | None], qps: int,
             mtu: int) -> str:
     line = "-" * 87
     kind, name = cc
@@ -308,8 +309,11 @@ def _header(args, title: str, dilation: Dilation, cc: tuple[str, str | None], qp
     ])
 
 
-def bw_table(args, title, dilation, cc, qps, mtu, size, iters, bw_fabric, rate_fabric,
-             bw_wall, rate_wall) -> str:
+def bw_table(args: Namespace, title: str, dilation: Dilation, cc: tuple[str, str | None],
+             qps: int, mtu: int, size: int, iters: int, bw_fabric: float, rate_fabric: float,
+             bw_wall: float, rate_wall: float) -> str:
+    """perftest's bandwidth table: the header, then one row (fabric units, --wall adds
+    wall units)."""
     cols = " #bytes     #iterations    BW average[Gb/sec]   MsgRate[Mpps]"
     row = f" {size:<10} {iters:<14} {bw_fabric / 1e9:<20.2f} {rate_fabric / 1e6:<.6f}"
     if args.wall:
@@ -318,12 +322,14 @@ def bw_table(args, title, dilation, cc, qps, mtu, size, iters, bw_fabric, rate_f
     return "\n".join([_header(args, title, dilation, cc, qps, mtu), cols, row, "-" * 87])
 
 
-def lat_table(args, title, dilation, cc, mtu, size, iters, fab: dict, wall: dict) -> str:
+def lat_table(args: Namespace, title: str, dilation: Dilation, cc: tuple[str, str | None],
+              mtu: int, size: int, iters: int, fab: dict, wall: dict) -> str:
+    """perftest's latency table: the header, then the fabric row (and the wall row)."""
     cols = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    "
             "t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]")
 
     def row(st: dict, tag: str) -> str:
-        def f(v):
+        def f(v: float | None) -> str:
             return f"{v:.2f}" if v is not None else "-"
         return (f" {size:<6} {iters:<13} {f(st['t_min']):<14} {f(st['t_max']):<12} "
                 f"{f(st['t_typical']):<18} {f(st['t_avg']):<14} {f(st['t_stdev']):<15} "
@@ -363,7 +369,7 @@ def _connect(server: str, port: int, bind: str | None, timeout_s: float,
 # --- client -----------------------------------------------------------------------------
 
 
-def _client_qps(local_ip: str, args, life: Lifecycle) -> list[tuple[int, Endpoint]]:
+def _client_qps(local_ip: str, args: Namespace, life: Lifecycle) -> list[tuple[int, Endpoint]]:
     """(QPN, endpoint bound to rxe_sport(QPN)) for each QP; a taken port moves to the next QPN."""
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     qpn = args.qpn_base if args.qpn_base is not None else rng.randrange(0x100, 0xF00000)
@@ -390,7 +396,7 @@ def _client_qps(local_ip: str, args, life: Lifecycle) -> list[tuple[int, Endpoin
     return out
 
 
-def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
+def run_client(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     clock = FabricClock(dilation)
     cc = cc_settings(args)
@@ -434,7 +440,7 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
         for i, (qpn, ep) in enumerate(qp_eps):
             r = remote[i]
             ctx = icrc_context(local_ip, args.server, ep.port, udp_port)
-            mr = MemoryRegion(back[i], hello["qps"][i]["va"], back_rkeys[i])
+            mr = MemoryRegion(back[i].data, hello["qps"][i]["va"], back_rkeys[i])
             qp = RcQp(qpn, r["qpn"], ctx, attrs,
                       make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns(), args.cc_params),
                       np=make_np(args, cc[0], params), mrs={mr.rkey: mr}, clock=clock,
@@ -535,7 +541,7 @@ class _BwProgress:
     duration_ended: bool = False
 
 
-def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
+def _client_bw(args: Namespace, life: Lifecycle, engine: Engine, bindings: list[Binding],
                bufs: list[np.ndarray], remote: list[dict], slots: int) -> dict:
     size = args.size
     iters = args.iters
@@ -600,7 +606,7 @@ def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
             **_rates(dilation, total, msgs, packets, wall_ns)}
 
 
-def _client_lat(args, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarray,
+def _client_lat(args: Namespace, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarray,
                 remote: dict, back: np.ndarray) -> dict:
     size = args.size
     iters = args.iters
@@ -649,7 +655,7 @@ def _client_lat(args, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarr
 # --- server -----------------------------------------------------------------------------
 
 
-def _accept(args, life: Lifecycle) -> tuple[socket.socket, socket.socket]:
+def _accept(args: Namespace, life: Lifecycle) -> tuple[socket.socket, socket.socket]:
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     lsock.bind((args.bind or "", args.port))
@@ -674,7 +680,7 @@ def _accept(args, life: Lifecycle) -> tuple[socket.socket, socket.socket]:
             return lsock, conn
 
 
-def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
+def run_server(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     cc = cc_settings(args)
     params = cc_params(args, cc)
@@ -719,7 +725,7 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
             rkey = rng.randrange(1, 1 << 32)
             mem = np.zeros(max(1, slots * size if test != "send_bw" else 1), dtype=np.uint8)
             mems.append(mem)
-            mr = MemoryRegion(mem, int(mem.ctypes.data), rkey)
+            mr = MemoryRegion(mem.data, int(mem.ctypes.data), rkey)
             ctx = icrc_context(local_ip, peer_ip, ep.port, int(c["sport"]))
             qp = RcQp(qpn, int(c["qpn"]), ctx, attrs,
                       make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns(), args.cc_params),
@@ -730,7 +736,7 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
                 depth = max(1, min(MAX_RECV_DEPTH, args.buffer_bytes // max(size, 1)))
                 rbufs = [np.zeros(max(size, 1), dtype=np.uint8) for _ in range(depth)]
                 for k, rb in enumerate(rbufs):
-                    qp.responder.post_recv(k, rb)
+                    qp.responder.post_recv(k, rb.data)
                 rq_bufs.append(rbufs)
             reply.append({"qpn": qpn, "psn": psn, "rkey": rkey, "va": mr.va,
                           "length": mr.length})
@@ -825,7 +831,7 @@ class _Serving:
             if self.verified and self.expected is not None:
                 self._check(i, c.byte_len, buf, self.expected[i])
             self.recv_count[i] += 1
-            rs.post_recv(c.wr_id, buf)
+            rs.post_recv(c.wr_id, buf.data)
 
     def _check(self, i: int, byte_len: int, buf: np.ndarray, want: np.ndarray) -> None:
         """Received SEND number recv_count[i] of QP i must be slot (that mod slots) of

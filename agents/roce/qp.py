@@ -51,7 +51,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import NamedTuple, Protocol
 
+from agents.roce.cc import DcqcnNp, RateController
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
+from agents.wire import BytesLike
 from agents.wire.roce import (
     AETH_BYTES,
     BTH_BYTES,
@@ -142,7 +144,7 @@ _ZPAD = bytes(4)
 
 def build_data_packet(buf: bytearray, view: memoryview, ctx: IcrcContext, opcode: int,
                       p_key: int, dest_qp: int, ack_req: bool, psn: int,
-                      reth: tuple[int, int, int] | None, payload) -> memoryview:
+                      reth: tuple[int, int, int] | None, payload: BytesLike) -> memoryview:
     """The requester's fast path: BTH [+ RETH] + payload + pad + ICRC into `buf`.
 
     Byte for byte what `agents.wire.roce.build_packet` makes for the same fields (a unit
@@ -272,7 +274,7 @@ class MemoryRegion:
 
     __slots__ = ("va", "rkey", "length", "view", "remote_write")
 
-    def __init__(self, buf, va: int, rkey: int, *, remote_write: bool = True) -> None:
+    def __init__(self, buf: BytesLike, va: int, rkey: int, *, remote_write: bool = True) -> None:
         view = memoryview(buf)
         if view.readonly:
             raise ValueError("a memory region needs a writable buffer")
@@ -317,12 +319,18 @@ class RatePacer:
         self._due = base + wire_bytes * 8e9 / rate_bps
 
 
+#: What a finished WQE holds instead of its message: the caller's buffer is let go.
+_RELEASED = memoryview(b"")
+
+
 class _Wqe:
     """One posted send-queue work request."""
 
     __slots__ = ("wr_id", "ops", "kind", "data", "length", "va", "rkey", "first_psn", "npkts")
 
-    def __init__(self, wr_id, ops, kind, data, length, va, rkey, first_psn, npkts) -> None:
+    def __init__(self, wr_id: int, ops: tuple[int, int, int, int], kind: str,
+                 data: memoryview, length: int, va: int, rkey: int, first_psn: int,
+                 npkts: int) -> None:
         self.wr_id = wr_id
         self.ops = ops
         self.kind = kind
@@ -354,8 +362,8 @@ def _as_bytes_view(data) -> memoryview:
 class RcRequester:
     """Send side of an RC QP: segmentation, PSNs, window, pacing, ACK/NAK/timeout, DCQCN RP."""
 
-    def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs, cc, *,
-                 psn: int = 0, clock: Clock | None = None) -> None:
+    def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs,
+                 cc: RateController, *, psn: int = 0, clock: Clock | None = None) -> None:
         if not (0 <= qpn <= QPN_MASK and 0 <= dest_qpn <= QPN_MASK):
             raise ValueError(f"QPNs must be 24 bits: {qpn}, {dest_qpn}")
         if not 0 <= psn <= PSN_MASK:
@@ -411,11 +419,11 @@ class RcRequester:
 
     # -- posting
 
-    def post_write(self, wr_id: int, local, remote_va: int, rkey: int) -> None:
+    def post_write(self, wr_id: int, local: BytesLike, remote_va: int, rkey: int) -> None:
         """Post an RDMA WRITE of the whole of `local` to `remote_va` under `rkey`."""
         self._post(wr_id, _WRITE_OPS, "write", local, remote_va, rkey)
 
-    def post_send(self, wr_id: int, local) -> None:
+    def post_send(self, wr_id: int, local: BytesLike) -> None:
         """Post a SEND of the whole of `local` (lands in the peer's next receive buffer)."""
         self._post(wr_id, _SEND_OPS, "send", local, 0, 0)
 
@@ -638,7 +646,7 @@ class RcRequester:
             self.completions.append(Completion(w.wr_id, WcStatus.SUCCESS, w.kind, w.length))
             self.messages_completed += 1
             self.bytes_completed += w.length
-            w.data = None
+            w.data = _RELEASED
             head += 1
         self._head = head
         ahead = (new - self._snd) & PSN_MASK
@@ -673,7 +681,7 @@ class RcRequester:
             self.completions.append(Completion(w.wr_id, status if first else WcStatus.FLUSHED,
                                                w.kind, 0))
             first = False
-            w.data = None
+            w.data = _RELEASED
         self._head = len(self._sq)
         self._cur = self._head
         self._cur_idx = 0
@@ -712,7 +720,8 @@ class RcResponder:
     RDMA WRITE into memory regions, SEND into posted receive buffers, DCQCN NP."""
 
     def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs, *,
-                 psn: int = 0, np=None, mrs: dict[int, MemoryRegion] | None = None,
+                 psn: int = 0, np: DcqcnNp | None = None,
+                 mrs: dict[int, MemoryRegion] | None = None,
                  tx: Callable[[memoryview, int], None] | None = None,
                  clock: Clock | None = None) -> None:
         if not 0 <= psn <= PSN_MASK:
@@ -771,7 +780,7 @@ class RcResponder:
     def expected_psn(self) -> int:
         return self._epsn
 
-    def post_recv(self, wr_id: int, buf) -> None:
+    def post_recv(self, wr_id: int, buf: BytesLike) -> None:
         """Post a receive buffer for one incoming SEND."""
         view = _as_bytes_view(buf)
         if view.readonly:
@@ -1002,8 +1011,9 @@ class RcQp:
     this side sends, `rq_psn` the first PSN it expects (the peer's sq_psn).
     """
 
-    def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs, cc, *,
-                 np=None, mrs: dict[int, MemoryRegion] | None = None,
+    def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs,
+                 cc: RateController, *, np: DcqcnNp | None = None,
+                 mrs: dict[int, MemoryRegion] | None = None,
                  tx: Callable[[memoryview, int], None] | None = None,
                  clock: Clock | None = None, sq_psn: int = 0, rq_psn: int = 0) -> None:
         self.qpn = qpn
@@ -1018,15 +1028,16 @@ class RcQp:
         self.ce_packets_received = 0
 
     @property
-    def tx(self):
+    def tx(self) -> Callable[[memoryview, int], None] | None:
+        """Where the responder pushes ACK / NAK / CNP packets: fn(view, kind)."""
         return self.responder.tx
 
     @tx.setter
-    def tx(self, fn) -> None:
+    def tx(self, fn: Callable[[memoryview, int], None] | None) -> None:
         self.responder.tx = fn
 
     @property
-    def cc(self):
+    def cc(self) -> RateController:
         return self.requester.cc
 
     def on_packet(self, p: Parsed, ce: bool = False, now_ns: float | None = None,

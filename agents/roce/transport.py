@@ -60,6 +60,7 @@ from agents.runtime.sockets import (
     tos_byte,
 )
 from agents.timebase import Dilation, FabricClock
+from agents.wire import BytesLike
 from agents.wire.roce import (
     IP_MTU_DISCOVER,
     IP_PMTUDISC_DO,
@@ -131,7 +132,7 @@ class Binding:
         self._n = 0
         self.injected_drops = 0
 
-    def send_data(self, view, retransmission: bool = False) -> None:
+    def send_data(self, view: memoryview, retransmission: bool = False) -> None:
         """Put one data packet on the wire, unless the test-only loss says it is lost.
 
         `drop_every` N loses every Nth FIRST transmission (a deterministic pattern that also
@@ -148,7 +149,7 @@ class Binding:
             return
         self.endpoint.send(view, self.peer)
 
-    def send_ctl(self, view, kind: int) -> None:
+    def send_ctl(self, view: memoryview, kind: int) -> None:
         """The QP's tx callback: ACK/NAK with the data TOS, CNPs with the CNP TOS."""
         if kind == PKT_CNP:
             self.endpoint.send_cnp(view, self.peer)
@@ -207,18 +208,20 @@ class Endpoint:
     def bindings(self) -> list[Binding]:
         return list(self._qps.values())
 
-    def attach(self, qp: RcQp, peer: tuple[str, int], **loss) -> Binding:
+    def attach(self, qp: RcQp, peer: tuple[str, int], *, drop_every: int = 0,
+               drop_prob: float = 0.0, drop_seed: int = 1) -> Binding:
         """Serve `qp` on this socket; its packets go to `peer` = (ip, port)."""
         if qp.qpn in self._qps:
             raise ValueError(f"QPN {qp.qpn:#x} is already on this endpoint")
-        b = Binding(qp, (peer[0], int(peer[1])), self, **loss)
+        b = Binding(qp, (peer[0], int(peer[1])), self, drop_every=drop_every,
+                    drop_prob=drop_prob, drop_seed=drop_seed)
         qp.tx = b.send_ctl
         self._qps[qp.qpn] = b
         return b
 
     # -- send
 
-    def send(self, view, addr: tuple[str, int]) -> None:
+    def send(self, view: BytesLike, addr: tuple[str, int]) -> None:
         """Blocking sendto; retries a send timeout (EAGAIN) and ENOBUFS until a stop."""
         sock = self.sock
         while True:
@@ -234,7 +237,7 @@ class Endpoint:
         if self._should_stop():
             raise Stopped()
 
-    def send_cnp(self, view, addr: tuple[str, int]) -> None:
+    def send_cnp(self, view: BytesLike, addr: tuple[str, int]) -> None:
         """Blocking send of a CNP with the CNP TOS; retried like `send`."""
         sock = self.sock
         while True:

@@ -201,7 +201,7 @@ def _send_one(sock: socket.socket, data: bytes | bytearray | memoryview, dest: t
 # --- send --------------------------------------------------------------------------------
 
 
-def run_send(args, life: Lifecycle) -> tuple[dict, int]:
+def run_send(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     tos = tos_byte(args.dscp, args.ecn)
     set_wall_bps = dilation.to_wall_bps(args.rate_bps)
@@ -465,7 +465,7 @@ class _Receiver:
         }
 
 
-def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
+def run_recv(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     duration_wall = dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
     idle_wall = dilation.to_wall_ns(args.idle_exit_ns) if args.idle_exit_ns else None
@@ -507,7 +507,7 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
 # --- echo --------------------------------------------------------------------------------
 
 
-def run_echo(args, life: Lifecycle) -> tuple[dict, int]:
+def run_echo(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     overhead = args.wire_overhead_bytes
     duration_wall = dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
@@ -575,7 +575,7 @@ def run_echo(args, life: Lifecycle) -> tuple[dict, int]:
 DEFAULT_PING_TIMEOUT_WALL_NS = 1_000_000_000
 
 
-def run_ping(args, life: Lifecycle) -> tuple[dict, int]:
+def run_ping(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     overhead = args.wire_overhead_bytes
     timeout_wall = (dilation.to_wall_ns(args.timeout_ns) if args.timeout_ns

@@ -29,7 +29,8 @@ def pack_header_into(buf: bytearray, flow: int, seq: int, send_ns: int) -> None:
     HEADER.pack_into(buf, 0, MAGIC, flow, seq, send_ns)
 
 
-def unpack_header(buf, nbytes: int) -> tuple[int, int, int] | None:
+def unpack_header(buf: bytes | bytearray | memoryview,
+                  nbytes: int) -> tuple[int, int, int] | None:
     """(flow, seq, send_ns) of a datagram this agent sent, or None for anything else."""
     if nbytes < HEADER_BYTES:
         return None
@@ -78,7 +79,7 @@ class RunningStats:
         return self.total / self.count if self.count else None
 
     def as_dict(self, scale: Callable[[float], float] = float) -> dict:
-        def conv(v):
+        def conv(v: float | None) -> float | None:
             return None if v is None else round(scale(v), 1)
 
         return {"count": self.count, "min": conv(self.min), "avg": conv(self.mean),

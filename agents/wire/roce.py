@@ -40,6 +40,7 @@ import struct
 from enum import IntEnum
 from typing import NamedTuple
 
+from agents.wire import BytesLike
 from agents.wire.icrc import (
     ICRC_BYTES,
     IP_MTU_DISCOVER,
@@ -321,7 +322,7 @@ def pack_bth(bth: Bth) -> bytes:
     return _BTH.pack(bth.opcode, flags, bth.p_key, w1, bool(bth.ack_req) << 31 | bth.psn)
 
 
-def unpack_bth(data, offset: int = 0) -> Bth:
+def unpack_bth(data: BytesLike, offset: int = 0) -> Bth:
     """The BTH at `offset` (reserved bits ignored); struct.error if fewer than 12 bytes."""
     opcode, flags, p_key, w1, w2 = _BTH.unpack_from(data, offset)
     return _tuple_new(Bth, (opcode, (flags & 0x80) != 0, (flags & 0x40) != 0, (flags >> 4) & 3,
@@ -336,7 +337,7 @@ def pack_reth(reth: Reth) -> bytes:
         raise ValueError(f"RETH field out of range: {reth}: {exc}") from None
 
 
-def unpack_reth(data, offset: int = BTH_BYTES) -> Reth:
+def unpack_reth(data: BytesLike, offset: int = BTH_BYTES) -> Reth:
     return _tuple_new(Reth, _RETH.unpack_from(data, offset))
 
 
@@ -351,7 +352,7 @@ def pack_aeth(aeth: Aeth) -> bytes:
     return _AETH.pack(_aeth_word(aeth))
 
 
-def unpack_aeth(data, offset: int = BTH_BYTES) -> Aeth:
+def unpack_aeth(data: BytesLike, offset: int = BTH_BYTES) -> Aeth:
     (word,) = _AETH.unpack_from(data, offset)
     return _tuple_new(Aeth, (word >> 24, word & 0xFFFFFF))
 
@@ -397,7 +398,7 @@ def psn_ge(a: int, b: int) -> bool:
 # --------------------------------------------------------------------------- build
 
 def build_packet(buf: bytearray, ctx: IcrcContext, bth: Bth, reth: Reth | None = None,
-                 aeth: Aeth | None = None, payload=b"") -> memoryview:
+                 aeth: Aeth | None = None, payload: BytesLike = b"") -> memoryview:
     """Write BTH [+ RETH | AETH | CNP zeros] + payload + pad + ICRC into `buf`.
 
     Returns a memoryview of `buf` holding the whole UDP payload, ready for
@@ -461,7 +462,7 @@ def _layout_for(opcode: int, reth: Reth | None, aeth: Aeth | None) -> OpcodeInfo
 
 
 def encode_packet(ctx: IcrcContext, bth: Bth, reth: Reth | None = None,
-                  aeth: Aeth | None = None, payload=b"") -> bytes:
+                  aeth: Aeth | None = None, payload: BytesLike = b"") -> bytes:
     """`build_packet` into a fresh buffer; for tests and cold paths."""
     size = BTH_BYTES + RETH_BYTES + memoryview(payload).nbytes + 3 + ICRC_BYTES
     return bytes(build_packet(bytearray(size), ctx, bth, reth, aeth, payload))
@@ -508,7 +509,7 @@ class Parsed(NamedTuple):
     icrc: int
 
 
-def parse_packet(data, ctx: IcrcContext | None, *, check_icrc: bool = True) -> Parsed:
+def parse_packet(data: BytesLike, ctx: IcrcContext | None, *, check_icrc: bool = True) -> Parsed:
     """Parse one UDP payload (BTH ... ICRC). Raises only MalformedPacket.
 
     Checks, first failure named: TOO_SHORT, BAD_ICRC (when `check_icrc`;
@@ -578,7 +579,7 @@ def _payload_bytes(info: OpcodeInfo, n: int, end: int, pad: int) -> int:
     return 0
 
 
-def parse_datagram(data, src_ip: str, dst_ip: str, sport: int, dport: int = ROCE_UDP_PORT,
-                   *, check_icrc: bool = True) -> Parsed:
+def parse_datagram(data: BytesLike, src_ip: str, dst_ip: str, sport: int,
+                   dport: int = ROCE_UDP_PORT, *, check_icrc: bool = True) -> Parsed:
     """`parse_packet` for a datagram src_ip:sport -> dst_ip:dport (context cached)."""
     return parse_packet(data, icrc_context(src_ip, dst_ip, sport, dport), check_icrc=check_icrc)
