@@ -1,5 +1,16 @@
 """Data plane: small programs that run inside the fabric's network namespaces.
 
-Agents share wire formats (`agents.wire`) and the time base (`agents.timebase`)
-with the control plane but never import the control plane's internals.
+The agents, each a package run as `python -m agents.<name>`:
+
+- `agents.udp`: paced UDP sender, counting receiver, echo server and ping;
+- `agents.pfc`: a node's 802.1Qbb PFC, sending pauses and obeying them;
+- `agents.roce`: perftest-style tests over a user-space RoCEv2 RC transport.
+
+What they share lives in packages of its own, never in another agent (no agent
+imports another: tests/unit/test_agent_imports.py): `agents.runtime` (lifecycle,
+control socket, ready file and counters, socket helpers, waiting, argparse
+types, the wire overhead), `agents.wire` (wire formats), `agents.timebase`
+(fabric versus wall time) and `agents.portmaps` (the port program's maps).
+Agents never import the control plane; it imports the shared packages, and an
+agent's public names where the two must agree (agents.roce.cc's preset names).
 """

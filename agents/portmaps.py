@@ -286,7 +286,7 @@ def encode_class_cfg(cls: ClassParams | None) -> bytes:
         return CLASS_CFG.pack(0, 0, 0, 0, 0, 0, 0, 0, 0)
     ecn = cls.pmax is not None
     return CLASS_CFG.pack(cls.kmin_bytes if ecn else 0, cls.kmax_bytes if ecn else 0,
-                          probability_fp(cls.pmax) if ecn else 0,
+                          0 if cls.pmax is None else probability_fp(cls.pmax),
                           probability_fp(cls.drop_probability), cls.limit_bytes,
                           cls.egress_xoff_bytes, cls.egress_xon_bytes, int(ecn), 0)
 
@@ -576,6 +576,13 @@ def decode_event(raw: bytes) -> Event:
     return Event(ts, EVENT_NAMES.get(kind, str(kind)), tc, slot, port_slot, nbytes)
 
 
+def _opened(mem: MmapArray | None, what: str) -> MmapArray:
+    """`mem` while its maps are open; PortMapError once they were closed."""
+    if mem is None:
+        raise PortMapError(f"the {what} map is closed")
+    return mem
+
+
 def _open(pin_dir: Path, name: str, size: int, entries: int) -> BpfMap:
     key_size = FLOW_KEY.size if name == "flow_drops" else 4
     return BpfMap.open_pinned(pin_dir / name, size, entries, key_size)
@@ -603,6 +610,14 @@ class PortMaps:
         self.class_cfg, self.state = self.maps["class_cfg"], self.maps["state"]
         self.ino = _ino(self.pin_dir / "maps" / "state")
 
+    @property
+    def _state(self) -> MmapArray:
+        return _opened(self.state_mem, "state")
+
+    @property
+    def _ingress(self) -> MmapArray:
+        return _opened(self.ingress_mem, "port_ingress")
+
     def close(self) -> None:
         for mem in (self.state_mem, self.ingress_mem):
             if mem is not None:
@@ -623,19 +638,21 @@ class PortMaps:
     def reset(self) -> None:
         """Zero every queue and counter of the port. Only while no packet moves: the
         program updates these under the node lock, which user space cannot take."""
-        self.state_mem.view[:NUM_SLOTS * self.state_mem.stride] = bytes(
-            NUM_SLOTS * self.state_mem.stride)
-        self.ingress_mem.view[:PORT_INGRESS_SIZE] = bytes(PORT_INGRESS_SIZE)
+        state = self._state
+        state.view[:NUM_SLOTS * state.stride] = bytes(NUM_SLOTS * state.stride)
+        self._ingress.view[:PORT_INGRESS_SIZE] = bytes(PORT_INGRESS_SIZE)
 
     def row(self, slot: int) -> tuple:
-        return STATE.unpack_from(self.state_mem.view, slot * self.state_mem.stride)
+        state = self._state
+        return STATE.unpack_from(state.view, slot * state.stride)
 
     def read(self) -> dict[int, ClassCounters]:
         return {slot: _class_counters(self.row(slot)) for slot in range(NUM_SLOTS)}
 
     def vq_bytes(self, tc: int) -> int:
         """Class `tc`'s queue now (admitted - departed), from memory."""
-        enq, _p, dep = struct.unpack_from("=3Q", self.state_mem.view, tc * self.state_mem.stride)
+        state = self._state
+        enq, _p, dep = struct.unpack_from("=3Q", state.view, tc * state.stride)
         return max(0, enq - dep)
 
     def hot(self, tc: int) -> bool:
@@ -644,7 +661,7 @@ class PortMaps:
 
     def ingress_queued(self, tracked_index: int) -> dict[int, int]:
         """Bytes of this port's queue of a tracked class, per ingress slot (slot 0: local)."""
-        view = self.ingress_mem.view
+        view = self._ingress.view
         row = MAX_SLOTS * 8
         adm = struct.unpack_from(f"={MAX_SLOTS}Q", view, tracked_index * row)
         dep = struct.unpack_from(f"={MAX_SLOTS}Q", view, (MAX_TRACKED + tracked_index) * row)
@@ -674,6 +691,16 @@ class NodeMaps:
             raise
         self.ino = _ino(self.node_dir / "node")
 
+    @property
+    def _view(self) -> memoryview:
+        return _opened(self.mem, "node").view
+
+    def fileno(self) -> int:
+        """The events ring buffer's fd, to wait on (select) for PFC events."""
+        if self.ring is None:
+            raise PortMapError("node maps were opened without events=True")
+        return self.ring.fileno()
+
     def close(self) -> None:
         if self.ring is not None:
             self.ring.close()
@@ -689,7 +716,7 @@ class NodeMaps:
     def write_params(self, params: NodeParams) -> None:
         """The node's buffer model and ingress thresholds; counters are kept."""
         params.check()
-        view = self.mem.view
+        view = self._view
         head = encode_node_head(params)
         cfg_bytes = NODE_HEAD.size - 4 * 8           # the state words after `tracked` stay
         view[:cfg_bytes] = head[:cfg_bytes]
@@ -706,7 +733,7 @@ class NodeMaps:
             self.maps["ifslot"].update(ifindex, struct.pack("=I", slot))
 
     def head(self) -> NodeHead:
-        v = NODE_HEAD.unpack_from(self.mem.view, 0)
+        v = NODE_HEAD.unpack_from(self._view, 0)
         tracked = tuple(tc for i in range(MAX_TRACKED) for tc in range(NUM_TC)
                         if v[7 + tc] == i)
         mode = {n: m for m, n in MODES.items()}.get(v[0], str(v[0]))
@@ -714,7 +741,7 @@ class NodeMaps:
                         v[15], v[16], v[17])
 
     def acct(self, tracked_index: int, slot: int) -> IngressAcct:
-        return IngressAcct(*INGRESS_ACCT.unpack_from(self.mem.view,
+        return IngressAcct(*INGRESS_ACCT.unpack_from(self._view,
                                                      acct_offset(tracked_index, slot)))
 
     def accts(self, tracked_index: int, slots: int) -> list[IngressAcct]:
@@ -723,7 +750,7 @@ class NodeMaps:
 
     def reset(self) -> None:
         """Zero the node's accounting (not its configuration). Only while no packet moves."""
-        view = self.mem.view
+        view = self._view
         struct.pack_into("=4Q", view, NODE_HEAD.size - 4 * 8, 0, 0, 0, 0)
         for t in range(MAX_TRACKED):
             for slot in range(MAX_SLOTS):

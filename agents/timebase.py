@@ -11,6 +11,7 @@ multiplies or divides by D.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -52,7 +53,8 @@ class FabricClock:
     pure state machines, so timers are written in fabric time.
     """
 
-    def __init__(self, dilation: Dilation, wall_ns=time.monotonic_ns) -> None:
+    def __init__(self, dilation: Dilation,
+                 wall_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self._dilation = dilation
         self._wall_ns = wall_ns
         self._origin_wall_ns = wall_ns()

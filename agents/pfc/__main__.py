@@ -38,12 +38,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agents.control import SnapshotServer
 from agents.pfc import gate as gates
 from agents.pfc.logic import INGRESS, PauseRequests, PauseTimer, egress_reason
 from agents.portmaps import NODE_DIR, NodeMaps, PortMaps
+from agents.runtime.control import serve_snapshots
+from agents.runtime.lifecycle import Lifecycle
+from agents.runtime.output import mark_ready, report_counters
 from agents.timebase import Dilation
-from agents.udp import Lifecycle
 from agents.wire import pfc as pfcwire
 
 SOL_PACKET = 263             # not in Python's socket module
@@ -148,7 +149,7 @@ def load_ports(plan: dict, node: str, lab: str) -> tuple[dict, list[Port]]:
 
 
 class Agent:
-    def __init__(self, args) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         self.plan = json.loads(Path(args.plan).read_text())
         self.node = args.node
         self.lab = self.plan["lab"]
@@ -185,7 +186,7 @@ class Agent:
     def now_fabric_ns(self) -> float:
         return self.dilation.to_fabric_ns(time.monotonic_ns() - self.t0)
 
-    def log(self, kind: str, port: str, tc: int, **detail) -> None:
+    def log(self, kind: str, port: str, tc: int, **detail: object) -> None:
         """Note an event now; it is written (JSON) by flush_log, after the loop's frames."""
         if self.events is not None:
             self.pending.append((time.monotonic_ns(), kind, port, tc, detail))
@@ -278,11 +279,12 @@ class Agent:
         for action in self.requests.replace(egress_reason(port.ifname), tc, holders, now):
             self._send(action, port.maps.vq_bytes(tc), crossed)
 
-    def on_events(self) -> None:
-        """Wake-up by the ring buffer: re-read what each event names, act on it."""
+    def on_events(self, node_maps: NodeMaps) -> None:
+        """Wake-up by the ring buffer: re-read what each event names, act on it; rescan
+        when the ring overflowed (events were lost)."""
         self.wakeups += 1
         now = self.now_fabric_ns()
-        for ev in self.node_maps.events():
+        for ev in node_maps.events():
             if ev.tc not in self.tracked:
                 continue
             if ev.kind in ("xoff", "xon"):
@@ -294,13 +296,15 @@ class Agent:
                 self.log("lossless_drop", port.ifname if port else "", ev.tc,
                          ingress=self.by_slot[ev.slot].ifname if ev.slot in self.by_slot
                          else "local", occupancy_bytes=ev.bytes)
+        if node_maps.head().events_lost != self.events_lost_seen:
+            self.rescan(node_maps)
 
-    def rescan(self) -> None:
+    def rescan(self, node_maps: NodeMaps) -> None:
         """Every tracked (slot, class) and hot egress queue, from the maps: catches a lost
         event, and new contributors to a queue under egress protection."""
         self.rescans += 1
         now = self.now_fabric_ns()
-        head = self.node_maps.head()
+        head = node_maps.head()
         self.events_lost_seen = head.events_lost
         for tc in self.tracked:
             for port in self.ports:
@@ -334,31 +338,33 @@ class Agent:
                 "rescans": self.rescans}
 
     def run(self, life: Lifecycle) -> None:
-        socks: dict[int, Port | None] = {p.sock.fileno(): p for p in self.ports}
-        if self.node_maps is not None:
-            socks[self.node_maps.ring.fileno()] = None
-            self.rescan()
-            self.node_maps.events()          # stale ones: the rescan read the truth
+        ports: dict[int, Port] = {p.sock.fileno(): p for p in self.ports}
+        fds = list(ports)
+        node_maps = self.node_maps           # switches with tracked classes only
+        ring_fd = None
+        if node_maps is not None:
+            ring_fd = node_maps.fileno()
+            fds.append(ring_fd)
+            self.rescan(node_maps)
+            node_maps.events()               # stale ones: the rescan read the truth
         while not life.should_stop():
             now_wall = time.monotonic_ns()
-            if self.node_maps is not None and now_wall >= self.next_rescan:
+            if node_maps is not None and now_wall >= self.next_rescan:
                 self.next_rescan = now_wall + RESCAN_WALL_NS
-                self.rescan()
+                self.rescan(node_maps)
             wait_wall = MAX_WAIT_WALL_NS
             for deadline in (self.timer.next_deadline_ns(), self.requests.next_refresh_ns()):
                 if deadline is not None:
                     wait_wall = min(wait_wall, self.dilation.to_wall_ns(
                         max(0.0, deadline - self.now_fabric_ns())))
-            if self.node_maps is not None:
+            if node_maps is not None:
                 wait_wall = min(wait_wall, max(0, self.next_rescan - now_wall))
-            ready, _, _ = select.select(list(socks), [], [], max(0, wait_wall) / 1e9)
+            ready, _, _ = select.select(fds, [], [], max(0, wait_wall) / 1e9)
             for fd in ready:
-                port = socks[fd]
-                if port is None:
-                    self.on_events()
-                    if self.node_maps.head().events_lost != self.events_lost_seen:
-                        self.rescan()
+                if node_maps is not None and fd == ring_fd:
+                    self.on_events(node_maps)
                     continue
+                port = ports[fd]
                 while True:
                     try:
                         data = port.sock.recv(2048)
@@ -416,19 +422,18 @@ def main(argv: list[str] | None = None) -> int:
             os.nice(-10)
     except OSError:
         pass        # not root, or RT not allowed: normal priority (the run still works)
-    life = Lifecycle(getppid=(lambda: 0) if args.no_parent_watch else os.getppid)
+    life = Lifecycle(watch_parent=not args.no_parent_watch)
     life.install_signal_handlers()
     agent = Agent(args)
-    server = SnapshotServer(args.control_sock, agent.snapshot) if args.control_sock else None
-    if args.ready_file:
-        Path(args.ready_file).touch()
+    server = serve_snapshots(args.control_sock, agent.snapshot)
+    mark_ready(args.ready_file)
     try:
         agent.run(life)
     finally:
         if server is not None:
             server.close()
         agent.close()
-    print(json.dumps(agent.snapshot(), sort_keys=True), flush=True)
+    report_counters(agent.snapshot())
     return 0
 
 

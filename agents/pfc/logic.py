@@ -17,6 +17,7 @@ and the storm watchdog declares a queue stormed when paused too long.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 INGRESS = "ingress"
@@ -63,7 +64,7 @@ class PauseRequests:
             req.reasons.discard(reason)
         return self._settle(ingress, priority, req, reason, now_ns)
 
-    def replace(self, reason: str, priority: int, holders: set[str],
+    def replace(self, reason: str, priority: int, holders: AbstractSet[str],
                 now_ns: float) -> list[Action]:
         """Make `reason` held by exactly the ingresses in `holders` (for one priority)."""
         out = []

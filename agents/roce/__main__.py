@@ -28,19 +28,22 @@ asked) with the first mismatch.
 
 SIGTERM / SIGINT stop either side cleanly (the client still tells the server,
 which still verifies what was completed); both exit by themselves when their
-parent process dies (agents.udp.Lifecycle). Exit codes: 0 done, 1 a QP error,
+parent process dies (agents.runtime.lifecycle). Exit codes: 0 done, 1 a QP error,
 a failed verification or a socket error, 2 bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from agents import argtypes
-from agents.control import write_counters
-from agents.roce.cc import CC_KINDS
+from agents.roce.cc import (
+    CC_KINDS,
+    DCQCN_PRESET_NAMES,
+    DCTCP_PRESET_NAMES,
+    DEFAULT_DCQCN_PRESET,
+    DEFAULT_DCTCP_PRESET,
+)
 from agents.roce.perftest import (
     DEFAULT_CONTROL_PORT,
     TESTS,
@@ -50,11 +53,13 @@ from agents.roce.perftest import (
     cc_settings,
     run_client,
     run_server,
-    snapshot_server,
 )
 from agents.roce.qp import IB_MTUS, QpAttrs
 from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, NIC_SNDBUF_BYTES, SPIN_NS, Stopped
-from agents.udp import Lifecycle
+from agents.runtime import argtypes
+from agents.runtime.control import serve_snapshots
+from agents.runtime.lifecycle import Lifecycle
+from agents.runtime.output import report_counters
 from agents.wire.roce import ROCE_UDP_PORT
 
 _DEFAULTS = QpAttrs()
@@ -74,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="congestion control of the requester(s) and CNP policy of the "
                              "responder(s) (default %(default)s)")
     common.add_argument("--cc-preset", metavar="NAME",
-                        help="DCQCN preset (paper, ns3-rdma, hpcc-ns3, hpcc-ns3-paper, "
-                             "hpcc-ns3-config; default paper) or DCTCP preset (rfc8257, "
-                             "hpcc-ns3; default rfc8257)")
+                        help=f"DCQCN preset ({', '.join(DCQCN_PRESET_NAMES)}; default "
+                             f"{DEFAULT_DCQCN_PRESET}) or DCTCP preset "
+                             f"({', '.join(DCTCP_PRESET_NAMES)}; default {DEFAULT_DCTCP_PRESET})")
     common.add_argument("--cc-params", type=argtypes.json_object, default={}, metavar="JSON",
                         help="parameters in place of the preset's, by DcqcnParams / DctcpParams "
                              "field name (e.g. '{\"alpha_timer_ns\": 1000, \"g\": 0.0625}'): "
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     life = Lifecycle()
     life.install_signal_handlers()
     live = Live(args.role, args.test)
-    server = snapshot_server(args.control_sock, live)
+    server = serve_snapshots(args.control_sock, live.snapshot)
     try:
         if args.role == "client":
             counters, rc = run_client(args, life, live)
@@ -220,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.close()
-    write_counters(args.out, counters)
-    print(json.dumps(counters, sort_keys=True, separators=(",", ":")), flush=True)
+    report_counters(counters, args.out)
     return rc
 
 

@@ -5,8 +5,9 @@
 - `DctcpRp`: a rate-based DCTCP with the same transport-facing interface;
 - `NoCc`: always line rate, same interface;
 - `DcqcnParams` / `PRESETS` / `preset()`: named parameter sets (paper, ns3-rdma, hpcc-ns3,
-  hpcc-ns3-paper, hpcc-ns3-config), each naming its source in `source`;
-- `DctcpParams` / `DCTCP_PRESETS` / `dctcp_preset()`;
+  hpcc-ns3-paper, hpcc-ns3-config), each naming its source in `source`; their names
+  are `DCQCN_PRESET_NAMES`;
+- `DctcpParams` / `DCTCP_PRESETS` / `dctcp_preset()`, names in `DCTCP_PRESET_NAMES`;
 - `make_cc(kind, preset_name, line_rate_bps, now_ns)`: the factory the transport calls.
 
 Nothing here reads a clock, sleeps or touches a socket. Every time is FABRIC
@@ -26,9 +27,9 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, TypedDict, get_args, runtime_checkable
 
 US = 1_000  # fabric ns per fabric microsecond
 MBPS = 1_000_000
@@ -48,6 +49,42 @@ INCREASE_KINDS = (PHASE_FAST, PHASE_ADDITIVE, PHASE_HYPER)
 
 
 # --- parameters -------------------------------------------------------------------------
+
+
+class _Rule(NamedTuple):
+    """A check on one parameter field: `ok(value)`, and what the value `must` be if not."""
+
+    ok: Callable[[Any], bool]
+    must: str
+
+
+_POSITIVE = _Rule(lambda v: v > 0, "must be > 0")
+_NONNEGATIVE = _Rule(lambda v: v >= 0, "must be >= 0")
+_GAIN = _Rule(lambda v: 0 < v <= 1, "must be in (0, 1]")
+_FRACTION = _Rule(lambda v: 0 <= v <= 1, "must be in [0, 1]")
+_STEPS = _Rule(lambda v: isinstance(v, int) and v >= 1, "must be an integer >= 1")
+
+
+def _or_none(rule: _Rule) -> _Rule:
+    return _Rule(lambda v: v is None or rule.ok(v), f"{rule.must} or None")
+
+
+def _one_of(choices: object) -> _Rule:
+    allowed = get_args(choices)
+    return _Rule(lambda v: v in allowed, f"must be one of {list(allowed)}")
+
+
+def _problems(params: DcqcnParams | DctcpParams, rules: Mapping[str, _Rule]) -> list[str]:
+    """What is wrong with `params`, one sentence per field that breaks its rule, in the
+    rules' order; then the one rule across fields both kinds share."""
+    problems = []
+    for name, rule in rules.items():
+        value = getattr(params, name)
+        if not rule.ok(value):
+            problems.append(f"{name} {rule.must}, got {value!r}")
+    if params.scaling == "per_reference" and not (params.reference_rate_bps or 0) > 0:
+        problems.append("scaling 'per_reference' needs reference_rate_bps > 0")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -93,38 +130,7 @@ class DcqcnParams:
     source: str = ""  # where the values come from (file, setting)
 
     def __post_init__(self) -> None:
-        problems = []
-        for f in ("alpha_timer_ns", "increase_timer_ns"):
-            if not getattr(self, f) > 0:
-                problems.append(f"{f} must be > 0, got {getattr(self, f)!r}")
-        if self.byte_counter_bytes is not None and not self.byte_counter_bytes > 0:
-            problems.append("byte_counter_bytes must be > 0 or None, "
-                            f"got {self.byte_counter_bytes!r}")
-        if not 0 < self.g <= 1:
-            problems.append(f"g must be in (0, 1], got {self.g!r}")
-        if not (isinstance(self.fast_recovery_steps, int) and self.fast_recovery_steps >= 1):
-            problems.append("fast_recovery_steps must be an integer >= 1, "
-                            f"got {self.fast_recovery_steps!r}")
-        for f in ("rai_bps", "rhai_bps"):
-            if not getattr(self, f) >= 0:
-                problems.append(f"{f} must be >= 0, got {getattr(self, f)!r}")
-        if not self.min_rate_bps > 0:
-            problems.append(f"min_rate_bps must be > 0, got {self.min_rate_bps!r}")
-        if not 0 <= self.initial_alpha <= 1:
-            problems.append(f"initial_alpha must be in [0, 1], got {self.initial_alpha!r}")
-        if not self.cnp_interval_ns >= 0:
-            problems.append(f"cnp_interval_ns must be >= 0, got {self.cnp_interval_ns!r}")
-        if self.rate_decrease_interval_ns is not None and not self.rate_decrease_interval_ns > 0:
-            problems.append("rate_decrease_interval_ns must be > 0 or None, "
-                            f"got {self.rate_decrease_interval_ns!r}")
-        choices = {"alpha_update": AlphaUpdate, "target_clamp": TargetClamp,
-                   "increase_rule": IncreaseRule, "np_mode": NpMode, "scaling": Scaling}
-        for f, lit in choices.items():
-            if getattr(self, f) not in lit.__args__:
-                problems.append(f"{f} must be one of {list(lit.__args__)}, "
-                                f"got {getattr(self, f)!r}")
-        if self.scaling == "per_reference" and not (self.reference_rate_bps or 0) > 0:
-            problems.append("scaling 'per_reference' needs reference_rate_bps > 0")
+        problems = _problems(self, _DCQCN_RULES)
         if problems:
             raise ValueError(f"DCQCN parameters {self.name!r}: " + "; ".join(problems))
 
@@ -132,9 +138,49 @@ class DcqcnParams:
         return asdict(self)
 
 
+#: What each DcqcnParams field must be, in the order problems are reported.
+_DCQCN_RULES: dict[str, _Rule] = {
+    "alpha_timer_ns": _POSITIVE,
+    "increase_timer_ns": _POSITIVE,
+    "byte_counter_bytes": _or_none(_POSITIVE),
+    "g": _GAIN,
+    "fast_recovery_steps": _STEPS,
+    "rai_bps": _NONNEGATIVE,
+    "rhai_bps": _NONNEGATIVE,
+    "min_rate_bps": _POSITIVE,
+    "initial_alpha": _FRACTION,
+    "cnp_interval_ns": _NONNEGATIVE,
+    "rate_decrease_interval_ns": _or_none(_POSITIVE),
+    "alpha_update": _one_of(AlphaUpdate),
+    "target_clamp": _one_of(TargetClamp),
+    "increase_rule": _one_of(IncreaseRule),
+    "np_mode": _one_of(NpMode),
+    "scaling": _one_of(Scaling),
+}
+
 #: HPCC's ns-3 DCQCN (rdma-hw.cc, CC_MODE 1, "Mellanox's version of DCQCN"): the knobs its
 #: code fixes, whatever the timers. Its run.py and config.txt set the rest.
-_HPCC_MLX = dict(
+class _Knobs(TypedDict):
+    """DcqcnParams fields a family of presets shares (the keyword arguments it spreads)."""
+
+    byte_counter_bytes: int | None
+    g: float
+    fast_recovery_steps: int
+    initial_alpha: float
+    cnp_interval_ns: float
+    np_mode: NpMode
+    pmax: float
+    alpha_update: AlphaUpdate
+    cut_with_updated_alpha: bool
+    target_clamp: TargetClamp
+    increase_rule: IncreaseRule
+    hyper_scaled: bool
+    hyper_halves_periods: bool
+    rt_shrink_quirk: bool
+    checks: tuple[str, ...]
+
+
+_HPCC_MLX = _Knobs(
     byte_counter_bytes=None,  # no byte counter in rdma-hw.cc
     g=1 / 256,  # EWMA_GAIN 0.00390625
     fast_recovery_steps=1,  # FAST_RECOVERY_TIMES 1
@@ -157,9 +203,10 @@ _HPCC = "alibaba-edu/High-Precision-Congestion-Control simulation/"
 #: `reference_rate_bps`. Use `preset(name, line_rate_bps)` to get one for a link.
 #: docs/dcqcn.md tabulates them with their sources.
 PRESETS: dict[str, DcqcnParams] = {
-    # DCQCN paper (Zhu et al., SIGCOMM 2015), 40 Gb/s testbed. Every value of the paper's
-    # row in FACTS.md is [check]; R_HAI, min rate and initial alpha are not in that row
-    # (R_HAI and min rate borrowed from the authors' ns-3 code).
+    # DCQCN paper (Zhu et al., SIGCOMM 2015), its 40 Gb/s testbed. No value is checked
+    # against the paper's text yet (every field is in `checks`); R_HAI, the minimum rate
+    # and the initial alpha were not among the values read from it: R_HAI and the
+    # minimum rate are borrowed from the authors' ns-3 code (bobzhuyb/ns3-rdma).
     "paper": DcqcnParams(
         name="paper",
         alpha_timer_ns=55 * US,
@@ -271,6 +318,12 @@ PRESETS: dict[str, DcqcnParams] = {
     ),
 }
 
+#: The DCQCN preset names, in table order: what --cc-preset and a workload's cc_preset
+#: accept with cc "dcqcn". Derived from PRESETS, so a new preset is named here by itself.
+DCQCN_PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
+#: The agent's DCQCN preset when none is named (a workload names its own default).
+DEFAULT_DCQCN_PRESET = "paper"
+
 _SCALED_RATE_FIELDS = ("rai_bps", "rhai_bps")
 _SCALED_SIZE_FIELDS = ("kmin_bytes", "kmax_bytes")
 
@@ -320,24 +373,7 @@ class DctcpParams:
     source: str = ""  # where the values come from (file, setting)
 
     def __post_init__(self) -> None:
-        problems = []
-        if not self.window_ns > 0:
-            problems.append(f"window_ns must be > 0, got {self.window_ns!r}")
-        if not 0 < self.g <= 1:
-            problems.append(f"g must be in (0, 1], got {self.g!r}")
-        if self.rai_bps is not None and not self.rai_bps >= 0:
-            problems.append(f"rai_bps must be >= 0 or None, got {self.rai_bps!r}")
-        if not self.mss_bytes > 0:
-            problems.append(f"mss_bytes must be > 0, got {self.mss_bytes!r}")
-        if not self.min_rate_bps > 0:
-            problems.append(f"min_rate_bps must be > 0, got {self.min_rate_bps!r}")
-        if not 0 <= self.initial_alpha <= 1:
-            problems.append(f"initial_alpha must be in [0, 1], got {self.initial_alpha!r}")
-        if self.scaling not in Scaling.__args__:
-            problems.append(f"scaling must be one of {list(Scaling.__args__)}, "
-                            f"got {self.scaling!r}")
-        if self.scaling == "per_reference" and not (self.reference_rate_bps or 0) > 0:
-            problems.append("scaling 'per_reference' needs reference_rate_bps > 0")
+        problems = _problems(self, _DCTCP_RULES)
         if problems:
             raise ValueError(f"DCTCP parameters {self.name!r}: " + "; ".join(problems))
 
@@ -354,6 +390,17 @@ class DctcpParams:
     def to_dict(self) -> dict:
         return asdict(self)
 
+
+#: What each DctcpParams field must be, in the order problems are reported.
+_DCTCP_RULES: dict[str, _Rule] = {
+    "window_ns": _POSITIVE,
+    "g": _GAIN,
+    "rai_bps": _or_none(_NONNEGATIVE),
+    "mss_bytes": _POSITIVE,
+    "min_rate_bps": _POSITIVE,
+    "initial_alpha": _FRACTION,
+    "scaling": _one_of(Scaling),
+}
 
 DCTCP_PRESETS: dict[str, DctcpParams] = {
     # RFC 8257 gain and once-per-window cut; the window (RTT estimate) is ours [check per
@@ -391,6 +438,12 @@ DCTCP_PRESETS: dict[str, DctcpParams] = {
         source=_HPCC + "run.py --cc dctcp (CC_MODE 8) + src/point-to-point/model/rdma-hw.cc",
     ),
 }
+
+
+#: The DCTCP preset names, in table order (cc "dctcp"), derived from DCTCP_PRESETS.
+DCTCP_PRESET_NAMES: tuple[str, ...] = tuple(DCTCP_PRESETS)
+#: The agent's DCTCP preset when none is named.
+DEFAULT_DCTCP_PRESET = "rfc8257"
 
 
 def dctcp_preset(name: str, line_rate_bps: float, *, scale: bool | None = None) -> DctcpParams:
@@ -452,7 +505,10 @@ def with_overrides(params: DcqcnParams | DctcpParams,
     if problems:
         raise ValueError(f"{kind} overrides: {'; '.join(problems)}; {kind} parameters: "
                          f"{', '.join(tunable)}")
-    return replace(params, **overrides,
+    # Any: the values are the caller's (JSON from the command line); the dataclass's own
+    # checks (__post_init__) judge them.
+    changes: dict[str, Any] = dict(overrides)
+    return replace(params, **changes,
                    checks=tuple(c for c in params.checks if c not in overrides))
 
 
@@ -461,9 +517,11 @@ def effective_params(kind: str, preset_name: str | None, line_rate_bps: float,
                      ) -> DcqcnParams | DctcpParams | None:
     """The parameter set a QP of `kind` runs with on a link of `line_rate_bps`: the preset,
     scaled to the link, then the overrides (absolute values). None for kind "none"."""
-    if kind == "dcqcn":
-        return with_overrides(preset(preset_name, line_rate_bps), overrides)
-    if kind == "dctcp":
+    if kind in ("dcqcn", "dctcp"):
+        if preset_name is None:
+            raise ValueError(f"congestion control {kind!r} needs a preset name")
+        if kind == "dcqcn":
+            return with_overrides(preset(preset_name, line_rate_bps), overrides)
         return with_overrides(dctcp_preset(preset_name, line_rate_bps), overrides)
     if kind == "none":
         if overrides:
@@ -517,6 +575,11 @@ def _check_line_rate(line_rate_bps: float, min_rate_bps: float, name: str) -> fl
 _ALPHA, _DECREASE, _INCREASE = 0, 1, 2  # timer ids; at equal deadlines they fire in this order
 
 
+def _byte_counter_period(p: DcqcnParams) -> float:
+    """Bytes from a rate cut to the first byte-counter event (never, without a counter)."""
+    return math.inf if p.byte_counter_bytes is None else p.byte_counter_bytes
+
+
 class DcqcnRp:
     """DCQCN reaction point of one QP: current rate Rc, target rate Rt, alpha, timers.
 
@@ -542,8 +605,8 @@ class DcqcnRp:
         self._decrease_pending = False  # deferred decrease: a CNP arrived since last tick
         self._t_stage = 0
         self._bc_stage = 0
-        self._bc_bytes = 0
-        self._bc_threshold = params.byte_counter_bytes
+        self._bc_bytes: float = 0     # counted since the last cut (a threshold may be half)
+        self._bc_threshold = _byte_counter_period(params)
         self._phase = PHASE_INIT
         self._c = {"cnps": 0, "ecn_echoes": 0, "rate_decreases": 0, "alpha_updates": 0,
                    "timer_events": 0, "byte_events": 0, "decrease_ticks": 0, "bytes_sent": 0}
@@ -693,7 +756,8 @@ class DcqcnRp:
 
     def _fire_decrease(self, deadline: float) -> None:
         self._c["decrease_ticks"] += 1
-        self._deadline[_DECREASE] = deadline + self.params.rate_decrease_interval_ns
+        interval = self.params.rate_decrease_interval_ns   # armed only when there is one
+        self._deadline[_DECREASE] = None if interval is None else deadline + interval
         if self._decrease_pending:
             self._decrease_pending = False
             self._cut(deadline)
@@ -720,7 +784,7 @@ class DcqcnRp:
         self._t_stage = 0
         self._bc_stage = 0
         self._bc_bytes = 0
-        self._bc_threshold = p.byte_counter_bytes
+        self._bc_threshold = _byte_counter_period(p)
         self._deadline[_INCREASE] = now + p.increase_timer_ns
         self._phase = PHASE_FAST
         self._c["rate_decreases"] += 1
@@ -781,8 +845,8 @@ class DcqcnNp:
     def __init__(self, cnp_interval_ns: float, mode: NpMode = "interval") -> None:
         if not cnp_interval_ns >= 0:
             raise ValueError(f"cnp_interval_ns must be >= 0, got {cnp_interval_ns!r}")
-        if mode not in NpMode.__args__:
-            raise ValueError(f"mode must be one of {list(NpMode.__args__)}, got {mode!r}")
+        if mode not in get_args(NpMode):
+            raise ValueError(f"mode must be one of {list(get_args(NpMode))}, got {mode!r}")
         self.cnp_interval_ns = cnp_interval_ns
         self.mode = mode
         self._last_cnp_ns: float | None = None
@@ -840,6 +904,11 @@ class DctcpRp:
     """
 
     kind = "dctcp"
+    # the window being counted, from its start (_reset_window)
+    _win_sent: int
+    _win_acked: int
+    _win_marked: int
+    _win_cut: bool
 
     def __init__(self, params: DctcpParams, line_rate_bps: float, now_ns: float) -> None:
         self.params = params
@@ -1001,8 +1070,8 @@ def make_cc(kind: str, preset_name: str | None, line_rate_bps: float, now_ns: fl
     ignores the preset name. `overrides` replace preset values (`effective_params`).
     """
     params = effective_params(kind, preset_name, line_rate_bps, overrides)   # checks them
-    if kind == "none":
-        return NoCc(line_rate_bps, now_ns)
-    if kind == "dcqcn":
+    if isinstance(params, DcqcnParams):
         return DcqcnRp(params, line_rate_bps, now_ns)
-    return DctcpRp(params, line_rate_bps, now_ns)
+    if isinstance(params, DctcpParams):
+        return DctcpRp(params, line_rate_bps, now_ns)
+    return NoCc(line_rate_bps, now_ns)          # kind "none": no parameters

@@ -28,12 +28,16 @@ import select
 import socket
 import sys
 import time
+from argparse import Namespace
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from agents.control import SnapshotServer
 from agents.roce.cc import (
     DCTCP_PRESETS,
+    DEFAULT_DCQCN_PRESET,
+    DEFAULT_DCTCP_PRESET,
     PRESETS,
     DcqcnNp,
     DcqcnParams,
@@ -41,11 +45,13 @@ from agents.roce.cc import (
     effective_params,
     make_cc,
 )
-from agents.roce.qp import WIRE_OVERHEAD_BYTES, MemoryRegion, QpAttrs, RcQp, WcStatus
+from agents.roce.qp import MemoryRegion, QpAttrs, RcQp, WcStatus
 from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
+from agents.runtime.lifecycle import Lifecycle
+from agents.runtime.output import mark_ready
+from agents.runtime.waiting import wait_until_mono
 from agents.timebase import Dilation, FabricClock
-from agents.udp import Lifecycle
-from agents.udp_logic import pause_step
 from agents.wire.roce import PSN_MASK, ROCE_UDP_PORT, icrc_context
 
 PROTOCOL_VERSION = 1
@@ -102,34 +108,17 @@ def latency_stats(samples_ns: list[float]) -> dict:
             "p99_9": pct(0.999) * to_us}
 
 
-def _touch(path: str | None, content: dict | None = None) -> None:
-    """Create `path` (atomically, with one JSON line when `content` is given)."""
-    if not path:
-        return
-    if content is None:
-        with open(path, "a"):
-            pass
-        os.utime(path, None)
-        return
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(content, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-
-
-def cc_settings(args) -> tuple[str, str | None]:
+def cc_settings(args: Namespace) -> tuple[str, str | None]:
     """(kind, preset) from --cc / --cc-preset, with each kind's default preset."""
     kind = args.cc
     name = args.cc_preset
     if kind == "dcqcn":
-        name = name or "paper"
+        name = name or DEFAULT_DCQCN_PRESET
         if name not in PRESETS:
             raise TestError(f"--cc-preset {name!r} is not a DCQCN preset; "
                             f"known: {', '.join(sorted(PRESETS))}")
     elif kind == "dctcp":
-        name = name or "rfc8257"
+        name = name or DEFAULT_DCTCP_PRESET
         if name not in DCTCP_PRESETS:
             raise TestError(f"--cc-preset {name!r} is not a DCTCP preset; "
                             f"known: {', '.join(sorted(DCTCP_PRESETS))}")
@@ -138,7 +127,7 @@ def cc_settings(args) -> tuple[str, str | None]:
     return kind, name
 
 
-def cc_params(args, cc: tuple[str, str | None]) -> DcqcnParams | DctcpParams | None:
+def cc_params(args: Namespace, cc: tuple[str, str | None]) -> DcqcnParams | DctcpParams | None:
     """The parameters every QP runs with: the preset scaled to --line-rate-bps, then
     --cc-params (absolute values); None without congestion control."""
     try:
@@ -147,11 +136,11 @@ def cc_params(args, cc: tuple[str, str | None]) -> DcqcnParams | DctcpParams | N
         raise TestError(f"--cc-params: {e}") from None
 
 
-def make_np(args, kind: str, params: DcqcnParams | DctcpParams | None) -> DcqcnNp | None:
+def make_np(args: Namespace, kind: str, params: DcqcnParams | DctcpParams | None) -> DcqcnNp | None:
     """The notification point of a responder: the DCQCN parameters' interval and mode
     (--cnp-interval-ns replaces the interval); DCTCP gets a CNP for every CE packet (or
     one per --cnp-interval-ns); no CC sends no CNPs unless --cnp-interval-ns asks."""
-    if kind == "dcqcn":
+    if isinstance(params, DcqcnParams):         # kind "dcqcn"
         interval = (args.cnp_interval_ns if args.cnp_interval_ns is not None
                     else params.cnp_interval_ns)
         return DcqcnNp(interval, params.np_mode)
@@ -162,14 +151,14 @@ def make_np(args, kind: str, params: DcqcnParams | DctcpParams | None) -> DcqcnN
     return None
 
 
-def cc_record(args, cc: tuple[str, str | None],
+def cc_record(args: Namespace, cc: tuple[str, str | None],
               params: DcqcnParams | DctcpParams | None) -> dict:
     """What a run directory needs to show which congestion control ran."""
     return {"cc": cc[0], "cc_preset": cc[1], "cc_overrides": dict(args.cc_params),
             "cc_params": params.to_dict() if params is not None else None}
 
 
-def qp_attrs(args, mtu: int) -> QpAttrs:
+def qp_attrs(args: Namespace, mtu: int) -> QpAttrs:
     return QpAttrs(mtu=mtu, window_packets=args.window_packets, ack_req_every=args.ack_req_every,
                    ack_every=args.ack_every, timeout_ns=args.timeout_ns,
                    retry_cnt=args.retry_cnt, max_burst_bytes=args.max_burst_bytes)
@@ -302,7 +291,7 @@ def flat_counters(role: str, qps: list[dict]) -> dict:
     return out
 
 
-def _header(args, title: str, dilation: Dilation, cc: tuple[str, str | None], qps: int,
+def _header(args: Namespace, title: str, dilation: Dilation, cc: tuple[str, str | None], qps: int,
             mtu: int) -> str:
     line = "-" * 87
     kind, name = cc
@@ -320,8 +309,11 @@ def _header(args, title: str, dilation: Dilation, cc: tuple[str, str | None], qp
     ])
 
 
-def bw_table(args, title, dilation, cc, qps, mtu, size, iters, bw_fabric, rate_fabric,
-             bw_wall, rate_wall) -> str:
+def bw_table(args: Namespace, title: str, dilation: Dilation, cc: tuple[str, str | None],
+             qps: int, mtu: int, size: int, iters: int, bw_fabric: float, rate_fabric: float,
+             bw_wall: float, rate_wall: float) -> str:
+    """perftest's bandwidth table: the header, then one row (fabric units, --wall adds
+    wall units)."""
     cols = " #bytes     #iterations    BW average[Gb/sec]   MsgRate[Mpps]"
     row = f" {size:<10} {iters:<14} {bw_fabric / 1e9:<20.2f} {rate_fabric / 1e6:<.6f}"
     if args.wall:
@@ -330,12 +322,14 @@ def bw_table(args, title, dilation, cc, qps, mtu, size, iters, bw_fabric, rate_f
     return "\n".join([_header(args, title, dilation, cc, qps, mtu), cols, row, "-" * 87])
 
 
-def lat_table(args, title, dilation, cc, mtu, size, iters, fab: dict, wall: dict) -> str:
+def lat_table(args: Namespace, title: str, dilation: Dilation, cc: tuple[str, str | None],
+              mtu: int, size: int, iters: int, fab: dict, wall: dict) -> str:
+    """perftest's latency table: the header, then the fabric row (and the wall row)."""
     cols = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    "
             "t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]")
 
     def row(st: dict, tag: str) -> str:
-        def f(v):
+        def f(v: float | None) -> str:
             return f"{v:.2f}" if v is not None else "-"
         return (f" {size:<6} {iters:<13} {f(st['t_min']):<14} {f(st['t_max']):<12} "
                 f"{f(st['t_typical']):<18} {f(st['t_avg']):<14} {f(st['t_stdev']):<15} "
@@ -372,16 +366,10 @@ def _connect(server: str, port: int, bind: str | None, timeout_s: float,
     raise TestError(f"cannot connect to {server}:{port}: {last or 'stopped'}")
 
 
-def _wait_until_mono(target_ns: int, life: Lifecycle) -> None:
-    clock = time.monotonic_ns
-    while target_ns and not life.should_stop(clock()) and clock() < target_ns:
-        pause_step(target_ns - clock(), clock(), clock, time.sleep)
-
-
 # --- client -----------------------------------------------------------------------------
 
 
-def _client_qps(local_ip: str, args, life: Lifecycle) -> list[tuple[int, Endpoint]]:
+def _client_qps(local_ip: str, args: Namespace, life: Lifecycle) -> list[tuple[int, Endpoint]]:
     """(QPN, endpoint bound to rxe_sport(QPN)) for each QP; a taken port moves to the next QPN."""
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     qpn = args.qpn_base if args.qpn_base is not None else rng.randrange(0x100, 0xF00000)
@@ -408,7 +396,7 @@ def _client_qps(local_ip: str, args, life: Lifecycle) -> list[tuple[int, Endpoin
     return out
 
 
-def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
+def run_client(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     clock = FabricClock(dilation)
     cc = cc_settings(args)
@@ -452,7 +440,7 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
         for i, (qpn, ep) in enumerate(qp_eps):
             r = remote[i]
             ctx = icrc_context(local_ip, args.server, ep.port, udp_port)
-            mr = MemoryRegion(back[i], hello["qps"][i]["va"], back_rkeys[i])
+            mr = MemoryRegion(back[i].data, hello["qps"][i]["va"], back_rkeys[i])
             qp = RcQp(qpn, r["qpn"], ctx, attrs,
                       make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns(), args.cc_params),
                       np=make_np(args, cc[0], params), mrs={mr.rkey: mr}, clock=clock,
@@ -462,15 +450,15 @@ def run_client(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
                                       drop_seed=args.drop_seed + i))
             engine.add(ep)
         live.bindings = bindings
-        _touch(args.ready_file)
-        _wait_until_mono(args.start_at_mono_ns, life)
+        mark_ready(args.ready_file)
+        wait_until_mono(args.start_at_mono_ns, life)
         live.phase = "running"
         if test == "write_lat":
             result = _client_lat(args, life, engine, bindings[0], bufs[0], remote[0], back[0])
         else:
             result = _client_bw(args, life, engine, bindings, bufs, remote, slots)
         live.phase = "done"
-        verify = {"verified": None, "first_mismatch": None}
+        verify: dict[str, object] = {"verified": None, "first_mismatch": None}
         if not ctl.closed:
             ctl.send({"done": True, "messages": result["per_qp_messages"],
                       "stopped_by": life.stop_reason})
@@ -544,7 +532,16 @@ def _rates(dilation: Dilation, nbytes: int, messages: int, packets: int, wall_ns
     }
 
 
-def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
+@dataclass
+class _BwProgress:
+    """Where a bandwidth test's client is: still posting, and what ended it."""
+
+    posting: bool = True
+    failed: str | None = None           # status of an error completion, if one came
+    duration_ended: bool = False
+
+
+def _client_bw(args: Namespace, life: Lifecycle, engine: Engine, bindings: list[Binding],
                bufs: list[np.ndarray], remote: list[dict], slots: int) -> dict:
     size = args.size
     iters = args.iters
@@ -553,30 +550,30 @@ def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
     posted = [0] * n
     completed = [0] * n
     nbytes = [0] * n
-    views = [memoryview(b) for b in bufs]
+    views = [b.data for b in bufs]      # memoryviews of the patterns
     slot_views = [[views[i][k * size:(k + 1) * size] for k in range(slots)] for i in range(n)]
     reqs = [b.qp.requester for b in bindings]
     depth = args.tx_depth
     send = args.test == "send_bw"
     start = time.monotonic_ns()
     end = start + dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
-    state = {"posting": True, "failed": None, "duration_ended": False}
+    state = _BwProgress()
 
     def hook() -> None:
-        if state["posting"] and end is not None and time.monotonic_ns() >= end:
-            state["posting"] = False
-            state["duration_ended"] = True
+        if state.posting and end is not None and time.monotonic_ns() >= end:
+            state.posting = False
+            state.duration_ended = True
         for i in range(n):
             r = reqs[i]
             comps = r.completions
             while comps:
                 c = comps.popleft()
                 if c.status != WcStatus.SUCCESS:
-                    state["failed"] = c.status
+                    state.failed = c.status
                     continue
                 completed[i] += 1
                 nbytes[i] += c.byte_len
-            if state["posting"]:
+            if state.posting:
                 while r.outstanding_messages < depth and (iters is None or posted[i] < iters):
                     k = posted[i] % slots
                     if send:
@@ -587,11 +584,11 @@ def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
                     posted[i] += 1
 
     def done() -> bool:
-        if state["failed"] or any(r.state != "rts" for r in reqs):
+        if state.failed or any(r.state != "rts" for r in reqs):
             return True
-        if state["posting"] and iters is not None and all(p >= iters for p in posted):
-            state["posting"] = False
-        return not state["posting"] and all(r.idle for r in reqs)
+        if state.posting and iters is not None and all(p >= iters for p in posted):
+            state.posting = False
+        return not state.posting and all(r.idle for r in reqs)
 
     hook()
     try:
@@ -604,19 +601,19 @@ def _client_bw(args, life: Lifecycle, engine: Engine, bindings: list[Binding],
     total = sum(nbytes)
     msgs = sum(completed)
     return {"messages": msgs, "bytes": total, "per_qp_messages": completed,
-            "data_packets_sent": packets, "completion_error": state["failed"],
-            "duration_ended": state["duration_ended"], "first_post_mono_ns": start,
+            "data_packets_sent": packets, "completion_error": state.failed,
+            "duration_ended": state.duration_ended, "first_post_mono_ns": start,
             **_rates(dilation, total, msgs, packets, wall_ns)}
 
 
-def _client_lat(args, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarray,
+def _client_lat(args: Namespace, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarray,
                 remote: dict, back: np.ndarray) -> dict:
     size = args.size
     iters = args.iters
     dilation = engine.dilation
     qp = b.qp
     r, rs = qp.requester, qp.responder
-    view = memoryview(buf)[:size]
+    view = buf.data[:size]
     samples: list[int] = []
     start = time.monotonic_ns()
     end = start + dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
@@ -627,11 +624,14 @@ def _client_lat(args, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarr
             if end is not None and time.monotonic_ns() >= end:
                 ended = True
                 break
-            seen = rs.write_messages
+
+            def answered(seen: int = rs.write_messages) -> bool:
+                """The server's WRITE back has landed (or the QP failed)."""
+                return rs.write_messages > seen or r.state != "rts"
+
             t0 = time.monotonic_ns()
             r.post_write(i, view, remote["va"], remote["rkey"])
-            engine.run(lambda seen=seen: rs.write_messages > seen or r.state != "rts",
-                       stop=life.should_stop)
+            engine.run(answered, stop=life.should_stop)
             if life.stop_reason is not None or r.state != "rts":
                 break
             samples.append(time.monotonic_ns() - t0)
@@ -655,7 +655,7 @@ def _client_lat(args, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarr
 # --- server -----------------------------------------------------------------------------
 
 
-def _accept(args, life: Lifecycle) -> tuple[socket.socket, socket.socket]:
+def _accept(args: Namespace, life: Lifecycle) -> tuple[socket.socket, socket.socket]:
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     lsock.bind((args.bind or "", args.port))
@@ -667,7 +667,7 @@ def _accept(args, life: Lifecycle) -> tuple[socket.socket, socket.socket]:
         probe.bind((args.bind or "", 0))
         args.roce_port = probe.getsockname()[1]
         probe.close()
-    _touch(args.ready_file, {"port": lsock.getsockname()[1], "roce_port": args.roce_port,
+    mark_ready(args.ready_file, {"port": lsock.getsockname()[1], "roce_port": args.roce_port,
                              "pid": os.getpid()})
     while True:
         if life.should_stop():
@@ -680,7 +680,7 @@ def _accept(args, life: Lifecycle) -> tuple[socket.socket, socket.socket]:
             return lsock, conn
 
 
-def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
+def run_server(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     cc = cc_settings(args)
     params = cc_params(args, cc)
@@ -725,7 +725,7 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
             rkey = rng.randrange(1, 1 << 32)
             mem = np.zeros(max(1, slots * size if test != "send_bw" else 1), dtype=np.uint8)
             mems.append(mem)
-            mr = MemoryRegion(mem, int(mem.ctypes.data), rkey)
+            mr = MemoryRegion(mem.data, int(mem.ctypes.data), rkey)
             ctx = icrc_context(local_ip, peer_ip, ep.port, int(c["sport"]))
             qp = RcQp(qpn, int(c["qpn"]), ctx, attrs,
                       make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns(), args.cc_params),
@@ -736,7 +736,7 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
                 depth = max(1, min(MAX_RECV_DEPTH, args.buffer_bytes // max(size, 1)))
                 rbufs = [np.zeros(max(size, 1), dtype=np.uint8) for _ in range(depth)]
                 for k, rb in enumerate(rbufs):
-                    qp.responder.post_recv(k, rb)
+                    qp.responder.post_recv(k, rb.data)
                 rq_bufs.append(rbufs)
             reply.append({"qpn": qpn, "psn": psn, "rkey": rkey, "va": mr.va,
                           "length": mr.length})
@@ -747,8 +747,9 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
                     if verify and test != "write_lat" else None)
         ctl.send({"ok": True, "qps": reply, "udp_port": ep.port})
         live.phase = "running"
-        result = _serve(args, life, engine, ctl, bindings, hello, rq_bufs, slots, size, seed,
-                        verify, expected)
+        serving = _Serving(test, bindings, hello["qps"], rq_bufs, slots, size, seed, verify,
+                           expected)
+        result = _serve(life, engine, ctl, serving)
         if result.get("done_msg") is not None:
             done_msg = result.pop("done_msg")
             if verify and test == "write_bw":
@@ -787,61 +788,106 @@ def run_server(args, life: Lifecycle, live: Live) -> tuple[dict, int]:
             ep.close()
 
 
-def _serve(args, life: Lifecycle, engine: Engine, ctl: ControlChannel,
-           bindings: list[Binding], hello: dict, rq_bufs: list[list[np.ndarray]], slots: int,
-           size: int, seed: int, verify: bool, expected: list[np.ndarray] | None) -> dict:
+class _Serving:
+    """What the server does for the client's QPs at every engine step of a running test.
+
+    send_bw: take each received SEND's completion, check it against the client's pattern
+    (with --verify) and post its buffer again; write_lat: answer each WRITE that arrived
+    with a WRITE back (the ping-pong whose round trip the client measures); write_bw:
+    nothing, the data lands in the memory regions by itself.
+    """
+
+    def __init__(self, test: str, bindings: list[Binding], client_qps: list[dict],
+                 rq_bufs: list[list[np.ndarray]], slots: int, size: int, seed: int,
+                 verify: bool, expected: list[np.ndarray] | None) -> None:
+        self.bindings = bindings
+        self.client_qps = client_qps
+        self.rq_bufs = rq_bufs
+        self.slots = slots
+        self.size = size
+        self.expected = expected            # the client's patterns, when verifying
+        self.verified: bool | None = True if verify and test == "send_bw" else None
+        self.first_mismatch: dict | None = None
+        self.done_msg: dict | None = None
+        self.recv_count = [0] * len(bindings)
+        self.lat_seen = [0] * len(bindings)
+        self.lat_view = (pattern(seed ^ 0x5A5A, max(size, 1)).data[:size]
+                         if test == "write_lat" else memoryview(b""))
+        per_qp: dict[str, Callable[[int, Binding], None]] = {
+            "send_bw": self._take_sends, "write_lat": self._write_back}
+        self._per_qp = per_qp.get(test)
+
+    def step(self) -> None:
+        if self._per_qp is not None:
+            for i, b in enumerate(self.bindings):
+                self._per_qp(i, b)
+
+    def _take_sends(self, i: int, b: Binding) -> None:
+        rs = b.qp.responder
+        comps = rs.completions
+        while comps:
+            c = comps.popleft()
+            buf = self.rq_bufs[i][c.wr_id]
+            if self.verified and self.expected is not None:
+                self._check(i, c.byte_len, buf, self.expected[i])
+            self.recv_count[i] += 1
+            rs.post_recv(c.wr_id, buf.data)
+
+    def _check(self, i: int, byte_len: int, buf: np.ndarray, want: np.ndarray) -> None:
+        """Received SEND number recv_count[i] of QP i must be slot (that mod slots) of
+        the client's pattern, whole."""
+        size = self.size
+        k = self.recv_count[i] % self.slots
+        bad = first_mismatch(buf[:byte_len], want[k * size:(k + 1) * size])
+        if bad is not None or byte_len != size:
+            self.verified = False
+            self.first_mismatch = {"qp": i, "message": self.recv_count[i], "offset": bad}
+
+    def _write_back(self, i: int, b: Binding) -> None:
+        rs, r = b.qp.responder, b.qp.requester
+        c = self.client_qps[i]
+        while rs.write_messages > self.lat_seen[i]:
+            self.lat_seen[i] += 1
+            r.post_write(self.lat_seen[i], self.lat_view, int(c["va"]), int(c["rkey"]))
+        r.completions.clear()
+
+    def client_finished(self, ctl: ControlChannel, engine: Engine, life: Lifecycle) -> bool:
+        """True once the client said done (after our last ACKs and write-backs went out)
+        or went away."""
+        msg = ctl.poll()
+        if msg is not None and msg.get("done"):
+            self.done_msg = msg
+            engine.run(lambda: all(b.qp.requester.idle for b in self.bindings),
+                       stop=life.should_stop)
+            return True
+        if ctl.closed:
+            life.stop("client_gone")
+            return True
+        return False
+
+    def result(self, dilation: Dilation, wall_ns: int) -> dict:
+        responders = [b.qp.responder for b in self.bindings]
+        nbytes = sum(rs.payload_bytes_received for rs in responders)
+        msgs = sum(rs.write_messages + rs.send_messages for rs in responders)
+        pkts = sum(rs.packets_received for rs in responders)
+        return {"done_msg": self.done_msg, "verified": self.verified,
+                "first_mismatch": self.first_mismatch, "messages": msgs, "bytes": nbytes,
+                "data_packets_received": pkts,
+                **_rates(dilation, nbytes, msgs, pkts, wall_ns)}
+
+
+def _serve(life: Lifecycle, engine: Engine, ctl: ControlChannel, serving: _Serving) -> dict:
     """Run the server side until the client says done (or goes away, or a stop)."""
-    test = args.test
-    state: dict = {"done_msg": None, "verified": None, "first_mismatch": None}
-    want = expected
-    if verify and test == "send_bw":
-        state["verified"] = True
-    recv_count = [0] * len(bindings)
-    lat_seen = [0] * len(bindings)
-    lat_buf = pattern(seed ^ 0x5A5A, max(size, 1)) if test == "write_lat" else None
-    client_qps = hello["qps"]
     steps = 0
     start = time.monotonic_ns()
     try:
         while True:
             busy = engine.step()
             steps += 1
-            for i, b in enumerate(bindings):
-                rs = b.qp.responder
-                if test == "send_bw":
-                    comps = rs.completions
-                    while comps:
-                        c = comps.popleft()
-                        buf = rq_bufs[i][c.wr_id]
-                        if verify and state["verified"]:
-                            k = recv_count[i] % slots
-                            exp = want[i][k * size:(k + 1) * size]
-                            bad = first_mismatch(buf[:c.byte_len], exp)
-                            if bad is not None or c.byte_len != size:
-                                state["verified"] = False
-                                state["first_mismatch"] = {"qp": i, "message": recv_count[i],
-                                                           "offset": bad}
-                        recv_count[i] += 1
-                        rs.post_recv(c.wr_id, buf)
-                elif test == "write_lat":
-                    r = b.qp.requester
-                    while rs.write_messages > lat_seen[i]:
-                        lat_seen[i] += 1
-                        c = client_qps[i]
-                        r.post_write(lat_seen[i], memoryview(lat_buf)[:size], int(c["va"]),
-                                     int(c["rkey"]))
-                    r.completions.clear()
-            if not busy or steps % CONTROL_CHECK_STEPS == 0:
-                msg = ctl.poll()
-                if msg is not None and msg.get("done"):
-                    state["done_msg"] = msg
-                    # let our last ACKs / write-backs finish before answering
-                    engine.run(lambda: all(b.qp.requester.idle for b in bindings),
-                               stop=life.should_stop)
-                    break
-                if ctl.closed:
-                    life.stop("client_gone")
-                    break
+            serving.step()
+            if ((not busy or steps % CONTROL_CHECK_STEPS == 0)
+                    and serving.client_finished(ctl, engine, life)):
+                break
             if life.should_stop():
                 break
             if not busy:
@@ -849,14 +895,7 @@ def _serve(args, life: Lifecycle, engine: Engine, ctl: ControlChannel,
                 engine.wait()
     except Stopped:
         pass
-    wall_ns = time.monotonic_ns() - start
-    dilation = engine.dilation
-    nbytes = sum(b.qp.responder.payload_bytes_received for b in bindings)
-    msgs = sum(b.qp.responder.write_messages + b.qp.responder.send_messages for b in bindings)
-    pkts = sum(b.qp.responder.packets_received for b in bindings)
-    state.update({"messages": msgs, "bytes": nbytes, "data_packets_received": pkts,
-                  **_rates(dilation, nbytes, msgs, pkts, wall_ns)})
-    return state
+    return serving.result(engine.dilation, time.monotonic_ns() - start)
 
 
 def _verify_writes(mems: list[np.ndarray], messages: list[int], slots: int, size: int,
@@ -873,9 +912,5 @@ def _verify_writes(mems: list[np.ndarray], messages: list[int], slots: int, size
     return {"verified": True, "first_mismatch": None}
 
 
-def snapshot_server(path: str | None, live: Live) -> SnapshotServer | None:
-    return SnapshotServer(path, live.snapshot) if path else None
-
-
 __all__ = ["CNP_DSCP", "DEFAULT_CONTROL_PORT", "TESTS", "Live", "TestError", "latency_stats",
-           "pattern", "run_client", "run_server", "slots_for", "snapshot_server"]
+           "pattern", "run_client", "run_server", "slots_for"]

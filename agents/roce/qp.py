@@ -51,6 +51,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import NamedTuple, Protocol
 
+from agents.roce.cc import DcqcnNp, RateController
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
+from agents.wire import BytesLike
 from agents.wire.roce import (
     AETH_BYTES,
     BTH_BYTES,
@@ -78,7 +81,6 @@ __all__ = [
     "PKT_CNP",
     "PKT_DATA",
     "RNR_TIMER_NS",
-    "WIRE_OVERHEAD_BYTES",
     "Completion",
     "MemoryRegion",
     "QpAttrs",
@@ -98,11 +100,6 @@ PKT_ACK = 1     # ACK and NAK (AETH): same traffic class as the data
 PKT_CNP = 2
 
 IB_MTUS = (256, 512, 1024, 2048, 4096)
-
-#: Bytes a RoCEv2 packet costs on an Ethernet wire beyond its UDP payload:
-#: 8 UDP + 20 IPv4 + 14 Ethernet header + 4 FCS + 8 preamble/SFD + 12 inter-frame gap.
-#: (Same figure as agents.udp_logic.DEFAULT_WIRE_OVERHEAD_BYTES.)
-WIRE_OVERHEAD_BYTES = 8 + 20 + 14 + 4 + 8 + 12
 
 #: Most unacknowledged packets a QP may have: 2^22, half of the 2^23 half-space 24-bit PSNs
 #: are compared in, so an ACK, a NAK or a duplicate is never mistaken for the other side of
@@ -147,7 +144,7 @@ _ZPAD = bytes(4)
 
 def build_data_packet(buf: bytearray, view: memoryview, ctx: IcrcContext, opcode: int,
                       p_key: int, dest_qp: int, ack_req: bool, psn: int,
-                      reth: tuple[int, int, int] | None, payload) -> memoryview:
+                      reth: tuple[int, int, int] | None, payload: BytesLike) -> memoryview:
     """The requester's fast path: BTH [+ RETH] + payload + pad + ICRC into `buf`.
 
     Byte for byte what `agents.wire.roce.build_packet` makes for the same fields (a unit
@@ -206,7 +203,7 @@ class WcStatus:
     FLUSHED = "flushed"                             # IBV_WC_WR_FLUSH_ERR
 
 
-_NAK_STATUS = {
+_NAK_STATUS: dict[int, str] = {
     NakCode.INVALID_REQUEST: WcStatus.REMOTE_INVALID_REQUEST,
     NakCode.REMOTE_ACCESS_ERROR: WcStatus.REMOTE_ACCESS_ERROR,
     NakCode.REMOTE_OPERATIONAL_ERROR: WcStatus.REMOTE_OPERATIONAL_ERROR,
@@ -277,7 +274,7 @@ class MemoryRegion:
 
     __slots__ = ("va", "rkey", "length", "view", "remote_write")
 
-    def __init__(self, buf, va: int, rkey: int, *, remote_write: bool = True) -> None:
+    def __init__(self, buf: BytesLike, va: int, rkey: int, *, remote_write: bool = True) -> None:
         view = memoryview(buf)
         if view.readonly:
             raise ValueError("a memory region needs a writable buffer")
@@ -322,12 +319,18 @@ class RatePacer:
         self._due = base + wire_bytes * 8e9 / rate_bps
 
 
+#: What a finished WQE holds instead of its message: the caller's buffer is let go.
+_RELEASED = memoryview(b"")
+
+
 class _Wqe:
     """One posted send-queue work request."""
 
     __slots__ = ("wr_id", "ops", "kind", "data", "length", "va", "rkey", "first_psn", "npkts")
 
-    def __init__(self, wr_id, ops, kind, data, length, va, rkey, first_psn, npkts) -> None:
+    def __init__(self, wr_id: int, ops: tuple[int, int, int, int], kind: str,
+                 data: memoryview, length: int, va: int, rkey: int, first_psn: int,
+                 npkts: int) -> None:
         self.wr_id = wr_id
         self.ops = ops
         self.kind = kind
@@ -359,8 +362,8 @@ def _as_bytes_view(data) -> memoryview:
 class RcRequester:
     """Send side of an RC QP: segmentation, PSNs, window, pacing, ACK/NAK/timeout, DCQCN RP."""
 
-    def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs, cc, *,
-                 psn: int = 0, clock: Clock | None = None) -> None:
+    def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs,
+                 cc: RateController, *, psn: int = 0, clock: Clock | None = None) -> None:
         if not (0 <= qpn <= QPN_MASK and 0 <= dest_qpn <= QPN_MASK):
             raise ValueError(f"QPNs must be 24 bits: {qpn}, {dest_qpn}")
         if not 0 <= psn <= PSN_MASK:
@@ -416,11 +419,11 @@ class RcRequester:
 
     # -- posting
 
-    def post_write(self, wr_id: int, local, remote_va: int, rkey: int) -> None:
+    def post_write(self, wr_id: int, local: BytesLike, remote_va: int, rkey: int) -> None:
         """Post an RDMA WRITE of the whole of `local` to `remote_va` under `rkey`."""
         self._post(wr_id, _WRITE_OPS, "write", local, remote_va, rkey)
 
-    def post_send(self, wr_id: int, local) -> None:
+    def post_send(self, wr_id: int, local: BytesLike) -> None:
         """Post a SEND of the whole of `local` (lands in the peer's next receive buffer)."""
         self._post(wr_id, _SEND_OPS, "send", local, 0, 0)
 
@@ -643,7 +646,7 @@ class RcRequester:
             self.completions.append(Completion(w.wr_id, WcStatus.SUCCESS, w.kind, w.length))
             self.messages_completed += 1
             self.bytes_completed += w.length
-            w.data = None
+            w.data = _RELEASED
             head += 1
         self._head = head
         ahead = (new - self._snd) & PSN_MASK
@@ -678,7 +681,7 @@ class RcRequester:
             self.completions.append(Completion(w.wr_id, status if first else WcStatus.FLUSHED,
                                                w.kind, 0))
             first = False
-            w.data = None
+            w.data = _RELEASED
         self._head = len(self._sq)
         self._cur = self._head
         self._cur_idx = 0
@@ -717,7 +720,8 @@ class RcResponder:
     RDMA WRITE into memory regions, SEND into posted receive buffers, DCQCN NP."""
 
     def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs, *,
-                 psn: int = 0, np=None, mrs: dict[int, MemoryRegion] | None = None,
+                 psn: int = 0, np: DcqcnNp | None = None,
+                 mrs: dict[int, MemoryRegion] | None = None,
                  tx: Callable[[memoryview, int], None] | None = None,
                  clock: Clock | None = None) -> None:
         if not 0 <= psn <= PSN_MASK:
@@ -750,6 +754,13 @@ class RcResponder:
         self._rv: tuple[int, memoryview] | None = None
         self._rv_off = 0
         self.completions: deque[Completion] = deque()
+        # the placer of each request opcode the responder accepts (bound once: per packet)
+        self._placers: dict[int, Callable[[int, Parsed], bool]] = {
+            _OP_WRITE_FIRST: self._write_start, _OP_WRITE_ONLY: self._write_start,
+            _OP_WRITE_MIDDLE: self._write_continue, _OP_WRITE_LAST: self._write_continue,
+            _OP_SEND_FIRST: self._send_start, _OP_SEND_ONLY: self._send_start,
+            _OP_SEND_MIDDLE: self._send_continue, _OP_SEND_LAST: self._send_continue,
+        }
         # counters
         self.packets_received = 0     # data packets for this QP, any PSN
         self.payload_bytes_received = 0   # message bytes accepted in order
@@ -769,7 +780,7 @@ class RcResponder:
     def expected_psn(self) -> int:
         return self._epsn
 
-    def post_recv(self, wr_id: int, buf) -> None:
+    def post_recv(self, wr_id: int, buf: BytesLike) -> None:
         """Post a receive buffer for one incoming SEND."""
         view = _as_bytes_view(buf)
         if view.readonly:
@@ -782,113 +793,153 @@ class RcResponder:
 
     def on_request(self, p: Parsed, ce: bool, now_ns: float | None = None) -> None:
         """A data packet (SEND / RDMA WRITE) for this QP."""
+        self._count_arrival(ce, now_ns)
+        if self.state != QpState.RTS:
+            self.error_drops += 1
+            return
         bth = p.bth
+        psn = bth.psn
+        if psn != self._epsn:
+            self._out_of_sequence(psn, bth.ack_req)
+            return
+        self._nak_sent = False
+        self._dup_run = False
+        op = bth.opcode
+        place = self._placers.get(op)
+        if place is None or len(p.payload) > self._mtu:
+            self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
+            return
+        if place(op, p):
+            self._accept(op, psn, len(p.payload), bth.ack_req)
+
+    # -- receiving, step by step
+
+    def _count_arrival(self, ce: bool, now_ns: float | None) -> None:
+        """Every data packet counts, and is shown to the notification point (in any state:
+        a CE mark is congestion whatever becomes of the packet)."""
         self.packets_received += 1
         if ce:
             self.ce_packets_received += 1
         np_ = self.np
         if np_ is not None and np_.on_packet(ce, _now(self.clock, now_ns) if ce else 0.0):
             self._send_cnp()
-        if self.state != QpState.RTS:
-            self.error_drops += 1
+
+    def _out_of_sequence(self, psn: int, ack_req: bool) -> None:
+        """A PSN other than the expected one: NAK the first packet ahead of it (then drop
+        silently until it comes), re-ACK a duplicate (the first of a run, and any AckReq)."""
+        if ((psn - self._epsn) & PSN_MASK) < PSN_HALF:      # ahead of the expected PSN
+            self.ooo_drops += 1
+            if not self._nak_sent:
+                self._nak_sent = True
+                self.seq_naks_sent += 1
+                self._send_aeth(self._epsn, _SYN_NAK_SEQ)
             return
-        psn = bth.psn
-        d = (psn - self._epsn) & PSN_MASK
-        if d:
-            if d < (1 << 23):                       # ahead of the expected PSN
-                self.ooo_drops += 1
-                if not self._nak_sent:
-                    self._nak_sent = True
-                    self.seq_naks_sent += 1
-                    self._send_aeth(self._epsn, _SYN_NAK_SEQ)
-                return
-            self.duplicates += 1                    # behind: already done
-            if bth.ack_req or not self._dup_run:
-                self._dup_run = True
-                self._send_ack()
-            return
-        self._nak_sent = False
-        self._dup_run = False
-        op = bth.opcode
+        self.duplicates += 1                                # behind: already done
+        if ack_req or not self._dup_run:
+            self._dup_run = True
+            self._send_ack()
+
+    # Placers: put an in-order packet's payload where its message goes. Each returns True
+    # when it did, False when it answered the packet instead (fatal NAK, RNR NAK).
+
+    def _write_start(self, op: int, p: Parsed) -> bool:
+        """RDMA WRITE FIRST / ONLY: check the RETH against the memory region, write."""
+        reth = p.reth
+        if self._wr_view is not None or self._rv is not None or reth is None:
+            self._fatal(p.bth.psn, _SYN_NAK_INVALID, "invalid_request")
+            return False
         payload = p.payload
         n = len(payload)
-        if n > self._mtu:
-            self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-            return
-        if op == _OP_WRITE_MIDDLE or op == _OP_WRITE_LAST:
-            if self._wr_view is None or n > self._wr_left or (
-                    op == _OP_WRITE_MIDDLE and (n != self._mtu or n == self._wr_left)) or (
-                    op == _OP_WRITE_LAST and n != self._wr_left):
-                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-                return
-            off = self._wr_off
-            self._wr_view[off:off + n] = payload
+        va, rkey, dma_len = reth
+        if (op == _OP_WRITE_ONLY and n != dma_len) or (
+                op == _OP_WRITE_FIRST and (n != self._mtu or dma_len <= n)):
+            self._fatal(p.bth.psn, _SYN_NAK_INVALID, "invalid_request")
+            return False
+        if not dma_len:
+            return True
+        mr = self.mrs.get(rkey)
+        if (mr is None or not mr.remote_write or va < mr.va
+                or va + dma_len > mr.va + mr.length):
+            self._fatal(p.bth.psn, _SYN_NAK_ACCESS, "remote_access_error")
+            return False
+        off = va - mr.va
+        mr.view[off:off + n] = payload
+        if op == _OP_WRITE_FIRST:
+            self._wr_view = mr.view
             self._wr_off = off + n
-            self._wr_left -= n
-            if op == _OP_WRITE_LAST:
-                self._wr_view = None
-        elif op == _OP_WRITE_FIRST or op == _OP_WRITE_ONLY:
-            if self._wr_view is not None or self._rv is not None:
-                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-                return
-            va, rkey, dma_len = p.reth
-            if (op == _OP_WRITE_ONLY and n != dma_len) or (
-                    op == _OP_WRITE_FIRST and (n != self._mtu or dma_len <= n)):
-                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-                return
-            if dma_len:
-                mr = self.mrs.get(rkey)
-                if (mr is None or not mr.remote_write or va < mr.va
-                        or va + dma_len > mr.va + mr.length):
-                    self._fatal(psn, _SYN_NAK_ACCESS, "remote_access_error")
-                    return
-                off = va - mr.va
-                mr.view[off:off + n] = payload
-                if op == _OP_WRITE_FIRST:
-                    self._wr_view = mr.view
-                    self._wr_off = off + n
-                    self._wr_left = dma_len - n
-        elif op == _OP_SEND_FIRST or op == _OP_SEND_ONLY:
-            if self._wr_view is not None or self._rv is not None or (
-                    op == _OP_SEND_FIRST and n != self._mtu):
-                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-                return
-            if not self._rq:
-                # receiver not ready: RNR NAK, then drop until this PSN comes again
-                self.rnr_naks_sent += 1
-                self._nak_sent = True
-                self._send_aeth(psn, 0x20 | self.attrs.min_rnr_timer)
-                return
-            wr_id, buf = self._rq[0]
-            if n > buf.nbytes:
-                self._fatal(psn, _SYN_NAK_INVALID, "local_length_error")
-                return
-            self._rq.popleft()
-            buf[:n] = payload
-            if op == _OP_SEND_FIRST:
-                self._rv = (wr_id, buf)
-                self._rv_off = n
-            else:
-                self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", n))
-                self.send_messages += 1
-        elif op == _OP_SEND_MIDDLE or op == _OP_SEND_LAST:
-            if self._rv is None or (op == _OP_SEND_MIDDLE and n != self._mtu):
-                self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-                return
-            wr_id, buf = self._rv
-            off = self._rv_off
-            if off + n > buf.nbytes:
-                self._fatal(psn, _SYN_NAK_INVALID, "local_length_error")
-                return
-            buf[off:off + n] = payload
-            self._rv_off = off + n
-            if op == _OP_SEND_LAST:
-                self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", off + n))
-                self.send_messages += 1
-                self._rv = None
-        else:
+            self._wr_left = dma_len - n
+        return True
+
+    def _write_continue(self, op: int, p: Parsed) -> bool:
+        """RDMA WRITE MIDDLE / LAST: the next bytes of the WRITE in progress."""
+        payload = p.payload
+        n = len(payload)
+        view = self._wr_view
+        if view is None or n > self._wr_left or (
+                op == _OP_WRITE_MIDDLE and (n != self._mtu or n == self._wr_left)) or (
+                op == _OP_WRITE_LAST and n != self._wr_left):
+            self._fatal(p.bth.psn, _SYN_NAK_INVALID, "invalid_request")
+            return False
+        off = self._wr_off
+        view[off:off + n] = payload
+        self._wr_off = off + n
+        self._wr_left -= n
+        if op == _OP_WRITE_LAST:
+            self._wr_view = None
+        return True
+
+    def _send_start(self, op: int, p: Parsed) -> bool:
+        """SEND FIRST / ONLY: into the next posted receive buffer (none: RNR NAK)."""
+        payload = p.payload
+        n = len(payload)
+        psn = p.bth.psn
+        if self._wr_view is not None or self._rv is not None or (
+                op == _OP_SEND_FIRST and n != self._mtu):
             self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
-            return
+            return False
+        if not self._rq:
+            # receiver not ready: RNR NAK, then drop until this PSN comes again
+            self.rnr_naks_sent += 1
+            self._nak_sent = True
+            self._send_aeth(psn, 0x20 | self.attrs.min_rnr_timer)
+            return False
+        wr_id, buf = self._rq[0]
+        if n > buf.nbytes:
+            self._fatal(psn, _SYN_NAK_INVALID, "local_length_error")
+            return False
+        self._rq.popleft()
+        buf[:n] = payload
+        if op == _OP_SEND_FIRST:
+            self._rv = (wr_id, buf)
+            self._rv_off = n
+        else:
+            self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", n))
+            self.send_messages += 1
+        return True
+
+    def _send_continue(self, op: int, p: Parsed) -> bool:
+        """SEND MIDDLE / LAST: the next bytes of the SEND in progress."""
+        payload = p.payload
+        n = len(payload)
+        psn = p.bth.psn
+        if self._rv is None or (op == _OP_SEND_MIDDLE and n != self._mtu):
+            self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
+            return False
+        wr_id, buf = self._rv
+        off = self._rv_off
+        if off + n > buf.nbytes:
+            self._fatal(psn, _SYN_NAK_INVALID, "local_length_error")
+            return False
+        buf[off:off + n] = payload
+        self._rv_off = off + n
+        if op == _OP_SEND_LAST:
+            self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", off + n))
+            self.send_messages += 1
+            self._rv = None
+        return True
+
+    def _accept(self, op: int, psn: int, n: int, ack_req: bool) -> None:
+        """The packet is placed: expect the next PSN, end the message, ACK when due."""
         self.payload_bytes_received += n
         self._epsn = (psn + 1) & PSN_MASK
         self._since_ack += 1
@@ -897,7 +948,7 @@ class RcResponder:
             self.msn = (self.msn + 1) & 0xFFFFFF
             if op == _OP_WRITE_LAST or op == _OP_WRITE_ONLY:
                 self.write_messages += 1
-        if end or bth.ack_req or self._since_ack >= self._ack_every:
+        if end or ack_req or self._since_ack >= self._ack_every:
             self._send_ack()
 
     # -- output
@@ -960,8 +1011,9 @@ class RcQp:
     this side sends, `rq_psn` the first PSN it expects (the peer's sq_psn).
     """
 
-    def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs, cc, *,
-                 np=None, mrs: dict[int, MemoryRegion] | None = None,
+    def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs,
+                 cc: RateController, *, np: DcqcnNp | None = None,
+                 mrs: dict[int, MemoryRegion] | None = None,
                  tx: Callable[[memoryview, int], None] | None = None,
                  clock: Clock | None = None, sq_psn: int = 0, rq_psn: int = 0) -> None:
         self.qpn = qpn
@@ -976,15 +1028,16 @@ class RcQp:
         self.ce_packets_received = 0
 
     @property
-    def tx(self):
+    def tx(self) -> Callable[[memoryview, int], None] | None:
+        """Where the responder pushes ACK / NAK / CNP packets: fn(view, kind)."""
         return self.responder.tx
 
     @tx.setter
-    def tx(self, fn) -> None:
+    def tx(self, fn: Callable[[memoryview, int], None] | None) -> None:
         self.responder.tx = fn
 
     @property
-    def cc(self):
+    def cc(self) -> RateController:
         return self.requester.cc
 
     def on_packet(self, p: Parsed, ce: bool = False, now_ns: float | None = None,
@@ -997,7 +1050,8 @@ class RcQp:
             self.ce_packets_received += 1
         op = p.bth.opcode
         if op == _OP_ACK:
-            self.requester.on_ack(p.bth, p.aeth, now_ns)
+            if p.aeth is not None:          # parse_packet gives every ACKNOWLEDGE its AETH
+                self.requester.on_ack(p.bth, p.aeth, now_ns)
         elif op in CNP_OPCODES:
             self.requester.on_cnp(now_ns)
         else:

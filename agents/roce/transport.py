@@ -7,10 +7,12 @@ event. Everything the QPs see is fabric time (`agents.timebase.FabricClock`);
 the engine converts a fabric wait into a wall sleep through the `Dilation` and
 nowhere else.
 
-Sockets (FACTS.md, "RoCEv2 on the wire" and "Kernel mechanics"):
+Sockets:
 
-- IPv4 UDP, UNCONNECTED, IP_MTU_DISCOVER = IP_PMTUDISC_DO: DF is set and Linux
-  sends IPv4 ID 0, which is what the ICRC the sender computes assumes.
+- IPv4 UDP, UNCONNECTED, IP_MTU_DISCOVER = IP_PMTUDISC_DO: DF is set, and Linux
+  gives a DF datagram IPv4 ID 0 unless its socket is connected
+  (ip_select_ident_segs); the ICRC the sender computes assumes ID 0, since the
+  ICRC covers the IP header's ID (`agents.wire.icrc`).
 - The responder side (the perftest server) binds port 4791. Each requester QP
   binds its own source port 0xC000 | hash_32(QPN, 14), as rxe does, so ECMP
   spreads QPs; the next QPN is tried when that port is taken. Requests go to
@@ -23,7 +25,9 @@ Sockets (FACTS.md, "RoCEv2 on the wire" and "Kernel mechanics"):
   point.
 - Sends BLOCK (SO_SNDTIMEO 100 ms, retried until sent or stopped), so a paused
   port fills the socket buffer and holds the sender back instead of dropping;
-  ENOBUFS is retried after 50 us. The perftest tool keeps SO_SNDBUF small
+  ENOBUFS is retried after 50 us, and a send that reports an earlier datagram's
+  ICMP error is counted (rx_errors) and retried, CNPs like data
+  (`agents.runtime.sockets.SendErrors`). The perftest tool keeps SO_SNDBUF small
   (NIC_SNDBUF_BYTES): what waits in the NIC's queue is what an RNIC's FIFO holds,
   and the rest of a paused QP's data stays unsent, under its rate limiter.
 - Receive errors never stop the engine: a datagram `parse_packet` rejects is
@@ -31,13 +35,13 @@ Sockets (FACTS.md, "RoCEv2 on the wire" and "Kernel mechanics"):
   is counted too.
 
 Wire bytes per packet (what the pacer charges and `cc.on_bytes_sent` sees):
-len(UDP payload) + 66 = BTH 12 [+ RETH 16] + payload + pad + ICRC 4 + UDP 8 +
-IPv4 20 + Ethernet 14 + FCS 4 + preamble/SFD 8 + inter-frame gap 12.
+len(UDP payload) + 66 (`agents.runtime.framing.WIRE_OVERHEAD_BYTES`) = BTH 12
+[+ RETH 16] + payload + pad + ICRC 4 + UDP 8 + IPv4 20 + Ethernet 14 + FCS 4 +
+preamble/SFD 8 + inter-frame gap 12.
 """
 
 from __future__ import annotations
 
-import errno
 import random
 import select
 import socket
@@ -46,11 +50,22 @@ import time
 from collections.abc import Callable
 
 from agents.roce.qp import PKT_CNP, RcQp
+from agents.runtime.sockets import (
+    CE,
+    ECT0,
+    SendErrors,
+    set_recv_buffer,
+    set_send_buffer,
+    set_send_timeout,
+    tos_byte,
+)
 from agents.timebase import Dilation, FabricClock
+from agents.wire import BytesLike
 from agents.wire.roce import (
     IP_MTU_DISCOVER,
     IP_PMTUDISC_DO,
     ROCE_UDP_PORT,
+    IcrcContext,
     MalformedPacket,
     MalformedReason,
     icrc_context,
@@ -66,25 +81,19 @@ __all__ = [
     "Endpoint",
     "Engine",
     "rxe_sport",
-    "tos_for",
 ]
 
 ROCE_SPORT_BASE = 0xC000
 DEFAULT_DSCP = 26
 CNP_DSCP = 48
-ECT0 = 0b10
-CE = 0b11
 GOLDEN_RATIO_32 = 0x61C88647
 
-SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
-SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 SEND_TIMEOUT_NS = 100_000_000
 # SO_SNDBUF the perftest tool asks for (the kernel doubles it): with 4 KB packets at most
 # two wait in the NIC's qdisc, as in an RNIC's transmit FIFO. The kernel default (~26
 # packets) let a PFC-paused host park 100+ KB per QP that went out at line rate on
 # resume, past the DCQCN rate limiter (docs/roce.md, "The NIC's queue").
 NIC_SNDBUF_BYTES = 8192
-ENOBUFS_BACKOFF_S = 50e-6
 RECV_BATCH = 64            # datagrams drained per endpoint per step
 SEND_BATCH = 16            # packets per QP per step, at most
 SPIN_NS = 150_000          # wall: closer than this to the next event, spin instead of select
@@ -99,26 +108,6 @@ _INT = struct.Struct("@i")
 def rxe_sport(qpn: int) -> int:
     """rxe's UDP source port for a QP: 0xC000 | hash_32(qpn, 14) (Linux's golden-ratio hash)."""
     return ROCE_SPORT_BASE | (((qpn * GOLDEN_RATIO_32) & 0xFFFFFFFF) >> 18)
-
-
-def tos_for(dscp: int, ecn: int = 0) -> int:
-    if not 0 <= dscp <= 63:
-        raise ValueError(f"DSCP must be 0..63, got {dscp}")
-    return dscp << 2 | (ecn & 3)
-
-
-def _timeval(ns: int) -> bytes:
-    ns = max(ns, 1_000)
-    return struct.pack("@ll", ns // 1_000_000_000, (ns % 1_000_000_000) // 1_000)
-
-
-def _set_buf(sock: socket.socket, force_opt: int, opt: int, nbytes: int | None) -> None:
-    if not nbytes:
-        return
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, force_opt, nbytes)   # CAP_NET_ADMIN
-    except OSError:
-        sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)         # capped at [rw]mem_max
 
 
 class Stopped(Exception):
@@ -143,7 +132,7 @@ class Binding:
         self._n = 0
         self.injected_drops = 0
 
-    def send_data(self, view, retransmission: bool = False) -> None:
+    def send_data(self, view: memoryview, retransmission: bool = False) -> None:
         """Put one data packet on the wire, unless the test-only loss says it is lost.
 
         `drop_every` N loses every Nth FIRST transmission (a deterministic pattern that also
@@ -160,7 +149,7 @@ class Binding:
             return
         self.endpoint.send(view, self.peer)
 
-    def send_ctl(self, view, kind: int) -> None:
+    def send_ctl(self, view: memoryview, kind: int) -> None:
         """The QP's tx callback: ACK/NAK with the data TOS, CNPs with the CNP TOS."""
         if kind == PKT_CNP:
             self.endpoint.send_cnp(view, self.peer)
@@ -180,8 +169,8 @@ class Endpoint:
                  sndbuf_bytes: int | None = None,
                  should_stop: Callable[[], bool] | None = None) -> None:
         self.local_ip = local_ip
-        self.data_tos = tos_for(dscp, ECT0 if ecn else 0)
-        self.cnp_tos = tos_for(cnp_dscp, 0)
+        self.data_tos = tos_byte(dscp, ECT0 if ecn else 0)
+        self.cnp_tos = tos_byte(cnp_dscp, 0)
         self._cnp_cmsg = [(_IPPROTO_IP, _IP_TOS, _INT.pack(self.cnp_tos))]
         self._should_stop = should_stop or (lambda: False)
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -189,9 +178,9 @@ class Endpoint:
             sock.setsockopt(_IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
             sock.setsockopt(_IPPROTO_IP, _IP_TOS, self.data_tos)
             sock.setsockopt(_IPPROTO_IP, socket.IP_RECVTOS, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SEND_TIMEOUT_NS))
-            _set_buf(sock, SO_RCVBUFFORCE, socket.SO_RCVBUF, rcvbuf_bytes)
-            _set_buf(sock, SO_SNDBUFFORCE, socket.SO_SNDBUF, sndbuf_bytes)
+            set_send_timeout(sock, SEND_TIMEOUT_NS)
+            set_recv_buffer(sock, rcvbuf_bytes)
+            set_send_buffer(sock, sndbuf_bytes)
             sock.bind((local_ip, port))
         except BaseException:
             sock.close()
@@ -199,7 +188,7 @@ class Endpoint:
         self.sock = sock
         self.port = sock.getsockname()[1]
         self._qps: dict[int, Binding] = {}
-        self._rx_ctx: dict[tuple[str, int], object] = {}
+        self._rx_ctx: dict[tuple[str, int], IcrcContext] = {}
         self._buf = bytearray(65536)
         self._view = memoryview(self._buf)
         self.malformed = {r.name: 0 for r in MalformedReason}
@@ -207,8 +196,7 @@ class Endpoint:
         self.wrong_peer = 0
         self.rx_errors = 0
         self.datagrams_received = 0
-        self.eagain = 0
-        self.enobufs = 0
+        self.send_errors = SendErrors()
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -220,18 +208,20 @@ class Endpoint:
     def bindings(self) -> list[Binding]:
         return list(self._qps.values())
 
-    def attach(self, qp: RcQp, peer: tuple[str, int], **loss) -> Binding:
+    def attach(self, qp: RcQp, peer: tuple[str, int], *, drop_every: int = 0,
+               drop_prob: float = 0.0, drop_seed: int = 1) -> Binding:
         """Serve `qp` on this socket; its packets go to `peer` = (ip, port)."""
         if qp.qpn in self._qps:
             raise ValueError(f"QPN {qp.qpn:#x} is already on this endpoint")
-        b = Binding(qp, (peer[0], int(peer[1])), self, **loss)
+        b = Binding(qp, (peer[0], int(peer[1])), self, drop_every=drop_every,
+                    drop_prob=drop_prob, drop_seed=drop_seed)
         qp.tx = b.send_ctl
         self._qps[qp.qpn] = b
         return b
 
     # -- send
 
-    def send(self, view, addr: tuple[str, int]) -> None:
+    def send(self, view: BytesLike, addr: tuple[str, int]) -> None:
         """Blocking sendto; retries a send timeout (EAGAIN) and ENOBUFS until a stop."""
         sock = self.sock
         while True:
@@ -242,35 +232,20 @@ class Endpoint:
                 self.send_failed(e)
 
     def send_failed(self, e: OSError) -> None:
-        """Account a failed sendto before it is retried; raise what a retry cannot fix."""
-        if isinstance(e, BlockingIOError):
-            self.eagain += 1
-        elif e.errno == errno.ENOBUFS:
-            self.enobufs += 1
-            time.sleep(ENOBUFS_BACKOFF_S)
-        elif e.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
-                         errno.EHOSTDOWN):
-            self.rx_errors += 1       # an ICMP error reported on this socket
-        else:
-            raise e
+        """Account a failed send before it is retried; raise what a retry cannot fix."""
+        self.send_errors.absorb(e)
         if self._should_stop():
             raise Stopped()
 
-    def send_cnp(self, view, addr: tuple[str, int]) -> None:
+    def send_cnp(self, view: BytesLike, addr: tuple[str, int]) -> None:
+        """Blocking send of a CNP with the CNP TOS; retried like `send`."""
         sock = self.sock
         while True:
             try:
                 sock.sendmsg([view], self._cnp_cmsg, 0, addr)
                 return
-            except BlockingIOError:
-                self.eagain += 1
             except OSError as e:
-                if e.errno != errno.ENOBUFS:
-                    raise
-                self.enobufs += 1
-                time.sleep(ENOBUFS_BACKOFF_S)
-            if self._should_stop():
-                raise Stopped()
+                self.send_failed(e)
 
     # -- receive
 
@@ -320,8 +295,10 @@ class Endpoint:
         return {"local": f"{self.local_ip}:{self.port}", "datagrams_received":
                 self.datagrams_received, "malformed": dict(self.malformed),
                 "unknown_qp": self.unknown_qp, "wrong_peer": self.wrong_peer,
-                "rx_errors": self.rx_errors, "send_eagain": self.eagain,
-                "send_enobufs": self.enobufs}
+                # an ICMP error reported on a send is the socket's receive side at work
+                "rx_errors": self.rx_errors + self.send_errors.icmp_errors,
+                "send_eagain": self.send_errors.eagain,
+                "send_enobufs": self.send_errors.enobufs}
 
 
 class Engine:

@@ -1,1 +1,10 @@
-"""Wire formats shared by agents and tests."""
+"""Wire formats shared by agents and tests: RoCEv2 packets (`roce`) and their ICRC
+(`icrc`), PFC frames (`pfc`), netlink attributes (`netlink`)."""
+
+from typing import TypeAlias
+
+#: What the builders and parsers accept as bytes: anything they can slice and
+#: memoryview() without copying. (numpy arrays qualify at run time; pass
+#: `array.data` where a type checker reads along, since numpy declares the buffer
+#: protocol to type checkers only for Python >= 3.12.)
+BytesLike: TypeAlias = bytes | bytearray | memoryview

@@ -1,7 +1,8 @@
 """RoCEv2 invariant CRC (ICRC) for a user-space sender and receiver on UDP sockets.
 
-The ICRC is the last 4 bytes of a RoCEv2 UDP payload (FACTS.md, "RoCEv2 on the
-wire")::
+The ICRC is the last 4 bytes of a RoCEv2 UDP payload. IBTA Annex A17 computes
+it as InfiniBand does: 8 bytes of ones stand for IB's masked LRH, and the IP
+and UDP headers, their variant fields masked, take the GRH's place::
 
     crc = zlib.crc32(b"\\xff" * 8              # the masked LRH of InfiniBand
                      + ip_header_masked        # IPv4: TOS, TTL, checksum -> all ones
@@ -37,6 +38,9 @@ import functools
 import socket
 import struct
 import zlib
+from typing import SupportsBytes
+
+from agents.wire import BytesLike
 
 __all__ = [
     "ICRC_BYTES",
@@ -66,7 +70,7 @@ IPV6_HEADER_BYTES = 40
 UDP_HEADER_BYTES = 8
 IPPROTO_UDP = 17
 IP_DF = 0x4000
-# Python's socket module lacks these (FACTS.md, "Kernel mechanics").
+# Python's socket module lacks these; Linux's values (include/uapi/linux/in.h).
 IP_MTU_DISCOVER = 10
 IP_PMTUDISC_DO = 2
 
@@ -129,7 +133,7 @@ def ipv6_header_for_icrc(src: str, dst: str, payload_len: int, *, traffic_class:
     return _IPV6.pack(first, payload_len, next_header, hop_limit, s, d)
 
 
-def masked_pseudo_header(ip_header: bytes, udp_header: bytes) -> bytes:
+def masked_pseudo_header(ip_header: BytesLike, udp_header: BytesLike) -> bytes:
     """8 x 0xFF + IP header + UDP header, with the fields the ICRC ignores set to all ones."""
     ip = bytearray(ip_header)
     version = ip[0] >> 4
@@ -202,7 +206,7 @@ class IcrcContext:
                 self._seeds[udp_payload_len] = crc
         return crc
 
-    def icrc(self, udp_payload_without_icrc) -> int:
+    def icrc(self, udp_payload_without_icrc: BytesLike) -> int:
         """ICRC of BTH + extension headers + payload (+ pad); masks BTH byte 4 itself.
 
         One crc32 call over the data as it is, then a cached correction: the
@@ -226,7 +230,7 @@ class IcrcContext:
             self._fixes[n << 8 | byte4] = entry
         return entry
 
-    def icrc_premasked(self, udp_payload_without_icrc) -> int:
+    def icrc_premasked(self, udp_payload_without_icrc: BytesLike) -> int:
         """As `icrc`, for a buffer whose BTH byte 4 already holds 0xFF (one crc32 call)."""
         return zlib.crc32(udp_payload_without_icrc,
                           self.seed(len(udp_payload_without_icrc) + ICRC_BYTES))
@@ -240,7 +244,8 @@ def icrc_context(src_ip: str, dst_ip: str, sport: int, dport: int = ROCE_UDP_POR
 
 
 def icrc_for_udp_payload(src_ip: str, dst_ip: str, sport: int, dport: int,
-                         udp_payload_without_icrc, *, ip_id: int = 0, df: bool = True) -> int:
+                         udp_payload_without_icrc: BytesLike, *, ip_id: int = 0,
+                         df: bool = True) -> int:
     """ICRC (int; `icrc_bytes` gives the 4 wire bytes) of a RoCEv2 datagram sent by a UDP socket.
 
     `udp_payload_without_icrc` is BTH + extension headers + payload + pad; the
@@ -255,7 +260,7 @@ def icrc_bytes(icrc: int) -> bytes:
     return _ICRC.pack(icrc)
 
 
-def icrc_of_ip_packet(packet) -> tuple[int, int]:
+def icrc_of_ip_packet(packet: SupportsBytes | BytesLike) -> tuple[int, int]:
     """(stored, computed) ICRC of a whole captured IPv4/IPv6 + UDP + RoCE packet.
 
     Uses the header actually on the wire (ID, flags, lengths as captured), so

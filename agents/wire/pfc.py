@@ -1,10 +1,11 @@
 """IEEE 802.1Qbb priority flow control frames (PFC, MAC control opcode 0x0101).
 
-Layout (FACTS.md): dst 01:80:C2:00:00:01, src, EtherType 0x8808, opcode
-0x0101, a 2-octet priority-enable vector (bit n of the low octet = priority
-n), eight 16-bit pause times (priority 0..7) in quanta, zero padding to the
-60-byte minimum (64 with the FCS the NIC adds). A time of 0 means resume
-(XON). One quantum is 512 bit times at the port's rate.
+Layout (IEEE 802.1Qbb; the frame is a MAC Control frame, IEEE 802.3 Annex 31D):
+dst 01:80:C2:00:00:01, src, EtherType 0x8808, opcode 0x0101, a 2-octet
+priority-enable vector (bit n of the low octet = priority n), eight 16-bit
+pause times (priority 0..7) in quanta, zero padding to the 60-byte minimum (64
+with the FCS the NIC adds). A time of 0 means resume (XON). One quantum is 512
+bit times at the port's rate, as for 802.3x PAUSE.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """RoCEv2 wire formats: BTH, RETH, AETH, CNP, PSN arithmetic, packet build and parse.
 
-Layout (FACTS.md, "RoCEv2 on the wire"), all big-endian except the ICRC::
+Layout (InfiniBand Architecture Specification Vol. 1, chapter 9: BTH, RETH,
+AETH; IBTA Annex A17, RoCEv2: the IB transport over UDP destination port 4791,
+and the CNP), all big-endian except the ICRC::
 
     UDP payload = BTH (12) [+ RETH (16) | AETH (4) | CNP reserved (16)] + payload + pad + ICRC (4)
 
@@ -38,6 +40,7 @@ import struct
 from enum import IntEnum
 from typing import NamedTuple
 
+from agents.wire import BytesLike
 from agents.wire.icrc import (
     ICRC_BYTES,
     IP_MTU_DISCOVER,
@@ -319,7 +322,7 @@ def pack_bth(bth: Bth) -> bytes:
     return _BTH.pack(bth.opcode, flags, bth.p_key, w1, bool(bth.ack_req) << 31 | bth.psn)
 
 
-def unpack_bth(data, offset: int = 0) -> Bth:
+def unpack_bth(data: BytesLike, offset: int = 0) -> Bth:
     """The BTH at `offset` (reserved bits ignored); struct.error if fewer than 12 bytes."""
     opcode, flags, p_key, w1, w2 = _BTH.unpack_from(data, offset)
     return _tuple_new(Bth, (opcode, (flags & 0x80) != 0, (flags & 0x40) != 0, (flags >> 4) & 3,
@@ -334,7 +337,7 @@ def pack_reth(reth: Reth) -> bytes:
         raise ValueError(f"RETH field out of range: {reth}: {exc}") from None
 
 
-def unpack_reth(data, offset: int = BTH_BYTES) -> Reth:
+def unpack_reth(data: BytesLike, offset: int = BTH_BYTES) -> Reth:
     return _tuple_new(Reth, _RETH.unpack_from(data, offset))
 
 
@@ -349,7 +352,7 @@ def pack_aeth(aeth: Aeth) -> bytes:
     return _AETH.pack(_aeth_word(aeth))
 
 
-def unpack_aeth(data, offset: int = BTH_BYTES) -> Aeth:
+def unpack_aeth(data: BytesLike, offset: int = BTH_BYTES) -> Aeth:
     (word,) = _AETH.unpack_from(data, offset)
     return _tuple_new(Aeth, (word >> 24, word & 0xFFFFFF))
 
@@ -395,7 +398,7 @@ def psn_ge(a: int, b: int) -> bool:
 # --------------------------------------------------------------------------- build
 
 def build_packet(buf: bytearray, ctx: IcrcContext, bth: Bth, reth: Reth | None = None,
-                 aeth: Aeth | None = None, payload=b"") -> memoryview:
+                 aeth: Aeth | None = None, payload: BytesLike = b"") -> memoryview:
     """Write BTH [+ RETH | AETH | CNP zeros] + payload + pad + ICRC into `buf`.
 
     Returns a memoryview of `buf` holding the whole UDP payload, ready for
@@ -405,13 +408,7 @@ def build_packet(buf: bytearray, ctx: IcrcContext, bth: Bth, reth: Reth | None =
     of range, and for a buffer too small.
     """
     opcode, se, m, pad_count, tver, p_key, fecn, becn, dest_qp, ack_req, psn = bth
-    info = _INFO[opcode] if 0 <= opcode <= 0xFF else None
-    if info is None:
-        raise ValueError(f"opcode {opcode:#x} is not one this transport speaks")
-    if (reth is not None) != info.reth:
-        raise ValueError(f"{info.name} {'needs' if info.reth else 'takes no'} RETH")
-    if (aeth is not None) != info.aeth:
-        raise ValueError(f"{info.name} {'needs' if info.aeth else 'takes no'} AETH")
+    info = _layout_for(opcode, reth, aeth)
     if type(payload) is not bytes:
         payload = memoryview(payload).cast("B")
     n = len(payload)
@@ -452,8 +449,20 @@ def build_packet(buf: bytearray, ctx: IcrcContext, bth: Bth, reth: Reth | None =
     return view[:end + ICRC_BYTES]
 
 
+def _layout_for(opcode: int, reth: Reth | None, aeth: Aeth | None) -> OpcodeInfo:
+    """The layout of `opcode`, which the extension headers given must fit."""
+    info = _INFO[opcode] if 0 <= opcode <= 0xFF else None
+    if info is None:
+        raise ValueError(f"opcode {opcode:#x} is not one this transport speaks")
+    if (reth is not None) != info.reth:
+        raise ValueError(f"{info.name} {'needs' if info.reth else 'takes no'} RETH")
+    if (aeth is not None) != info.aeth:
+        raise ValueError(f"{info.name} {'needs' if info.aeth else 'takes no'} AETH")
+    return info
+
+
 def encode_packet(ctx: IcrcContext, bth: Bth, reth: Reth | None = None,
-                  aeth: Aeth | None = None, payload=b"") -> bytes:
+                  aeth: Aeth | None = None, payload: BytesLike = b"") -> bytes:
     """`build_packet` into a fresh buffer; for tests and cold paths."""
     size = BTH_BYTES + RETH_BYTES + memoryview(payload).nbytes + 3 + ICRC_BYTES
     return bytes(build_packet(bytearray(size), ctx, bth, reth, aeth, payload))
@@ -500,7 +509,7 @@ class Parsed(NamedTuple):
     icrc: int
 
 
-def parse_packet(data, ctx: IcrcContext | None, *, check_icrc: bool = True) -> Parsed:
+def parse_packet(data: BytesLike, ctx: IcrcContext | None, *, check_icrc: bool = True) -> Parsed:
     """Parse one UDP payload (BTH ... ICRC). Raises only MalformedPacket.
 
     Checks, first failure named: TOO_SHORT, BAD_ICRC (when `check_icrc`;
@@ -515,6 +524,8 @@ def parse_packet(data, ctx: IcrcContext | None, *, check_icrc: bool = True) -> P
     end = n - ICRC_BYTES
     (stored,) = _ICRC.unpack_from(view, end)
     if check_icrc:
+        if ctx is None:
+            raise ValueError("check_icrc needs the datagram's IcrcContext")
         try:
             crc = ctx.icrc(view[:end])
         except ValueError as exc:   # longer than any IP datagram can be
@@ -528,24 +539,9 @@ def parse_packet(data, ctx: IcrcContext | None, *, check_icrc: bool = True) -> P
     info = _INFO[opcode]
     if info is None:
         raise MalformedPacket(MalformedReason.UNKNOWN_OPCODE, f"opcode {opcode:#04x}")
-    hdr = info.header_bytes
-    if end < hdr:
-        raise MalformedPacket(MalformedReason.TOO_SHORT, f"{n} bytes for {info.name}")
-    if n & 3:
-        raise MalformedPacket(MalformedReason.BAD_LENGTH, f"{n} bytes is not a multiple of 4")
     pad = (flags >> 4) & 3
-    if info.payload:
-        size = end - hdr - pad
-        if pad and (size < 0 or not info.pad):
-            raise MalformedPacket(MalformedReason.BAD_PAD_COUNT,
-                                  f"PadCnt {pad} on {info.name} with {end - hdr} payload bytes")
-    else:
-        if end != hdr:
-            raise MalformedPacket(MalformedReason.BAD_LENGTH,
-                                  f"{end - hdr} bytes after the {info.name} headers")
-        if pad:
-            raise MalformedPacket(MalformedReason.BAD_PAD_COUNT, f"PadCnt {pad} on {info.name}")
-        size = 0
+    size = _payload_bytes(info, n, end, pad)
+    hdr = info.header_bytes
     reth = aeth = None
     if info.reth:
         reth = _tuple_new(Reth, _RETH.unpack_from(view, BTH_BYTES))
@@ -561,7 +557,29 @@ def parse_packet(data, ctx: IcrcContext | None, *, check_icrc: bool = True) -> P
     return _tuple_new(Parsed, (bth, reth, aeth, view[hdr:hdr + size], stored))
 
 
-def parse_datagram(data, src_ip: str, dst_ip: str, sport: int, dport: int = ROCE_UDP_PORT,
-                   *, check_icrc: bool = True) -> Parsed:
+def _payload_bytes(info: OpcodeInfo, n: int, end: int, pad: int) -> int:
+    """Payload bytes of an `n`-byte datagram whose ICRC starts at `end`, PadCnt `pad`,
+    checked against the opcode's layout (TOO_SHORT, BAD_LENGTH, BAD_PAD_COUNT)."""
+    hdr = info.header_bytes
+    if end < hdr:
+        raise MalformedPacket(MalformedReason.TOO_SHORT, f"{n} bytes for {info.name}")
+    if n & 3:
+        raise MalformedPacket(MalformedReason.BAD_LENGTH, f"{n} bytes is not a multiple of 4")
+    if info.payload:
+        size = end - hdr - pad
+        if pad and (size < 0 or not info.pad):
+            raise MalformedPacket(MalformedReason.BAD_PAD_COUNT,
+                                  f"PadCnt {pad} on {info.name} with {end - hdr} payload bytes")
+        return size
+    if end != hdr:
+        raise MalformedPacket(MalformedReason.BAD_LENGTH,
+                              f"{end - hdr} bytes after the {info.name} headers")
+    if pad:
+        raise MalformedPacket(MalformedReason.BAD_PAD_COUNT, f"PadCnt {pad} on {info.name}")
+    return 0
+
+
+def parse_datagram(data: BytesLike, src_ip: str, dst_ip: str, sport: int,
+                   dport: int = ROCE_UDP_PORT, *, check_icrc: bool = True) -> Parsed:
     """`parse_packet` for a datagram src_ip:sport -> dst_ip:dport (context cached)."""
     return parse_packet(data, icrc_context(src_ip, dst_ip, sport, dport), check_icrc=check_icrc)

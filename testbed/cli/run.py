@@ -10,7 +10,7 @@ import yaml
 from rich.live import Live
 from rich.table import Table
 
-from agents.argtypes import nonneg_int
+from agents.runtime.argtypes import nonneg_int
 from testbed.cli.common import EXIT_OK, CliError, load_and_plan, require_root, wide_console
 from testbed.units import format_rate, format_size
 

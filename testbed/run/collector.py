@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from agents.control import read_snapshot
+from agents.runtime.control import read_snapshot
 from testbed.net.sampler import KernelSampler
 from testbed.plan.model import Plan
 from testbed.results.store import Event, Sample, Store

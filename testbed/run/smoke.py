@@ -13,19 +13,11 @@ from dataclasses import dataclass
 
 from testbed.net.counters import read_counters
 from testbed.plan.model import Plan
+from testbed.plan.paths import host_address
 from testbed.run.procs import AgentProcess, forget_exited, start_agent
 
 ECHO_PORT = 7000
 STREAM_PORT = 5001
-# Bytes per packet the agents count beyond the UDP payload: UDP 8 + IPv4 20 +
-# Ethernet 14 + FCS/preamble/IFG 24 - the same bytes HTB charges (skb->len
-# plus the plan's 24-byte overhead).
-WIRE_OVERHEAD_BYTES = 66
-
-
-def host_address(plan: Plan, host: str) -> str:
-    return plan.node(host).interfaces[0].address.split("/")[0]
-
 
 def _ready(path: str, timeout_s: float = 10.0) -> None:
     import os

@@ -21,9 +21,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from fractions import Fraction as Exact
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic_core import PydanticCustomError
 
-from agents.udp_logic import DEFAULT_WIRE_OVERHEAD_BYTES as WIRE_OVERHEAD_BYTES
+from agents.roce.cc import DCQCN_PRESET_NAMES, DCTCP_PRESET_NAMES
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, SizeBytes
 from testbed.units import format_rate
 from testbed.workloads.base import (
@@ -76,10 +78,11 @@ ROCE_MAX_MESSAGE_BYTES = (1 << 31) - 1
 # wire overhead.
 RETH_BYTES, BTH_ICRC_BYTES = 16, 12 + 4
 
-# agents.roce.cc's PRESETS (DCQCN) and DCTCP_PRESETS; RoceKind.check pairs them with `cc`
-# and tests/unit/test_workload_roce.py keeps this list equal to the agent's.
-CcPresetName = Literal["hpcc-ns3-paper", "hpcc-ns3", "hpcc-ns3-config", "paper", "ns3-rdma",
-                       "rfc8257"]
+# The agents' preset tables name the presets (agents.roce.cc, standard library only, so the
+# config imports it cheaply); RoceKind.check pairs a preset with its `cc`.
+PRESETS_OF_CC = {"dcqcn": DCQCN_PRESET_NAMES, "dctcp": DCTCP_PRESET_NAMES}
+CC_PRESET_NAMES = tuple(dict.fromkeys(n for names in PRESETS_OF_CC.values() for n in names))
+CcPresetName = Annotated[str, WithJsonSchema({"type": "string", "enum": list(CC_PRESET_NAMES)})]
 # hpcc-ns3-paper (HPCC run.py's dcqcn_paper) is the half of the setting whose switch marking
 # the default port class uses; docs/config.md says why it, not run.py's dcqcn, is the default.
 DEFAULT_CC_PRESETS = {"dcqcn": "hpcc-ns3-paper", "dctcp": "rfc8257"}
@@ -129,8 +132,9 @@ class RoceTraffic(TrafficEntry):
     cc: Literal["dcqcn", "dctcp", "none"] = Field(
         "dcqcn", description="congestion control: sender rate control and receiver CNPs")
     cc_preset: CcPresetName | None = Field(
-        None, description="parameter set: DCQCN hpcc-ns3-paper (default), hpcc-ns3, "
-                          "hpcc-ns3-config, paper, ns3-rdma; DCTCP rfc8257 (default), hpcc-ns3")
+        None, description="parameter set, one of the agents' presets: " + "; ".join(
+            f"{cc.upper()} {', '.join(names)} (default {DEFAULT_CC_PRESETS[cc]})"
+            for cc, names in PRESETS_OF_CC.items()))
     cnp_interval_ns: DurationNs | None = Field(
         None, alias="cnp_interval",
         description="receiver: at most one CNP per QP per this fabric time (default: the "
@@ -157,6 +161,17 @@ class RoceTraffic(TrafficEntry):
         raise ValueError(f"expected a whole number of packets, 1..2^22 ({MAX_ROCE_WINDOW_PACKETS}),"
                          f" or auto, got {value!r}{hint}")
 
+    @field_validator("cc_preset", mode="before")
+    @classmethod
+    def _cc_preset(cls, value: object) -> object:
+        if value is None or value in CC_PRESET_NAMES:
+            return value
+        # worded as the literal it stands for (testbed.config renders literal errors)
+        expected = (", ".join(repr(n) for n in CC_PRESET_NAMES[:-1])
+                    + f" or {CC_PRESET_NAMES[-1]!r}")
+        raise PydanticCustomError("literal_error", "Input should be {expected}",
+                                  {"expected": expected})
+
     @field_validator("cc_params", mode="before")
     @classmethod
     def _cc_params(cls, value: object, info: ValidationInfo) -> object:
@@ -177,11 +192,6 @@ class RoceTraffic(TrafficEntry):
         return self.cc_params.model_dump(include=self.cc_params.model_fields_set)
 
 
-
-
-def _presets() -> dict[str, tuple[str, ...]]:
-    return {"dcqcn": ("hpcc-ns3", "hpcc-ns3-config", "hpcc-ns3-paper", "ns3-rdma", "paper"),
-            "dctcp": ("hpcc-ns3", "rfc8257")}
 
 
 def roce_ports(n: int) -> tuple[int, int]:
@@ -455,7 +465,7 @@ class RoceKind(WorkloadKind):
 
 def _check_schedule_and_cc(t: RoceTraffic, loc: tuple,
                            tclass: ClassView | None) -> Iterator[Problem]:
-    presets = _presets()
+    presets = {cc: tuple(sorted(names)) for cc, names in PRESETS_OF_CC.items()}
     if t.duration_ns is None and t.messages is None:
         yield (loc, f"{t.kind} needs duration: (post messages for that long) or messages: "
                "(post exactly that many per QP)")

@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
-from agents.udp_logic import DEFAULT_WIRE_OVERHEAD_BYTES as WIRE_OVERHEAD_BYTES
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, RateBps, SizeBytes
 from testbed.workloads.base import (
     AgentSpec,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import inspect
 import random
+import subprocess
+import sys
 from dataclasses import fields, replace
 from fractions import Fraction as Fr
 
@@ -16,9 +18,13 @@ import pytest
 
 from agents.roce.cc import (
     CC_KINDS,
+    DCQCN_PRESET_NAMES,
     DCQCN_TUNABLE,
+    DCTCP_PRESET_NAMES,
     DCTCP_PRESETS,
     DCTCP_TUNABLE,
+    DEFAULT_DCQCN_PRESET,
+    DEFAULT_DCTCP_PRESET,
     PRESETS,
     DcqcnNp,
     DcqcnParams,
@@ -33,6 +39,7 @@ from agents.roce.cc import (
     preset,
     with_overrides,
 )
+from tests.conftest import REPO
 
 G = 10**9
 M = 10**6
@@ -52,7 +59,7 @@ def rp(name: str, line_bps: float = 40 * G, now: float = 0) -> DcqcnRp:
 # --- presets -----------------------------------------------------------------------------
 
 
-def test_presets_carry_the_facts_table_values():
+def test_presets_carry_their_sources_values():
     p = PRESETS["paper"]
     assert (p.alpha_timer_ns, p.increase_timer_ns, p.byte_counter_bytes) == (55 * US, 55 * US,
                                                                              10_000_000)
@@ -82,7 +89,7 @@ def test_presets_carry_the_facts_table_values():
     assert (c.rai_bps, c.rhai_bps, c.min_rate_bps, c.scaling) == (50 * M, 100 * M, 100 * M,
                                                                   "absolute")
     assert (c.kmin_bytes, c.kmax_bytes, c.pmax) == (400_000, 1_600_000, 0.2)
-    # the paper row of FACTS.md is [check] throughout
+    # no value of the paper preset is checked against the paper's text yet: all in checks
     assert {"alpha_timer_ns", "byte_counter_bytes", "rai_bps", "kmin_bytes"} <= set(p.checks)
 
 
@@ -92,6 +99,19 @@ def test_every_preset_names_its_source():
     assert "run.py --cc dcqcn " in PRESETS["hpcc-ns3"].source
     assert "run.py --cc dcqcn_paper" in PRESETS["hpcc-ns3-paper"].source
     assert "mix/config.txt" in PRESETS["hpcc-ns3-config"].source
+
+
+def test_preset_names_are_the_tables_keys_and_import_without_numpy():
+    assert DCQCN_PRESET_NAMES == tuple(PRESETS)
+    assert DCTCP_PRESET_NAMES == tuple(DCTCP_PRESETS)
+    assert DEFAULT_DCQCN_PRESET in PRESETS and DEFAULT_DCTCP_PRESET in DCTCP_PRESETS
+    # the control plane's config loader imports them: no heavy dependency on the way
+    code = ("import sys, agents.roce.cc as cc; "
+            "assert 'numpy' not in sys.modules, 'numpy'; print(len(cc.DCQCN_PRESET_NAMES))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(len(PRESETS))
 
 
 def test_every_check_mark_names_a_real_field():
@@ -109,7 +129,8 @@ def test_hpcc_rates_and_thresholds_scale_per_25g_and_the_paper_stays_absolute():
     assert (h.rai_bps, h.rhai_bps) == (20 * M, 200 * M)
     assert (h.kmin_bytes, h.kmax_bytes) == (400_000, 1_600_000)
     assert h.min_rate_bps == 1 * G  # MIN_RATE is not scaled by HPCC's run.py
-    assert preset("hpcc-ns3", 50 * G).kmin_bytes == 200_000  # FACTS: 50G 200/800 KB
+    # run.py's KMIN/KMAX are 100/400 KB per 25G: 200/800 KB at 50G
+    assert preset("hpcc-ns3", 50 * G).kmin_bytes == 200_000
     assert preset("paper", 100 * G) is PRESETS["paper"]
     # explicit scaling of a 40G preset to 100G: 40 Mb/s x 100/40 = 100 Mb/s
     assert preset("paper", 100 * G, scale=True).rai_bps == 100 * M

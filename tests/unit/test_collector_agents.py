@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from agents.control import SnapshotServer
+from agents.runtime.control import SnapshotServer
 from testbed.run.collector import AgentEndpoint, agent_read_notes, read_agent_samples
 
 

@@ -15,9 +15,6 @@ from tests.conftest import REPO
 OUTSIDE_REF = re.compile(r"\bFACTS\b|\b(?:STYLE|DESIGN)\.md\b|\.\./shared\b"
                          r"|\bshared/(?:FACTS|STYLE|DESIGN)\b")
 THIS_FILE = str(Path(__file__).resolve().relative_to(REPO))      # it names the patterns
-# The agents restructuring (another branch) rewrites these; until it lands they are
-# checked apart, by a test that is expected to fail (strictly: it fails once they pass).
-PENDING = ("agents/", "tests/unit/test_cc.py", "tests/unit/test_wire_pfc.py")
 
 
 def _tracked_text_files() -> list[str]:
@@ -42,20 +39,11 @@ def _hits(paths: list[str]) -> list[str]:
 
 
 def test_no_tracked_file_points_outside_the_repository() -> None:
-    paths = [f for f in _tracked_text_files()
-             if f != THIS_FILE and not f.startswith(PENDING)]
+    paths = [f for f in _tracked_text_files() if f != THIS_FILE]
     assert len(paths) > 50
     hits = _hits(paths)
     assert not hits, "state the fact instead of pointing at notes outside the repo:\n" + \
         "\n".join(hits)
-
-
-@pytest.mark.xfail(strict=True, reason="agents/, test_cc.py and test_wire_pfc.py still cite "
-                                       "FACTS.md until the agents restructuring lands; then "
-                                       "remove this marker and PENDING")
-def test_the_agents_point_nowhere_outside_the_repository() -> None:
-    hits = _hits([f for f in _tracked_text_files() if f.startswith(PENDING)])
-    assert not hits, "\n".join(hits)
 
 
 def test_the_pattern_catches_each_kind_of_pointer() -> None:

@@ -23,13 +23,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from agents.control import read_snapshot
 from agents.roce.cc import DcqcnNp, DcqcnRp, NoCc, make_cc, preset
 from agents.roce.qp import (
     MAX_WINDOW_PACKETS,
     PKT_ACK,
     PKT_CNP,
-    WIRE_OVERHEAD_BYTES,
     MemoryRegion,
     QpAttrs,
     QpState,
@@ -40,6 +38,8 @@ from agents.roce.qp import (
     packets_for,
 )
 from agents.roce.transport import Endpoint, Engine, rxe_sport
+from agents.runtime.control import read_snapshot
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.timebase import Dilation, FabricClock
 from agents.wire.roce import (
     PSN_MASK,
@@ -143,41 +143,62 @@ class Wire:
         """Simulate until `until()` is true (default: both QPs idle and the wire empty)."""
         clock = self.clock
         end = clock.now + max_ns
-        qps = (("A", self.a), ("B", self.b))
         while True:
-            progressed = True
-            while progressed:
-                progressed = False
-                for name, qp in qps:
-                    t = qp.requester.next_timer_ns()
-                    if t is not None and t <= clock.now:
-                        qp.requester.on_timer()
-                    while True:
-                        view = qp.requester.poll_send()
-                        if view is None:
-                            break
-                        self._put(name, view, 0)
-                        progressed = True
-                while self._q and self._q[0][0] <= clock.now:
-                    self._deliver(heapq.heappop(self._q)[2])
-                    progressed = True
-            if until is not None and until():
+            self._settle()
+            if self._finished(until):
                 return
-            if until is None and not self._q and self.a.requester.idle and self.b.requester.idle:
-                return
-            events = [self._q[0][0]] if self._q else []
-            for _, qp in qps:
-                for t in (qp.requester.send_due_ns(), qp.requester.next_timer_ns()):
-                    if t is not None:
-                        events.append(t)
-            future = [t for t in events if t > clock.now]
-            if not future:
-                if not events:
-                    raise AssertionError("simulation stuck: nothing left to happen")
+            nxt = self._next_event_ns()
+            if nxt is None:
                 continue
-            clock.now = min(future)
+            clock.now = nxt
             if clock.now > end:
                 raise AssertionError(f"simulation ran past {max_ns} ns")
+
+    def _qps(self):
+        return (("A", self.a), ("B", self.b))
+
+    def _settle(self) -> None:
+        """Everything due now: timers, sends the pacers allow, deliveries, until none."""
+        progressed = True
+        while progressed:
+            progressed = self._send_due()
+            while self._q and self._q[0][0] <= self.clock.now:
+                self._deliver(heapq.heappop(self._q)[2])
+                progressed = True
+
+    def _send_due(self) -> bool:
+        """Fire each QP's due timer and put every packet it may send now on the wire."""
+        sent = False
+        for name, qp in self._qps():
+            t = qp.requester.next_timer_ns()
+            if t is not None and t <= self.clock.now:
+                qp.requester.on_timer()
+            while True:
+                view = qp.requester.poll_send()
+                if view is None:
+                    break
+                self._put(name, view, 0)
+                sent = True
+        return sent
+
+    def _finished(self, until) -> bool:
+        if until is not None:
+            return bool(until())
+        return not self._q and self.a.requester.idle and self.b.requester.idle
+
+    def _next_event_ns(self) -> float | None:
+        """The next time something happens; None if something is due now already."""
+        events = [self._q[0][0]] if self._q else []
+        for _, qp in self._qps():
+            for t in (qp.requester.send_due_ns(), qp.requester.next_timer_ns()):
+                if t is not None:
+                    events.append(t)
+        future = [t for t in events if t > self.clock.now]
+        if not future:
+            if not events:
+                raise AssertionError("simulation stuck: nothing left to happen")
+            return None
+        return min(future)
 
     def data_from(self, src: str = "A") -> list[Pkt]:
         return [p for p in self.log if p.src == src and p.kind == 0]

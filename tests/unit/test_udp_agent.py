@@ -13,16 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from agents.udp import Lifecycle, build_parser
-from agents.udp_logic import (
-    DEFAULT_WIRE_OVERHEAD_BYTES,
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
+from agents.runtime.lifecycle import Lifecycle
+from agents.runtime.sockets import tos_byte
+from agents.runtime.waiting import pause_step
+from agents.udp.__main__ import build_parser
+from agents.udp.logic import (
     HEADER_BYTES,
     Pacer,
     SeqTracker,
     interval_rate_bps,
     pack_header_into,
-    pause_step,
-    tos_byte,
     unpack_header,
 )
 from tests.conftest import REPO
@@ -198,7 +199,7 @@ def test_header_round_trip_and_foreign_payloads_rejected():
     assert unpack_header(buf, 100) == (3, 2**40 + 5, 1_700_000_000_123_456_789)
     assert unpack_header(buf, HEADER_BYTES - 1) is None
     assert unpack_header(bytearray(100), 100) is None
-    assert DEFAULT_WIRE_OVERHEAD_BYTES == 66
+    assert WIRE_OVERHEAD_BYTES == 66
 
 
 def test_interval_rate_of_a_perfect_train_is_its_set_rate():

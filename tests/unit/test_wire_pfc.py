@@ -41,7 +41,7 @@ def test_decode_refuses_other_frames():
 
 def test_quantum_is_512_bit_times():
     assert pfc.quantum_ns(100_000_000_000) == pytest.approx(5.12)
-    # 65535 quanta at 100 Gb/s is about 335 us (FACTS.md)
+    # the longest pause, 65535 quanta of 512 bit times, is 335.5 us at 100 Gb/s
     assert 0xFFFF * pfc.quantum_ns(100_000_000_000) == pytest.approx(335_539.2)
     assert pfc.quanta_for_ns(5.12 * 1000, 100_000_000_000) == 1000
     assert pfc.quanta_for_ns(1e12, 100_000_000_000) == 0xFFFF

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 from fractions import Fraction as Fr
-from typing import get_args
 
 import pytest
 
@@ -21,15 +20,15 @@ from testbed.plan import compile_plan
 from testbed.plan.paths import Routes, host_address, longest_round_trip_ns
 from testbed.results.store import Store
 from testbed.run.workload import expand_workload, ready_file, run_view, workload_span_ns
-from testbed.workloads.roce import KIND as ROCE
 from testbed.workloads.roce import (
+    CC_PRESET_NAMES,
     ROCE_SETUP_PORT,
     ROCE_UDP_PORT,
-    CcPresetName,
     RoceTraffic,
     roce_ports,
     roce_window_packets,
 )
+from testbed.workloads.roce import KIND as ROCE
 from testbed.workloads.roce_params import DcqcnCcParams, DctcpCcParams, cc_param_keys
 from testbed.workloads.udp import UdpTraffic
 from tests.conftest import REPO
@@ -204,10 +203,15 @@ def test_roce_ports_stay_below_the_udp_agents_ports():
 
 
 def test_preset_names_are_the_agents_and_match_their_kind():
-    assert set(get_args(CcPresetName)) == set(PRESETS) | set(DCTCP_PRESETS)
-    from testbed.workloads.roce import _presets
-    assert set(_presets()["dcqcn"]) == set(PRESETS)
-    assert set(_presets()["dctcp"]) == set(DCTCP_PRESETS)
+    assert set(CC_PRESET_NAMES) == set(PRESETS) | set(DCTCP_PRESETS)
+    for name in CC_PRESET_NAMES:       # every preset the agents have is a config value
+        cc = "dcqcn" if name in PRESETS else "dctcp"
+        loaded, _ = _load(f"    - {{name: x, kind: roce_pairs, pairs: [[h1, h2]], "
+                          f"duration: 1ms, cc: {cc}, cc_preset: {name}}}")
+        assert loaded.fabric.workload.traffic[0].preset == name
+    assert any("cc_preset: must be 'paper', " in p and "did you mean 'hpcc-ns3'?" in p
+               for p in _problems("    - {name: x, kind: roce_pairs, pairs: [[h1, h2]], "
+                                  "duration: 1ms, cc_preset: hpcc}"))
 
 
 # --- the in-flight window --------------------------------------------------------------

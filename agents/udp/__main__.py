@@ -43,7 +43,7 @@ interval = wire time of payload + `--wire-overhead-bytes` at the wall rate),
 time.sleep while more than 200 us ahead, busy-wait for the last 200 us. A
 sender that falls behind sends back-to-back, but never more than
 `--max-burst-bytes` of frames behind schedule; time owed beyond that is
-forgiven and reported (forgiven_ns, rebases), see `agents.udp_logic.Pacer`.
+forgiven and reported (forgiven_ns, rebases), see `agents.udp.logic.Pacer`.
 `--flows K` sends round-robin from K sockets; with `--sport P` their source
 ports are P, P+1, ..., P+K-1, without it the kernel picks K ports. Each flow
 numbers its packets from 0.
@@ -56,12 +56,9 @@ in the local qdisc) with IP_RECVERR, which `--recverr` turns on; it is off by
 default because then a drop that the host's own egress emulates on purpose
 (PHY loss in tc-BPF) would be retried as well.
 
-Lifecycle: SIGTERM and SIGINT stop the agent cleanly (counters are written).
-The agent also exits by itself when its parent process dies: it polls
-os.getppid() against the value at start (at most every 100 ms of wall time).
-prctl(PR_SET_PDEATHSIG) is deliberately not used: it fires when the parent
-*thread* that forked the agent exits, so a control plane that starts agents
-from a worker thread would kill them spuriously. (A parent that dies before
+Lifecycle (`agents.runtime.lifecycle`): SIGTERM and SIGINT stop the agent
+cleanly (counters are written), and it exits by itself when its parent process
+dies, checked at most every 100 ms of wall time. (A parent that dies before
 the agent has started Python is not noticed; bound such agents with
 --duration-ns / --count / --idle-exit-ns.)
 
@@ -73,30 +70,36 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
-import os
-import signal
 import socket
 import struct
 import sys
 import time
-from collections.abc import Callable
 
-from agents import argtypes
-from agents.control import SnapshotServer, write_counters
-from agents.timebase import Dilation
-from agents.udp_logic import (
-    DEFAULT_MAX_BURST_BYTES,
-    DEFAULT_WIRE_OVERHEAD_BYTES,
+from agents.runtime import argtypes
+from agents.runtime.control import serve_snapshots
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
+from agents.runtime.lifecycle import PARENT_CHECK_NS, Lifecycle
+from agents.runtime.output import mark_ready, report_counters
+from agents.runtime.sockets import (
+    CE,
     ECN_CODEPOINTS,
+    SendErrors,
+    set_recv_buffer,
+    set_recv_timeout,
+    set_send_buffer,
+    set_send_timeout,
+    tos_byte,
+)
+from agents.runtime.waiting import pause_step, wait_until_mono
+from agents.timebase import Dilation
+from agents.udp.logic import (
+    DEFAULT_MAX_BURST_BYTES,
     HEADER_BYTES,
     Pacer,
     RunningStats,
     SeqTracker,
     interval_rate_bps,
     pack_header_into,
-    pause_step,
-    tos_byte,
     unpack_header,
 )
 
@@ -104,59 +107,18 @@ from agents.udp_logic import (
 # as on x86 and arm).
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
-SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
-SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 IP_RECVERR = getattr(socket, "IP_RECVERR", 11)
 MSG_ERRQUEUE = getattr(socket, "MSG_ERRQUEUE", 0x2000)
 SO_MEMINFO = getattr(socket, "SO_MEMINFO", 55)
 SK_MEMINFO_DROPS = 8            # index in the u32 array SO_MEMINFO returns
 
-TICK_NS = 100_000_000  # longest blocking socket call / parent-check period
-ENOBUFS_BACKOFF_S = 50e-6
+# Longest blocking socket call: a stop request is seen within one parent check.
+TICK_NS = PARENT_CHECK_NS
 MAX_FLOW_KEYS = 65536  # receiver: flows tracked individually
 MAX_RTT_SAMPLES = 1000
 TIMESPEC = struct.Struct("@ll")
 U32 = struct.Struct("@I")
 ANC_BUFSIZE = socket.CMSG_SPACE(1) + socket.CMSG_SPACE(TIMESPEC.size) + socket.CMSG_SPACE(4) + 64
-
-
-# --- lifecycle ---------------------------------------------------------------------------
-
-
-class Lifecycle:
-    """Stop requests: SIGTERM/SIGINT, death of the parent process, or the mode itself."""
-
-    def __init__(self, getppid: Callable[[], int] = os.getppid,
-                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
-        self._getppid = getppid
-        self._clock_ns = clock_ns
-        self._ppid = getppid()
-        self._next_check_ns = 0
-        self.stop_reason: str | None = None
-
-    def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, _frame) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = f"signal:{signal.Signals(signum).name}"
-
-    def stop(self, reason: str) -> None:
-        if self.stop_reason is None:
-            self.stop_reason = reason
-
-    def should_stop(self, now_ns: int | None = None) -> bool:
-        """True once a stop was requested; checks the parent at most every TICK_NS."""
-        if self.stop_reason is not None:
-            return True
-        now = self._clock_ns() if now_ns is None else now_ns
-        if now >= self._next_check_ns:
-            self._next_check_ns = now + TICK_NS
-            if self._getppid() != self._ppid:
-                self.stop_reason = "parent"
-                return True
-        return False
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -177,27 +139,6 @@ class Live:
 
 
 LIVE = Live("none")
-
-
-def _timeval(ns: int) -> bytes:
-    ns = max(ns, 1_000)  # 0 would mean "block forever"
-    return struct.pack("@ll", ns // 1_000_000_000, (ns % 1_000_000_000) // 1_000)
-
-
-def _set_buf(sock: socket.socket, force_opt: int, opt: int, nbytes: int | None) -> None:
-    if not nbytes:
-        return
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, force_opt, nbytes)  # needs CAP_NET_ADMIN
-    except OSError:
-        sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)  # capped at net.core.[rw]mem_max
-
-
-def _touch(path: str | None) -> None:
-    if path:
-        with open(path, "a"):
-            pass
-        os.utime(path, None)
 
 
 def _rates(dilation: Dilation, wire_total: int, wire_first: int, payload_total: int,
@@ -228,11 +169,11 @@ def _make_tx_socket(bind_ip: str, sport: int, tos: int, sndbuf: int | None,
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(TICK_NS))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(TICK_NS))
+        set_send_timeout(sock, TICK_NS)
+        set_recv_timeout(sock, TICK_NS)
         if recverr:
             sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
-        _set_buf(sock, SO_SNDBUFFORCE, socket.SO_SNDBUF, sndbuf)
+        set_send_buffer(sock, sndbuf)
         sock.bind((bind_ip, sport))
     except BaseException:
         sock.close()
@@ -240,15 +181,8 @@ def _make_tx_socket(bind_ip: str, sport: int, tos: int, sndbuf: int | None,
     return sock
 
 
-class _TxErrors:
-    def __init__(self) -> None:
-        self.enobufs = 0
-        self.eagain = 0
-        self.icmp_errors = 0
-
-
-def _send_one(sock: socket.socket, data, dest: tuple[str, int], errs: _TxErrors,
-              life: Lifecycle) -> bool:
+def _send_one(sock: socket.socket, data: bytes | bytearray | memoryview, dest: tuple[str, int],
+              errs: SendErrors, life: Lifecycle) -> bool:
     """Send one datagram, retrying EAGAIN (send timeout), ENOBUFS and queued ICMP errors.
 
     Returns False only if a stop was requested before it could go out.
@@ -257,19 +191,9 @@ def _send_one(sock: socket.socket, data, dest: tuple[str, int], errs: _TxErrors,
         try:
             sock.sendto(data, dest)
             return True
-        except BlockingIOError:
-            errs.eagain += 1
         except OSError as e:
-            if e.errno == errno.ENOBUFS:
-                errs.enobufs += 1
-                time.sleep(ENOBUFS_BACKOFF_S)
-            elif e.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
-                             errno.EHOSTDOWN):
-                # an earlier ICMP error reported on this send; the datagram did not go out
-                errs.icmp_errors += 1
+            if errs.absorb(e) == "icmp":
                 _drain_errqueue(sock)
-            else:
-                raise
         if life.should_stop():
             return False
 
@@ -277,7 +201,7 @@ def _send_one(sock: socket.socket, data, dest: tuple[str, int], errs: _TxErrors,
 # --- send --------------------------------------------------------------------------------
 
 
-def run_send(args, life: Lifecycle) -> tuple[dict, int]:
+def run_send(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     tos = tos_byte(args.dscp, args.ecn)
     set_wall_bps = dilation.to_wall_bps(args.rate_bps)
@@ -290,21 +214,19 @@ def run_send(args, life: Lifecycle) -> tuple[dict, int]:
             sport = args.sport + k if args.sport else 0
             socks.append(_make_tx_socket(args.bind or "", sport, tos, args.sndbuf_bytes,
                                          args.recverr))
-        _touch(args.ready_file)
+        mark_ready(args.ready_file)
 
         buf = bytearray(args.size)
         seqs = [0] * args.flows
         flow_bytes = [0] * args.flows
-        errs = _TxErrors()
+        errs = SendErrors()
         packets = 0
         first_mono = last_mono = None
         first_real = last_real = None
         clock = time.monotonic_ns
-        if args.start_at_mono_ns:
-            # Every sender of a workload is started early and released together
-            # at an agreed CLOCK_MONOTONIC time (one clock for all namespaces).
-            while not life.should_stop(clock()) and clock() < args.start_at_mono_ns:
-                pause_step(args.start_at_mono_ns - clock(), clock(), clock, time.sleep)
+        # Every sender of a workload is started early and released together
+        # at an agreed CLOCK_MONOTONIC time (one clock for all namespaces).
+        wait_until_mono(args.start_at_mono_ns, life)
         start = clock()
         end = start + dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
         pacer = Pacer(set_wall_bps, frame_bytes, start, args.max_burst_bytes)
@@ -418,12 +340,9 @@ def _rx_tick_ns(*limits: int | None) -> int:
     return max(1_000_000, min([TICK_NS] + [x for x in limits if x]))
 
 
-def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
-    dilation = Dilation(args.dilation)
-    overhead = args.wire_overhead_bytes
-    duration_wall = dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
-    idle_wall = dilation.to_wall_ns(args.idle_exit_ns) if args.idle_exit_ns else None
-
+def _make_rx_socket(bind_ip: str, port: int, rcvbuf: int | None, tick_ns: int) -> socket.socket:
+    """The receiver's socket: each datagram comes with its TOS byte, a kernel receive
+    timestamp and the socket's drop count; blocking reads return every `tick_ns`."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
@@ -432,26 +351,132 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
             sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
         except OSError:
             pass
-        _set_buf(sock, SO_RCVBUFFORCE, socket.SO_RCVBUF, args.rcvbuf_bytes)
-        tick = _rx_tick_ns(duration_wall, idle_wall)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(tick))
-        sock.bind((args.bind or "", args.port))
-        _touch(args.ready_file)
+        set_recv_buffer(sock, rcvbuf)
+        set_recv_timeout(sock, tick_ns)
+        sock.bind((bind_ip, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
+
+class _Receiver:
+    """What the receiver counts: every datagram, its ECN mark, and per flow its sequence."""
+
+    def __init__(self, overhead: int) -> None:
+        self.overhead = overhead
+        self.packets = self.nbytes = 0
+        self.first_bytes: int | None = None
+        self.first_ns: int | None = None      # CLOCK_REALTIME of the first / last arrival
+        self.last_ns: int | None = None
+        self.last_arrival_mono: int | None = None
+        self.foreign = self.ce = self.ect = 0
+        self.socket_drops = 0
+        self.untracked_flow_packets = 0
+        self.tos_counts: dict[int, int] = {}
+        self.flows: dict[tuple[str, int, int], _FlowCounters] = {}
+        self.owd = RunningStats()
+
+    def on_datagram(self, buf: bytearray, n: int, anc: list, addr: tuple[str, int],
+                    now_mono: int) -> None:
+        tos, ts_ns, drops = _parse_ancillary(anc)
+        if ts_ns is None:
+            ts_ns = time.time_ns()
+        if drops is not None:
+            self.socket_drops = drops
+        self.packets += 1
+        self.nbytes += n
+        LIVE.packets = self.packets
+        LIVE.bytes = self.nbytes
+        LIVE.wire_bytes += n + self.overhead
+        if self.first_ns is None:
+            self.first_ns, self.first_bytes = ts_ns, n
+        self.last_ns = ts_ns
+        self.last_arrival_mono = now_mono
+        if tos is not None:
+            self._on_tos(tos)
+        hdr = unpack_header(buf, n)
+        if hdr is None:
+            self.foreign += 1
+        else:
+            self._on_probe(hdr, addr, n, ts_ns)
+
+    def _on_tos(self, tos: int) -> None:
+        self.tos_counts[tos] = self.tos_counts.get(tos, 0) + 1
+        if tos & 3 == CE:
+            self.ce += 1
+            LIVE.ce_packets = self.ce
+        elif tos & 3:
+            self.ect += 1
+            LIVE.ect_packets = self.ect
+
+    def _on_probe(self, hdr: tuple[int, int, int], addr: tuple[str, int], n: int,
+                  ts_ns: int) -> None:
+        """A datagram an agent sent: its flow's sequence accounting and one-way delay."""
+        flow, seq, send_ns = hdr
+        key = (addr[0], addr[1], flow)
+        fc = self.flows.get(key)
+        if fc is None and len(self.flows) < MAX_FLOW_KEYS:
+            fc = self.flows[key] = _FlowCounters()
+        if fc is None:
+            self.untracked_flow_packets += 1
+        else:
+            fc.tracker.observe(seq)
+            fc.bytes += n
+        self.owd.add(ts_ns - send_ns)
+
+    def counters(self, sock: socket.socket, dilation: Dilation, life: Lifecycle) -> dict:
+        overhead = self.overhead
+        # SO_RXQ_OVFL's count rides on packets queued after a drop: when the last
+        # drops came after the last packet (a receiver that stalled while its queue was
+        # full), only the socket itself still knows them.
+        socket_drops = max(self.socket_drops, _meminfo_drops(sock))
+        trackers = [fc.tracker for fc in self.flows.values()]
+        packets, nbytes, first_bytes = self.packets, self.nbytes, self.first_bytes
+        return {
+            "mode": "recv",
+            "port": sock.getsockname()[1],
+            "packets": packets,
+            "bytes": nbytes,
+            "wire_bytes": nbytes + packets * overhead,
+            "start_wall_ns": self.first_ns,
+            "end_wall_ns": self.last_ns,
+            **_rates(dilation, nbytes + packets * overhead,
+                     (first_bytes + overhead) if first_bytes is not None else 0,
+                     nbytes, first_bytes or 0, self.first_ns, self.last_ns),
+            "dilation": dilation.factor,
+            "wire_overhead_bytes": overhead,
+            "lost": sum(t.lost for t in trackers),
+            "reordered": sum(t.reordered for t in trackers),
+            "duplicates": sum(t.duplicates for t in trackers),
+            "foreign_packets": self.foreign,
+            "untracked_flow_packets": self.untracked_flow_packets,
+            "ce_packets": self.ce,
+            "ect_packets": self.ect,
+            "tos_counts": {str(k): v for k, v in sorted(self.tos_counts.items())},
+            "socket_drops": socket_drops,
+            "owd_wall_ns": self.owd.as_dict(),
+            "owd_fabric_ns": self.owd.as_dict(dilation.to_fabric_ns),
+            "flows": {
+                f"{ip}:{port}/{flow}": {**fc.tracker.as_dict(), "bytes": fc.bytes}
+                for (ip, port, flow), fc in sorted(self.flows.items())
+            },
+            "stopped_by": life.stop_reason or "done",
+        }
+
+
+def run_recv(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
+    dilation = Dilation(args.dilation)
+    duration_wall = dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
+    idle_wall = dilation.to_wall_ns(args.idle_exit_ns) if args.idle_exit_ns else None
+    sock = _make_rx_socket(args.bind or "", args.port, args.rcvbuf_bytes,
+                           _rx_tick_ns(duration_wall, idle_wall))
+    try:
+        mark_ready(args.ready_file)
+        rx = _Receiver(args.wire_overhead_bytes)
         buf = bytearray(65536)
         clock = time.monotonic_ns
-        start = clock()
-        end = start + duration_wall if duration_wall else None
-        packets = nbytes = 0
-        first_bytes = None
-        first_ns = last_ns = None
-        last_arrival_mono = None
-        foreign = ce = ect = 0
-        socket_drops = 0
-        untracked_flow_packets = 0
-        tos_counts: dict[int, int] = {}
-        flows: dict[tuple[str, int, int], _FlowCounters] = {}
-        owd = RunningStats()
+        end = clock() + duration_wall if duration_wall else None
         draining = False
         while True:
             try:
@@ -460,47 +485,11 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
                 n = None
             now = clock()
             if n is not None:
-                tos, ts_ns, drops = _parse_ancillary(anc)
-                if ts_ns is None:
-                    ts_ns = time.time_ns()
-                if drops is not None:
-                    socket_drops = drops
-                packets += 1
-                nbytes += n
-                LIVE.packets = packets
-                LIVE.bytes = nbytes
-                LIVE.wire_bytes += n + overhead
-                if first_ns is None:
-                    first_ns, first_bytes = ts_ns, n
-                last_ns = ts_ns
-                last_arrival_mono = now
-                if tos is not None:
-                    tos_counts[tos] = tos_counts.get(tos, 0) + 1
-                    if tos & 3 == 3:
-                        ce += 1
-                        LIVE.ce_packets = ce
-                    elif tos & 3:
-                        ect += 1
-                        LIVE.ect_packets = ect
-                hdr = unpack_header(buf, n)
-                if hdr is None:
-                    foreign += 1
-                else:
-                    flow, seq, send_ns = hdr
-                    key = (addr[0], addr[1], flow)
-                    fc = flows.get(key)
-                    if fc is None and len(flows) < MAX_FLOW_KEYS:
-                        fc = flows[key] = _FlowCounters()
-                    if fc is None:
-                        untracked_flow_packets += 1
-                    else:
-                        fc.tracker.observe(seq)
-                        fc.bytes += n
-                    owd.add(ts_ns - send_ns)
+                rx.on_datagram(buf, n, anc, addr, now)
             if end is not None and now >= end:
                 life.stop("duration")
-            if (idle_wall and last_arrival_mono is not None
-                    and now - last_arrival_mono >= idle_wall):
+            if (idle_wall and rx.last_arrival_mono is not None
+                    and now - rx.last_arrival_mono >= idle_wall):
                 life.stop("idle")
             if life.should_stop(now):
                 # Read what is already queued in the socket before exiting: those
@@ -510,43 +499,7 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
                 if not draining:
                     draining = True
                     sock.setblocking(False)
-
-        # SO_RXQ_OVFL's count rides on packets queued after a drop: when the last
-        # drops came after the last packet (a receiver that stalled while its queue was
-        # full), only the socket itself still knows them.
-        socket_drops = max(socket_drops, _meminfo_drops(sock))
-        trackers = [fc.tracker for fc in flows.values()]
-        counters = {
-            "mode": "recv",
-            "port": sock.getsockname()[1],
-            "packets": packets,
-            "bytes": nbytes,
-            "wire_bytes": nbytes + packets * overhead,
-            "start_wall_ns": first_ns,
-            "end_wall_ns": last_ns,
-            **_rates(dilation, nbytes + packets * overhead,
-                     (first_bytes + overhead) if first_bytes is not None else 0,
-                     nbytes, first_bytes or 0, first_ns, last_ns),
-            "dilation": dilation.factor,
-            "wire_overhead_bytes": overhead,
-            "lost": sum(t.lost for t in trackers),
-            "reordered": sum(t.reordered for t in trackers),
-            "duplicates": sum(t.duplicates for t in trackers),
-            "foreign_packets": foreign,
-            "untracked_flow_packets": untracked_flow_packets,
-            "ce_packets": ce,
-            "ect_packets": ect,
-            "tos_counts": {str(k): v for k, v in sorted(tos_counts.items())},
-            "socket_drops": socket_drops,
-            "owd_wall_ns": owd.as_dict(),
-            "owd_fabric_ns": owd.as_dict(dilation.to_fabric_ns),
-            "flows": {
-                f"{ip}:{port}/{flow}": {**fc.tracker.as_dict(), "bytes": fc.bytes}
-                for (ip, port, flow), fc in sorted(flows.items())
-            },
-            "stopped_by": life.stop_reason or "done",
-        }
-        return counters, 0
+        return rx.counters(sock, dilation, life), 0
     finally:
         sock.close()
 
@@ -554,17 +507,16 @@ def run_recv(args, life: Lifecycle) -> tuple[dict, int]:
 # --- echo --------------------------------------------------------------------------------
 
 
-def run_echo(args, life: Lifecycle) -> tuple[dict, int]:
+def run_echo(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     overhead = args.wire_overhead_bytes
     duration_wall = dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
     sock = _make_tx_socket(args.bind or "", args.port, tos_byte(args.dscp, args.ecn), None,
                            False)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                        _timeval(_rx_tick_ns(duration_wall)))
-        _touch(args.ready_file)
-        errs = _TxErrors()
+        set_recv_timeout(sock, _rx_tick_ns(duration_wall))
+        mark_ready(args.ready_file)
+        errs = SendErrors()
         buf = bytearray(65536)
         view = memoryview(buf)
         clock = time.monotonic_ns
@@ -623,7 +575,7 @@ def run_echo(args, life: Lifecycle) -> tuple[dict, int]:
 DEFAULT_PING_TIMEOUT_WALL_NS = 1_000_000_000
 
 
-def run_ping(args, life: Lifecycle) -> tuple[dict, int]:
+def run_ping(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     overhead = args.wire_overhead_bytes
     timeout_wall = (dilation.to_wall_ns(args.timeout_ns) if args.timeout_ns
@@ -633,8 +585,8 @@ def run_ping(args, life: Lifecycle) -> tuple[dict, int]:
     sock = _make_tx_socket(args.bind or "", args.sport or 0, tos_byte(args.dscp, args.ecn),
                            None, False)
     try:
-        _touch(args.ready_file)
-        errs = _TxErrors()
+        mark_ready(args.ready_file)
+        errs = SendErrors()
         buf = bytearray(args.size)
         rbuf = bytearray(65536)
         clock = time.monotonic_ns
@@ -646,10 +598,7 @@ def run_ping(args, life: Lifecycle) -> tuple[dict, int]:
         for seq in range(args.count):
             if life.should_stop():
                 break
-            due = start + seq * interval_wall
-            while not life.should_stop() and clock() < due:
-                now = clock()
-                pause_step(due - now, now, clock, time.sleep)
+            wait_until_mono(start + seq * interval_wall, life)
             real = time.time_ns()
             pack_header_into(buf, 0, seq, real)
             sent_mono = clock()
@@ -664,8 +613,7 @@ def run_ping(args, life: Lifecycle) -> tuple[dict, int]:
                 now = clock()
                 if now >= deadline:
                     break
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                                _timeval(min(deadline - now, TICK_NS)))
+                set_recv_timeout(sock, min(deadline - now, TICK_NS))
                 try:
                     n, addr = sock.recvfrom_into(rbuf)
                 except (BlockingIOError, TimeoutError, InterruptedError):
@@ -732,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--ready-file", metavar="FILE",
                         help="touch FILE once the socket(s) are bound")
     common.add_argument("--wire-overhead-bytes", type=argtypes.nonneg_int,
-                        default=DEFAULT_WIRE_OVERHEAD_BYTES,
+                        default=WIRE_OVERHEAD_BYTES,
                         help="bytes per packet on the wire beyond the UDP payload: 8 UDP + 20 "
                              "IPv4 + 14 Ethernet + 24 preamble/IFG/FCS (default %(default)s)")
 
@@ -813,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     life = Lifecycle()
     life.install_signal_handlers()
     LIVE.mode = args.mode
-    server = SnapshotServer(args.control_sock, LIVE.snapshot) if args.control_sock else None
+    server = serve_snapshots(args.control_sock, LIVE.snapshot)
     try:
         counters, rc = MODES[args.mode](args, life)
     except OSError as e:  # e.g. the address cannot be bound: say so on both channels
@@ -822,8 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.close()
-    write_counters(args.out, counters)
-    print(json.dumps(counters, sort_keys=True, separators=(",", ":")), flush=True)
+    report_counters(counters, args.out)
     return rc
 
 

@@ -2,7 +2,6 @@
 
 - the probe header every datagram starts with (`pack_header_into`, `unpack_header`);
 - `Pacer`: an absolute send schedule at a fixed wire rate with a bounded catch-up;
-- `pause_step`: how the send loop waits for the next due time (sleep, then spin);
 - `SeqTracker`: loss / reorder / duplicate accounting of one flow's sequence numbers;
 - `interval_rate_bps`, `RunningStats`: the arithmetic behind the counters.
 
@@ -26,29 +25,12 @@ HEADER = struct.Struct("!IHQQ")
 HEADER_BYTES = HEADER.size  # 22
 MAGIC = 0x46425544  # b"FBUD"
 
-#: Bytes a datagram costs on the wire beyond its UDP payload:
-#: 8 UDP + 20 IPv4 + 14 Ethernet + 24 (8 preamble/SFD + 12 inter-frame gap + 4 FCS).
-DEFAULT_WIRE_OVERHEAD_BYTES = 8 + 20 + 14 + 24
-
-#: ECN codepoints (the two low bits of the IPv4 TOS byte), RFC 3168.
-ECN_CODEPOINTS = {"notect": 0b00, "ect1": 0b01, "ect0": 0b10, "ce": 0b11}
-
-
-def tos_byte(dscp: int, ecn: str = "notect") -> int:
-    """The IPv4 TOS byte for a DSCP (0..63) and an ECN codepoint name."""
-    if not 0 <= dscp <= 63:
-        raise ValueError(f"dscp must be 0..63, got {dscp}")
-    try:
-        return dscp << 2 | ECN_CODEPOINTS[ecn]
-    except KeyError:
-        raise ValueError(f"ecn must be one of {sorted(ECN_CODEPOINTS)}, got {ecn!r}") from None
-
-
 def pack_header_into(buf: bytearray, flow: int, seq: int, send_ns: int) -> None:
     HEADER.pack_into(buf, 0, MAGIC, flow, seq, send_ns)
 
 
-def unpack_header(buf, nbytes: int) -> tuple[int, int, int] | None:
+def unpack_header(buf: bytes | bytearray | memoryview,
+                  nbytes: int) -> tuple[int, int, int] | None:
     """(flow, seq, send_ns) of a datagram this agent sent, or None for anything else."""
     if nbytes < HEADER_BYTES:
         return None
@@ -97,7 +79,7 @@ class RunningStats:
         return self.total / self.count if self.count else None
 
     def as_dict(self, scale: Callable[[float], float] = float) -> dict:
-        def conv(v):
+        def conv(v: float | None) -> float | None:
             return None if v is None else round(scale(v), 1)
 
         return {"count": self.count, "min": conv(self.min), "avg": conv(self.mean),
@@ -176,32 +158,6 @@ class Pacer:
 
     def sent(self) -> None:
         self.index += 1
-
-
-#: The send loop sleeps until this close to a due time, then busy-waits.
-DEFAULT_SPIN_NS = 200_000
-#: Longest single sleep, so stop flags and the parent check stay responsive.
-MAX_SLEEP_NS = 50_000_000
-
-
-def pause_step(wait_ns: int, now_ns: int, clock_ns: Callable[[], int],
-               sleep_s: Callable[[float], None], spin_ns: int = DEFAULT_SPIN_NS,
-               max_sleep_ns: int = MAX_SLEEP_NS) -> None:
-    """One step of waiting `wait_ns` from `now_ns`.
-
-    Far from the deadline: one coarse sleep that stops `spin_ns` short of it
-    (time.sleep overshoots by tens of microseconds) and at most `max_sleep_ns`
-    long; the caller polls again afterwards. Within `spin_ns`: busy-wait on
-    `clock_ns` until the deadline.
-    """
-    if wait_ns <= 0:
-        return
-    if wait_ns > spin_ns:
-        sleep_s(min(wait_ns - spin_ns, max_sleep_ns) / 1e9)
-        return
-    deadline = now_ns + wait_ns
-    while clock_ns() < deadline:
-        pass
 
 
 # --- sequence accounting -----------------------------------------------------------------

@@ -55,6 +55,11 @@ class SnapshotServer:
                 pass
 
 
+def serve_snapshots(path: str | None, snapshot: Callable[[], dict]) -> SnapshotServer | None:
+    """A SnapshotServer on `path` (--control-sock), or None when no path was given."""
+    return SnapshotServer(path, snapshot) if path else None
+
+
 def read_snapshot(path: str, timeout_s: float = 0.5) -> dict:
     """Client side: one snapshot from an agent's socket."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -67,14 +72,3 @@ def read_snapshot(path: str, timeout_s: float = 0.5) -> dict:
                 break
             chunks.append(data)
     return json.loads(b"".join(chunks))
-
-
-def write_counters(path: str | None, counters: dict) -> None:
-    """An agent's final counters as JSON at `path` (--out), written atomically."""
-    if not path:
-        return
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(counters, f, sort_keys=True, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
