@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from fractions import Fraction as Exact
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from agents.roce.cc import DCQCN_PRESET_NAMES, DCTCP_PRESET_NAMES
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, SizeBytes
 from testbed.units import format_rate
@@ -46,28 +43,26 @@ from testbed.workloads.base import (
     stream_account,
     streams,
 )
-from testbed.workloads.roce_params import DcqcnCcParams, DctcpCcParams, validate_cc_params
+from testbed.workloads.rdma import (
+    CC_PRESET_DESCRIPTION,
+    DEFAULT_CC_PRESETS,
+    MAX_ROCE_WINDOW_PACKETS,
+    ROCE_CONNECT_TIMEOUT_S,
+    ROCE_SPIN_NS,
+    CcPresetName,
+    parse_cc_preset,
+    preset_problem,
+    roce_window_packets,
+)
+from testbed.workloads.rdma_params import DcqcnCcParams, DctcpCcParams, validate_cc_params
 
 RoceKindName = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
-# agents.roce.qp.MAX_WINDOW_PACKETS: the most unacknowledged packets a QP may have.
-MAX_ROCE_WINDOW_PACKETS = 1 << 22
 ROCE_SETUP_PORT = 18515     # TCP, perftest's default port
 ROCE_UDP_PORT = 4791        # RoCEv2
 # Servers per host: set-up ports 18515 .. 19999, RoCE ports 4791 .. 6275.
 ROCE_MAX_STREAMS_PER_HOST = 1485
-# The auto window is never below rxe's RXE_MAX_UNACKED_PSNS (what the transport had
-# before the window was sized to the fabric) and never above what the transport allows.
-ROCE_MIN_WINDOW_PACKETS = 128
-ROCE_MAX_WINDOW_PACKETS = MAX_ROCE_WINDOW_PACKETS      # 2^22
 # Bytes of message slots per QP (at least one message): what a server verifies.
 ROCE_BUFFER_BYTES = 8 << 20
-# Wall seconds either side may wait for the other during set-up and tear-down.
-ROCE_CONNECT_TIMEOUT_S = 30
-# The agents' event loops sleep until each event instead of busy-polling the last
-# 150 us: a run has a dozen or more agents on a few cores, where spinning clients
-# starve the PFC agents (drops in the lossless class were seen), and at run
-# dilations select's wake-up error is a few fabric ns.
-ROCE_SPIN_NS = 0
 # A RoCE client imports numpy, connects, and both sides build their data patterns
 # before the start time: about 0.25 s of CPU each, on a VM of two cores.
 ROCE_STARTUP_PER_CLIENT_S = 0.25
@@ -77,15 +72,6 @@ ROCE_MAX_MESSAGE_BYTES = (1 << 31) - 1
 # RETH 16 B once per message; BTH 12 + ICRC 4 B per packet, besides the UDP/IP/Ethernet
 # wire overhead.
 RETH_BYTES, BTH_ICRC_BYTES = 16, 12 + 4
-
-# The agents' preset tables name the presets (agents.roce.cc, standard library only, so the
-# config imports it cheaply); RoceKind.check pairs a preset with its `cc`.
-PRESETS_OF_CC = {"dcqcn": DCQCN_PRESET_NAMES, "dctcp": DCTCP_PRESET_NAMES}
-CC_PRESET_NAMES = tuple(dict.fromkeys(n for names in PRESETS_OF_CC.values() for n in names))
-CcPresetName = Annotated[str, WithJsonSchema({"type": "string", "enum": list(CC_PRESET_NAMES)})]
-# hpcc-ns3-paper (HPCC run.py's dcqcn_paper) is the half of the setting whose switch marking
-# the default port class uses; docs/config.md says why it, not run.py's dcqcn, is the default.
-DEFAULT_CC_PRESETS = {"dcqcn": "hpcc-ns3-paper", "dctcp": "rfc8257"}
 
 
 class RoceTraffic(TrafficEntry):
@@ -132,9 +118,7 @@ class RoceTraffic(TrafficEntry):
     cc: Literal["dcqcn", "dctcp", "none"] = Field(
         "dcqcn", description="congestion control: sender rate control and receiver CNPs")
     cc_preset: CcPresetName | None = Field(
-        None, description="parameter set, one of the agents' presets: " + "; ".join(
-            f"{cc.upper()} {', '.join(names)} (default {DEFAULT_CC_PRESETS[cc]})"
-            for cc, names in PRESETS_OF_CC.items()))
+        None, description=CC_PRESET_DESCRIPTION)
     cnp_interval_ns: DurationNs | None = Field(
         None, alias="cnp_interval",
         description="receiver: at most one CNP per QP per this fabric time (default: the "
@@ -164,13 +148,7 @@ class RoceTraffic(TrafficEntry):
     @field_validator("cc_preset", mode="before")
     @classmethod
     def _cc_preset(cls, value: object) -> object:
-        if value is None or value in CC_PRESET_NAMES:
-            return value
-        # worded as the literal it stands for (testbed.config renders literal errors)
-        expected = (", ".join(repr(n) for n in CC_PRESET_NAMES[:-1])
-                    + f" or {CC_PRESET_NAMES[-1]!r}")
-        raise PydanticCustomError("literal_error", "Input should be {expected}",
-                                  {"expected": expected})
+        return parse_cc_preset(value)
 
     @field_validator("cc_params", mode="before")
     @classmethod
@@ -199,15 +177,6 @@ def roce_ports(n: int) -> tuple[int, int]:
     if not 0 <= n < ROCE_MAX_STREAMS_PER_HOST:
         raise ValueError(f"RoCE stream {n} into one host: at most {ROCE_MAX_STREAMS_PER_HOST}")
     return ROCE_SETUP_PORT + n, ROCE_UDP_PORT + n
-
-
-def roce_window_packets(line_rate_bps: int, round_trip_ns: Exact, mtu_bytes: int) -> int:
-    """The default in-flight window: RoCE MTU packets that a sender at `line_rate_bps` puts
-    on the wire in `round_trip_ns` (the fabric's longest round trip for the class),
-    rounded up, within [ROCE_MIN_WINDOW_PACKETS, ROCE_MAX_WINDOW_PACKETS]."""
-    bits = line_rate_bps * round_trip_ns / 10**9
-    packets = -(-bits // (8 * mtu_bytes))
-    return int(min(ROCE_MAX_WINDOW_PACKETS, max(ROCE_MIN_WINDOW_PACKETS, packets)))
 
 
 def _qp_sum(res: dict, side: str, key: str) -> int:
@@ -465,20 +434,15 @@ class RoceKind(WorkloadKind):
 
 def _check_schedule_and_cc(t: RoceTraffic, loc: tuple,
                            tclass: ClassView | None) -> Iterator[Problem]:
-    presets = {cc: tuple(sorted(names)) for cc, names in PRESETS_OF_CC.items()}
     if t.duration_ns is None and t.messages is None:
         yield (loc, f"{t.kind} needs duration: (post messages for that long) or messages: "
                "(post exactly that many per QP)")
     elif t.duration_ns is not None and t.messages is not None:
         yield (loc + ("messages",), "duration and messages are both given; give one: "
                "duration posts messages for that long, messages exactly that many per QP")
-    if t.cc == "none" and t.cc_preset is not None:
-        yield (loc + ("cc_preset",), f"cc_preset {t.cc_preset!r} does nothing with cc: none; "
-               "remove it or pick cc: dcqcn or dctcp")
-    elif t.cc_preset is not None and t.cc_preset not in presets[t.cc]:
-        owner = next(k for k, names in presets.items() if t.cc_preset in names)
-        yield (loc + ("cc_preset",), f"{t.cc_preset!r} is not a {t.cc.upper()} preset (it is "
-               f"{owner.upper()}'s); {t.cc.upper()} presets are {', '.join(presets[t.cc])}")
+    bad_preset = preset_problem(t.cc, t.cc_preset)
+    if bad_preset is not None:
+        yield loc + (bad_preset[0],), bad_preset[1]
     if t.cc != "none" and tclass is not None and not tclass.ecn:
         yield (loc + ("tclass",), f"class {tclass.name!r} (TC{tclass.tc}) does not mark ECN, so "
                f"{t.cc.upper()} never gets a CNP; use an ECN class (roce) or cc: none")

@@ -105,12 +105,15 @@ def test_an_import_running_back_up_is_named(tmp_path: Path, where: str, source: 
 
 # Modules of testbed/workloads that are not a kind: the contract, the registry, the docs.
 WORKLOAD_CORE = {"__init__", "base", "registry", "docs"}
+# Shared libraries of several kinds (a family prefix no kind has): any kind may import them.
+SHARED_FAMILIES = {"rdma"}
 
 
 def kind_import_violations(root: Path = ROOT) -> list[str]:
     """A workload kind (testbed/workloads/<family>[_part].py) imports the kinds' contract
     and its own family's modules, never another kind: like agents, kinds share through
-    base.py, so removing one never breaks another."""
+    base.py and the shared libraries (SHARED_FAMILIES), so removing one never breaks
+    another."""
     problems = []
     for path in sorted((root / "testbed" / "workloads").glob("*.py")):
         if path.stem in WORKLOAD_CORE:
@@ -120,7 +123,9 @@ def kind_import_violations(root: Path = ROOT) -> list[str]:
             if not name.startswith("testbed.workloads."):
                 continue
             other = name.split(".")[2]
-            if other not in WORKLOAD_CORE - {"registry", "docs"} and other.split("_")[0] != family:
+            theirs = other.split("_")[0]
+            if (other not in WORKLOAD_CORE - {"registry", "docs"} and theirs != family
+                    and theirs not in SHARED_FAMILIES):
                 problems.append(f"{path.relative_to(root)}:{line}: the {family} kind imports "
                                 f"{name}, another kind's module")
     return problems

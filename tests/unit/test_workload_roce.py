@@ -20,16 +20,15 @@ from testbed.plan import compile_plan
 from testbed.plan.paths import Routes, host_address, longest_round_trip_ns
 from testbed.results.store import Store
 from testbed.run.workload import expand_workload, ready_file, run_view, workload_span_ns
+from testbed.workloads.rdma import CC_PRESET_NAMES, roce_window_packets
+from testbed.workloads.rdma_params import DcqcnCcParams, DctcpCcParams, cc_param_keys
+from testbed.workloads.roce import KIND as ROCE
 from testbed.workloads.roce import (
-    CC_PRESET_NAMES,
     ROCE_SETUP_PORT,
     ROCE_UDP_PORT,
     RoceTraffic,
     roce_ports,
-    roce_window_packets,
 )
-from testbed.workloads.roce import KIND as ROCE
-from testbed.workloads.roce_params import DcqcnCcParams, DctcpCcParams, cc_param_keys
 from testbed.workloads.udp import UdpTraffic
 from tests.conftest import REPO
 
