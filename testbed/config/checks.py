@@ -7,13 +7,20 @@ a line. All problems are collected, none stops the others.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 
 from testbed.config.errors import format_loc
 from testbed.config.models import Fabric, TrafficClass
 from testbed.config.topology import Expanded
 from testbed.units import format_size
-from testbed.workloads.base import SHAPE_FIELD_NAMES, CheckContext, Shape, TrafficEntry
+from testbed.workloads.base import (
+    SHAPE_FIELD_NAMES,
+    CheckContext,
+    Problem,
+    Shape,
+    TrafficEntry,
+    shape_field,
+)
 from testbed.workloads.registry import REGISTRY
 
 # agents.portmaps.MAX_TRACKED: lossless classes the port program accounts per ingress port.
@@ -193,6 +200,9 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
         yield from _check_shape(t, kind.shape(t), loc, hosts)
 
 
+HostCheck = Callable[[tuple, str], Iterator[tuple[tuple, str]]]
+
+
 def _check_shape(t: TrafficEntry, shape: Shape, loc: tuple,
                  hosts: list[str]) -> Iterator[tuple[tuple, str]]:
     """The hosts an entry names exist and fit its shape; other shapes' fields are absent."""
@@ -201,32 +211,67 @@ def _check_shape(t: TrafficEntry, shape: Shape, loc: tuple,
             yield at, (f"{name!r} is not a host of this fabric{_suggest(name, hosts)}; "
                        f"hosts are {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''}")
 
-    if shape is Shape.INCAST:
-        if not t.senders or not t.receiver:
-            yield loc, f"{t.kind} needs senders: [...] and receiver:"
-            return
-        for j, s in enumerate(t.senders):
-            yield from host_ok(loc + ("senders", j), s)
-            if s == t.receiver:
-                yield loc + ("senders", j), f"{s!r} is also the receiver"
-        yield from host_ok(loc + ("receiver",), t.receiver)
-    elif shape is Shape.ALL_TO_ALL:
-        for j, h in enumerate(t.hosts or []):
-            yield from host_ok(loc + ("hosts", j), h)
-        if t.hosts is not None and len(t.hosts) < 2:
-            yield loc + ("hosts",), "all-to-all needs at least two hosts"
-    else:
-        if not t.pairs:
-            yield loc, f"{t.kind} needs pairs: [[src, dst], ...]"
-            return
-        for j, (src, dst) in enumerate(t.pairs):
-            yield from host_ok(loc + ("pairs", j), src)
-            yield from host_ok(loc + ("pairs", j), dst)
-            if src == dst:
-                yield loc + ("pairs", j), f"a pair from {src!r} to itself"
+    complete = yield from _SHAPE_CHECKS[shape](t, loc, host_ok)
+    if not complete:
+        return
     for field in SHAPE_FIELD_NAMES:
-        if getattr(t, field) is not None and field not in shape.fields:
+        if shape_field(t, field) is not None and field not in shape.fields:
             yield loc + (field,), f"{field} does not apply to {t.kind}"
+
+
+def _incast(t: TrafficEntry, loc: tuple, host_ok: HostCheck) -> Generator[Problem, None, bool]:
+    senders, receiver = shape_field(t, "senders"), shape_field(t, "receiver")
+    if not senders or not receiver:
+        yield loc, f"{t.kind} needs senders: [...] and receiver:"
+        return False
+    for j, s in enumerate(senders):
+        yield from host_ok(loc + ("senders", j), s)
+        if s == receiver:
+            yield loc + ("senders", j), f"{s!r} is also the receiver"
+    yield from host_ok(loc + ("receiver",), receiver)
+    return True
+
+
+def _all_to_all(t: TrafficEntry, loc: tuple,
+                host_ok: HostCheck) -> Generator[Problem, None, bool]:
+    hosts = shape_field(t, "hosts")
+    for j, h in enumerate(hosts or []):
+        yield from host_ok(loc + ("hosts", j), h)
+    if hosts is not None and len(hosts) < 2:
+        yield loc + ("hosts",), "all-to-all needs at least two hosts"
+    return True
+
+
+def _pairs(t: TrafficEntry, loc: tuple, host_ok: HostCheck) -> Generator[Problem, None, bool]:
+    pairs = shape_field(t, "pairs")
+    if not pairs:
+        yield loc, f"{t.kind} needs pairs: [[src, dst], ...]"
+        return False
+    for j, (src, dst) in enumerate(pairs):
+        yield from host_ok(loc + ("pairs", j), src)
+        yield from host_ok(loc + ("pairs", j), dst)
+        if src == dst:
+            yield loc + ("pairs", j), f"a pair from {src!r} to itself"
+    return True
+
+
+def _group(t: TrafficEntry, loc: tuple, host_ok: HostCheck) -> Generator[Problem, None, bool]:
+    ranks = shape_field(t, "ranks")
+    if not ranks:
+        yield loc, f"{t.kind} needs ranks: [host, ...], the hosts of its communicator"
+        return False
+    seen: dict[str, int] = {}
+    for j, h in enumerate(ranks):
+        yield from host_ok(loc + ("ranks", j), h)
+        if h in seen:
+            yield (loc + ("ranks", j), f"{h!r} is already rank {seen[h]}; a host is one "
+                   "accelerator and its NIC, so it holds one rank of a communicator")
+        seen.setdefault(h, j)
+    return True
+
+
+_SHAPE_CHECKS = {Shape.INCAST: _incast, Shape.ALL_TO_ALL: _all_to_all, Shape.PAIRS: _pairs,
+                 Shape.GROUP: _group}
 
 
 def _host_nic_rates(expanded: Expanded) -> dict[str, int]:

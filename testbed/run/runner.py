@@ -401,8 +401,10 @@ def write_results(run: Run) -> None:
     try:
         view = _run_view(run)
         for kind, specs in run.by_kind().items():
-            for row in kind.result_rows(specs, run.results, view):
+            rows = kind.result_rows(specs, run.results, view)
+            for row in rows:
                 run.store.add_result(row.traffic, row.kind, row.fields)
+            write_output_files(run.run_dir, kind.output_files(rows, specs, run.results, view))
         run.results_written = True
         for kind, specs in run.by_kind().items():
             run.notes.extend(kind.fidelity_notes(specs, run.results, view))
@@ -419,6 +421,14 @@ def write_results(run: Run) -> None:
     run.notes.extend(run.collector.watchdog.notes(run.plan.timebase))
     run.notes.extend(run.collector.late_notes())
     run.notes.extend(agent_read_notes(run.collector.agents))
+
+
+def write_output_files(run_dir: Path, files: dict[str, str]) -> None:
+    """A kind's extra result files, under the run directory's results/."""
+    for name, text in files.items():
+        path = run_dir / "results" / name
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        write_private(path, text)
 
 
 def _run_view(run: Run) -> RunView:

@@ -45,6 +45,7 @@ class Shape(enum.Enum):
     INCAST = "incast"            # senders: [...] -> receiver:
     ALL_TO_ALL = "all_to_all"    # every ordered pair of hosts: (default: all hosts)
     PAIRS = "pairs"              # pairs: [[src, dst], ...]
+    GROUP = "group"              # ranks: [...], a communicator (every rank talks to all)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -52,33 +53,38 @@ class Shape(enum.Enum):
 
 
 _SHAPE_FIELDS = {Shape.INCAST: ("senders", "receiver"), Shape.ALL_TO_ALL: ("hosts",),
-                 Shape.PAIRS: ("pairs",)}
-SHAPE_FIELD_NAMES = ("senders", "receiver", "hosts", "pairs")
+                 Shape.PAIRS: ("pairs",), Shape.GROUP: ("ranks",)}
+SHAPE_FIELD_NAMES = ("senders", "receiver", "hosts", "pairs", "ranks")
 
 
 class TrafficEntry(Strict):
-    """What every traffic entry has, whatever its kind: a name, a kind, the fields of its
-    shape, a traffic class and a schedule. A kind's model derives from this and gives
-    each field its own default and description."""
+    """What every traffic entry has, whatever its kind: a name, a kind, a traffic class
+    and a schedule. A kind's model derives from this, gives each field its own default
+    and description, and adds the fields of its shapes (Shape.fields: senders, receiver,
+    hosts, pairs, ranks), which only the kinds of that shape accept."""
 
     name: str
     kind: str
-    senders: list[str] | None = None
-    receiver: str | None = None
-    hosts: list[str] | None = None
-    pairs: list[tuple[str, str]] | None = None
     tclass: str | int = "default"
     start_ns: int = 0
     duration_ns: int | None = None
 
 
+def shape_field(entry: TrafficEntry, field: str) -> Any:
+    """A shape field of an entry (None where its kind has no such field)."""
+    return getattr(entry, field, None)
+
+
 def streams(entry: TrafficEntry, shape: Shape, hosts: Sequence[str]) -> list[tuple[str, str]]:
     """The (source, destination) streams of an entry of `shape`, in config order."""
     if shape is Shape.INCAST:
-        return [(s, entry.receiver) for s in entry.senders or [] if entry.receiver]
+        receiver = shape_field(entry, "receiver")
+        return [(s, receiver) for s in shape_field(entry, "senders") or [] if receiver]
     if shape is Shape.ALL_TO_ALL:
-        return list(itertools.permutations(entry.hosts or hosts, 2))
-    return [(src, dst) for src, dst in entry.pairs or []]
+        return list(itertools.permutations(shape_field(entry, "hosts") or hosts, 2))
+    if shape is Shape.GROUP:
+        return list(itertools.permutations(shape_field(entry, "ranks") or [], 2))
+    return [(src, dst) for src, dst in shape_field(entry, "pairs") or []]
 
 
 @dataclass(frozen=True)
@@ -248,6 +254,12 @@ class WorkloadKind(ABC):
                        view: RunView) -> list[str]:
         """Where this kind's agents did not run as configured."""
         return []
+
+    def output_files(self, rows: Sequence[ResultRow], specs: Sequence[AgentSpec],
+                     results: Results, view: RunView) -> dict[str, str]:
+        """Extra result files in the formats this kind's users already parse (nccl-tests'
+        table and JSON, HPCC's fct.txt), by name under the run's `results/`."""
+        return {}
 
 
 def flow_drops_of(flow_drops: Sequence[dict], saddrs: set[str], daddr: str, dport: int,
