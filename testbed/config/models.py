@@ -268,9 +268,12 @@ def _entry_errors(i: int, model: type[TrafficEntry], kinds: dict[str, type[Traff
     """One traffic entry's errors, located under its index; unknown fields say which
     fields this kind has (the loader cannot tell which member of the union applies)."""
     fields = sorted(f.alias or n for n, f in model.model_fields.items())
-    other_fields = {(f.alias or n): [k for k, m2 in kinds.items() if m2 is m]
-                    for m in set(kinds.values()) - {model}
-                    for n, f in m.model_fields.items() if (f.alias or n) not in fields}
+    other_fields: dict[str, list[str]] = {}      # field -> every other kind that has it
+    for k, m in kinds.items():
+        if m is not model:
+            for n, f in m.model_fields.items():
+                if (f.alias or n) not in fields:
+                    other_fields.setdefault(f.alias or n, []).append(k)
     out: list[InitErrorDetails] = []
     meant: set[str] = set()
     for e in exc.errors():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 # nccl-tests' names of the data types and what it prints for an operation without one.
 NCCL_TYPE = {"float32": "float", "float16": "half", "bfloat16": "bfloat16", "int32": "int32"}
@@ -47,7 +48,7 @@ def percentile_index(n: int, percentile: int) -> int:
     return min(n - 1, (n * percentile + 99) // 100 - 1)
 
 
-def iteration_stats(times_us: Sequence[float]) -> dict[str, float | list[float]]:
+def iteration_stats(times_us: Sequence[float]) -> dict[str, Any]:
     """min/max/avg/p50/p95/p99/stdev/cv% of per-iteration times, as nccl-tests' -I."""
     if not times_us:
         return {}

@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from testbed.workloads import roce, udp
+from testbed.workloads import collective, roce, udp
 from testbed.workloads.base import TrafficEntry, WorkloadKind
 
 
@@ -89,3 +89,4 @@ class Registry:
 REGISTRY = Registry()
 REGISTRY.add(udp.KIND)
 REGISTRY.add(roce.KIND)
+REGISTRY.add(collective.KIND)

@@ -425,7 +425,8 @@ def test_udp_problems_still_name_udp_fields():
     problems = _problems("    - {name: x, kind: udp_pairs, pairs: [[h1, h2]], duration: 1ms, "
                          "qps: 2}")
     assert problems == ["roce.yaml:12: workload.traffic[0].qps: unknown field 'qps': only "
-                        "roce_incast, roce_all_to_all, roce_pairs traffic has it; fields here: "
+                        "roce_incast, roce_all_to_all, roce_pairs, allreduce, reducescatter, "
+                        "allgather, broadcast, alltoall traffic has it; fields here: "
                         "duration, ecn, flows, hosts, kind, name, pairs, rate, receiver, "
                         "senders, size, start, tclass"]
 

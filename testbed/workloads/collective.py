@@ -1,0 +1,420 @@
+"""Collectives (`python -m agents.collectives`): all-reduce, reduce-scatter, all-gather,
+broadcast and all-to-all over a communicator of hosts, one rank per host, data moved as
+RDMA WRITEs on the user-space RoCE transport (so DCQCN, ECN and PFC act on it as on any
+RoCE traffic), measured the way nccl-tests measures.
+
+An entry becomes one worker per rank, all started together at the common start t0; rank
+i runs on `ranks[i]`. Each worker listens for its peers' set-up on a TCP port and takes
+RDMA traffic on a UDP port of its host, numbered per host over all collective entries
+(`ports`), and gets every rank's address and ports in `--peers`. It sweeps message
+sizes from `sizes.min` to `sizes.max` by `sizes.factor` (nccl-tests' -b -e -f), each
+with `warmup` untimed and `iterations` timed runs, checks the last result of every size
+against an exact reference (`#wrong`, never assumed 0) and reports per-iteration fabric
+times.
+
+Results (one row per size) follow nccl-tests: time is the slowest rank's mean over the
+iterations (nccl-tests reduces the time over processes with max), algbw = size / time,
+busbw = algbw x the operation's bus factor (all-reduce 2(n-1)/n; reduce-scatter,
+all-gather, all-to-all (n-1)/n; broadcast 1); sizes are nccl-tests' (the bytes of the
+larger buffer: count x n elements for reduce-scatter's input, all-gather's output and
+all-to-all). results/<entry>.nccl.txt and .nccl.json hold its table and -J JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import ClassVar, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
+from testbed.fields import NAME_RE, DurationNs, SizeBytes, Strict
+from testbed.workloads.base import (
+    AgentFiles,
+    AgentSpec,
+    CheckContext,
+    ExpandContext,
+    Problem,
+    ResultRow,
+    Results,
+    RunView,
+    Shape,
+    TrafficEntry,
+    WorkloadKind,
+)
+from testbed.workloads.collective_nccl import iteration_stats, json_report, table
+from testbed.workloads.rdma import (
+    CC_PRESET_DESCRIPTION,
+    DEFAULT_CC_PRESETS,
+    MAX_ROCE_WINDOW_PACKETS,
+    ROCE_CONNECT_TIMEOUT_S,
+    ROCE_SPIN_NS,
+    CcPresetName,
+    parse_cc_preset,
+    preset_problem,
+    roce_window_packets,
+)
+
+CollectiveKindName = Literal["allreduce", "reducescatter", "allgather", "broadcast",
+                             "alltoall"]
+#: the algorithms of each operation; the first is the default
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "allreduce": ("ring", "rhd", "tree"),
+    "reducescatter": ("ring",),
+    "allgather": ("ring",),
+    "broadcast": ("ring",),
+    "alltoall": ("pairwise",),
+}
+REDUCING = ("allreduce", "reducescatter")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
+SETUP_PORT, ROCE_PORT = 12000, 10000          # TCP set-up, UDP RoCE of a host's first rank
+MAX_RANKS_PER_HOST = 2000
+# A worker imports numpy, connects to every peer and builds its buffers before t0.
+STARTUP_PER_RANK_S = 0.3
+# RETH 16 B once per WRITE, BTH 12 + ICRC 4 per packet (besides WIRE_OVERHEAD_BYTES).
+RETH_BYTES, BTH_ICRC_BYTES = 16, 12 + 4
+
+
+class Sizes(Strict):
+    """The message sizes a collective entry sweeps: min, min x factor, ... up to max."""
+
+    min_bytes: SizeBytes = Field(1 << 20, alias="min", description="smallest message "
+                                 "(nccl-tests -b); bytes of the larger buffer")
+    max_bytes: SizeBytes = Field(1 << 20, alias="max", description="largest message "
+                                 "(nccl-tests -e)")
+    factor: int = Field(2, ge=2, le=1024, description="each size is the last x factor "
+                                                       "(nccl-tests -f)")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Sizes:
+        if self.min_bytes > self.max_bytes:
+            raise ValueError(f"min {self.min_bytes} B is above max {self.max_bytes} B")
+        return self
+
+    def each(self) -> list[int]:
+        out, size = [], self.min_bytes
+        while size <= self.max_bytes:
+            out.append(size)
+            size *= self.factor
+        return out
+
+
+class CollectiveTraffic(TrafficEntry):
+    """A collective over a communicator: one rank per host, swept over message sizes.
+
+    Data moves as RDMA WRITEs on the user-space RoCE transport, chunked and spread over
+    `qps` queue pairs per pair of ranks, so DCQCN, ECN and PFC act on it.
+    """
+
+    name: str = Field(pattern=NAME_RE, description="the entry's name: lower-case letters, "
+                      "digits and _, unique in the workload; agents and results carry it")
+    kind: CollectiveKindName = Field(
+        description="the collective operation: allreduce, reducescatter, allgather, "
+                    "broadcast or alltoall (the MoE / expert-parallel exchange)")
+    ranks: list[str] = Field(description="the hosts of the communicator; rank i runs on "
+                                         "ranks[i], one rank per host")
+    algorithm: str | None = Field(
+        None, description="allreduce: ring (reduce-scatter + all-gather), rhd (recursive "
+                          "halving-doubling) or tree (double binary tree); the other "
+                          "operations have one each (default: the operation's first)")
+    sizes: Sizes = Field(default_factory=Sizes, description="the message sizes swept")
+    dtype: Literal["float32", "float16", "bfloat16", "int32"] = Field(
+        "float32", description="element type of the buffers")
+    redop: Literal["sum", "max"] = Field("sum", description="reduction (allreduce, "
+                                                            "reducescatter)")
+    root: int = Field(0, ge=0, description="broadcast: the rank whose data is sent")
+    warmup: int = Field(1, ge=0, le=1000, description="untimed runs per size first")
+    iterations: int = Field(5, ge=1, le=10000, description="timed runs per size")
+    chunk_bytes: SizeBytes = Field(1 << 20, alias="chunk", description="pipelining unit: "
+                                   "a step's data is sent in pieces of at most this many "
+                                   "bytes, spread over the queue pairs")
+    qps: int = Field(2, ge=1, le=8, description="queue pairs per pair of ranks")
+    tclass: str | int = Field("roce", description="traffic class of the data and ACKs; with "
+                                                  "cc, a class that marks ECN")
+    start_ns: DurationNs = Field(0, alias="start", description="when the ranks start, fabric "
+                                 "time after the run's common start t0")
+    cc: Literal["dcqcn", "dctcp", "none"] = Field(
+        "dcqcn", description="congestion control of every rank's QPs")
+    cc_preset: CcPresetName | None = Field(None, description=CC_PRESET_DESCRIPTION)
+    window_packets: int | Literal["auto"] = Field(
+        "auto", alias="window", description="most unacknowledged packets per QP, or auto "
+                                            "(as RoCE entries: docs/roce.md)")
+    seed: int = Field(1, ge=0, description="seed of the ranks' input data")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("cc_preset", mode="before")
+    @classmethod
+    def _cc_preset(cls, value: object) -> object:
+        return parse_cc_preset(value)
+
+    @field_validator("window_packets")
+    @classmethod
+    def _window(cls, value: object) -> object:
+        if value != "auto" and not (isinstance(value, int) and
+                                    1 <= value <= MAX_ROCE_WINDOW_PACKETS):
+            raise ValueError(f"expected 1..2^22 packets or auto, got {value!r}")
+        return value
+
+    @property
+    def op_algorithm(self) -> str:
+        return self.algorithm or ALGORITHMS[self.kind][0]
+
+    @property
+    def preset(self) -> str | None:
+        return self.cc_preset or DEFAULT_CC_PRESETS.get(self.cc)
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor of an operation over n ranks."""
+    if n <= 1:
+        return 1.0 if op == "broadcast" else 0.0
+    return {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(op, (n - 1) / n)
+
+
+BUS_FACTOR_FORMULA = {"allreduce": "2(n-1)/n", "reducescatter": "(n-1)/n",
+                      "allgather": "(n-1)/n", "alltoall": "(n-1)/n", "broadcast": "1"}
+
+
+def elements(op: str, size_bytes: int, n: int, dtype: str) -> int:
+    """nccl-tests' count for a size: elements per rank's smaller buffer (per peer for
+    all-to-all), so that size = count x element bytes (x n where the buffer is n-fold)."""
+    per = size_bytes // DTYPE_BYTES[dtype]
+    return per // n if op in ("reducescatter", "allgather", "alltoall") else per
+
+
+class CollectiveKind(WorkloadKind):
+    shapes: ClassVar = {name: Shape.GROUP for name in ALGORITHMS}
+    model: ClassVar = CollectiveTraffic
+    agent_module: ClassVar = "agents.collectives"
+    doc: ClassVar = ("Collectives (agents/collectives): one worker per rank, all-reduce "
+                     "(ring, recursive halving-doubling, double binary tree), reduce-scatter,"
+                     " all-gather, broadcast and all-to-all as RDMA WRITEs over the "
+                     "user-space RoCE transport, swept over sizes the way nccl-tests does; "
+                     "one row per size, also written as results/<entry>.nccl.txt and "
+                     "results/<entry>.nccl.json (nccl-tests' table and -J JSON).")
+    ports: ClassVar = {"tcp": range(SETUP_PORT, SETUP_PORT + MAX_RANKS_PER_HOST),
+                       "udp": range(ROCE_PORT, ROCE_PORT + MAX_RANKS_PER_HOST)}
+    example: ClassVar = {"name": "ar", "kind": "allreduce", "algorithm": "ring",
+                         "ranks": ["h1", "h2", "h3", "h4"],
+                         "sizes": {"min": "64KiB", "max": "1MiB", "factor": 4}}
+    result_fields: ClassVar = {
+        "operation": "allreduce, reducescatter, allgather, broadcast or alltoall",
+        "algorithm": "the algorithm (ring, rhd, tree, pairwise)",
+        "ranks": "ranks in the communicator",
+        "bytes": "message size as nccl-tests counts it (bytes of the larger buffer)",
+        "count": "elements, as nccl-tests counts them",
+        "dtype": "element type", "redop": "reduction (none where the operation has none)",
+        "root": "broadcast's root rank (-1 for the other operations, as nccl-tests)",
+        "time_us": "the slowest rank's mean time over the iterations, fabric us",
+        "algbw_gbps": "bytes / time_us, fabric GB/s (10^9 bytes/s)",
+        "busbw_gbps": "algbw x the operation's bus factor (bus_factor), fabric GB/s",
+        "bus_factor": "2(n-1)/n for allreduce; (n-1)/n for reducescatter, allgather, "
+                      "alltoall; 1 for broadcast",
+        "wrong": "elements outside the exact reference's bound, over every rank",
+        "iterations_us": "per iteration, the slowest rank's time, fabric us",
+        "min_us": "fastest iteration", "avg_us": "mean iteration", "p50_us": "median "
+        "iteration", "p99_us": "99th-percentile iteration (nccl-tests' index rule)",
+        "phases_us": "mean fabric time per phase over the ranks (reduce_scatter, "
+                     "all_gather, tree_up, tree_down, ...)",
+        "error": "the first error a rank reported (null: none)",
+    }
+
+    def check(self, entry: TrafficEntry, loc: tuple, ctx: CheckContext) -> Iterator[Problem]:
+        assert isinstance(entry, CollectiveTraffic)
+        t = entry
+        allowed = ALGORITHMS[t.kind]
+        if t.algorithm is not None and t.algorithm not in allowed:
+            yield (loc + ("algorithm",), f"{t.algorithm!r} is not a {t.kind} algorithm; use "
+                   f"{' or '.join(allowed)}")
+        if t.kind == "broadcast" and t.root >= len(t.ranks):
+            yield (loc + ("root",), f"root {t.root} is not a rank (ranks 0..{len(t.ranks) - 1})")
+        if t.redop != "sum" and t.kind not in REDUCING:
+            yield loc + ("redop",), f"{t.kind} reduces nothing; remove redop"
+        bad_preset = preset_problem(t.cc, t.cc_preset)
+        if bad_preset is not None:
+            yield loc + (bad_preset[0],), bad_preset[1]
+        tclass = ctx.classes.get(t.tclass)
+        if t.cc != "none" and tclass is not None and not tclass.ecn:
+            yield (loc + ("tclass",), f"class {tclass.name!r} (TC{tclass.tc}) does not mark "
+                   f"ECN, so {t.cc.upper()} never gets a CNP; use an ECN class or cc: none")
+        n, unit = len(t.ranks), DTYPE_BYTES[t.dtype]
+        step = unit * (n if t.kind in ("reducescatter", "allgather", "alltoall") else 1)
+        if t.sizes.min_bytes < step:
+            yield (loc + ("sizes", "min"), f"{t.sizes.min_bytes} B holds no element per rank: "
+                   f"a {t.kind} of {t.dtype} over {n} ranks needs at least {step} B")
+
+    def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
+        assert isinstance(entry, CollectiveTraffic)
+        t = entry
+        per_host = ctx.state("collective")       # host -> ranks on it so far
+        ports = []
+        for host in t.ranks:
+            n = per_host.get(host, 0)
+            if n >= MAX_RANKS_PER_HOST:
+                raise ValueError(f"more than {MAX_RANKS_PER_HOST} collective ranks on {host}")
+            per_host[host] = n + 1
+            ports.append((SETUP_PORT + n, ROCE_PORT + n))
+        peers = ",".join(f"{ctx.address(h)}:{tcp}:{udp}"
+                         for h, (tcp, udp) in zip(t.ranks, ports, strict=True))
+        mtu = ctx.roce_mtu_bytes
+        rtt = ctx.round_trip_ns(ctx.tc(t.tclass)) if t.window_packets == "auto" else None
+        cc = ["--cc", t.cc] + (["--cc-preset", t.preset] if t.preset else [])
+        specs = []
+        for rank, host in enumerate(t.ranks):
+            line = ctx.line_rate_bps(host)
+            window = (roce_window_packets(line, rtt, mtu) if rtt is not None
+                      else int(t.window_packets))
+            argv = ["--rank", str(rank), "--peers", peers, "--op", t.kind,
+                    "--algorithm", t.op_algorithm, "--dtype", t.dtype, "--redop", t.redop,
+                    "--root", str(t.root), "--min-bytes", str(t.sizes.min_bytes),
+                    "--max-bytes", str(t.sizes.max_bytes), "--factor", str(t.sizes.factor),
+                    "--warmup", str(t.warmup), "--iterations", str(t.iterations),
+                    "--chunk-bytes", str(t.chunk_bytes), "--qps", str(t.qps),
+                    "--seed", str(t.seed), "--mtu", str(mtu),
+                    "--dscp", str(ctx.dscp(t.tclass)), *cc,
+                    *(["--cnp-dscp", str(ctx.cnp_dscp)] if ctx.cnp_dscp is not None else []),
+                    "--line-rate-bps", str(line), "--window-packets", str(window),
+                    "--dilation", str(ctx.dilation),
+                    "--connect-timeout-s", str(ROCE_CONNECT_TIMEOUT_S),
+                    "--spin-ns", str(ROCE_SPIN_NS)]
+            specs.append(AgentSpec(name=f"{t.name}-r{rank}", node=host, role="sender",
+                                   traffic=t.name, kind=t.kind, argv=argv,
+                                   module=self.agent_module, start_ns=t.start_ns,
+                                   src=host, dst=host))
+        return specs
+
+    def span_ns(self, entry: TrafficEntry, ctx: ExpandContext | None) -> int:
+        """No schedule: the time the busiest rank needs at line rate for every size and
+        run, its bus bytes as the operation's bus factor says (a floor: the run waits for
+        the ranks to exit, this only bounds how long it waits)."""
+        assert isinstance(entry, CollectiveTraffic)
+        if ctx is None:
+            return entry.start_ns
+        n = len(entry.ranks)
+        runs = entry.warmup + entry.iterations
+        per_packet = BTH_ICRC_BYTES + WIRE_OVERHEAD_BYTES
+        wire = sum(b * bus_factor(entry.kind, n) * (1 + per_packet / ctx.roce_mtu_bytes)
+                   + RETH_BYTES for b in entry.sizes.each()) * runs
+        slowest = min(ctx.line_rate_bps(h) for h in entry.ranks)
+        return entry.start_ns + int(wire * 8 * 10**9 / slowest)
+
+    def startup_wall_s(self, spec: AgentSpec) -> float:
+        return STARTUP_PER_RANK_S
+
+    def files_argv(self, spec: AgentSpec, files: AgentFiles) -> list[str]:
+        return ["--ready-file", str(files.ready), "--out", str(files.out)]
+
+    def result_rows(self, specs: Sequence[AgentSpec], results: Results,
+                    view: RunView) -> list[ResultRow]:
+        rows = []
+        for traffic, kind, ranks in _entries(specs):
+            per_rank = [results.get(s.name) or {} for s in ranks]
+            by_size: dict[int, list[dict]] = {}
+            for res in per_rank:
+                for r in res.get("results") or []:
+                    by_size.setdefault(int(r["bytes"]), []).append(r)
+            first = next((r for r in per_rank if r), {})
+            for size in sorted(by_size):
+                rows.append(ResultRow(traffic, kind, _size_row(
+                    kind, first, size, by_size[size], len(ranks), per_rank)))
+            if not by_size:       # no rank got as far as a result: one row says why
+                rows.append(ResultRow(traffic, kind, _size_row(kind, first, 0, [], len(ranks),
+                                                               per_rank)))
+        return rows
+
+    def stream_accounts(self, specs: Sequence[AgentSpec], results: Results,
+                        flow_drops: Sequence[dict], view: RunView) -> list[dict]:
+        # The ranks' QPs are accounted by the transport's own retransmission counters;
+        # a per-flow conservation account of collective traffic is not built yet.
+        return []
+
+    def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
+                       view: RunView) -> list[str]:
+        notes = []
+        for spec in specs:
+            res = results.get(spec.name) or {}
+            if res.get("error"):
+                notes.append(f"collective rank {spec.name} on {spec.node}: {res['error']}")
+            wrong = sum(int(r.get("wrong", 0)) for r in res.get("results") or [])
+            if wrong:
+                notes.append(f"collective rank {spec.name} on {spec.node}: {wrong} elements "
+                             "outside the exact reference's bound")
+        return notes
+
+    def output_files(self, rows: Sequence[ResultRow], specs: Sequence[AgentSpec],
+                     results: Results, view: RunView) -> dict[str, str]:
+        out = {}
+        for traffic, kind, ranks in _entries(specs):
+            mine = [r.fields for r in rows if r.traffic == traffic and r.fields["bytes"]]
+            argv = ranks[0].argv
+            header = {
+                "operation": kind, "algorithm": _arg(argv, "--algorithm"),
+                "ranks": len(ranks), "min_bytes": int(_arg(argv, "--min-bytes")),
+                "max_bytes": int(_arg(argv, "--max-bytes")),
+                "factor": int(_arg(argv, "--factor")), "warmup": int(_arg(argv, "--warmup")),
+                "iterations": int(_arg(argv, "--iterations")),
+                "bus_factor": round(bus_factor(kind, len(ranks)), 4),
+                "bus_factor_formula": BUS_FACTOR_FORMULA[kind],
+                "devices": [{"rank": i, "group": 0, "pid": 0, "hostname": s.node,
+                             "device": 0, "device_hex": "", "device_info": "emulated host"}
+                            for i, s in enumerate(ranks)]}
+            out[f"{traffic}.nccl.txt"] = table(traffic, mine, header)
+            out[f"{traffic}.nccl.json"] = json.dumps(
+                json_report(traffic, mine, header, argv), indent=2) + "\n"
+        return out
+
+
+def _arg(argv: Sequence[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def _entries(specs: Sequence[AgentSpec]) -> list[tuple[str, str, list[AgentSpec]]]:
+    """(traffic, kind, its ranks in rank order) for each entry among `specs`."""
+    out: dict[str, tuple[str, list[AgentSpec]]] = {}
+    for s in specs:
+        out.setdefault(s.traffic, (s.kind, []))[1].append(s)
+    return [(t, kind, sorted(ranks, key=lambda s: int(_arg(s.argv, "--rank"))))
+            for t, (kind, ranks) in out.items()]
+
+
+def _size_row(kind: str, first: dict, size: int, per_rank_rows: list[dict], n: int,
+              per_rank: list[dict]) -> dict:
+    """One nccl-tests row from every rank's result of one size."""
+    complete = len(per_rank_rows) == n
+    iters = [max(its) for its in zip(*(r.get("iterations_us") or [] for r in per_rank_rows),
+                                     strict=False)] if complete else []
+    time_us = max((float(r.get("avg_us") or 0) for r in per_rank_rows), default=0.0)
+    algbw = size / (time_us * 1e3) if time_us > 0 else 0.0
+    stats = iteration_stats(iters)
+    phases: dict[str, float] = {}
+    for r in per_rank_rows:
+        for name, us in (r.get("phases_us") or {}).items():
+            phases[name] = phases.get(name, 0.0) + float(us) / len(per_rank_rows)
+    dtype = str(first.get("dtype") or "float32")
+    errors = [str(r["error"]) for r in per_rank if r.get("error")]
+    if not complete and not errors:
+        errors = [f"{n - len(per_rank_rows)} of {n} ranks reported no result for {size} B"]
+    return {
+        "operation": kind, "algorithm": first.get("algorithm"), "ranks": n,
+        "bytes": size, "count": elements(kind, size, n, dtype), "dtype": dtype,
+        "redop": first.get("redop", "sum") if kind in REDUCING else "none",
+        "root": int(first.get("root", 0)) if kind == "broadcast" else -1,
+        "time_us": round(time_us, 3), "algbw_gbps": round(algbw, 4),
+        "busbw_gbps": round(algbw * bus_factor(kind, n), 4),
+        "bus_factor": round(bus_factor(kind, n), 4),
+        "wrong": sum(int(r.get("wrong", 0)) for r in per_rank_rows),
+        "iterations_us": [round(x, 3) for x in iters],
+        "min_us": round(float(stats.get("min_us", 0.0)), 3),
+        "avg_us": round(float(stats.get("avg_us", 0.0)), 3),
+        "p50_us": round(float(stats.get("p50_us", 0.0)), 3),
+        "p99_us": round(float(stats.get("p99_us", 0.0)), 3),
+        "phases_us": {k: round(v, 3) for k, v in phases.items()},
+        "error": errors[0] if errors else None,
+    }
+
+
+KIND = CollectiveKind()

@@ -1,0 +1,148 @@
+"""The collective workload kind: config checks, one worker per rank with its peers and
+ports, and results the way nccl-tests reports them (rows, its table, its -J JSON)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from testbed.config import ConfigError, load_config_text
+from testbed.plan import compile_plan
+from testbed.run.workload import expand_workload, run_view, workload_span_ns
+from testbed.workloads.collective import KIND, bus_factor, elements
+from testbed.workloads.collective_nccl import iteration_stats, percentile_index
+
+FABRIC = """\
+name: coll
+dilation: 1000
+topology:
+  kind: single_switch
+  hosts: 5
+  host_link: {{port: 100GBASE-CR1, length: 2m}}
+workload:
+  traffic:
+{traffic}
+"""
+AR = ("    - {name: ar, kind: allreduce, ranks: [h1, h2, h3], "
+      "sizes: {min: 4KiB, max: 64KiB, factor: 4}, iterations: 3}")
+
+
+def _load(traffic: str):
+    loaded = load_config_text(FABRIC.format(traffic=traffic), "coll.yaml")
+    return loaded, compile_plan(loaded)
+
+
+def _problems(traffic: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        _load(traffic)
+    return str(err.value)
+
+
+def test_one_worker_per_rank_with_every_peers_address_and_ports() -> None:
+    loaded, plan = _load(AR + "\n    - {name: a2a, kind: alltoall, ranks: [h3, h1], "
+                              "sizes: {min: 8KiB, max: 8KiB}}")
+    specs = expand_workload(loaded.fabric, plan)
+    assert [(s.name, s.node, s.role) for s in specs] == [
+        ("ar-r0", "h1", "sender"), ("ar-r1", "h2", "sender"), ("ar-r2", "h3", "sender"),
+        ("a2a-r0", "h3", "sender"), ("a2a-r1", "h1", "sender")]
+    argv = specs[0].argv
+    peers = argv[argv.index("--peers") + 1].split(",")
+    addr = {h.name: h.interfaces[0].address.split("/")[0] for h in plan.hosts()}
+    assert peers == [f"{addr['h1']}:12000:10000", f"{addr['h2']}:12000:10000",
+                     f"{addr['h3']}:12000:10000"]
+    # the second entry's ranks take the next ports on hosts that already have one
+    second = specs[3].argv[specs[3].argv.index("--peers") + 1].split(",")
+    assert second == [f"{addr['h3']}:12001:10001", f"{addr['h1']}:12001:10001"]
+    assert argv[argv.index("--algorithm") + 1] == "ring"          # allreduce's default
+    assert specs[3].argv[specs[3].argv.index("--algorithm") + 1] == "pairwise"
+    assert {s.module for s in specs} == {"agents.collectives"}
+    assert workload_span_ns(loaded.fabric, plan) > 0
+
+
+def test_bad_collective_entries_are_named() -> None:
+    text = _problems("    - {name: b, kind: broadcast, algorithm: tree, root: 3, redop: max, "
+                     "ranks: [h1, h1, h9]}")
+    assert "traffic[0].algorithm: 'tree' is not a broadcast algorithm; use ring" in text
+    assert "traffic[0].ranks[1]: 'h1' is already rank 0" in text
+    assert "traffic[0].ranks[2]: 'h9' is not a host of this fabric" in text
+    assert "traffic[0].root: root 3 is not a rank (ranks 0..2)" in text
+    assert "traffic[0].redop: broadcast reduces nothing" in text
+    text = _problems("    - {name: r, kind: reducescatter, ranks: [h1, h2, h3], "
+                     "sizes: {min: 8, max: 4KiB}}")
+    assert "sizes.min: 8 B holds no element per rank" in text
+    assert "unknown field 'senders'" in _problems(
+        "    - {name: r, kind: allreduce, ranks: [h1, h2], senders: [h1]}")
+
+
+def test_nccl_tests_counts_and_bus_factors() -> None:
+    assert elements("allreduce", 1 << 20, 8, "float32") == 1 << 18
+    assert elements("allgather", 1 << 20, 8, "float32") == 1 << 15      # per rank
+    assert elements("alltoall", 1 << 20, 8, "float16") == 1 << 16       # per peer
+    assert bus_factor("allreduce", 8) == pytest.approx(1.75)
+    assert bus_factor("allgather", 8) == bus_factor("alltoall", 8) == pytest.approx(0.875)
+    assert bus_factor("broadcast", 8) == 1.0
+    assert percentile_index(20, 99) == 19 and percentile_index(100, 99) == 98
+    stats = iteration_stats([3.0, 1.0, 2.0, 10.0])
+    assert (stats["min_us"], stats["max_us"], stats["p50_us"], stats["avg_us"]) == (
+        1.0, 10.0, 3.0, 4.0)
+
+
+def _rank_result(rank: int, slow: float) -> dict:
+    return {"rank": rank, "op": "allreduce", "algorithm": "ring", "dtype": "float32",
+            "redop": "sum", "root": 0, "error": None,
+            "results": [{"bytes": size, "count": size // 4, "wrong": 1 if rank == 2 else 0,
+                         "iterations_us": [10.0 * slow, 12.0 * slow, 11.0 * slow],
+                         "avg_us": 11.0 * slow, "phases_us": {"reduce_scatter": 5.0 * slow}}
+                        for size in (4096, 16384, 65536)]}
+
+
+def test_rows_take_the_slowest_rank_and_nccl_tests_bandwidths(tmp_path: Path) -> None:
+    loaded, plan = _load(AR)
+    specs = expand_workload(loaded.fabric, plan)
+    results = {s.name: _rank_result(i, 1.0 + i) for i, s in enumerate(specs)}
+    view = run_view(plan, tmp_path, 0)
+    rows = KIND.result_rows(specs, results, view)
+    assert [r.fields["bytes"] for r in rows] == [4096, 16384, 65536]
+    row = rows[-1].fields
+    assert row["time_us"] == 33.0                               # rank 2: 11 us x 3
+    assert row["iterations_us"] == [30.0, 36.0, 33.0]           # per iteration, the max
+    assert row["algbw_gbps"] == pytest.approx(65536 / 33e3, abs=1e-4)
+    assert row["busbw_gbps"] == pytest.approx(65536 / 33e3 * 4 / 3, abs=1e-4)
+    assert row["wrong"] == 1 and row["root"] == -1 and row["count"] == 16384
+    assert row["phases_us"]["reduce_scatter"] == pytest.approx(10.0)
+    notes = KIND.fidelity_notes(specs, results, view)
+    assert notes == ["collective rank ar-r2 on h3: 3 elements outside the exact reference's "
+                     "bound"]
+    # a rank that reported nothing makes every row say so
+    del results["ar-r1"]
+    rows = KIND.result_rows(specs, results, view)
+    assert all(r.fields["error"] == "1 of 3 ranks reported no result for "
+               f"{r.fields['bytes']} B" for r in rows)
+    assert all(r.fields["iterations_us"] == [] for r in rows)
+
+
+def test_nccl_tests_table_and_json_files(tmp_path: Path) -> None:
+    loaded, plan = _load(AR)
+    specs = expand_workload(loaded.fabric, plan)
+    results = {s.name: _rank_result(i, 1.0) for i, s in enumerate(specs)}
+    view = run_view(plan, tmp_path, 0)
+    files = KIND.output_files(KIND.result_rows(specs, results, view), specs, results, view)
+    text = files["ar.nccl.txt"]
+    assert "minBytes 4096 maxBytes 65536 step: 4(factor) warmup iters: 1 iters: 3" in text
+    assert "busbw = algbw x 1.3333 (2(n-1)/n)" in text
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("65536"))
+    assert line.split()[:5] == ["65536", "16384", "float", "sum", "-1"]
+    assert "# Out of bounds values : 3 FAILED" in text
+    assert "# Avg bus bandwidth    : " in text
+    doc = json.loads(files["ar.nccl.json"])
+    assert doc["version"] == 2 and doc["config"]["step_factor"] == 4
+    first = doc["results"][0]
+    assert set(first) == {"size", "count", "type", "redop", "root", "out_of_place",
+                          "out_of_place_per_iter", "in_place", "actual_iterations",
+                          "experiment_name"}
+    assert set(first["out_of_place"]) == {"time", "alg_bw", "bus_bw", "nwrong"}
+    assert first["root"] == "    -1" and first["actual_iterations"] == 3
+    assert doc["out_of_bounds"] == {"count": 3, "okay": "false"}
+    assert [d["hostname"] for d in doc["config"]["devices"]] == ["h1", "h2", "h3"]
