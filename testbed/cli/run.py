@@ -13,6 +13,7 @@ from rich.table import Table
 from agents.runtime.argtypes import nonneg_int
 from testbed.cli.common import EXIT_OK, CliError, load_and_plan, require_root, wide_console
 from testbed.units import format_rate, format_size
+from testbed.workloads.registry import REGISTRY
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -114,18 +115,36 @@ def run_one(path: str, args) -> int:
     return 130 if result.interrupted else EXIT_OK
 
 
+def _cell(field: str, value: object) -> str:
+    """A result value for the console: rates with units, counts with separators."""
+    if value is None:
+        return "-"
+    if field.endswith("_bps") and isinstance(value, int | float):
+        return format_rate(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.3g}"
+
+
 def _print_summary(console, summary: dict) -> None:
     table = Table(title=f"{summary['name']}: D={summary['dilation']}, "
                   f"{summary['duration_fabric_ns'] / 1e3:,.0f} us fabric, "
                   f"{summary['duration_wall_s']:.1f} s wall"
                   + (" [INTERRUPTED]" if summary["interrupted"] else ""))
-    for col in ("workload", "src", "dst", "sent", "received", "lost", "rx rate (fabric)"):
-        table.add_column(col, justify="left" if col in ("workload", "src", "dst") else "right")
+    by_columns: dict[tuple, list[tuple[str, dict]]] = {}
     for w in summary["workloads"]:
-        for r in w["results"]:
-            table.add_row(w["name"], r["src"], r["dst"], f"{r['tx_packets']:,}",
-                          f"{r['rx_packets']:,}", f"{r['lost']:,}", format_rate(r["rx_fabric_bps"]))
-    console.print(table)
+        columns = REGISTRY.of(w["kind"]).console_columns
+        by_columns.setdefault(columns, []).extend((w["name"], r) for r in w["results"])
+    for i, (columns, rows) in enumerate(by_columns.items()):
+        if i:       # one table per kind of result row; the first carries the run's title
+            table = Table()
+        table.add_column("workload")
+        for header, _field in columns:
+            table.add_column(header, justify="right" if header not in ("src", "dst") else
+                             "left")
+        for name, r in rows:
+            table.add_row(name, *(_cell(field, r.get(field)) for _h, field in columns))
+        console.print(table)
     worst = sorted(summary["ports"], key=lambda p: -p["max_queue_bytes"])[:5]
     if worst and worst[0]["max_queue_bytes"]:
         console.print("deepest queues: " + ", ".join(

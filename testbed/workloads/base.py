@@ -195,6 +195,10 @@ class WorkloadKind(ABC):
     doc: ClassVar[str]
     #: result row column -> what it holds (docs/run-format.md lists them)
     result_fields: ClassVar[Mapping[str, str]]
+    #: the console's summary of a run: (column header, result field) per column
+    console_columns: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("src", "src"), ("dst", "dst"), ("sent", "tx_packets"), ("received", "rx_packets"),
+        ("lost", "lost"), ("rx rate (fabric)", "rx_fabric_bps"))
     #: the host ports its agents listen on, by protocol ("tcp", "udp"); the registry
     #: refuses a kind whose ranges overlap another's, so kinds never share a socket
     ports: ClassVar[Mapping[str, range]]

@@ -201,6 +201,10 @@ class CollectiveKind(WorkloadKind):
     example: ClassVar = {"name": "ar", "kind": "allreduce", "algorithm": "ring",
                          "ranks": ["h1", "h2", "h3", "h4"],
                          "sizes": {"min": "64KiB", "max": "1MiB", "factor": 4}}
+    console_columns: ClassVar = (
+        ("algorithm", "algorithm"), ("ranks", "ranks"), ("size (B)", "bytes"),
+        ("type", "dtype"), ("time (us)", "time_us"), ("algbw (GB/s)", "algbw_gbps"),
+        ("busbw (GB/s)", "busbw_gbps"), ("#wrong", "wrong"))
     result_fields: ClassVar = {
         "operation": "allreduce, reducescatter, allgather, broadcast or alltoall",
         "algorithm": "the algorithm (ring, rhd, tree, pairwise)",
