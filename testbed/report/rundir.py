@@ -21,7 +21,7 @@ from testbed.plan import PLAN_FORMAT_VERSION, Plan
 from testbed.results import files as results_files
 from testbed.results.files import RUN_FORMAT_VERSION  # summary.json and metadata.json
 from testbed.results.store import STORE_FORMAT_VERSION, Store, StoreVersionError
-from testbed.results.tables import port_rows, totals, workload_rows
+from testbed.results.tables import link_rows, link_totals, port_rows, totals, workload_rows
 
 SUMMARY, PLAN, METADATA, COUNTERS = "summary.json", "plan.json", "metadata.json", "counters.sqlite"
 _RUN_DIR_NAME_RE = re.compile(r"^(?P<ts>\d{8}T\d{6}Z)-(?P<name>.+)$")
@@ -230,7 +230,8 @@ def rebuild_summary(run_dir: Path, plan: Plan | None, store: Store | None,
         "interrupted": True,
         "ports": ports,
         "workloads": workloads,
-        "totals": totals(ports, delivered),
+        "links": link_rows(plan, ports),
+        "totals": {**totals(ports, delivered), **link_totals(link_rows(plan, ports))},
         "fidelity": fidelity,
         "verdict": None,
         "rebuilt_from_counters": True,

@@ -80,3 +80,36 @@ def totals(ports: list[dict], delivered_bytes: int) -> dict:
         "pause_frames": sum(r["pause_tx"] for r in ports),
         "delivered_bytes": delivered_bytes,
     }
+
+
+def link_rows(plan: Plan | None, ports: list[dict]) -> list[dict]:
+    """What each link carried, per direction, from the egress ports' byte counters (every
+    class): the bytes a collective or a flow really put on host links and on switch-to-
+    switch links, whatever its bus-bandwidth figure says. `kind` is `host` for a link
+    with a host end, else `fabric`."""
+    if plan is None:
+        return []
+    sent: dict[tuple[str, str], int] = {}
+    for p in ports:
+        key = (p["node"], p["port"])
+        sent[key] = sent.get(key, 0) + int(p.get("tx_bytes") or 0)
+    roles = {n.name: n.role for n in plan.nodes}
+    out = []
+    for link in plan.links:
+        a, b = link.a, link.b
+        out.append({
+            "a": f"{a.node}:{a.ifname}", "b": f"{b.node}:{b.ifname}",
+            "kind": "host" if "host" in (roles.get(a.node), roles.get(b.node)) else "fabric",
+            "rate_bps": link.rate_bps,
+            "a_to_b_bytes": sent.get((a.node, a.ifname), 0),
+            "b_to_a_bytes": sent.get((b.node, b.ifname), 0),
+        })
+    return out
+
+
+def link_totals(links: list[dict]) -> dict:
+    """Bytes carried by host links and by fabric (switch-to-switch) links, both ways."""
+    out = {"host_link_bytes": 0, "fabric_link_bytes": 0}
+    for link in links:
+        out[f"{link['kind']}_link_bytes"] += link["a_to_b_bytes"] + link["b_to_a_bytes"]
+    return out

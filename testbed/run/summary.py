@@ -5,13 +5,14 @@ from __future__ import annotations
 from testbed.plan.model import Plan
 from testbed.results.files import RUN_FORMAT_VERSION
 from testbed.results.store import Store
-from testbed.results.tables import port_rows, totals, workload_rows
+from testbed.results.tables import link_rows, link_totals, port_rows, totals, workload_rows
 
 
 def build_summary(*, name: str, plan: Plan, store: Store, run_dir: str, duration_fabric_ns: int,
                   duration_wall_s: float, interrupted: bool, fidelity: list[str],
                   verdict: dict | None = None, extra: dict | None = None) -> dict:
     ports = port_rows(plan, store)
+    links = link_rows(plan, ports)
     workloads = workload_rows(store.results())
     delivered = sum(r.get("rx_bytes", 0) for w in workloads for r in w["results"])
     return {
@@ -25,7 +26,8 @@ def build_summary(*, name: str, plan: Plan, store: Store, run_dir: str, duration
         "interrupted": interrupted,
         "ports": ports,
         "workloads": workloads,
-        "totals": totals(ports, delivered),
+        "links": links,
+        "totals": {**totals(ports, delivered), **link_totals(links)},
         "fidelity": fidelity,
         "verdict": verdict,
         **(extra or {}),
