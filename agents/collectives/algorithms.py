@@ -1,10 +1,12 @@
 """Collective algorithms over a `Transport`, on numpy buffers: `run(op, algorithm, ...)`.
 
-Operations and buffer sizes follow nccl-tests (`data.buffer_counts`); every algorithm
-works for any number of ranks n >= 1 (n = 1 is a local copy) and any count, including
-0, counts below n and counts that are not multiples of n or of `chunks`.
+Operations are named as nccl-tests' binaries and the control plane's collective kinds
+(allreduce, reducescatter, allgather, broadcast, alltoall); buffer sizes follow
+nccl-tests (`data.buffer_counts`). Every algorithm works for any number of ranks n >= 1
+(n = 1 is a local copy) and any count, including 0, counts below n and counts that are
+not multiples of n or of `chunks`.
 
-all_reduce
+allreduce
   ``ring``  reduce-scatter then all-gather around the ring r -> r+1, n-1 steps each,
             the buffer cut in n nearly equal blocks (NCCL's ring; Patarasuk & Yuan,
             "Bandwidth optimal all-reduce algorithms for clusters of workstations",
@@ -32,13 +34,14 @@ all_reduce
             one child in tree 2); no rank sends more than 2x the buffer. Up and down
             are two phases here (NCCL overlaps them in split warps); each is
             pipelined over the chunks.
-reduce_scatter  ``ring`` (the first half of ring all-reduce, blocks of `count`).
-all_gather      ``ring`` (the second half).
+reducescatter   ``ring`` (the first half of ring all-reduce, blocks of `count`).
+allgather       ``ring`` (the second half).
 broadcast       ``ring``: a chain root -> root+1 -> ... -> root-1, pipelined in
                 `chunks` pieces (NCCL's broadcast is a ring too). Not a binomial tree:
                 the chain carries the buffer once per link, bus factor 1.
-all_to_all      ``pairwise``: step k = 1..n-1 sends block (r+k)%n to rank (r+k)%n and
-                receives block (r-k)%n from rank (r-k)%n (Thakur et al. 2005, sec. 4.5).
+alltoall        ``pairwise``: step k = 1..n-1 sends block (r+k)%n to rank (r+k)%n and
+                receives block (r-k)%n from rank (r-k)%n (Thakur et al. 2005's pairwise
+                exchange for long messages).
 
 `chunks` splits every message into that many pieces (fewer when the message has fewer
 elements), each its own send, so a transport can overlap them over several QPs; tags are
@@ -48,10 +51,9 @@ copy of the input, received data lands in memory not yet sent, and every call en
 `wait_sends()`, so the caller may reuse both buffers once `run` returns.
 
 Sizes and bandwidths are nccl-tests': `size_bytes` is max(send, recv) bytes of one rank
-(count*itemsize for all_reduce and broadcast, count*n*itemsize for reduce_scatter,
-all_gather and all_to_all); algbw = size / time; busbw = algbw * `bus_factor`
-(2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter, all_gather and all_to_all, 1 for
-broadcast).
+(count*itemsize for allreduce and broadcast, count*n*itemsize for reducescatter,
+allgather and alltoall); algbw = size / time; busbw = algbw * `bus_factor` (2(n-1)/n
+for allreduce, (n-1)/n for reducescatter, allgather and alltoall, 1 for broadcast).
 
 `on_phase(name)` is called at the start of each phase ("reduce_scatter", "all_gather",
 "pre_reduce", "post_distribute", "tree_up", "tree_down", "broadcast", "all_to_all");
@@ -70,11 +72,11 @@ from agents.collectives import data
 from agents.collectives.transport import Transport
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "all_reduce": ("ring", "rhd", "tree"),
-    "reduce_scatter": ("ring",),
-    "all_gather": ("ring",),
+    "allreduce": ("ring", "rhd", "tree"),
+    "reducescatter": ("ring",),
+    "allgather": ("ring",),
     "broadcast": ("ring",),
-    "all_to_all": ("pairwise",),
+    "alltoall": ("pairwise",),
 }
 
 PhaseHook = Callable[[str], None]
@@ -88,7 +90,7 @@ _MAX_STEPS = 1 << 12
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests' bus bandwidth factor: busbw = algbw * bus_factor(op, n)."""
     data.buffer_counts(op, 0, n)  # validates op and n
-    if op == "all_reduce":
+    if op == "allreduce":
         return 2 * (n - 1) / n
     if op == "broadcast":
         return 1.0
@@ -444,13 +446,13 @@ def _all_reduce_tree(ctx: _Ctx, send: np.ndarray, recv: np.ndarray, root: int) -
 
 _Impl = Callable[[_Ctx, np.ndarray, np.ndarray, int], None]
 _IMPLS: dict[tuple[str, str], _Impl] = {
-    ("all_reduce", "ring"): _all_reduce_ring,
-    ("all_reduce", "rhd"): _all_reduce_rhd,
-    ("all_reduce", "tree"): _all_reduce_tree,
-    ("reduce_scatter", "ring"): _reduce_scatter_ring,
-    ("all_gather", "ring"): _all_gather_ring,
+    ("allreduce", "ring"): _all_reduce_ring,
+    ("allreduce", "rhd"): _all_reduce_rhd,
+    ("allreduce", "tree"): _all_reduce_tree,
+    ("reducescatter", "ring"): _reduce_scatter_ring,
+    ("allgather", "ring"): _all_gather_ring,
     ("broadcast", "ring"): _broadcast_ring,
-    ("all_to_all", "pairwise"): _all_to_all_pairwise,
+    ("alltoall", "pairwise"): _all_to_all_pairwise,
 }
 
 
@@ -462,7 +464,7 @@ def _flat(name: str, buf: np.ndarray) -> np.ndarray:
 
 def _check_sizes(op: str, n: int, send: np.ndarray, recv: np.ndarray) -> None:
     # The count each op's buffers imply; buffer_counts then says what both must be.
-    count = {"all_gather": send.size, "all_to_all": send.size // n}.get(op, recv.size)
+    count = {"allgather": send.size, "alltoall": send.size // n}.get(op, recv.size)
     want = data.buffer_counts(op, count, n)
     if (send.size, recv.size) != want:
         raise ValueError(f"{op} on {n} ranks: sendbuf has {send.size} elements and recvbuf "
@@ -478,7 +480,7 @@ def run(op: str, algorithm: str, transport: Transport, sendbuf: np.ndarray,
     Buffers are contiguous numpy arrays of the dtype's storage (uint16 for bfloat16),
     sized per nccl-tests (`data.buffer_counts`); `count` is implied by them. `dtype`
     defaults to the one sendbuf's storage implies. `redop` ("sum", "max") matters for
-    all_reduce and reduce_scatter, `root` for broadcast. recvbuf may be sendbuf
+    allreduce and reducescatter, `root` for broadcast. recvbuf may be sendbuf
     (in-place). sendbuf is never written.
     """
     if algorithm not in ALGORITHMS.get(op, ()):

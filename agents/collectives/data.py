@@ -1,23 +1,25 @@
 """The data a collective moves: dtypes, reduction operators, test data and `#wrong`.
 
-Dtypes are named as in nccl-tests: float32, float16, bfloat16, int32. numpy has no
-bfloat16, so a bfloat16 buffer is stored as uint16 (the high 16 bits of a float32);
-`bf16_from_f32` rounds a float32 to the nearest bfloat16, ties to even (the rounding of
-Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning Training", and of
-`__float2bfloat16` in CUDA), `bf16_to_f32` widens exactly.
+Dtypes are float32, float16, bfloat16, int32 (the control plane's names; nccl-tests
+prints float, half, bfloat16, int32). numpy has no bfloat16, so a bfloat16 buffer is
+stored as uint16 (the high 16 bits of a float32); `bf16_from_f32` rounds a float32 to
+the nearest bfloat16, ties to even (the rounding of Kalamkar et al. 2019, "A Study of
+BFLOAT16 for Deep Learning Training", and of CUDA's `__float2bfloat16`); `bf16_to_f32`
+widens exactly.
 
 Reductions (`reduce_into`) are sum and max. float16 and bfloat16 are reduced the way
 NCCL reduces them: both operands are widened to float32, combined, and the result is
-rounded back to the storage type at every step, so every reduction step rounds once to
-float32 (exact here: a float32 holds the sum of two halves) and once to the 16-bit type.
-int32 sums wrap around (two's complement), as on a GPU.
+rounded back to the storage type at every step. So a step rounds twice, to float32
+(exact unless the operands' exponents are far apart) and to the 16-bit type, and the
+error bound allows both. int32 sums wrap around (two's complement), as on a GPU.
 
 `fill` gives every (seed, rank, element) a fixed value from a counter-based hash
 (SplitMix64), independent of the buffer's length, so any rank or any process can
 recompute any other rank's input. Floats are magnitudes in [0.5, 2) rounded to the
 dtype, negative with probability 1/4: full mantissas (so summation really rounds and the
-error bound below is exercised) yet well conditioned (sum |x_i| <= 4 |sum x_i| on
-average). int32 values span the whole range, so sums wrap.
+error bound below is exercised) yet well conditioned (the mean is half the mean
+magnitude, so cancellation is rare; the bound is relative to sum |x_i| anyway). int32
+values span the whole range, so sums wrap.
 
 `reference` computes what every rank must hold from every rank's input, in float64
 (int64 reduced modulo 2**32 for int32). `wrong` counts the elements of a result that
@@ -33,7 +35,7 @@ import numpy as np
 
 DTYPES = ("float32", "float16", "bfloat16", "int32")
 REDOPS = ("sum", "max")
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "alltoall")
 
 _STORAGE: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
@@ -156,17 +158,17 @@ def reduce_into(redop: str, dtype: str, acc: np.ndarray, incoming: np.ndarray) -
 def buffer_counts(op: str, count: int, n: int) -> tuple[int, int]:
     """(send, recv) element counts of one rank, nccl-tests' semantics for `count`.
 
-    all_reduce, broadcast: count in, count out; reduce_scatter: count*n in, count out;
-    all_gather: count in, count*n out; all_to_all: count*n both (count per peer).
+    allreduce, broadcast: count in, count out; reducescatter: count*n in, count out;
+    allgather: count in, count*n out; alltoall: count*n both (count per peer).
     """
     _check("op", op, OPS)
     if count < 0 or n < 1:
         raise ValueError(f"count {count} and n {n}: need count >= 0, n >= 1")
-    if op == "reduce_scatter":
+    if op == "reducescatter":
         return count * n, count
-    if op == "all_gather":
+    if op == "allgather":
         return count, count * n
-    if op == "all_to_all":
+    if op == "alltoall":
         return count * n, count * n
     return count, count
 
@@ -262,15 +264,15 @@ def reference(op: str, redop: str, size: int, count: int, dtype: str, *, rank: i
     buffer_counts(op, count, size)  # validates op, count, size
     if not 0 <= rank < size or not 0 <= root < size:
         raise ValueError(f"rank {rank} / root {root} outside 0..{size - 1}")
-    if op in ("all_reduce", "reduce_scatter"):
-        start = rank * count if op == "reduce_scatter" else 0
+    if op in ("allreduce", "reducescatter"):
+        start = rank * count if op == "reducescatter" else 0
         values, abs_sum = _reduced(redop, dtype, size, count, seed, start)
         return Reference(op, redop, values, abs_sum)
     if op == "broadcast":
         values = widen(dtype, fill(root, count, dtype, seed))
-    elif op == "all_gather":
+    elif op == "allgather":
         values = np.concatenate([widen(dtype, fill(r, count, dtype, seed)) for r in range(size)])
-    else:  # all_to_all: block j of my receive buffer is block `rank` of rank j's send buffer
+    else:  # alltoall: block j of my receive buffer is block `rank` of rank j's send buffer
         values = np.concatenate([widen(dtype, fill(r, count, dtype, seed, start=rank * count))
                                  for r in range(size)])
     return Reference(op, redop, values, None)
