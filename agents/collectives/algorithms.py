@@ -491,6 +491,8 @@ def run(op: str, algorithm: str, transport: Transport, sendbuf: np.ndarray,
     n = transport.size
     if chunks < 1 or not 0 <= root < n:
         raise ValueError(f"chunks {chunks} must be >= 1 and root {root} in 0..{n - 1}")
+    if n > _MAX_STEPS:
+        raise ValueError(f"{n} ranks: the tags have room for {_MAX_STEPS} steps per phase")
     name = dtype or data.dtype_of(sendbuf)
     st = data.storage(name)
     if sendbuf.dtype != st or recvbuf.dtype != st:

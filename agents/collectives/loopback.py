@@ -258,8 +258,13 @@ class LoopbackWorld:
                     c.notify_all()
 
     def run(self, fn: Callable[[LoopbackTransport], R]) -> list[R]:
-        """fn(transport) on one thread per rank; their results in rank order."""
+        """fn(transport) on one thread per rank; their results in rank order. The
+        counters keep adding up over runs (`reset_counters`); messages do not: each run
+        starts with empty queues, even after a failed one."""
         self._finished, self._failure = set(), None
+        self._queues.clear()
+        self._held = [[] for _ in range(self.size)]
+        self._unwaited = [[] for _ in range(self.size)]
         results: list[R | None] = [None] * self.size
         errors: list[BaseException | None] = [None] * self.size
         threads = [threading.Thread(target=self._body, args=(r, fn, results, errors),
