@@ -69,15 +69,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.collectives import data
+from agents.collectives.ops import ALGORITHMS
 from agents.collectives.transport import Transport
-
-ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("ring", "rhd", "tree"),
-    "reducescatter": ("ring",),
-    "allgather": ("ring",),
-    "broadcast": ("ring",),
-    "alltoall": ("pairwise",),
-}
 
 PhaseHook = Callable[[str], None]
 
@@ -85,33 +78,6 @@ PhaseHook = Callable[[str], None]
 # be taken for another even if a transport delivered tags in any order.
 _MAX_STEPS = 1 << 12
 (_RS, _AG, _PRE, _POST, _UP, _DOWN, _BCAST, _A2A) = range(8)
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' bus bandwidth factor: busbw = algbw * bus_factor(op, n)."""
-    data.buffer_counts(op, 0, n)  # validates op and n
-    if op == "allreduce":
-        return 2 * (n - 1) / n
-    if op == "broadcast":
-        return 1.0
-    return (n - 1) / n
-
-
-def size_bytes(op: str, count: int, n: int, dtype: str) -> int:
-    """nccl-tests' "size": max(send, recv) bytes of one rank for `count` (its count)."""
-    return max(data.buffer_counts(op, count, n)) * data.itemsize(dtype)
-
-
-def algbw(op: str, count: int, n: int, dtype: str, seconds: float) -> float:
-    """Algorithm bandwidth in bytes/s: size_bytes / seconds."""
-    if seconds <= 0:
-        raise ValueError(f"time must be positive, not {seconds}")
-    return size_bytes(op, count, n, dtype) / seconds
-
-
-def busbw(op: str, count: int, n: int, dtype: str, seconds: float) -> float:
-    """Bus bandwidth in bytes/s: algbw * bus_factor."""
-    return algbw(op, count, n, dtype, seconds) * bus_factor(op, n)
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DTYPES = ("float32", "float16", "bfloat16", "int32")
-REDOPS = ("sum", "max")
-OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "alltoall")
+from agents.collectives.ops import DTYPES, REDOPS, buffer_counts
 
 _STORAGE: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
@@ -153,24 +151,6 @@ def reduce_into(redop: str, dtype: str, acc: np.ndarray, incoming: np.ndarray) -
         op(acc, incoming, out=acc)
         return
     acc[...] = _from_f32(dtype, op(_to_f32(dtype, acc), _to_f32(dtype, incoming)))
-
-
-def buffer_counts(op: str, count: int, n: int) -> tuple[int, int]:
-    """(send, recv) element counts of one rank, nccl-tests' semantics for `count`.
-
-    allreduce, broadcast: count in, count out; reducescatter: count*n in, count out;
-    allgather: count in, count*n out; alltoall: count*n both (count per peer).
-    """
-    _check("op", op, OPS)
-    if count < 0 or n < 1:
-        raise ValueError(f"count {count} and n {n}: need count >= 0, n >= 1")
-    if op == "reducescatter":
-        return count * n, count
-    if op == "allgather":
-        return count, count * n
-    if op == "alltoall":
-        return count * n, count * n
-    return count, count
 
 
 _M64 = (1 << 64) - 1

@@ -28,6 +28,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from agents.collectives.ops import ALGORITHMS, BUS_FACTOR_FORMULA, ITEMSIZE, bus_factor, count_of
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, SizeBytes, Strict
 from testbed.workloads.base import (
@@ -58,16 +59,7 @@ from testbed.workloads.rdma import (
 
 CollectiveKindName = Literal["allreduce", "reducescatter", "allgather", "broadcast",
                              "alltoall"]
-#: the algorithms of each operation; the first is the default
-ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("ring", "rhd", "tree"),
-    "reducescatter": ("ring",),
-    "allgather": ("ring",),
-    "broadcast": ("ring",),
-    "alltoall": ("pairwise",),
-}
 REDUCING = ("allreduce", "reducescatter")
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}
 SETUP_PORT, ROCE_PORT = 12000, 10000          # TCP set-up, UDP RoCE of a host's first rank
 MAX_RANKS_PER_HOST = 2000
 # A worker imports numpy, connects to every peer and builds its buffers before t0.
@@ -168,24 +160,6 @@ class CollectiveTraffic(TrafficEntry):
         return self.cc_preset or DEFAULT_CC_PRESETS.get(self.cc)
 
 
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factor of an operation over n ranks."""
-    if n <= 1:
-        return 1.0 if op == "broadcast" else 0.0
-    return {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(op, (n - 1) / n)
-
-
-BUS_FACTOR_FORMULA = {"allreduce": "2(n-1)/n", "reducescatter": "(n-1)/n",
-                      "allgather": "(n-1)/n", "alltoall": "(n-1)/n", "broadcast": "1"}
-
-
-def elements(op: str, size_bytes: int, n: int, dtype: str) -> int:
-    """nccl-tests' count for a size: elements per rank's smaller buffer (per peer for
-    all-to-all), so that size = count x element bytes (x n where the buffer is n-fold)."""
-    per = size_bytes // DTYPE_BYTES[dtype]
-    return per // n if op in ("reducescatter", "allgather", "alltoall") else per
-
-
 class CollectiveKind(WorkloadKind):
     shapes: ClassVar = {name: Shape.GROUP for name in ALGORITHMS}
     model: ClassVar = CollectiveTraffic
@@ -245,7 +219,7 @@ class CollectiveKind(WorkloadKind):
         if t.cc != "none" and tclass is not None and not tclass.ecn:
             yield (loc + ("tclass",), f"class {tclass.name!r} (TC{tclass.tc}) does not mark "
                    f"ECN, so {t.cc.upper()} never gets a CNP; use an ECN class or cc: none")
-        n, unit = len(t.ranks), DTYPE_BYTES[t.dtype]
+        n, unit = len(t.ranks), ITEMSIZE[t.dtype]
         step = unit * (n if t.kind in ("reducescatter", "allgather", "alltoall") else 1)
         if t.sizes.min_bytes < step:
             yield (loc + ("sizes", "min"), f"{t.sizes.min_bytes} B holds no element per rank: "
@@ -404,7 +378,7 @@ def _size_row(kind: str, first: dict, size: int, per_rank_rows: list[dict], n: i
         errors = [f"{n - len(per_rank_rows)} of {n} ranks reported no result for {size} B"]
     return {
         "operation": kind, "algorithm": first.get("algorithm"), "ranks": n,
-        "bytes": size, "count": elements(kind, size, n, dtype), "dtype": dtype,
+        "bytes": size, "count": count_of(kind, size, n, dtype), "dtype": dtype,
         "redop": first.get("redop", "sum") if kind in REDUCING else "none",
         "root": int(first.get("root", 0)) if kind == "broadcast" else -1,
         "time_us": round(time_us, 3), "algbw_gbps": round(algbw, 4),

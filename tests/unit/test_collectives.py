@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from agents.collectives import algorithms, data
+from agents.collectives import algorithms, data, ops
 from agents.collectives.algorithms import ALGORITHMS, btree, dtree
 from agents.collectives.loopback import (
     BufferReuseError,
@@ -204,12 +204,12 @@ def test_other_ops_send_what_their_bus_factor_says(op: str, alg: str, n: int) ->
     """Every rank moves bus_factor * size bytes, except broadcast's chain, whose last
     rank sends nothing (the n-1 links carry the buffer once each)."""
     world = _traffic(op, alg, n, 2)
-    size = algorithms.size_bytes(op, COUNT, n, "float32")
+    size = ops.size_bytes(op, COUNT, n, "float32")
     if op == "broadcast":
         last = (1 % n - 1) % n
         assert world.bytes_sent == [0 if r == last else size for r in range(n)]
     else:
-        assert world.bytes_sent == [round(algorithms.bus_factor(op, n) * size)] * n
+        assert world.bytes_sent == [round(ops.bus_factor(op, n) * size)] * n
 
 
 # -- broken schedules are caught -----------------------------------------------------
@@ -562,17 +562,17 @@ def _height(links: list[algorithms.TreeLinks], r: int) -> int:
 
 
 def test_sizes_and_bandwidths_follow_nccl_tests() -> None:
-    assert algorithms.size_bytes("allreduce", 1000, 8, "float32") == 4000
-    assert algorithms.size_bytes("broadcast", 1000, 8, "bfloat16") == 2000
+    assert ops.size_bytes("allreduce", 1000, 8, "float32") == 4000
+    assert ops.size_bytes("broadcast", 1000, 8, "bfloat16") == 2000
     for op in ("reducescatter", "allgather", "alltoall"):
-        assert algorithms.size_bytes(op, 1000, 8, "float32") == 32000
-    assert algorithms.bus_factor("allreduce", 8) == 2 * 7 / 8
-    assert algorithms.bus_factor("broadcast", 8) == 1
-    assert algorithms.bus_factor("allgather", 8) == 7 / 8
-    assert algorithms.algbw("allgather", 1000, 8, "float32", 2.0) == 16000
-    assert algorithms.busbw("allgather", 1000, 8, "float32", 2.0) == 14000
+        assert ops.size_bytes(op, 1000, 8, "float32") == 32000
+    assert ops.bus_factor("allreduce", 8) == 2 * 7 / 8
+    assert ops.bus_factor("broadcast", 8) == 1
+    assert ops.bus_factor("allgather", 8) == 7 / 8
+    assert ops.algbw("allgather", 1000, 8, "float32", 2.0) == 16000
+    assert ops.busbw("allgather", 1000, 8, "float32", 2.0) == 14000
     with pytest.raises(ValueError):
-        algorithms.algbw("allreduce", 1, 2, "float32", 0)
+        ops.algbw("allreduce", 1, 2, "float32", 0)
 
 
 @pytest.mark.parametrize(("op", "alg", "n", "phases"), [

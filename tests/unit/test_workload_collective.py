@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from agents.collectives.ops import bus_factor, count_of
 from testbed.config import ConfigError, load_config_text
 from testbed.plan import compile_plan
 from testbed.run.workload import expand_workload, run_view, workload_span_ns
-from testbed.workloads.collective import KIND, bus_factor, elements
+from testbed.workloads.collective import KIND
 from testbed.workloads.collective_nccl import iteration_stats, percentile_index
 
 FABRIC = """\
@@ -77,9 +78,9 @@ def test_bad_collective_entries_are_named() -> None:
 
 
 def test_nccl_tests_counts_and_bus_factors() -> None:
-    assert elements("allreduce", 1 << 20, 8, "float32") == 1 << 18
-    assert elements("allgather", 1 << 20, 8, "float32") == 1 << 15      # per rank
-    assert elements("alltoall", 1 << 20, 8, "float16") == 1 << 16       # per peer
+    assert count_of("allreduce", 1 << 20, 8, "float32") == 1 << 18
+    assert count_of("allgather", 1 << 20, 8, "float32") == 1 << 15      # per rank
+    assert count_of("alltoall", 1 << 20, 8, "float16") == 1 << 16       # per peer
     assert bus_factor("allreduce", 8) == pytest.approx(1.75)
     assert bus_factor("allgather", 8) == bus_factor("alltoall", 8) == pytest.approx(0.875)
     assert bus_factor("broadcast", 8) == 1.0
