@@ -3,6 +3,7 @@ reason, and the scapy layer (tests/ina_scapy.py) reading what build() writes."""
 
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
@@ -11,9 +12,11 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import raw
 
+from agents.wire import ina
 from agents.wire.ina import (
     AGGREGATOR,
     EXP_NONE,
+    HEADER,
     HEADER_BYTES,
     INA_UDP_PORT,
     MAX_ELEMENTS,
@@ -26,6 +29,7 @@ from agents.wire.ina import (
     parse,
     slot_of,
 )
+from tests.conftest import REPO
 from tests.ina_scapy import INA, bind_port
 
 REQ = Header(PacketType.REQUEST, job=7, chunk=70001, slot=17, gen=1, sender=3, exponent=-29,
@@ -192,3 +196,41 @@ def test_scapy_finds_the_layer_on_the_aggregator_port_both_ways():
     assert not other.haslayer(INA)
     bind_port(49001)
     assert Ether(raw(Ether() / IP() / UDP(sport=1, dport=49001) / payload)).haslayer(INA)
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def _doc_rows() -> list[tuple[int, int, str]]:
+    """(offset, size, field) of docs/ina.md's packet table, payload excluded."""
+    text = (REPO / "docs" / "ina.md").read_text()
+    section = text[text.index("## The packet"):text.index("## The aggregator")]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("|") and cells[0].isdigit() and cells[2] != "payload":
+            rows.append((int(cells[0]), int(cells[1]), cells[2]))
+    return rows
+
+
+def test_docs_packet_table_is_the_struct():
+    sizes = [struct.calcsize("!" + f) for f in HEADER.format.lstrip("!")]
+    rows = _doc_rows()
+    assert [size for _, size, _ in rows] == sizes
+    assert [off for off, _, _ in rows] == [sum(sizes[:i]) for i in range(len(sizes))]
+    names = [name for _, _, name in rows]
+    assert names == ["magic", "version", "type", "job", "chunk", "slot", "flags", "reserved",
+                     "sender", "elements", "exponent", "next_exp", "bitmap"]
+    doc = ina.__doc__ or ""
+    for off, size, name in rows:        # the module docstring's table says the same
+        assert re.search(rf"^\s+{off}\s+{size}\s+{name}\s", doc, re.M), name
+
+
+def test_docs_name_every_reason():
+    from agents.aggregator.logic import DropReason
+
+    text = (REPO / "docs" / "ina.md").read_text()
+    for r in MalformedReason:
+        assert f"`{r.name}`" in text, r.name
+    for d in DropReason:
+        assert f"`{d.value}`" in text, d.value
