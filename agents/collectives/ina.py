@@ -428,7 +428,7 @@ def open_socket(bind_ip: str, port: int = 0, dscp: int = DEFAULT_DSCP, ecn: str 
     return sock
 
 
-def allreduce_ina(port: socket.socket | DatagramPort, aggregator_addr: Addr, job: InaJob,
+def allreduce_ina(sock: socket.socket | DatagramPort, aggregator_addr: Addr, job: InaJob,
                   worker_id: int, sendbuf: np.ndarray, recvbuf: np.ndarray, *,
                   dilation: Dilation, timeout_ns: float = DEFAULT_TIMEOUT_NS,
                   chunk_base: int = 0, max_retries: int = DEFAULT_MAX_RETRIES,
@@ -436,10 +436,11 @@ def allreduce_ina(port: socket.socket | DatagramPort, aggregator_addr: Addr, job
                   wall_ns: Callable[[], int] = time.monotonic_ns) -> WorkerCounters:
     """Sum `sendbuf` over the job's workers into `recvbuf` through the aggregator at
     `aggregator_addr`; returns the counters (`next_chunk_base` is the next call's
-    `chunk_base`). `port` is a bound UDP socket (its timeouts are set here) or a
-    DatagramPort. `timeout_ns` is fabric time; `dilation` turns it into wall time.
-    Raises InaError when a chunk stays unanswered or `life` asks to stop."""
-    io: DatagramPort = UdpPort(port, life) if isinstance(port, socket.socket) else port
+    `chunk_base`). `sock` is a bound UDP socket (its timeouts are set here; see
+    `open_socket`) or any DatagramPort. `timeout_ns` is fabric time; `dilation` turns
+    it into wall time. Raises InaError when a chunk stays unanswered or `life` asks to
+    stop."""
+    io: DatagramPort = UdpPort(sock, life) if isinstance(sock, socket.socket) else sock
     clock = FabricClock(dilation, wall_ns)
     if not (sendbuf.flags.c_contiguous and recvbuf.flags.c_contiguous):
         raise ValueError("sendbuf and recvbuf must be contiguous")

@@ -50,6 +50,8 @@ from agents.wire import BytesLike
 
 __all__ = [
     "AGGREGATOR",
+    "DEFAULT_SLOTS",
+    "DEFAULT_SLOT_ELEMENTS",
     "EXP_NONE",
     "HEADER",
     "HEADER_BYTES",
@@ -72,6 +74,11 @@ __all__ = [
 #: The aggregator's default UDP port: outside the UDP workload's 20000-29999 and RoCE's
 #: 4791 + n / 18515 + n.
 INA_UDP_PORT = 48000
+#: A job's pool when nothing else is said: 32 slots x 2048 elements (8 KiB + 32 bytes of
+#: header, one jumbo frame) keeps 256 KiB per worker in flight, more than a 100 Gb/s
+#: link's round trip holds. Workers and the aggregator's --jobs must agree.
+DEFAULT_SLOTS = 32
+DEFAULT_SLOT_ELEMENTS = 2048
 MAGIC = 0x494E
 VERSION = 1
 HEADER = struct.Struct("!HBBIIHBBHHhhQ")

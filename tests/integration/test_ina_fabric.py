@@ -23,6 +23,7 @@ import pytest
 from agents.collectives.ina import exponent_proposal, result_bound
 from agents.runtime.control import read_snapshot
 from agents.timebase import Dilation
+from agents.wire.ina import DEFAULT_SLOT_ELEMENTS, DEFAULT_SLOTS
 from testbed.config import load_config_text
 from testbed.net import apply_plan, destroy_lab
 from testbed.net.counters import read_counters
@@ -37,8 +38,8 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 D = 1000
 MIB = 1 << 20
 N = 3
-SLOTS = 32
-ELEMENTS = 2048                 # 8 KiB of payload + 32 header bytes: one jumbo frame
+SLOTS = DEFAULT_SLOTS           # 32
+ELEMENTS = DEFAULT_SLOT_ELEMENTS  # 2048: 8 KiB of payload + 32 header bytes, one jumbo frame
 WORKER_PORT = 47000
 AGG_PORT = 48000
 ROCE_TC = 3
