@@ -11,7 +11,8 @@
 - `agents.runtime.sockets`: TOS, timeouts, buffer sizes, retried sends;
 - `agents.runtime.waiting`: sleep, then spin, until a wall-clock moment.
 
-An agent (`agents.udp`, `agents.pfc`, `agents.roce`) may import this package,
+An agent (`agents.udp`, `agents.pfc`, `agents.roce`, `agents.aggregator`,
+`agents.collectives`) may import this package,
 `agents.wire`, `agents.timebase` and `agents.portmaps`, never another agent
 (tests/unit/test_agent_imports.py holds them to it).
 """

@@ -1,5 +1,6 @@
 """Wire formats shared by agents and tests: RoCEv2 packets (`roce`) and their ICRC
-(`icrc`), PFC frames (`pfc`), netlink attributes (`netlink`)."""
+(`icrc`), PFC frames (`pfc`), in-network aggregation packets (`ina`), netlink
+attributes (`netlink`)."""
 
 from typing import TypeAlias
 

@@ -1,10 +1,11 @@
 """No agent imports another agent's module.
 
-The agents (agents/udp, agents/pfc, agents/roce) share code only through the
-shared packages (agents.runtime, agents.wire, agents.timebase,
-agents.portmaps), so each can change without breaking the others. Imports are
-read with `ast` (module level and inside functions, absolute and relative),
-nothing is imported.
+The agents (agents/udp, agents/pfc, agents/roce, agents/aggregator,
+agents/collectives) share code only through the shared packages (agents.runtime,
+agents.wire, agents.timebase, agents.portmaps), so each can change without breaking
+the others: the in-network aggregator and its workers share agents.wire.ina, not each
+other's modules. Imports are read with `ast` (module level and inside functions,
+absolute and relative), nothing is imported.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from tests.conftest import REPO
 
-AGENTS = frozenset({"udp", "pfc", "roce"})
+AGENTS = frozenset({"udp", "pfc", "roce", "aggregator", "collectives"})
 AGENTS_DIR = REPO / "agents"
 
 
@@ -103,6 +104,9 @@ def test_shared_packages_import_no_agent():
     ("pfc/__main__.py", "from ..udp.logic import pause_step\n"),
     ("udp/__main__.py", "from agents.roce import cc\n"),
     ("runtime/lifecycle.py", "from agents.udp.logic import Pacer\n"),
+    ("collectives/ina.py", "from agents.aggregator.logic import Aggregator\n"),
+    ("aggregator/__main__.py", "from agents.collectives import ina\n"),
+    ("wire/ina.py", "import agents.aggregator\n"),
 ])
 def test_a_cross_agent_import_is_caught(rel, source):
     assert violations(Path(rel), source)
@@ -113,6 +117,7 @@ def test_a_cross_agent_import_is_caught(rel, source):
     ("roce/perftest.py", "from agents.roce.cc import PRESETS\nfrom . import qp\n"),
     ("pfc/__main__.py", "from agents import portmaps, timebase\nfrom agents.wire import pfc\n"),
     ("udp/__main__.py", "from .logic import Pacer\nimport agents.udp.logic\n"),
+    ("collectives/ina.py", "from agents.wire.ina import build\nfrom agents.runtime import x\n"),
 ])
 def test_allowed_imports_pass(rel, source):
     assert violations(Path(rel), source) == []
