@@ -20,6 +20,19 @@ def host_addresses(plan: Plan, host: str) -> set[str]:
     return {i.address.split("/")[0] for i in plan.node(host).interfaces}
 
 
+def link_address(plan: Plan, node: str, peer: str) -> str | None:
+    """`node`'s address on its (first) link to `peer`, or None if they are not linked."""
+    for iface in plan.node(node).interfaces:
+        if iface.peer.node == peer:
+            return iface.address.split("/")[0]
+    return None
+
+
+def neighbours(plan: Plan, node: str) -> list[str]:
+    """The nodes `node` has a link to, in interface order, each once."""
+    return list(dict.fromkeys(i.peer.node for i in plan.node(node).interfaces))
+
+
 def line_rate_bps(plan: Plan, host: str) -> int:
     """A host's first NIC's egress rate (what its agents pace against), fabric bit/s."""
     return plan.node(host).interfaces[0].egress.rate_bps

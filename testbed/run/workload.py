@@ -14,7 +14,14 @@ from pathlib import Path
 
 from testbed.config.models import Fabric, TrafficClass
 from testbed.plan.model import Plan
-from testbed.plan.paths import host_address, host_addresses, line_rate_bps, longest_round_trip_ns
+from testbed.plan.paths import (
+    host_address,
+    host_addresses,
+    line_rate_bps,
+    link_address,
+    longest_round_trip_ns,
+    neighbours,
+)
 from testbed.workloads.base import AgentSpec, ExpandContext, Results, RunView, WorkloadKind
 from testbed.workloads.registry import REGISTRY
 
@@ -64,7 +71,10 @@ def expand_context(fabric: Fabric, plan: Plan) -> ExpandContext:
         dscp=lambda tclass: dscp_of(fabric, tclass),
         tc=lambda tclass: traffic_class(fabric, tclass).tc,
         cnp_dscp=cnp_dscp_of(fabric),
-        round_trip_ns=_memo(lambda tc: longest_round_trip_ns(plan, tc)))
+        round_trip_ns=_memo(lambda tc: longest_round_trip_ns(plan, tc)),
+        neighbours=lambda node: neighbours(plan, node),
+        link_address=lambda node, peer: link_address(plan, node, peer),
+        role=lambda node: plan.node(node).role)
 
 
 def expand_workload(fabric: Fabric, plan: Plan) -> list[AgentSpec]:

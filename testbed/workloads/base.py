@@ -152,6 +152,10 @@ class ExpandContext:
     cnp_dscp: int | None                         # the `cnp` class's DSCP, if any
     round_trip_ns: Callable[[int], Fraction]     # longest host-to-host RTT of a class,
     #                                              every queue on the way full
+    neighbours: Callable[[str], list[str]] = lambda node: []   # nodes linked to a node
+    link_address: Callable[[str, str], str | None] = lambda node, peer: None  # node's
+    #                                              address on its link to peer
+    role: Callable[[str], str] = lambda node: "host"           # "host" or "switch"
     _state: dict[str, dict] = field(default_factory=dict)
 
     def state(self, owner: str) -> dict:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -61,7 +62,8 @@ CollectiveKindName = Literal["allreduce", "reducescatter", "allgather", "broadca
                              "alltoall"]
 REDUCING = ("allreduce", "reducescatter")
 SETUP_PORT, ROCE_PORT = 12000, 10000          # TCP set-up, UDP RoCE of a host's first rank
-MAX_RANKS_PER_HOST = 2000
+AGGREGATOR_PORT = 11000                       # UDP of a switch's first aggregator
+MAX_RANKS_PER_HOST = 1000
 # A worker imports numpy, connects to every peer and builds its buffers before t0.
 STARTUP_PER_RANK_S = 0.3
 # RETH 16 B once per WRITE, BTH 12 + ICRC 4 per packet (besides WIRE_OVERHEAD_BYTES).
@@ -94,6 +96,17 @@ class Sizes(Strict):
         return out
 
 
+class InaSettings(Strict):
+    """The in-network all-reduce's switch resources (algorithm: ina)."""
+
+    slots: int = Field(32, ge=1, le=4096, description="aggregation slots per job and switch "
+                       "(SwitchML's pool): chunks in flight per worker")
+    slot_elements: int = Field(2048, ge=1, le=16384, description="int32 elements per slot "
+                               "(one packet's payload; 2048 = 8 KiB)")
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class CollectiveTraffic(TrafficEntry):
     """A collective over a communicator: one rank per host, swept over message sizes.
 
@@ -110,8 +123,9 @@ class CollectiveTraffic(TrafficEntry):
                                          "ranks[i], one rank per host")
     algorithm: str | None = Field(
         None, description="allreduce: ring (reduce-scatter + all-gather), rhd (recursive "
-                          "halving-doubling) or tree (double binary tree); the other "
-                          "operations have one each (default: the operation's first)")
+                          "halving-doubling), tree (double binary tree) or ina (in-network: "
+                          "switch aggregators, a SHARP-like tree); the other operations "
+                          "have one each (default: the operation's first)")
     sizes: Sizes = Field(default_factory=Sizes, description="the message sizes swept")
     dtype: Literal["float32", "float16", "bfloat16", "int32"] = Field(
         "float32", description="element type of the buffers")
@@ -135,6 +149,9 @@ class CollectiveTraffic(TrafficEntry):
         "auto", alias="window", description="most unacknowledged packets per QP, or auto "
                                             "(as RoCE entries: docs/roce.md)")
     seed: int = Field(1, ge=0, description="seed of the ranks' input data")
+    ina: InaSettings = Field(default_factory=InaSettings, description="algorithm ina: the "
+                             "aggregators' slot pools (an aggregator runs on each rank's "
+                             "leaf switch, and on a spine joined to every leaf as the root)")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -204,7 +221,7 @@ class CollectiveKind(WorkloadKind):
     def check(self, entry: TrafficEntry, loc: tuple, ctx: CheckContext) -> Iterator[Problem]:
         assert isinstance(entry, CollectiveTraffic)
         t = entry
-        allowed = ALGORITHMS[t.kind]
+        allowed = ALGORITHMS[t.kind] + (("ina",) if t.kind == "allreduce" else ())
         if t.algorithm is not None and t.algorithm not in allowed:
             yield (loc + ("algorithm",), f"{t.algorithm!r} is not a {t.kind} algorithm; use "
                    f"{' or '.join(allowed)}")
@@ -228,6 +245,7 @@ class CollectiveKind(WorkloadKind):
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         assert isinstance(entry, CollectiveTraffic)
         t = entry
+        aggregators = ina_plan(t, index, ctx) if t.op_algorithm == "ina" else None
         per_host = ctx.state("collective")       # host -> ranks on it so far
         ports = []
         for host in t.ranks:
@@ -259,11 +277,13 @@ class CollectiveKind(WorkloadKind):
                     "--dilation", str(ctx.dilation),
                     "--connect-timeout-s", str(ROCE_CONNECT_TIMEOUT_S),
                     "--spin-ns", str(ROCE_SPIN_NS)]
+            if aggregators is not None:
+                argv += aggregators.worker_argv(rank, host)
             specs.append(AgentSpec(name=f"{t.name}-r{rank}", node=host, role="sender",
                                    traffic=t.name, kind=t.kind, argv=argv,
                                    module=self.agent_module, start_ns=t.start_ns,
                                    src=host, dst=host))
-        return specs
+        return (aggregators.specs if aggregators is not None else []) + specs
 
     def span_ns(self, entry: TrafficEntry, ctx: ExpandContext | None) -> int:
         """No schedule: the time the busiest rank needs at line rate for every size and
@@ -282,6 +302,9 @@ class CollectiveKind(WorkloadKind):
 
     def startup_wall_s(self, spec: AgentSpec) -> float:
         return STARTUP_PER_RANK_S
+
+    def waits_ready(self, spec: AgentSpec) -> bool:
+        return spec.module == AGGREGATOR_MODULE     # workers send to it from their start
 
     def files_argv(self, spec: AgentSpec, files: AgentFiles) -> list[str]:
         return ["--ready-file", str(files.ready), "--out", str(files.out)]
@@ -344,6 +367,91 @@ class CollectiveKind(WorkloadKind):
             out[f"{traffic}.nccl.json"] = json.dumps(
                 json_report(traffic, mine, header, argv), indent=2) + "\n"
         return out
+
+
+AGGREGATOR_MODULE = "agents.aggregator"
+
+
+@dataclass
+class InaPlan:
+    """An in-network all-reduce's aggregators: one per leaf switch of the ranks' hosts,
+    under a root on a switch linked to every leaf (one switch: it is leaf and root)."""
+
+    job_id: int
+    slots: int
+    slot_elements: int
+    leaf_of: dict[str, str]                 # host -> its leaf switch
+    address: dict[tuple[str, str], str]     # (switch, host) -> the switch's address there
+    port: dict[str, int]                    # switch -> its aggregator's UDP port
+    specs: list[AgentSpec] = field(default_factory=list)
+
+    def worker_argv(self, rank: int, host: str) -> list[str]:
+        leaf = self.leaf_of[host]
+        return ["--aggregator", f"{self.address[(leaf, host)]}:{self.port[leaf]}",
+                "--job-id", str(self.job_id), "--worker-id", str(rank),
+                "--ina-slots", str(self.slots), "--ina-slot-elements", str(self.slot_elements)]
+
+
+def _leaf_switch(ctx: ExpandContext, host: str) -> str:
+    switches = [n for n in ctx.neighbours(host) if ctx.role(n) == "switch"]
+    if not switches:
+        raise ValueError(f"in-network all-reduce: host {host} is not linked to a switch")
+    return switches[0]
+
+
+def ina_plan(t: CollectiveTraffic, index: int, ctx: ExpandContext) -> InaPlan:
+    """Place the aggregators of entry `index` (job id index + 1) and build their argv."""
+    leaf_of = {h: _leaf_switch(ctx, h) for h in t.ranks}
+    leaves = list(dict.fromkeys(leaf_of.values()))
+    if len(leaves) == 1:
+        root = leaves[0]
+    else:
+        common = [s for s in ctx.neighbours(leaves[0]) if ctx.role(s) == "switch"
+                  and all(s in ctx.neighbours(leaf) for leaf in leaves[1:])]
+        if not common:
+            raise ValueError(f"in-network all-reduce {t.name!r}: no switch is linked to every "
+                             f"leaf of its ranks ({', '.join(leaves)}), so there is no root "
+                             "for the aggregation tree")
+        root = common[0]
+    per_switch = ctx.state("aggregators")
+    port = {}
+    for switch in dict.fromkeys([*leaves, root]):
+        n = per_switch.get(switch, 0)
+        per_switch[switch] = n + 1
+        port[switch] = AGGREGATOR_PORT + n
+    address = {(leaf_of[h], h): ctx.link_address(leaf_of[h], h) or "" for h in t.ranks}
+    plan = InaPlan(job_id=index + 1, slots=t.ina.slots, slot_elements=t.ina.slot_elements,
+                   leaf_of=leaf_of, address=address, port=port)
+    for leaf_id, leaf in enumerate(leaves):
+        members = [[r, ctx.address(h), ROCE_PORT] for r, h in enumerate(t.ranks)
+                   if leaf_of[h] == leaf]
+        job: dict[str, object] = {"id": plan.job_id, "members": members, "slots": t.ina.slots,
+                                  "slot_elements": t.ina.slot_elements}
+        parent: list[str] = []
+        if leaf != root:
+            job["uplink_id"] = leaf_id
+            parent = ["--parent", f"{ctx.link_address(root, leaf)}:{port[root]}"]
+        plan.specs.append(_aggregator_spec(t, leaf, port[leaf], [job], parent, ctx))
+    if root not in leaves:
+        children = [[i, ctx.link_address(leaf, root), port[leaf]]
+                    for i, leaf in enumerate(leaves)]
+        job = {"id": plan.job_id, "members": [], "children": children, "slots": t.ina.slots,
+               "slot_elements": t.ina.slot_elements}
+        plan.specs.append(_aggregator_spec(t, root, port[root], [job], [], ctx))
+    return plan
+
+
+def _aggregator_spec(t: CollectiveTraffic, switch: str, port: int, jobs: list[dict],
+                     parent: list[str], ctx: ExpandContext) -> AgentSpec:
+    # Bound to every address of the switch: workers reach it on their own link's address
+    # and a tree's leaves on theirs, and what it sends leaves with the address of the link
+    # it goes out of, which is the one the receiver knows it by.
+    return AgentSpec(name=f"{t.name}-agg-{switch}", node=switch, role="receiver",
+                     traffic=t.name, kind=t.kind, module=AGGREGATOR_MODULE,
+                     argv=["--bind", "0.0.0.0", "--port", str(port),
+                           "--jobs", json.dumps(jobs, separators=(",", ":")),
+                           "--dilation", str(ctx.dilation), "--dscp", str(ctx.dscp(t.tclass)),
+                           *parent])
 
 
 def _arg(argv: Sequence[str], flag: str) -> str:
