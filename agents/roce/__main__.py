@@ -37,13 +37,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agents.roce.cc import (
+from agents.rdma.cc import (
     CC_KINDS,
     DCQCN_PRESET_NAMES,
     DCTCP_PRESET_NAMES,
     DEFAULT_DCQCN_PRESET,
     DEFAULT_DCTCP_PRESET,
 )
+from agents.rdma.qp import IB_MTUS, QpAttrs
+from agents.rdma.transport import CNP_DSCP, DEFAULT_DSCP, NIC_SNDBUF_BYTES, SPIN_NS, Stopped
 from agents.roce.perftest import (
     DEFAULT_CONTROL_PORT,
     TESTS,
@@ -54,8 +56,6 @@ from agents.roce.perftest import (
     run_client,
     run_server,
 )
-from agents.roce.qp import IB_MTUS, QpAttrs
-from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, NIC_SNDBUF_BYTES, SPIN_NS, Stopped
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agents.roce.cc import (
+from agents.rdma.cc import (
     DCTCP_PRESETS,
     DEFAULT_DCQCN_PRESET,
     DEFAULT_DCTCP_PRESET,
@@ -45,8 +45,8 @@ from agents.roce.cc import (
     effective_params,
     make_cc,
 )
-from agents.roce.qp import MemoryRegion, QpAttrs, RcQp, WcStatus
-from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
+from agents.rdma.qp import MemoryRegion, QpAttrs, RcQp, WcStatus
+from agents.rdma.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready

@@ -12,6 +12,6 @@
 - `agents.runtime.waiting`: sleep, then spin, until a wall-clock moment.
 
 An agent (`agents.udp`, `agents.pfc`, `agents.roce`) may import this package,
-`agents.wire`, `agents.timebase` and `agents.portmaps`, never another agent
+`agents.rdma`, `agents.wire`, `agents.timebase` and `agents.portmaps`, never another agent
 (tests/unit/test_agent_imports.py holds them to it).
 """

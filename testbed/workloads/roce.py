@@ -24,7 +24,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
-from agents.roce.cc import DCQCN_PRESET_NAMES, DCTCP_PRESET_NAMES
+from agents.rdma.cc import DCQCN_PRESET_NAMES, DCTCP_PRESET_NAMES
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, SizeBytes
 from testbed.units import format_rate
@@ -49,7 +49,7 @@ from testbed.workloads.base import (
 from testbed.workloads.roce_params import DcqcnCcParams, DctcpCcParams, validate_cc_params
 
 RoceKindName = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
-# agents.roce.qp.MAX_WINDOW_PACKETS: the most unacknowledged packets a QP may have.
+# agents.rdma.qp.MAX_WINDOW_PACKETS: the most unacknowledged packets a QP may have.
 MAX_ROCE_WINDOW_PACKETS = 1 << 22
 ROCE_SETUP_PORT = 18515     # TCP, perftest's default port
 ROCE_UDP_PORT = 4791        # RoCEv2
@@ -78,7 +78,7 @@ ROCE_MAX_MESSAGE_BYTES = (1 << 31) - 1
 # wire overhead.
 RETH_BYTES, BTH_ICRC_BYTES = 16, 12 + 4
 
-# The agents' preset tables name the presets (agents.roce.cc, standard library only, so the
+# The agents' preset tables name the presets (agents.rdma.cc, standard library only, so the
 # config imports it cheaply); RoceKind.check pairs a preset with its `cc`.
 PRESETS_OF_CC = {"dcqcn": DCQCN_PRESET_NAMES, "dctcp": DCTCP_PRESET_NAMES}
 CC_PRESET_NAMES = tuple(dict.fromkeys(n for names in PRESETS_OF_CC.values() for n in names))

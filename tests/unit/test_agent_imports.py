@@ -1,7 +1,7 @@
 """No agent imports another agent's module.
 
 The agents (agents/udp, agents/pfc, agents/roce) share code only through the
-shared packages (agents.runtime, agents.wire, agents.timebase,
+shared packages (agents.runtime, agents.rdma, agents.wire, agents.timebase,
 agents.portmaps), so each can change without breaking the others. Imports are
 read with `ast` (module level and inside functions, absolute and relative),
 nothing is imported.
@@ -85,7 +85,7 @@ def test_every_agent_is_found():
 
 def test_no_agent_imports_another_agent():
     bad = [v for rel, src in _sources() if _owner(rel) in AGENTS for v in violations(rel, src)]
-    assert not bad, ("agents share code through agents.runtime / agents.wire / "
+    assert not bad, ("agents share code through agents.runtime / agents.rdma / agents.wire / "
                      "agents.timebase / agents.portmaps, not by importing each other:\n"
                      + "\n".join(bad))
 
@@ -101,7 +101,7 @@ def test_shared_packages_import_no_agent():
     ("roce/perftest.py", "import agents.pfc.logic\n"),
     ("pfc/__main__.py", "def f():\n    from agents import roce\n"),
     ("pfc/__main__.py", "from ..udp.logic import pause_step\n"),
-    ("udp/__main__.py", "from agents.roce import cc\n"),
+    ("udp/__main__.py", "from agents.roce import perftest\n"),
     ("runtime/lifecycle.py", "from agents.udp.logic import Pacer\n"),
 ])
 def test_a_cross_agent_import_is_caught(rel, source):
@@ -110,7 +110,8 @@ def test_a_cross_agent_import_is_caught(rel, source):
 
 @pytest.mark.parametrize("rel, source", [
     ("roce/perftest.py", "from agents.runtime.lifecycle import Lifecycle\n"),
-    ("roce/perftest.py", "from agents.roce.cc import PRESETS\nfrom . import qp\n"),
+    ("roce/__main__.py", "from agents.rdma.cc import PRESETS\nfrom . import perftest\n"),
+    ("roce/perftest.py", "from agents.rdma.qp import RcQp\nfrom agents.rdma import transport\n"),
     ("pfc/__main__.py", "from agents import portmaps, timebase\nfrom agents.wire import pfc\n"),
     ("udp/__main__.py", "from .logic import Pacer\nimport agents.udp.logic\n"),
 ])

@@ -12,8 +12,8 @@ from fractions import Fraction as Fr
 
 import pytest
 
+from agents.rdma.cc import DCQCN_TUNABLE, DCTCP_PRESETS, DCTCP_TUNABLE, PRESETS
 from agents.roce import __main__ as roce_main
-from agents.roce.cc import DCQCN_TUNABLE, DCTCP_PRESETS, DCTCP_TUNABLE, PRESETS
 from agents.roce.perftest import cc_params, cc_settings, flat_counters, make_np
 from testbed.config import ConfigError, load_config_text
 from testbed.plan import compile_plan
