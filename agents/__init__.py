@@ -4,7 +4,8 @@ The agents, each a package run as `python -m agents.<name>`:
 
 - `agents.udp`: paced UDP sender, counting receiver, echo server and ping;
 - `agents.pfc`: a node's 802.1Qbb PFC, sending pauses and obeying them;
-- `agents.roce`: perftest-style tests over a user-space RoCEv2 RC transport.
+- `agents.roce`: perftest-style tests over a user-space RoCEv2 RC transport;
+- `agents.collectives`: one rank of a collective benchmark (all-reduce, ...) over it.
 
 What they share lives in packages of its own, never in another agent (no agent
 imports another: tests/unit/test_agent_imports.py): `agents.runtime` (lifecycle,

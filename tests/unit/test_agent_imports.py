@@ -1,8 +1,8 @@
 """No agent imports another agent's module.
 
-The agents (agents/udp, agents/pfc, agents/roce) share code only through the
-shared packages (agents.runtime, agents.rdma, agents.wire, agents.timebase,
-agents.portmaps), so each can change without breaking the others. Imports are
+The agents (agents/udp, agents/pfc, agents/roce, agents/collectives) share code
+only through the shared packages (agents.runtime, agents.rdma, agents.wire,
+agents.timebase, agents.portmaps), so each can change without breaking the others. Imports are
 read with `ast` (module level and inside functions, absolute and relative),
 nothing is imported.
 """
@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REPO
 
-AGENTS = frozenset({"udp", "pfc", "roce"})
+AGENTS = frozenset({"udp", "pfc", "roce", "collectives"})
 AGENTS_DIR = REPO / "agents"
 
 
@@ -102,6 +102,7 @@ def test_shared_packages_import_no_agent():
     ("pfc/__main__.py", "def f():\n    from agents import roce\n"),
     ("pfc/__main__.py", "from ..udp.logic import pause_step\n"),
     ("udp/__main__.py", "from agents.roce import perftest\n"),
+    ("collectives/roce.py", "from agents.roce.perftest import ControlChannel\n"),
     ("runtime/lifecycle.py", "from agents.udp.logic import Pacer\n"),
 ])
 def test_a_cross_agent_import_is_caught(rel, source):
@@ -114,6 +115,7 @@ def test_a_cross_agent_import_is_caught(rel, source):
     ("roce/perftest.py", "from agents.rdma.qp import RcQp\nfrom agents.rdma import transport\n"),
     ("pfc/__main__.py", "from agents import portmaps, timebase\nfrom agents.wire import pfc\n"),
     ("udp/__main__.py", "from .logic import Pacer\nimport agents.udp.logic\n"),
+    ("collectives/__main__.py", "from agents.rdma import options\nfrom .roce import connect\n"),
 ])
 def test_allowed_imports_pass(rel, source):
     assert violations(Path(rel), source) == []
