@@ -289,6 +289,7 @@ def run(args: Namespace, life: Lifecycle, live: Live) -> None:
                     "rank": args.rank, "tcp_port": me.tcp_port, "udp_port": me.udp_port,
                     "pid": os.getpid()}))
     live.transport = t
+    left = "error"
     try:
         wait_until_mono(args.start_at_mono_ns, life)
         if life.should_stop():
@@ -296,8 +297,10 @@ def run(args: Namespace, life: Lifecycle, live: Live) -> None:
         live.phase = "running"
         Sweep(args, t, algorithms, data, live).run()
         finish(t)
-        live.phase = "done"
+        live.phase = left = "done"
     finally:
+        # the peers learn why we go: anything but "done" fails their run at once
+        t.leave(left if left == "done" else life.stop_reason or left)
         t.close()
 
 

@@ -35,6 +35,10 @@ and per QP its QPN and first PSN); the side that accepted attaches its QPs befor
 answers, the side that connected attaches them and then says so, so no data packet
 ever reaches a QP that is not there yet. Connecting retries until the set-up deadline.
 No rank waits for a lower one before answering a higher one, so there is no cycle.
+The set-up connections then stay open, idle: a rank that leaves says why (`leave`),
+and one that leaves other than by finishing ('done'), or dies (the connection closes),
+fails its peers' `recv` / `wait_sends` with a TransportError within LINK_CHECK_S,
+instead of leaving them waiting for data that will never come.
 
 Everything is fabric time (`agents.timebase.FabricClock`); the engine's waits are
 the only wall-clock conversion.
@@ -73,6 +77,8 @@ MAX_MESSAGE_BYTES = 0xFFFFFFFF
 PROTOCOL_VERSION = 1
 #: Most bytes of receive buffers per QP: a huge window must not pin gigabytes.
 MAX_RECV_BYTES_PER_QP = 64 << 20
+#: Wall seconds between two looks at the set-up connections (has a peer left?).
+LINK_CHECK_S = 0.1
 #: Datagrams an engine step drains per endpoint (agents.rdma.transport.RECV_BATCH): the
 #: most chunks that can land between two re-posts of the receive buffers.
 _LANDING_PER_STEP = 64
@@ -381,6 +387,10 @@ class RoceTransport:
         self._qps: list[_Qp] = []
         self._by_peer: list[list[_Qp]] = [[] for _ in peers]
         self._wr = 0
+        # the set-up connections stay open: a peer that goes away is seen (see check_links)
+        self._links: dict[int, socket.socket] = {}
+        self._said: dict[int, str] = {}            # peer -> the reason it gave for leaving
+        self._next_link_check = 0.0
 
     # -- the Transport protocol
 
@@ -423,6 +433,8 @@ class RoceTransport:
         while not done():
             if self._should_stop():
                 raise Stopped()
+            if time.monotonic() >= self._next_link_check:
+                self.check_links()
             busy = engine.step()
             if self.reap():
                 continue
@@ -490,7 +502,54 @@ class RoceTransport:
             self._by_peer[peer].append(entry)
         self.engine.refresh()
 
+    def add_link(self, peer: int, sock: socket.socket) -> None:
+        """Keep `peer`'s set-up connection: it says when the peer leaves."""
+        sock.setblocking(False)
+        self._links[peer] = sock
+
+    def check_links(self) -> None:
+        """Raise TransportError if a peer went away other than by finishing ('done');
+        checked at most every LINK_CHECK_S of wall time while the engine runs."""
+        self._next_link_check = time.monotonic() + LINK_CHECK_S
+        if not self._links:
+            return
+        ready, _, _ = select.select(list(self._links.values()), [], [], 0)
+        for peer, sock in list(self._links.items()):
+            if sock not in ready:
+                continue
+            try:
+                data = sock.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                data = b""
+            for line in data.splitlines():
+                try:
+                    self._said[peer] = str(json.loads(line)["bye"])
+                except (ValueError, KeyError, TypeError):
+                    pass
+            if not data:                                # the connection closed
+                sock.close()
+                del self._links[peer]
+            reason = self._said.get(peer)
+            if reason == "done" or (data and reason is None):
+                continue
+            raise TransportError(f"rank {self._rank}: rank {peer} left "
+                                 f"({reason or 'connection lost'})")
+
+    def leave(self, reason: str) -> None:
+        """Tell every peer why we go ('done' is the only reason that is no error to them)."""
+        msg = json.dumps({"bye": reason}).encode() + b"\n"
+        for sock in self._links.values():
+            try:
+                sock.send(msg)
+            except OSError:
+                pass
+
     def close(self) -> None:
+        for sock in self._links.values():
+            sock.close()
+        self._links.clear()
         self.endpoint.close()
 
     # -- counters
@@ -696,8 +755,10 @@ def _setup_dialled(t: RoceTransport, peer: int, deadline: float,
         _check_hello(t, reply, peer)
         t.attach(peer, hello["qp"], list(reply["qp"]))
         line.send({"attached": True})
-    finally:
+        t.add_link(peer, sock)
+    except BaseException:
         sock.close()
+        raise
 
 
 def _setup_accepted(t: RoceTransport, lsock: socket.socket, deadline: float,
@@ -722,5 +783,7 @@ def _setup_accepted(t: RoceTransport, lsock: socket.socket, deadline: float,
         ack = line.recv(deadline, stop)
         if not ack.get("attached"):
             raise SetupError(f"rank {peer} did not attach its QPs: {ack}")
-    finally:
+        t.add_link(peer, sock)
+    except BaseException:
         sock.close()
+        raise

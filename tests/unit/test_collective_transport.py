@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -34,6 +36,7 @@ from agents.collectives.roce import (
     recv_depth,
 )
 from agents.rdma.qp import QpAttrs
+from agents.runtime.control import read_snapshot
 from tests import collective_stub
 from tests.conftest import REPO
 
@@ -409,3 +412,40 @@ def test_a_missing_algorithms_module_is_a_clear_error(tmp_path):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert "agents.collectives.no_such_algorithms is missing" in out["error"]
     assert out["results"] == [] and out["stopped_by"] == "error"
+
+
+def test_sigterm_stops_a_rank_with_what_it_has_and_its_peers_learn_it(tmp_path):
+    peers = _peers(3)
+    procs = [_worker(r, peers, tmp_path, "--min-bytes", "4096", "--max-bytes", "4096",
+                     "--iterations", "1000000", "--control-sock", str(tmp_path / f"s{r}"))
+             for r in range(3)]
+    try:
+        deadline = time.monotonic() + 60
+        while True:             # running, a few timed iterations in
+            try:
+                snap = read_snapshot(str(tmp_path / "s1"))
+            except OSError:
+                snap = {}
+            if snap.get("phase") == "running" and (snap.get("iteration") or 0) > 3:
+                break
+            assert time.monotonic() < deadline, snap
+            time.sleep(0.05)
+        assert snap["current_bytes"] == 4096 and snap["bytes_sent"] > 0
+        procs[1].send_signal(signal.SIGTERM)
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=30)
+            outs.append((p.returncode, json.loads(out.strip().splitlines()[-1]), err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rc, o, _ = outs[1]
+    assert rc == 0 and o["stopped_by"] == "signal:SIGTERM" and o["error"] is None
+    (res,) = o["results"]
+    assert res["wrong"] is None and len(res["iterations_us"]) >= 3 and res["avg_us"] > 0
+    for r in (0, 2):
+        rc, o, err = outs[r]
+        assert rc == 1 and o["stopped_by"] == "error", err
+        assert "rank 1 left (signal:SIGTERM)" in o["error"]
