@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-OPS = ("all_reduce", "all_to_all")
+ALGORITHMS = {"all_reduce": ("ring", "tree"), "all_to_all": ("pairwise",)}
 
 
 def _blocks(n_elems: int, n: int) -> list[tuple[int, int]]:
@@ -59,7 +59,7 @@ def pairwise_alltoall(t, send: np.ndarray, recv: np.ndarray) -> None:
 
 
 def run(op, algorithm, transport, sendbuf, recvbuf, *, redop="sum", root=0, chunks=1,
-        on_phase=None) -> None:
+        dtype=None, on_phase=None) -> None:
     if op == "all_reduce":
         # "tree" is a broken all-reduce here (no all-gather), to see #wrong count
         ring_allreduce(transport, sendbuf, recvbuf, redop, on_phase, gather=algorithm != "tree")

@@ -4,7 +4,7 @@ Synopsis (all times the worker reports are FABRIC time; `--dilation D` converts)
 
     python -m agents.collectives --rank R --peers IP:TCPPORT:UDPPORT,...
         [--op allreduce|reducescatter|allgather|broadcast|alltoall]
-        [--algorithm ring|rhd|tree] [--dtype float32|float16|bfloat16|int32]
+        [--algorithm ring|rhd|tree|pairwise] [--dtype float32|float16|bfloat16|int32]
         [--redop sum|max] [--root N] [--min-bytes N] [--max-bytes N] [--factor F]
         [--warmup N] [--iterations N] [--chunk-bytes N] [--qps N] [--pipeline-chunks N]
         [--seed N] [RoCE flags: --mtu --cc --cc-preset --cc-params --line-rate-bps
@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", required=True, metavar="IP:TCPPORT:UDPPORT,...",
                    help="every rank's address, set-up port and RoCE port; entry i is rank i")
     p.add_argument("--op", choices=sweep.OPS, default="allreduce")
-    p.add_argument("--algorithm", choices=sweep.ALGORITHMS, default="ring")
+    p.add_argument("--algorithm", choices=sweep.ALGORITHMS, default=None,
+                   help="all-reduce: ring, rhd (recursive halving-doubling) or tree (double "
+                        "binary tree); default ring, pairwise for alltoall")
     p.add_argument("--dtype", choices=sweep.DTYPES, default="float32")
     p.add_argument("--redop", choices=sweep.REDOPS, default="sum")
     p.add_argument("--root", type=argtypes.nonneg_int, default=0,
@@ -139,6 +141,8 @@ def check_args(args: Namespace) -> str | None:
         options.check(args)
     except ValueError as e:
         return str(e)
+    if args.algorithm is None:
+        args.algorithm = sweep.DEFAULT_ALGORITHM[args.op]
     n = len(args.peer_list)
     if n < 2:
         return "--peers names fewer than two ranks"
@@ -160,6 +164,22 @@ def load(name: str, what: str) -> ModuleType:
             raise SetupError(f"{name} is missing: the collective {what} are not on this "
                              "branch yet") from None
         raise
+
+
+def algorithm_op(algorithms: ModuleType, op: str) -> str:
+    """The algorithms module's name for `op`: the data module's (all_reduce, ...) if its
+    table (ALGORITHMS, or OPS) has it, else the command line's (allreduce, ...)."""
+    names = getattr(algorithms, "ALGORITHMS", None) or getattr(algorithms, "OPS", None) or ()
+    return sweep.DATA_OP[op] if sweep.DATA_OP[op] in names else op
+
+
+def check_algorithm(algorithms: ModuleType, op: str, algorithm: str) -> None:
+    """Refuse, before any set-up, an algorithm the module's table does not list for `op`."""
+    table = getattr(algorithms, "ALGORITHMS", None)
+    if isinstance(table, dict):
+        known = table.get(algorithm_op(algorithms, op), ())
+        if algorithm not in known:
+            raise SetupError(f"no algorithm {algorithm!r} for {op}: {', '.join(known)}")
 
 
 class Live:
@@ -220,9 +240,7 @@ class Sweep:
         self.data = data
         self.live = live
         self.data_op = sweep.DATA_OP[args.op]
-        # the algorithms module's name for the op: its own list if it has one
-        names = getattr(algorithms, "OPS", ())
-        self.algo_op = self.data_op if self.data_op in names else args.op
+        self.algo_op = algorithm_op(algorithms, args.op)
 
     def run(self) -> None:
         for i, nbytes in enumerate(self.args.size_list):
@@ -251,7 +269,8 @@ class Sweep:
             clock = sweep.PhaseClock(t.clock.now_ns)
             t0 = t.clock.now_ns()
             self.algorithms.run(self.algo_op, a.algorithm, t, send, recv, redop=a.redop,
-                                root=a.root, chunks=a.pipeline_chunks, on_phase=clock.mark)
+                                root=a.root, chunks=a.pipeline_chunks, dtype=a.dtype,
+                                on_phase=clock.mark)
             t.wait_sends()
             clock.end()
             elapsed = t.clock.now_ns() - t0
@@ -281,6 +300,7 @@ def finish(t: RoceTransport) -> None:
 def run(args: Namespace, life: Lifecycle, live: Live) -> None:
     algorithms = load(args.algorithms_module, "algorithms")
     data = load(args.data_module, "data helpers")
+    check_algorithm(algorithms, args.op, args.algorithm)
     config = RoceConfig(args=args, qps=args.qps, chunk_bytes=args.chunk_bytes,
                         dilation=args.dilation, connect_timeout_s=args.connect_timeout_s)
     me = args.peer_list[args.rank]

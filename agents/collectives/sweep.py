@@ -27,7 +27,10 @@ from collections.abc import Callable
 OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "alltoall")
 DATA_OP = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter",
            "allgather": "all_gather", "broadcast": "broadcast", "alltoall": "all_to_all"}
-ALGORITHMS = ("ring", "rhd", "tree")
+ALGORITHMS = ("ring", "rhd", "tree", "pairwise")
+#: The algorithm an op runs when --algorithm is not given.
+DEFAULT_ALGORITHM = {"allreduce": "ring", "reducescatter": "ring", "allgather": "ring",
+                     "broadcast": "ring", "alltoall": "pairwise"}
 DTYPES = ("float32", "float16", "bfloat16", "int32")
 REDOPS = ("sum", "max")
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4}

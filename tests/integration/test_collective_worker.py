@@ -142,8 +142,14 @@ def test_three_ranks_all_reduce_odd_sizes_over_two_qps(fabric, tmp_path):
         assert _class_packets(fabric, HOSTS[rank], 3) - tc3_before[rank] >= sent
 
 
-def test_three_ranks_1mib_all_reduce_at_line_rate(fabric, tmp_path):
-    outs = _run(fabric, tmp_path, "mib", "--op", "allreduce", "--algorithm", "ring",
+# the stand-ins have a ring only
+ALGORITHMS = ["ring"] if _modules() else ["ring", "rhd", "tree"]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_three_ranks_1mib_all_reduce_at_line_rate(fabric, tmp_path, algorithm):
+    outs = _run(fabric, tmp_path, f"mib-{algorithm}", "--op", "allreduce", "--algorithm",
+                algorithm,
                 "--min-bytes", str(MIB), "--max-bytes", str(MIB), "--warmup", "1",
                 "--iterations", "3")
     _check(outs, [MIB])
@@ -153,7 +159,7 @@ def test_three_ranks_1mib_all_reduce_at_line_rate(fabric, tmp_path):
         algbw = r["bytes"] * 8 / (r["avg_us"] * 1e3)        # Gb/s, fabric
         busbw = algbw * 2 * (n - 1) / n
         c = o["counters"]
-        print(f"\nfabric D={D}: rank {o['rank']} 1 MiB ring all-reduce over 3 ranks: "
+        print(f"\nfabric D={D}: rank {o['rank']} 1 MiB {algorithm} all-reduce over 3 ranks: "
               f"avg {r['avg_us']:.1f} us, min {r['min_us']:.1f} us, p99 {r['p99_us']:.1f} us "
               f"(fabric), algbw {algbw:.2f} Gb/s, busbw {busbw:.2f} Gb/s; phases "
               f"{ {k: round(v, 1) for k, v in r['phases_us'].items()} }; "

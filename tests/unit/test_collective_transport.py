@@ -21,7 +21,12 @@ import numpy as np
 import pytest
 
 from agents.collectives import sweep
-from agents.collectives.__main__ import build_parser, check_args
+from agents.collectives.__main__ import (
+    algorithm_op,
+    build_parser,
+    check_algorithm,
+    check_args,
+)
 from agents.collectives.roce import (
     HEADER_BYTES,
     Messages,
@@ -227,6 +232,19 @@ def test_worker_arguments():
                                                            *base]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--rank", "0", "--qps", "9", *base])
+    args = parser.parse_args(["--rank", "0", "--op", "alltoall", *base])
+    assert check_args(args) is None and args.algorithm == "pairwise"
+    args = parser.parse_args(["--rank", "0", *base])
+    assert check_args(args) is None and args.algorithm == "ring"
+
+
+def test_the_algorithms_modules_names_and_table_are_followed():
+    # the stand-in names ops as the data module does and lists its algorithms
+    assert algorithm_op(collective_stub, "allreduce") == "all_reduce"
+    assert algorithm_op(sweep, "allreduce") == "allreduce"      # a module with no table
+    check_algorithm(collective_stub, "alltoall", "pairwise")
+    with pytest.raises(SetupError, match="no algorithm 'rhd' for allreduce: ring, tree"):
+        check_algorithm(collective_stub, "allreduce", "rhd")
 
 
 # --------------------------------------------------------------------------- over loopback
