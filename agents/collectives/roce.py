@@ -566,10 +566,15 @@ class RoceTransport:
             for k, v in c.items():
                 if isinstance(v, int):
                     totals[k] = totals.get(k, 0) + v
+        args = self.config.args
         return {**totals, "per_peer": per_peer, "endpoint": self.endpoint.counters(),
                 "qps_per_peer": self.config.qps, "chunk_bytes": self.config.chunk_bytes,
                 "recv_depth": self.recv_depth, "engine": {"steps": self.engine.steps,
-                                                          "waits": self.engine.waits}}
+                                                          "waits": self.engine.waits},
+                "settings": {**options.cc_record(args, self.cc, self.cc_params),
+                             "line_rate_bps": args.line_rate_bps, "dscp": args.dscp,
+                             "cnp_dscp": args.cnp_dscp, "dilation": self.dilation.factor,
+                             "qp_attrs": self.attrs.to_dict()}}
 
     def _peer_counters(self, peer: int) -> dict:
         pc = self.messages.peers[peer]
