@@ -467,3 +467,15 @@ def test_sigterm_stops_a_rank_with_what_it_has_and_its_peers_learn_it(tmp_path):
         rc, o, err = outs[r]
         assert rc == 1 and o["stopped_by"] == "error", err
         assert "rank 1 left (signal:SIGTERM)" in o["error"]
+
+
+@pytest.mark.parametrize("rank, message", [(0, "cannot connect to 127.0.0.1"),
+                                           (1, "not every lower rank connected in time")])
+def test_a_rank_alone_gives_up_after_the_connect_timeout(tmp_path, rank, message):
+    peers = _peers(2)
+    p = _worker(rank, peers, tmp_path, "--connect-timeout-s", "1")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1, err
+    o = json.loads(out.strip().splitlines()[-1])
+    assert o["error"].startswith("SetupError") and message in o["error"]
+    assert (tmp_path / f"ready{rank}").exists()      # it was listening all along
