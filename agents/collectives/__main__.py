@@ -30,9 +30,11 @@ with `data.wrong` against `data.reference`.
 
 Output: one JSON line on stdout (and --out), `{"rank", "size", "op", "algorithm",
 "dtype", "redop", "root", "results": [{"bytes", "count", "iterations_us", "min_us",
-"avg_us", "p50_us", "p99_us", "wrong", "phases_us"}], "counters", "error",
-"stopped_by"}`, where `counters` are the transport's (`RoceTransport.counters`). A size
-cut short by a stop has the iterations it timed and `wrong` null. --control-sock
+"avg_us", "p50_us", "p99_us", "wrong", "phases_us"}], "partial", "counters", "error",
+"stopped_by"}`, where `counters` are the transport's (`RoceTransport.counters`).
+`results` holds the sizes that ran to their check (`wrong` is always a count); a size cut
+short by a stop or an error is `partial` (the same fields, the iterations it timed,
+`wrong` null), else `partial` is null. --control-sock
 serves the live counters, the current size and iteration. SIGTERM / SIGINT stop
 cleanly with what the rank has; the rank exits when its parent dies. Exit codes: 0
 done (every checked result right) or stopped; 1 an error or a wrong result; 2 bad
@@ -189,7 +191,8 @@ class Live:
         self.args = args
         self.transport: RoceTransport | None = None
         self.phase = "setup"
-        self.results: list[dict] = []
+        self.results: list[dict] = []       # checked sizes
+        self.partial: dict | None = None     # the size under way (unchecked)
         self.current_bytes: int | None = None
         self.iteration: int | None = None
 
@@ -258,7 +261,7 @@ class Sweep:
                   "phases_us": {}}
         phases: list[dict[str, float]] = []
         self.live.current_bytes = result["bytes"]
-        self.live.results.append(result)
+        self.live.partial = result
         total = a.warmup + a.iterations
         for it in range(total):
             self.live.iteration = it
@@ -280,6 +283,8 @@ class Sweep:
                 result.update(sweep.summary(result["iterations_us"]))
                 result["phases_us"] = sweep.mean_phases_us(phases)
         result["wrong"] = self.wrong(count, recv)
+        self.live.results.append(result)
+        self.live.partial = None
 
     def wrong(self, count: int, recv: np.ndarray) -> int:
         a, t = self.args, self.t
@@ -346,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.close()
     stopped_by = life.stop_reason or ("error" if error else "done")
-    out = {**live.header(), "results": live.results, "counters": live.counters(),
+    out = {**live.header(), "results": live.results, "partial": live.partial,
+           "counters": live.counters(),
            "error": error, "stopped_by": stopped_by}
     report_counters(out, args.out)
     bad = any(r["wrong"] for r in live.results)

@@ -12,8 +12,8 @@ Data moves as RC SENDs into receive buffers the receiver posted (not RDMA WRITEs
   credit protocol back to the sender before a slot could be reused;
 - RC's RNR NAK is the flow control: a chunk that finds no posted buffer is NAKed and
   resent after the RNR timer, so no application credits are needed. Buffers are
-  re-posted after every engine step, so with `recv_depth` covering the window this
-  stays rare (counted: `rnr_naks_*`);
+  re-posted after every engine step, so with `recv_depth` covering what one step can
+  land this stays rare (counted: `rnr_naks_*`);
 - on the wire they are the same RoCEv2 packets (BTH, DSCP, ECT(0), paced by the
   QP's rate controller, CNPs on the CNP DSCP) as perftest's send_bw: DCQCN, ECN
   and PFC see no difference from write_bw beyond the absent RETH.
@@ -329,12 +329,15 @@ class RoceConfig:
 
 
 def recv_depth(attrs: QpAttrs, chunk_bytes: int) -> int:
-    """Receive buffers to post per QP: a window's worth of chunks plus what can land in
-    one engine step, so a chunk rarely meets an empty receive queue (RNR NAK); at most
-    MAX_RECV_BYTES_PER_QP of buffers."""
-    window_chunks = math.ceil(attrs.window_packets * attrs.mtu / chunk_bytes)
-    step_chunks = math.ceil(_LANDING_PER_STEP * attrs.mtu / chunk_bytes)
-    want = max(8, window_chunks + step_chunks)
+    """Receive buffers to post per QP, so that a chunk rarely meets an empty receive
+    queue (RNR NAK). A QP's messages land in order, so at most one chunk is in progress
+    on it; the others hold a buffer from their last packet until the end of the engine
+    step that received it, when they are taken and their buffers re-posted. One step
+    receives at most _LANDING_PER_STEP datagrams, so that many packets' worth of chunks,
+    plus the one in progress, plus one of margin; at most MAX_RECV_BYTES_PER_QP."""
+    packets_per_chunk = math.ceil(chunk_bytes / attrs.mtu)
+    step_chunks = math.ceil(_LANDING_PER_STEP / packets_per_chunk)
+    want = max(4, step_chunks + 2)
     return max(2, min(want, MAX_RECV_BYTES_PER_QP // chunk_bytes))
 
 
