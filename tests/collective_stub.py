@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-ALGORITHMS = {"all_reduce": ("ring", "tree"), "all_to_all": ("pairwise",)}
+ALGORITHMS = {"allreduce": ("ring", "tree"), "alltoall": ("pairwise",)}
 
 
 def _blocks(n_elems: int, n: int) -> list[tuple[int, int]]:
@@ -60,10 +60,10 @@ def pairwise_alltoall(t, send: np.ndarray, recv: np.ndarray) -> None:
 
 def run(op, algorithm, transport, sendbuf, recvbuf, *, redop="sum", root=0, chunks=1,
         dtype=None, on_phase=None) -> None:
-    if op == "all_reduce":
+    if op == "allreduce":
         # "tree" is a broken all-reduce here (no all-gather), to see #wrong count
         ring_allreduce(transport, sendbuf, recvbuf, redop, on_phase, gather=algorithm != "tree")
-    elif op == "all_to_all":
+    elif op == "alltoall":
         pairwise_alltoall(transport, sendbuf, recvbuf)
     else:
         raise NotImplementedError(f"the test stand-in has no {op}")
@@ -75,7 +75,7 @@ _DTYPES = {"float32": np.float32, "int32": np.int32}
 
 
 def _counts(op: str, count: int, n: int) -> tuple[int, int]:
-    return (count * n, count * n) if op == "all_to_all" else (count, count)
+    return (count * n, count * n) if op == "alltoall" else (count, count)
 
 
 def fill(rank: int, count: int, dtype: str, seed: int = 0, *, start: int = 0) -> np.ndarray:
@@ -93,7 +93,7 @@ def make_recvbuf(op, size, count, dtype) -> np.ndarray:
 
 
 def reference(op, redop, size, count, dtype, *, rank=0, root=0, seed=0) -> np.ndarray:
-    if op == "all_to_all":
+    if op == "alltoall":
         return np.concatenate([fill(r, count, dtype, seed, start=rank * count)
                                for r in range(size)])
     inputs = np.stack([fill(r, count, dtype, seed) for r in range(size)])

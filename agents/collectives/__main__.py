@@ -168,18 +168,19 @@ def load(name: str, what: str) -> ModuleType:
         raise
 
 
-def algorithm_op(algorithms: ModuleType, op: str) -> str:
-    """The algorithms module's name for `op`: the data module's (all_reduce, ...) if its
-    table (ALGORITHMS, or OPS) has it, else the command line's (allreduce, ...)."""
-    names = getattr(algorithms, "ALGORITHMS", None) or getattr(algorithms, "OPS", None) or ()
-    return sweep.DATA_OP[op] if sweep.DATA_OP[op] in names else op
+def module_op(module: ModuleType, op: str) -> str:
+    """A module's name for `op`: the command line's (allreduce, ...) unless the module's
+    table (ALGORITHMS, or OPS) names it the other way (all_reduce, ...)."""
+    names = getattr(module, "ALGORITHMS", None) or getattr(module, "OPS", None) or ()
+    alt = sweep.SNAKE_OP[op]
+    return alt if op not in names and alt in names else op
 
 
 def check_algorithm(algorithms: ModuleType, op: str, algorithm: str) -> None:
     """Refuse, before any set-up, an algorithm the module's table does not list for `op`."""
     table = getattr(algorithms, "ALGORITHMS", None)
     if isinstance(table, dict):
-        known = table.get(algorithm_op(algorithms, op), ())
+        known = table.get(module_op(algorithms, op), ())
         if algorithm not in known:
             raise SetupError(f"no algorithm {algorithm!r} for {op}: {', '.join(known)}")
 
@@ -242,8 +243,8 @@ class Sweep:
         self.algorithms = algorithms
         self.data = data
         self.live = live
-        self.data_op = sweep.DATA_OP[args.op]
-        self.algo_op = algorithm_op(algorithms, args.op)
+        self.data_op = module_op(data, args.op)
+        self.algo_op = module_op(algorithms, args.op)
 
     def run(self) -> None:
         for i, nbytes in enumerate(self.args.size_list):

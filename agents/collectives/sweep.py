@@ -22,11 +22,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-#: Operation names on the command line (nccl-tests' binaries without _perf), and the
-#: data module's names for them.
+#: Operation names on the command line (nccl-tests' binaries without _perf, as the
+#: control plane's collective kinds), and the same with underscores, which a data or
+#: algorithms module may use instead (`__main__.module_op` follows its table).
 OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "alltoall")
-DATA_OP = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter",
-           "allgather": "all_gather", "broadcast": "broadcast", "alltoall": "all_to_all"}
+SNAKE_OP = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter",
+            "allgather": "all_gather", "broadcast": "broadcast", "alltoall": "all_to_all"}
 ALGORITHMS = ("ring", "rhd", "tree", "pairwise")
 #: The algorithm an op runs when --algorithm is not given.
 DEFAULT_ALGORITHM = {"allreduce": "ring", "reducescatter": "ring", "allgather": "ring",

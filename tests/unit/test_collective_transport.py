@@ -16,16 +16,17 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
 
 from agents.collectives import sweep
 from agents.collectives.__main__ import (
-    algorithm_op,
     build_parser,
     check_algorithm,
     check_args,
+    module_op,
 )
 from agents.collectives.roce import (
     HEADER_BYTES,
@@ -241,9 +242,10 @@ def test_worker_arguments():
 
 
 def test_the_algorithms_modules_names_and_table_are_followed():
-    # the stand-in names ops as the data module does and lists its algorithms
-    assert algorithm_op(collective_stub, "allreduce") == "all_reduce"
-    assert algorithm_op(sweep, "allreduce") == "allreduce"      # a module with no table
+    assert module_op(collective_stub, "allreduce") == "allreduce"
+    assert module_op(sweep, "allreduce") == "allreduce"      # a module with no table
+    snake = types.SimpleNamespace(OPS=("all_reduce", "all_to_all"))
+    assert module_op(snake, "alltoall") == "all_to_all"      # a module naming them so
     check_algorithm(collective_stub, "alltoall", "pairwise")
     with pytest.raises(SetupError, match="no algorithm 'rhd' for allreduce: ring, tree"):
         check_algorithm(collective_stub, "allreduce", "rhd")
