@@ -21,7 +21,7 @@ AGENTS_DIR = REPO / "agents"
 
 
 def _owner(rel: Path) -> str | None:
-    """The top-level name under agents/ a file belongs to: 'roce' for agents/roce/qp.py,
+    """The top-level name under agents/ a file belongs to: 'roce' for agents/roce/perftest.py,
     'timebase' for agents/timebase.py, None for agents/__init__.py."""
     parts = rel.parts
     if len(parts) == 1:
@@ -30,7 +30,7 @@ def _owner(rel: Path) -> str | None:
 
 
 def _module_parts(rel: Path) -> list[str]:
-    """Dotted name of the file's package, as parts: agents/roce/qp.py -> agents.roce."""
+    """Dotted name of the file's package, as parts: agents/roce/perftest.py -> agents.roce."""
     return ["agents", *rel.parts[:-1]]
 
 
@@ -56,7 +56,7 @@ def imported_modules(rel: Path, source: str) -> list[tuple[int, str]]:
 
 
 def agent_of(module: str) -> str | None:
-    """The agent a dotted module belongs to (agents.roce.qp -> roce), or None."""
+    """The agent a dotted module belongs to (agents.roce.perftest -> roce), or None."""
     parts = module.split(".")
     if len(parts) >= 2 and parts[0] == "agents" and parts[1] in AGENTS:
         return parts[1]
