@@ -1,9 +1,9 @@
-"""User-space RoCE transport: RC queue pairs over UDP 4791, with DCQCN.
+"""perftest-style tests over the user-space RoCEv2 transport (`python -m agents.roce`).
 
-- `agents.roce.cc`: congestion control state machines (DCQCN RP/NP, DCTCP, no-CC);
-- `agents.roce.qp`: the RC protocol, pure (requester, responder, memory regions, pacer);
-- `agents.roce.transport`: sockets and the event loop (`Endpoint`, `Engine`);
-- `agents.roce.perftest` and `python -m agents.roce`: write_bw, write_lat, send_bw.
+- `agents.roce.perftest`: write_bw, write_lat and send_bw, their set-up and verification;
+- `agents.roce.__main__`: the command line.
 
-docs/roce.md describes the design; docs/dcqcn.md the congestion control.
+The transport itself (RC QPs, DCQCN, sockets and the event loop) is the shared
+library `agents.rdma`, which other agents use too. docs/roce.md describes the design;
+docs/dcqcn.md the congestion control.
 """

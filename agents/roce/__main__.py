@@ -37,32 +37,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agents.roce.cc import (
-    CC_KINDS,
-    DCQCN_PRESET_NAMES,
-    DCTCP_PRESET_NAMES,
-    DEFAULT_DCQCN_PRESET,
-    DEFAULT_DCTCP_PRESET,
-)
+from agents.rdma import options
+from agents.rdma.transport import Stopped
 from agents.roce.perftest import (
     DEFAULT_CONTROL_PORT,
     TESTS,
     Live,
     TestError,
-    cc_params,
-    cc_settings,
     run_client,
     run_server,
 )
-from agents.roce.qp import IB_MTUS, QpAttrs
-from agents.roce.transport import CNP_DSCP, DEFAULT_DSCP, NIC_SNDBUF_BYTES, SPIN_NS, Stopped
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import report_counters
 from agents.wire.roce import ROCE_UDP_PORT
-
-_DEFAULTS = QpAttrs()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,66 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--port", type=argtypes.port, default=DEFAULT_CONTROL_PORT,
                         help="TCP port of the set-up connection (default %(default)s; server: "
                              "0 picks a free one, named in the ready file)")
-    common.add_argument("--mtu", type=int, choices=IB_MTUS, default=_DEFAULTS.mtu,
-                        help="path MTU: payload bytes per packet (default %(default)s)")
-    common.add_argument("--cc", choices=CC_KINDS, default="dcqcn",
-                        help="congestion control of the requester(s) and CNP policy of the "
-                             "responder(s) (default %(default)s)")
-    common.add_argument("--cc-preset", metavar="NAME",
-                        help=f"DCQCN preset ({', '.join(DCQCN_PRESET_NAMES)}; default "
-                             f"{DEFAULT_DCQCN_PRESET}) or DCTCP preset "
-                             f"({', '.join(DCTCP_PRESET_NAMES)}; default {DEFAULT_DCTCP_PRESET})")
-    common.add_argument("--cc-params", type=argtypes.json_object, default={}, metavar="JSON",
-                        help="parameters in place of the preset's, by DcqcnParams / DctcpParams "
-                             "field name (e.g. '{\"alpha_timer_ns\": 1000, \"g\": 0.0625}'): "
-                             "absolute values for --line-rate-bps, applied after the preset is "
-                             "scaled to it (docs/dcqcn.md)")
-    common.add_argument("--line-rate-bps", type=argtypes.positive_float, default=100e9,
-                        metavar="FABRIC_BPS",
-                        help="NIC line rate in fabric bit/s: the pacing rate without CC and "
-                             "the ceiling with it (default 100e9)")
-    common.add_argument("--dscp", type=argtypes.dscp, default=DEFAULT_DSCP,
-                        help="DSCP of data and ACK packets, sent ECT(0) (default %(default)s)")
-    common.add_argument("--cnp-dscp", type=argtypes.dscp, default=CNP_DSCP,
-                        help="DSCP of CNPs, sent Not-ECT (default %(default)s)")
-    common.add_argument("--cnp-interval-ns", type=argtypes.nonneg_int, default=None,
-                        metavar="FABRIC_NS",
-                        help="responder: at most one CNP per QP per this interval (default: "
-                             "the DCQCN preset's; DCTCP: every CE packet)")
-    common.add_argument("--window-packets", type=argtypes.positive_int,
-                        default=_DEFAULTS.window_packets,
-                        help="most unacknowledged packets per QP, at most 2^22 (default "
-                             "%(default)s, rxe's; `testbed run` sizes it to the fabric)")
-    common.add_argument("--ack-every", type=argtypes.positive_int, default=_DEFAULTS.ack_every,
-                        help="responder: one ACK per this many packets at most "
-                             "(default %(default)s)")
-    common.add_argument("--ack-req-every", type=argtypes.positive_int,
-                        default=_DEFAULTS.ack_req_every,
-                        help="requester: AckReq on PSNs that are multiples of this, and on "
-                             "the last packet of each message (default %(default)s)")
-    common.add_argument("--timeout-ns", type=argtypes.positive_float, default=_DEFAULTS.timeout_ns,
-                        metavar="FABRIC_NS", help="local ACK timeout (default %(default)g)")
-    common.add_argument("--retry-cnt", type=int, choices=range(8), default=_DEFAULTS.retry_cnt,
-                        metavar="0..7", help="retries before the QP errors (default "
-                                             "%(default)s)")
-    common.add_argument("--max-burst-bytes", type=argtypes.nonneg_int,
-                        default=_DEFAULTS.max_burst_bytes,
-                        help="pacing: wire bytes a QP may send back to back to catch up "
-                             "(default %(default)s)")
-    common.add_argument("--sndbuf-bytes", type=argtypes.nonneg_int, default=NIC_SNDBUF_BYTES,
-                        help="SO_SNDBUF of every RoCE socket (the kernel doubles it): how much "
-                             "may wait in the host NIC's queue before a send blocks. Small, "
-                             "like an RNIC's transmit FIFO: a PFC-paused NIC then holds the "
-                             "QP's data back in memory, where a rate cut still applies, instead "
-                             "of releasing a burst at line rate on resume; 0 keeps the kernel "
-                             "default (default %(default)s: two 4 KB packets)")
+    options.add_arguments(common)
     common.add_argument("--buffer-bytes", type=argtypes.positive_int, default=64 << 20,
                         help="per QP: bytes of message slots (default %(default)s; at least "
                              "one message)")
-    common.add_argument("--spin-ns", type=argtypes.nonneg_int, default=SPIN_NS, metavar="WALL_NS",
-                        help="busy-poll this close (wall ns) to the next send or timer instead "
-                             "of sleeping; 0 never spins, which many agents on few cores want "
-                             "(default %(default)s)")
     common.add_argument("--dilation", type=argtypes.positive_int, default=1,
                         help="time-dilation factor D: the fabric runs D times slower "
                              "(default 1)")
@@ -195,15 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.iters is None and args.duration_ns is None:
             args.iters = 1000
     try:
-        QpAttrs(mtu=args.mtu, window_packets=args.window_packets,
-                ack_req_every=args.ack_req_every, ack_every=args.ack_every,
-                timeout_ns=args.timeout_ns, retry_cnt=args.retry_cnt,
-                max_burst_bytes=args.max_burst_bytes)
-    except ValueError as e:
-        parser.error(str(e))
-    try:
-        cc_params(args, cc_settings(args))
-    except TestError as e:
+        options.check(args)
+    except options.OptionError as e:
         parser.error(str(e))
 
     life = Lifecycle()

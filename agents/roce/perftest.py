@@ -34,19 +34,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agents.roce.cc import (
-    DCTCP_PRESETS,
-    DEFAULT_DCQCN_PRESET,
-    DEFAULT_DCTCP_PRESET,
-    PRESETS,
-    DcqcnNp,
-    DcqcnParams,
-    DctcpParams,
-    effective_params,
-    make_cc,
+from agents.rdma.options import (
+    cc_params,
+    cc_record,
+    cc_settings,
+    make_np,
+    make_rate_controller,
+    qp_attrs,
 )
-from agents.roce.qp import MemoryRegion, QpAttrs, RcQp, WcStatus
-from agents.roce.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
+from agents.rdma.qp import MemoryRegion, RcQp, WcStatus
+from agents.rdma.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready
@@ -106,62 +103,6 @@ def latency_stats(samples_ns: list[float]) -> dict:
     return {"t_min": s[0] * to_us, "t_max": s[-1] * to_us, "t_typical": s[n // 2] * to_us,
             "t_avg": avg * to_us, "t_stdev": math.sqrt(var) * to_us, "p99": pct(0.99) * to_us,
             "p99_9": pct(0.999) * to_us}
-
-
-def cc_settings(args: Namespace) -> tuple[str, str | None]:
-    """(kind, preset) from --cc / --cc-preset, with each kind's default preset."""
-    kind = args.cc
-    name = args.cc_preset
-    if kind == "dcqcn":
-        name = name or DEFAULT_DCQCN_PRESET
-        if name not in PRESETS:
-            raise TestError(f"--cc-preset {name!r} is not a DCQCN preset; "
-                            f"known: {', '.join(sorted(PRESETS))}")
-    elif kind == "dctcp":
-        name = name or DEFAULT_DCTCP_PRESET
-        if name not in DCTCP_PRESETS:
-            raise TestError(f"--cc-preset {name!r} is not a DCTCP preset; "
-                            f"known: {', '.join(sorted(DCTCP_PRESETS))}")
-    else:
-        name = None
-    return kind, name
-
-
-def cc_params(args: Namespace, cc: tuple[str, str | None]) -> DcqcnParams | DctcpParams | None:
-    """The parameters every QP runs with: the preset scaled to --line-rate-bps, then
-    --cc-params (absolute values); None without congestion control."""
-    try:
-        return effective_params(cc[0], cc[1], args.line_rate_bps, args.cc_params)
-    except ValueError as e:
-        raise TestError(f"--cc-params: {e}") from None
-
-
-def make_np(args: Namespace, kind: str, params: DcqcnParams | DctcpParams | None) -> DcqcnNp | None:
-    """The notification point of a responder: the DCQCN parameters' interval and mode
-    (--cnp-interval-ns replaces the interval); DCTCP gets a CNP for every CE packet (or
-    one per --cnp-interval-ns); no CC sends no CNPs unless --cnp-interval-ns asks."""
-    if isinstance(params, DcqcnParams):         # kind "dcqcn"
-        interval = (args.cnp_interval_ns if args.cnp_interval_ns is not None
-                    else params.cnp_interval_ns)
-        return DcqcnNp(interval, params.np_mode)
-    if args.cnp_interval_ns is not None:
-        return DcqcnNp(args.cnp_interval_ns)
-    if kind == "dctcp":
-        return DcqcnNp(0)
-    return None
-
-
-def cc_record(args: Namespace, cc: tuple[str, str | None],
-              params: DcqcnParams | DctcpParams | None) -> dict:
-    """What a run directory needs to show which congestion control ran."""
-    return {"cc": cc[0], "cc_preset": cc[1], "cc_overrides": dict(args.cc_params),
-            "cc_params": params.to_dict() if params is not None else None}
-
-
-def qp_attrs(args: Namespace, mtu: int) -> QpAttrs:
-    return QpAttrs(mtu=mtu, window_packets=args.window_packets, ack_req_every=args.ack_req_every,
-                   ack_every=args.ack_every, timeout_ns=args.timeout_ns,
-                   retry_cnt=args.retry_cnt, max_burst_bytes=args.max_burst_bytes)
 
 
 class ControlChannel:
@@ -442,7 +383,7 @@ def run_client(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
             ctx = icrc_context(local_ip, args.server, ep.port, udp_port)
             mr = MemoryRegion(back[i].data, hello["qps"][i]["va"], back_rkeys[i])
             qp = RcQp(qpn, r["qpn"], ctx, attrs,
-                      make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns(), args.cc_params),
+                      make_rate_controller(args, cc, clock.now_ns()),
                       np=make_np(args, cc[0], params), mrs={mr.rkey: mr}, clock=clock,
                       sq_psn=psns[i], rq_psn=r["psn"])
             bindings.append(ep.attach(qp, (args.server, udp_port),
@@ -728,7 +669,7 @@ def run_server(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
             mr = MemoryRegion(mem.data, int(mem.ctypes.data), rkey)
             ctx = icrc_context(local_ip, peer_ip, ep.port, int(c["sport"]))
             qp = RcQp(qpn, int(c["qpn"]), ctx, attrs,
-                      make_cc(cc[0], cc[1], args.line_rate_bps, clock.now_ns(), args.cc_params),
+                      make_rate_controller(args, cc, clock.now_ns()),
                       np=make_np(args, cc[0], params), mrs={rkey: mr}, clock=clock,
                       sq_psn=psn, rq_psn=int(c["psn"]))
             bindings.append(ep.attach(qp, (peer_ip, int(c["sport"]))))

@@ -12,7 +12,7 @@
 - `agents.runtime.waiting`: sleep, then spin, until a wall-clock moment.
 
 An agent (`agents.udp`, `agents.pfc`, `agents.roce`, `agents.aggregator`,
-`agents.collectives`) may import this package,
+`agents.collectives`) may import this package, `agents.rdma`,
 `agents.wire`, `agents.timebase` and `agents.portmaps`, never another agent
 (tests/unit/test_agent_imports.py holds them to it).
 """

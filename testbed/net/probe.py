@@ -53,7 +53,7 @@ IMPACT = {
     "ifb": "nothing: IFB devices are not used",
     "rps": "keeping a flow in order when its packets are handled on several CPUs (RPS on "
            "every port, testbed/net/steering.py); without it the fabric can reorder a flow",
-    "rdma_rxe": "nothing: RoCE endpoints are the user-space transport (agents/roce), not "
+    "rdma_rxe": "nothing: RoCE endpoints are the user-space transport (agents/rdma), not "
                 "Soft-RoCE",
     "clang": "compiling the tc-BPF port program (once per source version, then cached); "
              "without it and a cached object the fabric is built without port programs: no "

@@ -1,6 +1,6 @@
 """Collectives (`python -m agents.collectives`): all-reduce, reduce-scatter, all-gather,
 broadcast and all-to-all over a communicator of hosts, one rank per host, data moved as
-RDMA WRITEs on the user-space RoCE transport (so DCQCN, ECN and PFC act on it as on any
+RDMA SENDs on the user-space RoCE transport (so DCQCN, ECN and PFC act on it as on any
 RoCE traffic), measured the way nccl-tests measures.
 
 An entry becomes one worker per rank, all started together at the common start t0; rank
@@ -66,7 +66,8 @@ AGGREGATOR_PORT = 11000                       # UDP of a switch's first aggregat
 MAX_RANKS_PER_HOST = 1000
 # A worker imports numpy, connects to every peer and builds its buffers before t0.
 STARTUP_PER_RANK_S = 0.3
-# RETH 16 B once per WRITE, BTH 12 + ICRC 4 per packet (besides WIRE_OVERHEAD_BYTES).
+# A 16-byte chunk header per message piece, BTH 12 + ICRC 4 per packet (besides
+# WIRE_OVERHEAD_BYTES).
 RETH_BYTES, BTH_ICRC_BYTES = 16, 12 + 4
 
 
@@ -110,7 +111,7 @@ class InaSettings(Strict):
 class CollectiveTraffic(TrafficEntry):
     """A collective over a communicator: one rank per host, swept over message sizes.
 
-    Data moves as RDMA WRITEs on the user-space RoCE transport, chunked and spread over
+    Data moves as RDMA SENDs on the user-space RoCE transport, chunked and spread over
     `qps` queue pairs per pair of ranks, so DCQCN, ECN and PFC act on it.
     """
 
@@ -183,7 +184,7 @@ class CollectiveKind(WorkloadKind):
     agent_module: ClassVar = "agents.collectives"
     doc: ClassVar = ("Collectives (agents/collectives): one worker per rank, all-reduce "
                      "(ring, recursive halving-doubling, double binary tree), reduce-scatter,"
-                     " all-gather, broadcast and all-to-all as RDMA WRITEs over the "
+                     " all-gather, broadcast and all-to-all as RDMA SENDs over the "
                      "user-space RoCE transport, swept over sizes the way nccl-tests does; "
                      "one row per size, also written as results/<entry>.nccl.txt and "
                      "results/<entry>.nccl.json (nccl-tests' table and -J JSON).")

@@ -10,9 +10,9 @@ from typing import Annotated
 from pydantic import WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from agents.roce.cc import DCQCN_PRESET_NAMES, DCTCP_PRESET_NAMES
+from agents.rdma.cc import DCQCN_PRESET_NAMES, DCTCP_PRESET_NAMES
 
-# agents.roce.qp.MAX_WINDOW_PACKETS: the most unacknowledged packets a QP may have.
+# agents.rdma.qp.MAX_WINDOW_PACKETS: the most unacknowledged packets a QP may have.
 MAX_ROCE_WINDOW_PACKETS = 1 << 22
 # The auto window is never below rxe's RXE_MAX_UNACKED_PSNS (what the transport had
 # before the window was sized to the fabric) and never above what the transport allows.
@@ -26,7 +26,7 @@ ROCE_CONNECT_TIMEOUT_S = 30
 # dilations select's wake-up error is a few fabric ns.
 ROCE_SPIN_NS = 0
 
-# The agents' preset tables name the presets (agents.roce.cc, standard library only, so the
+# The agents' preset tables name the presets (agents.rdma.cc, standard library only, so the
 # config imports it cheaply); a kind's checks pair a preset with its `cc`.
 PRESETS_OF_CC = {"dcqcn": DCQCN_PRESET_NAMES, "dctcp": DCTCP_PRESET_NAMES}
 CC_PRESET_NAMES = tuple(dict.fromkeys(n for names in PRESETS_OF_CC.values() for n in names))

@@ -1,6 +1,6 @@
 """`cc_params`: per-workload DCQCN / DCTCP parameters of a RoCE entry.
 
-Keys are the agents' parameter names (agents.roce.cc.DcqcnParams / DctcpParams fields)
+Keys are the agents' parameter names (agents.rdma.cc.DcqcnParams / DctcpParams fields)
 without their unit suffix, the way every quantity of a config is named; values are
 absolute for the sender's link (a per-25G preset is scaled first, then overridden).
 tests/unit/test_workload_roce.py keeps the field names equal to the agent's tunables.

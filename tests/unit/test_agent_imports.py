@@ -2,10 +2,10 @@
 
 The agents (agents/udp, agents/pfc, agents/roce, agents/aggregator,
 agents/collectives) share code only through the shared packages (agents.runtime,
-agents.wire, agents.timebase, agents.portmaps), so each can change without breaking
-the others: the in-network aggregator and its workers share agents.wire.ina, not each
-other's modules. Imports are read with `ast` (module level and inside functions,
-absolute and relative), nothing is imported.
+agents.rdma, agents.wire, agents.timebase, agents.portmaps), so each can change without
+breaking the others: the in-network aggregator and its workers share agents.wire.ina,
+not each other's modules. Imports are read with `ast` (module level and inside
+functions, absolute and relative), nothing is imported.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ AGENTS_DIR = REPO / "agents"
 
 
 def _owner(rel: Path) -> str | None:
-    """The top-level name under agents/ a file belongs to: 'roce' for agents/roce/qp.py,
+    """The top-level name under agents/ a file belongs to: 'roce' for agents/roce/perftest.py,
     'timebase' for agents/timebase.py, None for agents/__init__.py."""
     parts = rel.parts
     if len(parts) == 1:
@@ -31,7 +31,7 @@ def _owner(rel: Path) -> str | None:
 
 
 def _module_parts(rel: Path) -> list[str]:
-    """Dotted name of the file's package, as parts: agents/roce/qp.py -> agents.roce."""
+    """Dotted name of the file's package, as parts: agents/roce/perftest.py -> agents.roce."""
     return ["agents", *rel.parts[:-1]]
 
 
@@ -57,7 +57,7 @@ def imported_modules(rel: Path, source: str) -> list[tuple[int, str]]:
 
 
 def agent_of(module: str) -> str | None:
-    """The agent a dotted module belongs to (agents.roce.qp -> roce), or None."""
+    """The agent a dotted module belongs to (agents.roce.perftest -> roce), or None."""
     parts = module.split(".")
     if len(parts) >= 2 and parts[0] == "agents" and parts[1] in AGENTS:
         return parts[1]
@@ -86,7 +86,7 @@ def test_every_agent_is_found():
 
 def test_no_agent_imports_another_agent():
     bad = [v for rel, src in _sources() if _owner(rel) in AGENTS for v in violations(rel, src)]
-    assert not bad, ("agents share code through agents.runtime / agents.wire / "
+    assert not bad, ("agents share code through agents.runtime / agents.rdma / agents.wire / "
                      "agents.timebase / agents.portmaps, not by importing each other:\n"
                      + "\n".join(bad))
 
@@ -102,7 +102,8 @@ def test_shared_packages_import_no_agent():
     ("roce/perftest.py", "import agents.pfc.logic\n"),
     ("pfc/__main__.py", "def f():\n    from agents import roce\n"),
     ("pfc/__main__.py", "from ..udp.logic import pause_step\n"),
-    ("udp/__main__.py", "from agents.roce import cc\n"),
+    ("udp/__main__.py", "from agents.roce import perftest\n"),
+    ("collectives/roce.py", "from agents.roce.perftest import ControlChannel\n"),
     ("runtime/lifecycle.py", "from agents.udp.logic import Pacer\n"),
     ("collectives/ina.py", "from agents.aggregator.logic import Aggregator\n"),
     ("aggregator/__main__.py", "from agents.collectives import ina\n"),
@@ -114,10 +115,12 @@ def test_a_cross_agent_import_is_caught(rel, source):
 
 @pytest.mark.parametrize("rel, source", [
     ("roce/perftest.py", "from agents.runtime.lifecycle import Lifecycle\n"),
-    ("roce/perftest.py", "from agents.roce.cc import PRESETS\nfrom . import qp\n"),
+    ("roce/__main__.py", "from agents.rdma.cc import PRESETS\nfrom . import perftest\n"),
+    ("roce/perftest.py", "from agents.rdma.qp import RcQp\nfrom agents.rdma import transport\n"),
     ("pfc/__main__.py", "from agents import portmaps, timebase\nfrom agents.wire import pfc\n"),
     ("udp/__main__.py", "from .logic import Pacer\nimport agents.udp.logic\n"),
     ("collectives/ina.py", "from agents.wire.ina import build\nfrom agents.runtime import x\n"),
+    ("collectives/__main__.py", "from agents.rdma import options\nfrom .roce import connect\n"),
 ])
 def test_allowed_imports_pass(rel, source):
     assert violations(Path(rel), source) == []

@@ -1,4 +1,4 @@
-"""Congestion control state machines (agents.roce.cc): DCQCN RP/NP, DCTCP, no-CC.
+"""Congestion control state machines (agents.rdma.cc): DCQCN RP/NP, DCTCP, no-CC.
 
 Every expected value is worked out by hand in the comments with exact fractions
 (G = 1e9 bit/s, M = 1e6 bit/s, times in fabric ns, 1 us = 1000 ns) and compared
@@ -16,7 +16,7 @@ from fractions import Fraction as Fr
 
 import pytest
 
-from agents.roce.cc import (
+from agents.rdma.cc import (
     CC_KINDS,
     DCQCN_PRESET_NAMES,
     DCQCN_TUNABLE,
@@ -106,7 +106,7 @@ def test_preset_names_are_the_tables_keys_and_import_without_numpy():
     assert DCTCP_PRESET_NAMES == tuple(DCTCP_PRESETS)
     assert DEFAULT_DCQCN_PRESET in PRESETS and DEFAULT_DCTCP_PRESET in DCTCP_PRESETS
     # the control plane's config loader imports them: no heavy dependency on the way
-    code = ("import sys, agents.roce.cc as cc; "
+    code = ("import sys, agents.rdma.cc as cc; "
             "assert 'numpy' not in sys.modules, 'numpy'; print(len(cc.DCQCN_PRESET_NAMES))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=30)

@@ -1,4 +1,4 @@
-"""User-space RoCEv2 RC transport (agents.roce.qp / transport / the perftest tool).
+"""User-space RoCEv2 RC transport (agents.rdma.qp / transport / the perftest tool).
 
 The protocol tests wire two `RcQp` objects through an in-memory, event-driven
 "wire" with a fake fabric clock: every packet is real bytes (built with the
@@ -23,8 +23,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from agents.roce.cc import DcqcnNp, DcqcnRp, NoCc, make_cc, preset
-from agents.roce.qp import (
+from agents.rdma.cc import DcqcnNp, DcqcnRp, NoCc, make_cc, preset
+from agents.rdma.qp import (
     MAX_WINDOW_PACKETS,
     PKT_ACK,
     PKT_CNP,
@@ -37,7 +37,7 @@ from agents.roce.qp import (
     build_data_packet,
     packets_for,
 )
-from agents.roce.transport import Endpoint, Engine, rxe_sport
+from agents.rdma.transport import Endpoint, Engine, rxe_sport
 from agents.runtime.control import read_snapshot
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.timebase import Dilation, FabricClock
@@ -504,7 +504,7 @@ def test_a_window_of_thousands_of_packets_fills_keeps_no_copies_and_goes_back_n(
                 peak["outstanding"] = out
                 if out == window and peak["qp_bytes"] is None:
                     snap = tracemalloc.take_snapshot().filter_traces(
-                        [tracemalloc.Filter(True, "*agents/roce/qp.py")])
+                        [tracemalloc.Filter(True, "*agents/rdma/qp.py")])
                     peak["qp_bytes"] = sum(s.size for s in snap.statistics("filename"))
             return rq.idle
 

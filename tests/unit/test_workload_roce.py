@@ -12,9 +12,10 @@ from fractions import Fraction as Fr
 
 import pytest
 
+from agents.rdma.cc import DCQCN_TUNABLE, DCTCP_PRESETS, DCTCP_TUNABLE, PRESETS
+from agents.rdma.options import cc_params, cc_settings, make_np
 from agents.roce import __main__ as roce_main
-from agents.roce.cc import DCQCN_TUNABLE, DCTCP_PRESETS, DCTCP_TUNABLE, PRESETS
-from agents.roce.perftest import cc_params, cc_settings, flat_counters, make_np
+from agents.roce.perftest import flat_counters
 from testbed.config import ConfigError, load_config_text
 from testbed.plan import compile_plan
 from testbed.plan.paths import Routes, host_address, longest_round_trip_ns

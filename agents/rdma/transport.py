@@ -1,6 +1,6 @@
 """Sockets for the user-space RoCEv2 transport: UDP 4791, DF, DSCP/ECN, pacing, timers.
 
-An `Endpoint` is one UDP socket and the RC QPs (`agents.roce.qp.RcQp`) that send
+An `Endpoint` is one UDP socket and the RC QPs (`agents.rdma.qp.RcQp`) that send
 and receive through it; an `Engine` drives any number of endpoints from one
 thread: receive, fire timers, send what the pacers allow, sleep until the next
 event. Everything the QPs see is fabric time (`agents.timebase.FabricClock`);
@@ -49,7 +49,7 @@ import struct
 import time
 from collections.abc import Callable
 
-from agents.roce.qp import PKT_CNP, RcQp
+from agents.rdma.qp import PKT_CNP, RcQp
 from agents.runtime.sockets import (
     CE,
     ECT0,

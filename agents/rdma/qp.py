@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import NamedTuple, Protocol
 
-from agents.roce.cc import DcqcnNp, RateController
+from agents.rdma.cc import DcqcnNp, RateController
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.wire import BytesLike
 from agents.wire.roce import (

@@ -1,0 +1,364 @@
+"""`python -m agents.collectives`: one rank of a collective benchmark over RoCE (nccl-tests-like).
+
+Synopsis (all times the worker reports are FABRIC time; `--dilation D` converts)::
+
+    python -m agents.collectives --rank R --peers IP:TCPPORT:UDPPORT,...
+        [--op allreduce|reducescatter|allgather|broadcast|alltoall]
+        [--algorithm ring|rhd|tree|pairwise] [--dtype float32|float16|bfloat16|int32]
+        [--redop sum|max] [--root N] [--min-bytes N] [--max-bytes N] [--factor F]
+        [--warmup N] [--iterations N] [--chunk-bytes N] [--qps N] [--pipeline-chunks N]
+        [--seed N] [RoCE flags: --mtu --cc --cc-preset --cc-params --line-rate-bps
+        --dscp --cnp-dscp --cnp-interval-ns --window-packets --ack-every --ack-req-every
+        --timeout-ns --retry-cnt --max-burst-bytes --sndbuf-bytes --spin-ns]
+        [--dilation D] [--start-at-mono-ns T] [--control-sock PATH] [--ready-file PATH]
+        [--out PATH] [--connect-timeout-s S]
+
+Entry i of --peers is rank i; this rank binds its own entry (TCP set-up port, UDP RoCE
+port) and reaches the others at theirs (`agents.collectives.roce`). The ready file
+appears once the set-up port listens; then the rank connects (up to
+--connect-timeout-s), waits for --start-at-mono-ns, and sweeps the sizes --min-bytes
+.. --max-bytes by --factor (nccl-tests' -b -e -f; sizes and counts as
+`agents.collectives.sweep` says). For each size: --warmup iterations, then
+--iterations timed ones. Every iteration begins with a barrier over the fabric (a
+dissemination barrier: ceil(log2 n) rounds; in round k a rank sends an (size index,
+iteration) token to rank + 2^k and waits for the one from rank - 2^k, so no rank
+starts before every rank has arrived, and ranks out of step are caught), then times,
+on this rank, `algorithms.run(...)` plus `wait_sends()` in fabric microseconds; the
+algorithm's `on_phase(name)` calls split that time into phases. The last iteration
+runs on fresh inputs into a receive buffer pre-filled with a sentinel and is checked
+with `data.wrong` against `data.reference`.
+
+Output: one JSON line on stdout (and --out), `{"rank", "size", "op", "algorithm",
+"dtype", "redop", "root", "results": [{"bytes", "count", "iterations_us", "min_us",
+"avg_us", "p50_us", "p99_us", "wrong", "phases_us"}], "partial", "counters", "error",
+"stopped_by"}`, where `counters` are the transport's (`RoceTransport.counters`).
+`results` holds the sizes that ran to their check (`wrong` is always a count); a size cut
+short by a stop or an error is `partial` (the same fields, the iterations it timed,
+`wrong` null), else `partial` is null. --control-sock
+serves the live counters, the current size and iteration. SIGTERM / SIGINT stop
+cleanly with what the rank has; the rank exits when its parent dies. Exit codes: 0
+done (every checked result right) or stopped; 1 an error or a wrong result; 2 bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from argparse import Namespace
+from types import ModuleType
+
+import numpy as np
+
+from agents.collectives import sweep
+from agents.collectives.roce import (
+    MAX_QPS,
+    RoceConfig,
+    RoceTransport,
+    SetupError,
+    Stopped,
+    TransportError,
+    connect,
+    parse_peers,
+)
+from agents.rdma import options
+from agents.runtime import argtypes
+from agents.runtime.control import serve_snapshots
+from agents.runtime.lifecycle import Lifecycle
+from agents.runtime.output import mark_ready, report_counters
+from agents.runtime.waiting import wait_until_mono
+
+ALGORITHMS_MODULE = "agents.collectives.algorithms"
+DATA_MODULE = "agents.collectives.data"
+#: Tags at and above this are the worker's own (the barrier); algorithms use smaller ones.
+BARRIER_TAG = 0xFFFFFF00
+#: Wall seconds the rank keeps answering its peers after the last barrier (a duplicate
+#: whose ACK was lost still gets one), before it closes its socket.
+LINGER_S = 0.05
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m agents.collectives",
+        description="One rank of a collective benchmark (nccl-tests-like) over the "
+                    "user-space RoCEv2 transport. Times are fabric time; --dilation "
+                    "converts them.")
+    p.add_argument("--rank", type=argtypes.nonneg_int, required=True)
+    p.add_argument("--peers", required=True, metavar="IP:TCPPORT:UDPPORT,...",
+                   help="every rank's address, set-up port and RoCE port; entry i is rank i")
+    p.add_argument("--op", choices=sweep.OPS, default="allreduce")
+    p.add_argument("--algorithm", choices=sweep.ALGORITHMS, default=None,
+                   help="all-reduce: ring, rhd (recursive halving-doubling) or tree (double "
+                        "binary tree); default ring, pairwise for alltoall")
+    p.add_argument("--dtype", choices=sweep.DTYPES, default="float32")
+    p.add_argument("--redop", choices=sweep.REDOPS, default="sum")
+    p.add_argument("--root", type=argtypes.nonneg_int, default=0,
+                   help="broadcast's root rank (default 0)")
+    p.add_argument("--min-bytes", type=argtypes.nonneg_int, default=1024,
+                   help="smallest size (nccl-tests -b; default %(default)s)")
+    p.add_argument("--max-bytes", type=argtypes.nonneg_int, default=1 << 20,
+                   help="largest size (nccl-tests -e; default %(default)s)")
+    p.add_argument("--factor", type=argtypes.positive_float, default=2.0,
+                   help="size multiplier from one size to the next (nccl-tests -f; "
+                        "default %(default)s)")
+    p.add_argument("--warmup", type=argtypes.nonneg_int, default=1,
+                   help="untimed iterations per size (default %(default)s)")
+    p.add_argument("--iterations", type=argtypes.positive_int, default=5,
+                   help="timed iterations per size (default %(default)s)")
+    p.add_argument("--chunk-bytes", type=argtypes.positive_int, default=65536,
+                   help="bytes per SEND, its 16-byte header included (default %(default)s); "
+                        "messages are split into chunks spread over the QPs")
+    p.add_argument("--qps", type=int, choices=range(1, MAX_QPS + 1), default=1,
+                   metavar=f"1..{MAX_QPS}", help="RC QPs per pair of ranks (default 1)")
+    p.add_argument("--pipeline-chunks", type=argtypes.positive_int, default=1,
+                   help="the algorithm's `chunks` (pipelining of each step; default 1)")
+    p.add_argument("--seed", type=argtypes.nonneg_int, default=1, help="test data seed")
+    options.add_arguments(p)
+    p.add_argument("--dilation", type=argtypes.positive_int, default=1,
+                   help="time-dilation factor D: the fabric runs D times slower (default 1)")
+    p.add_argument("--start-at-mono-ns", type=argtypes.nonneg_int, default=0, metavar="MONO_NS",
+                   help="after set-up, wait until CLOCK_MONOTONIC reaches this (wall ns)")
+    p.add_argument("--control-sock", metavar="PATH",
+                   help="serve a live snapshot (one JSON line) on this UNIX socket")
+    p.add_argument("--ready-file", metavar="PATH",
+                   help="create PATH once the set-up port listens (one JSON line: rank, "
+                        "ports, pid)")
+    p.add_argument("--out", metavar="PATH", help="also write the final JSON here")
+    p.add_argument("--connect-timeout-s", type=argtypes.positive_float, default=30.0,
+                   help="wall seconds for connecting to every rank (default %(default)s)")
+    # tests: stand-ins for the algorithms / data modules
+    p.add_argument("--algorithms-module", default=ALGORITHMS_MODULE, help=argparse.SUPPRESS)
+    p.add_argument("--data-module", default=DATA_MODULE, help=argparse.SUPPRESS)
+    return p
+
+
+def check_args(args: Namespace) -> str | None:
+    """What is wrong with the arguments beyond their types, or None."""
+    try:
+        args.peer_list = parse_peers(args.peers)
+        args.size_list = sweep.sizes(args.min_bytes, args.max_bytes, args.factor)
+        options.check(args)
+    except ValueError as e:
+        return str(e)
+    if args.algorithm is None:
+        args.algorithm = sweep.DEFAULT_ALGORITHM[args.op]
+    n = len(args.peer_list)
+    if n < 2:
+        return "--peers names fewer than two ranks"
+    if args.rank >= n:
+        return f"--rank {args.rank} is not one of the {n} ranks of --peers"
+    if args.root >= n:
+        return f"--root {args.root} is not one of the {n} ranks"
+    if args.chunk_bytes <= 16:
+        return "--chunk-bytes must exceed the 16-byte chunk header"
+    return None
+
+
+def load(name: str, what: str) -> ModuleType:
+    """Import the algorithms or data module by name, with a clear error if it is absent."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and name.startswith(e.name):
+            raise SetupError(f"{name} is missing: the collective {what} are not on this "
+                             "branch yet") from None
+        raise
+
+
+def module_op(module: ModuleType, op: str) -> str:
+    """A module's name for `op`: the command line's (allreduce, ...) unless the module's
+    table (ALGORITHMS, or OPS) names it the other way (all_reduce, ...)."""
+    names = getattr(module, "ALGORITHMS", None) or getattr(module, "OPS", None) or ()
+    alt = sweep.SNAKE_OP[op]
+    return alt if op not in names and alt in names else op
+
+
+def check_algorithm(algorithms: ModuleType, op: str, algorithm: str) -> None:
+    """Refuse, before any set-up, an algorithm the module's table does not list for `op`."""
+    table = getattr(algorithms, "ALGORITHMS", None)
+    if isinstance(table, dict):
+        known = table.get(module_op(algorithms, op), ())
+        if algorithm not in known:
+            raise SetupError(f"no algorithm {algorithm!r} for {op}: {', '.join(known)}")
+
+
+class Live:
+    """What the rank has so far: the results, the current size and iteration."""
+
+    def __init__(self, args: Namespace) -> None:
+        self.args = args
+        self.transport: RoceTransport | None = None
+        self.phase = "setup"
+        self.results: list[dict] = []       # checked sizes
+        self.partial: dict | None = None     # the size under way (unchecked)
+        self.current_bytes: int | None = None
+        self.iteration: int | None = None
+
+    def counters(self) -> dict:
+        return self.transport.counters() if self.transport is not None else {}
+
+    def snapshot(self) -> dict:
+        try:
+            counters = self.counters()
+        except RuntimeError:        # a QP list changing under us: the next one is whole
+            counters = {}
+        flat = {k: v for k, v in counters.items() if isinstance(v, int | float)}
+        return {**flat, "rank": self.args.rank, "op": self.args.op, "phase": self.phase,
+                "current_bytes": self.current_bytes, "iteration": self.iteration,
+                "sizes_done": len(self.results), "counters": counters}
+
+    def header(self) -> dict:
+        a = self.args
+        return {"rank": a.rank, "size": len(a.peer_list), "op": a.op,
+                "algorithm": a.algorithm, "dtype": a.dtype, "redop": a.redop, "root": a.root}
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def barrier(t: RoceTransport, token: tuple[int, int]) -> None:
+    """Dissemination barrier over the transport (see the module docstring)."""
+    mine = np.array(token, dtype=np.int64)
+    got = np.empty(2, dtype=np.int64)
+    k, rnd = 1, 0
+    while k < t.size:
+        t.send((t.rank + k) % t.size, BARRIER_TAG + rnd, mine)
+        t.recv((t.rank - k) % t.size, BARRIER_TAG + rnd, got)
+        if not np.array_equal(got, mine):
+            raise TransportError(f"rank {t.rank} at {token} met rank "
+                                 f"{(t.rank - k) % t.size} at {tuple(got.tolist())}")
+        k, rnd = k * 2, rnd + 1
+
+
+class Sweep:
+    """Runs the sizes of one rank, recording into `live`."""
+
+    def __init__(self, args: Namespace, t: RoceTransport, algorithms: ModuleType,
+                 data: ModuleType, live: Live) -> None:
+        self.args = args
+        self.t = t
+        self.algorithms = algorithms
+        self.data = data
+        self.live = live
+        self.data_op = module_op(data, args.op)
+        self.algo_op = module_op(algorithms, args.op)
+
+    def run(self) -> None:
+        for i, nbytes in enumerate(self.args.size_list):
+            self.one_size(i, nbytes)
+
+    def one_size(self, index: int, nbytes: int) -> None:
+        a, t, data = self.args, self.t, self.data
+        count = sweep.param_count(a.op, nbytes, t.size, sweep.ITEMSIZE[a.dtype])
+        send = data.make_sendbuf(self.data_op, t.rank, t.size, count, a.dtype, a.seed)
+        pristine = send.copy()
+        recv = data.make_recvbuf(self.data_op, t.size, count, a.dtype)
+        sentinel = recv.copy()
+        result = {"bytes": sweep.reported_bytes(send.size, recv.size, send.itemsize),
+                  "count": count, "iterations_us": [], **sweep.summary([]), "wrong": None,
+                  "phases_us": {}}
+        phases: list[dict[str, float]] = []
+        self.live.current_bytes = result["bytes"]
+        self.live.partial = result
+        total = a.warmup + a.iterations
+        for it in range(total):
+            self.live.iteration = it
+            if it == total - 1:            # the checked one: fresh inputs, sentinel output
+                send[...] = pristine
+                recv[...] = sentinel
+            barrier(self.t, (index, it))
+            clock = sweep.PhaseClock(t.clock.now_ns)
+            t0 = t.clock.now_ns()
+            self.algorithms.run(self.algo_op, a.algorithm, t, send, recv, redop=a.redop,
+                                root=a.root, chunks=a.pipeline_chunks, dtype=a.dtype,
+                                on_phase=clock.mark)
+            t.wait_sends()
+            clock.end()
+            elapsed = t.clock.now_ns() - t0
+            if it >= a.warmup:
+                result["iterations_us"].append(elapsed / 1e3)
+                phases.append(clock.ns)
+                result.update(sweep.summary(result["iterations_us"]))
+                result["phases_us"] = sweep.mean_phases_us(phases)
+        result["wrong"] = self.wrong(count, recv)
+        self.live.results.append(result)
+        self.live.partial = None
+
+    def wrong(self, count: int, recv: np.ndarray) -> int:
+        a, t = self.args, self.t
+        ref = self.data.reference(self.data_op, a.redop, t.size, count, a.dtype, rank=t.rank,
+                                  root=a.root, seed=a.seed)
+        return int(self.data.wrong(recv, ref, a.dtype, t.size, a.algorithm))
+
+
+def finish(t: RoceTransport) -> None:
+    """Leave together: every send acknowledged, a last barrier, a short linger."""
+    t.wait_sends()
+    barrier(t, (-1, -1))
+    t.wait_sends()
+    end = time.monotonic() + LINGER_S
+    t.drive(lambda: time.monotonic() >= end)
+
+
+def run(args: Namespace, life: Lifecycle, live: Live) -> None:
+    algorithms = load(args.algorithms_module, "algorithms")
+    data = load(args.data_module, "data helpers")
+    check_algorithm(algorithms, args.op, args.algorithm)
+    config = RoceConfig(args=args, qps=args.qps, chunk_bytes=args.chunk_bytes,
+                        dilation=args.dilation, connect_timeout_s=args.connect_timeout_s)
+    me = args.peer_list[args.rank]
+    t = connect(args.rank, args.peer_list, config, should_stop=life.should_stop,
+                on_listening=lambda: mark_ready(args.ready_file, {
+                    "rank": args.rank, "tcp_port": me.tcp_port, "udp_port": me.udp_port,
+                    "pid": os.getpid()}))
+    live.transport = t
+    left = "error"
+    try:
+        wait_until_mono(args.start_at_mono_ns, life)
+        if life.should_stop():
+            raise Stopped()
+        live.phase = "running"
+        Sweep(args, t, algorithms, data, live).run()
+        finish(t)
+        live.phase = left = "done"
+    finally:
+        # the peers learn why we go: anything but "done" fails their run at once
+        t.leave(left if left == "done" else life.stop_reason or left)
+        t.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        parser.error(problem)
+    life = Lifecycle()
+    life.install_signal_handlers()
+    live = Live(args)
+    server = serve_snapshots(args.control_sock, live.snapshot)
+    error: str | None = None
+    try:
+        run(args, life, live)
+    except Stopped:
+        pass
+    except (SetupError, TransportError, OSError, ValueError) as e:
+        error = f"{type(e).__name__}: {e}"
+        print(f"agents.collectives rank {args.rank}: {error}", file=sys.stderr)
+    finally:
+        if server is not None:
+            server.close()
+    stopped_by = life.stop_reason or ("error" if error else "done")
+    out = {**live.header(), "results": live.results, "partial": live.partial,
+           "counters": live.counters(),
+           "error": error, "stopped_by": stopped_by}
+    report_counters(out, args.out)
+    bad = any(r["wrong"] for r in live.results)
+    return 1 if error is not None or bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

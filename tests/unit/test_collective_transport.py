@@ -1,0 +1,486 @@
+"""The collectives' RoCE transport (agents.collectives.roce) and worker, without root.
+
+Framing, matching and QP spreading are pure (`Messages`, wired back to back here);
+then two ranks in threads over real QPs on 127.0.0.1, and three worker processes
+(`python -m agents.collectives`) on 127.0.0.1 running the test stand-in algorithms
+(tests/collective_stub.py), as a fabric run would but without namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+from agents.collectives import sweep
+from agents.collectives.__main__ import (
+    build_parser,
+    check_algorithm,
+    check_args,
+    module_op,
+)
+from agents.collectives.roce import (
+    HEADER_BYTES,
+    Messages,
+    PeerAddress,
+    RoceConfig,
+    RoceTransport,
+    SetupError,
+    TransportError,
+    chunk_spans,
+    connect,
+    parse_peers,
+    recv_depth,
+)
+from agents.rdma.qp import QpAttrs
+from agents.runtime.control import read_snapshot
+from tests import collective_stub
+from tests.conftest import REPO
+
+LOOPBACK = "127.0.0.1"
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_chunk_spans_cover_the_message_and_an_empty_message_is_one_chunk():
+    assert chunk_spans(0, 10) == [(0, 0)]
+    assert chunk_spans(10, 10) == [(0, 10)]
+    assert chunk_spans(25, 10) == [(0, 10), (10, 10), (20, 5)]
+    for n in (1, 9, 11, 1000, 65521):
+        spans = chunk_spans(n, 7)
+        assert sum(ln for _, ln in spans) == n
+        assert all(off == i * 7 for i, (off, _) in enumerate(spans))
+    with pytest.raises(ValueError):
+        chunk_spans(5, 0)
+
+
+def test_parse_peers():
+    peers = parse_peers("10.0.0.1:18600:4791, 10.0.0.2:18601:4792")
+    assert peers == [PeerAddress("10.0.0.1", 18600, 4791), PeerAddress("10.0.0.2", 18601, 4792)]
+    for bad in ("10.0.0.1:18600", "host:1:2", "10.0.0.1:0:4791", "10.0.0.1:1:2,10.0.0.1:1:2"):
+        with pytest.raises(ValueError):
+            parse_peers(bad)
+
+
+def test_recv_depth_covers_what_one_engine_step_can_land_and_is_bounded():
+    # 64 datagrams a step: 4 chunks of 16 packets, + the one in progress, + 1
+    assert recv_depth(QpAttrs(), 65536) == 6
+    assert recv_depth(QpAttrs(mtu=1024), 1024) == 64 + 2
+    assert recv_depth(QpAttrs(), 1 << 20) == 4
+    assert recv_depth(QpAttrs(), 32 << 20) * (32 << 20) <= 64 << 20
+
+
+def _pair(qps: int = 3, chunk_bytes: int = HEADER_BYTES + 7) -> tuple[Messages, Messages]:
+    return Messages(0, 2, qps, chunk_bytes), Messages(1, 2, qps, chunk_bytes)
+
+
+def _frames(m: Messages, peer: int, tag: int, data: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    return list(m.frame(peer, tag, data))
+
+
+def _interleave(per_qp: dict[int, list[np.ndarray]], rng: random.Random) -> list[np.ndarray]:
+    """Every QP's chunks in their own order, the QPs interleaved at random (as they land)."""
+    queues = {q: list(c) for q, c in per_qp.items() if c}
+    out = []
+    while queues:
+        q = rng.choice(sorted(queues))
+        out.append(queues[q].pop(0))
+        if not queues[q]:
+            del queues[q]
+    return out
+
+
+def test_chunks_are_spread_over_the_qps_in_turn_across_messages():
+    a, _ = _pair(qps=3)
+    qs = [q for q, _ in _frames(a, 1, 0, np.arange(20, dtype=np.uint8))]    # 3 chunks of 7
+    qs += [q for q, _ in _frames(a, 1, 5, np.zeros(0, dtype=np.uint8))]     # 1 empty chunk
+    qs += [q for q, _ in _frames(a, 1, 0, np.arange(8, dtype=np.uint8))]    # 2 chunks
+    assert qs == [0, 1, 2, 0, 1, 2]
+    c = a.peers[1]
+    assert (c.messages_sent, c.chunks_posted, c.bytes_posted) == (3, 6, 28)
+
+
+def test_same_tag_messages_keep_their_order_across_qps_and_tags_are_apart():
+    rng = random.Random(3)
+    a, b = _pair(qps=3)
+    sent = {}
+    per_qp: dict[int, list[np.ndarray]] = {0: [], 1: [], 2: []}
+    for i, (tag, n) in enumerate([(1, 30), (1, 5), (2, 17), (1, 0), (2, 40), (1, 22)]):
+        data = np.arange(i * 100, i * 100 + n, dtype=np.int32).astype(np.uint8)
+        sent.setdefault(tag, []).append(data.copy())
+        for q, chunk in _frames(a, 1, tag, data):
+            per_qp[q].append(chunk)
+            data[:] = 0          # the buffer may be reused at once: chunks are copies
+    landed = _interleave(per_qp, rng)
+    # tag 2's first message is waited for before anything lands, the rest come first
+    first2 = np.empty(17, dtype=np.uint8)
+    key = b.expect(0, 2, first2)
+    half = len(landed) // 2
+    for chunk in landed[:half]:
+        b.deliver(0, chunk)
+    got: dict[int, list[np.ndarray]] = {1: [], 2: []}
+    for chunk in landed[half:]:
+        b.deliver(0, chunk)
+    assert b.complete(key)
+    b.take(key)
+    got[2].append(first2)
+    for tag, msgs in sent.items():
+        for want in msgs[len(got[tag]):]:
+            out = np.full(want.size, 0xEE, dtype=np.uint8)
+            k = b.expect(0, tag, out)
+            assert b.complete(k)
+            b.take(k)
+            got[tag].append(out)
+    for tag, msgs in sent.items():
+        assert [m.tolist() for m in got[tag]] == [m.tolist() for m in msgs]
+    assert b.pending == 0
+    c = b.peers[0]
+    assert c.messages_received == 6 and c.bytes_received == 30 + 5 + 17 + 0 + 40 + 22
+    assert c.unexpected_chunks > 0
+
+
+def test_a_message_received_into_a_typed_buffer_is_its_bytes():
+    a, b = _pair(qps=2, chunk_bytes=HEADER_BYTES + 64)
+    data = np.linspace(-1, 1, 1001, dtype=np.float32)
+    for _, chunk in _frames(a, 1, 9, data):
+        b.deliver(0, chunk)
+    out = np.empty_like(data)
+    k = b.expect(0, 9, out)
+    assert b.complete(k)
+    assert np.array_equal(out, data)
+
+
+def test_length_mismatch_and_a_headerless_chunk_are_transport_errors():
+    a, b = _pair()
+    for _, chunk in _frames(a, 1, 0, np.zeros(10, dtype=np.uint8)):
+        b.deliver(0, chunk)
+    with pytest.raises(TransportError, match="recv of 11 bytes"):
+        b.expect(0, 0, np.zeros(11, dtype=np.uint8))
+    with pytest.raises(TransportError, match="no header"):
+        b.deliver(0, np.zeros(HEADER_BYTES - 1, dtype=np.uint8))
+    out = np.zeros(4, dtype=np.uint8)
+    b.expect(0, 3, out)
+    (_, chunk), = _frames(a, 1, 3, np.zeros(5, dtype=np.uint8))
+    with pytest.raises(TransportError, match="5-byte message"):
+        b.deliver(0, chunk)
+
+
+def test_bad_peers_tags_and_buffers_are_refused():
+    a, _ = _pair()
+    with pytest.raises(ValueError):
+        _frames(a, 0, 0, np.zeros(1, dtype=np.uint8))     # to itself
+    with pytest.raises(ValueError):
+        _frames(a, 2, 0, np.zeros(1, dtype=np.uint8))     # no such rank
+    with pytest.raises(ValueError):
+        _frames(a, 1, -1, np.zeros(1, dtype=np.uint8))
+    with pytest.raises(ValueError):
+        _frames(a, 1, 0, np.zeros((4, 4), dtype=np.uint8)[:, 1])   # not contiguous
+    with pytest.raises(ValueError):
+        Messages(0, 2, 9, 1024)
+    with pytest.raises(ValueError):
+        Messages(0, 2, 1, HEADER_BYTES)
+
+
+def test_sweep_sizes_counts_and_statistics():
+    assert sweep.sizes(1024, 1024, 2) == [1024]
+    assert sweep.sizes(1000, 1 << 20, 32) == [1000, 32000, 1024000]
+    assert sweep.sizes(8, 64, 2) == [8, 16, 32, 64]
+    with pytest.raises(ValueError):
+        sweep.sizes(8, 64, 1)
+    assert sweep.param_count("allreduce", 1 << 20, 3, 4) == 1 << 18
+    assert sweep.param_count("allgather", 1 << 20, 4, 4) == 1 << 16
+    assert sweep.param_count("alltoall", 1000, 3, 4) == 83
+    assert sweep.bus_factor("allreduce", 4) == 1.5
+    s = sweep.summary([5.0, 1.0, 3.0, 2.0])
+    assert s == {"min_us": 1.0, "avg_us": 2.75, "p50_us": 2.0, "p99_us": 5.0}
+    assert sweep.summary([])["avg_us"] is None
+
+
+def test_phase_clock_splits_an_operation_by_the_algorithms_marks():
+    now = [0.0]
+    clock = sweep.PhaseClock(lambda: now[0])
+    now[0] = 100.0
+    clock.mark("reduce_scatter")
+    now[0] = 400.0
+    clock.mark("all_gather", "extra", "args")
+    now[0] = 450.0
+    clock.mark("reduce_scatter")
+    now[0] = 500.0
+    clock.end()
+    assert clock.ns == {"reduce_scatter": 350.0, "all_gather": 50.0}
+    assert sweep.mean_phases_us([clock.ns, {"all_gather": 150.0}]) == {
+        "reduce_scatter": 0.175, "all_gather": 0.1}
+
+
+def test_worker_arguments():
+    parser = build_parser()
+    base = ["--peers", "10.0.0.1:1:2,10.0.0.2:1:2,10.0.0.3:1:2"]
+    assert check_args(parser.parse_args(["--rank", "2", *base])) is None
+    assert "not one of the 3" in check_args(parser.parse_args(["--rank", "3", *base]))
+    assert "--root" in check_args(parser.parse_args(["--rank", "0", "--root", "5", *base]))
+    assert "factor" in check_args(parser.parse_args(["--rank", "0", "--factor", "1", *base]))
+    assert "header" in check_args(parser.parse_args(["--rank", "0", "--chunk-bytes", "16",
+                                                     *base]))
+    assert "DCQCN preset" in check_args(parser.parse_args(["--rank", "0", "--cc-preset", "x",
+                                                           *base]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rank", "0", "--qps", "9", *base])
+    args = parser.parse_args(["--rank", "0", "--op", "alltoall", *base])
+    assert check_args(args) is None and args.algorithm == "pairwise"
+    args = parser.parse_args(["--rank", "0", *base])
+    assert check_args(args) is None and args.algorithm == "ring"
+
+
+def test_the_algorithms_modules_names_and_table_are_followed():
+    assert module_op(collective_stub, "allreduce") == "allreduce"
+    assert module_op(sweep, "allreduce") == "allreduce"      # a module with no table
+    snake = types.SimpleNamespace(OPS=("all_reduce", "all_to_all"))
+    assert module_op(snake, "alltoall") == "all_to_all"      # a module naming them so
+    check_algorithm(collective_stub, "alltoall", "pairwise")
+    with pytest.raises(SetupError, match="no algorithm 'rhd' for allreduce: ring, tree"):
+        check_algorithm(collective_stub, "allreduce", "rhd")
+
+
+# --------------------------------------------------------------------------- over loopback
+
+
+def _free_ports(n: int, kind: int) -> list[int]:
+    socks = [socket.socket(socket.AF_INET, kind) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((LOOPBACK, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _peers(n: int) -> list[PeerAddress]:
+    tcp = _free_ports(n, socket.SOCK_STREAM)
+    udp = _free_ports(n, socket.SOCK_DGRAM)
+    return [PeerAddress(LOOPBACK, tcp[i], udp[i]) for i in range(n)]
+
+
+def _rdma_args(*argv: str):
+    return build_parser().parse_args(["--rank", "0", "--peers", "1.1.1.1:1:1", *argv])
+
+
+def test_two_ranks_in_threads_over_real_qps_on_loopback():
+    peers = _peers(2)
+    args = _rdma_args("--line-rate-bps", "2e9", "--timeout-ns", "1e9", "--spin-ns", "0",
+                      "--mtu", "1024")
+    config = RoceConfig(args=args, qps=3, chunk_bytes=4096, connect_timeout_s=20)
+    transports: list[RoceTransport | None] = [None, None]
+    errors: list[BaseException] = []
+    results: dict[int, list[np.ndarray]] = {}
+
+    def rank(r: int) -> None:
+        try:
+            t = connect(r, peers, config)
+            transports[r] = t
+            other = 1 - r
+            msgs = [np.arange(n, dtype=np.float32) + r for n in (0, 1, 1023, 50_000)]
+            for i, m in enumerate(msgs):
+                t.send(other, i % 2, m)        # two tags, two messages each
+            got = []
+            for i in (1, 3, 0, 2):             # a tag's messages in order, tags any order
+                out = np.empty(msgs[i].size, dtype=np.float32)
+                t.recv(other, i % 2, out)
+                got.append(out)
+            t.wait_sends()
+            collective_stub.ring_allreduce(t, np.full(10_001, r + 1, dtype=np.int32),
+                                           out := np.empty(10_001, dtype=np.int32))
+            got.append(out)
+            results[r] = got
+        except BaseException as e:   # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+    finally:
+        for t in transports:
+            if t is not None:
+                t.close()
+    assert not errors, errors
+    for r in (0, 1):
+        other = 1 - r
+        sizes = (1, 50_000, 0, 1023)
+        for out, n in zip(results[r][:4], sizes, strict=True):
+            assert np.array_equal(out, np.arange(n, dtype=np.float32) + other)
+        assert np.array_equal(results[r][4], np.full(10_001, 3, dtype=np.int32))
+    t0, t1 = transports
+    assert t0 is not None and t1 is not None
+    c0, c1 = t0.counters(), t1.counters()
+    assert c0["bytes_sent"] == c1["bytes_received"] and c1["bytes_sent"] == c0["bytes_received"]
+    assert c0["per_peer"]["1"]["messages_sent"] == 4 + 2   # + the ring's two steps
+    assert len(c0["per_peer"]["1"]["qps"]) == 3
+    # every QP carried some of it
+    assert all(q["requester"]["packets_sent"] > 0 for q in c0["per_peer"]["1"]["qps"].values())
+
+
+def test_setup_refuses_a_rank_with_other_settings():
+    peers = _peers(2)
+    errors: list[BaseException] = []
+
+    def rank(r: int, qps: int) -> None:
+        try:
+            connect(r, peers, RoceConfig(args=_rdma_args(), qps=qps, connect_timeout_s=10)).close()
+        except BaseException as e:   # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(0, 1)), threading.Thread(target=rank,
+                                                                            args=(1, 2))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert len(errors) == 2 and all(isinstance(e, SetupError) for e in errors), errors
+    assert any("'qps'" in str(e) for e in errors)
+
+
+def _worker(rank: int, peers: list[PeerAddress], tmp_path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "agents.collectives", "--rank", str(rank),
+         "--peers", ",".join(str(p) for p in peers),
+         "--algorithms-module", "tests.collective_stub", "--data-module", "tests.collective_stub",
+         "--line-rate-bps", "2e9", "--timeout-ns", "1e9", "--spin-ns", "0",
+         "--ready-file", str(tmp_path / f"ready{rank}"), "--out", str(tmp_path / f"r{rank}.json"),
+         *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run_workers(tmp_path, n: int, *args: str, returncode: int = 0) -> list[dict]:
+    peers = _peers(n)
+    procs = [_worker(r, peers, tmp_path, *args) for r in range(n)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == returncode, err + out
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r in range(n):
+        assert json.loads((tmp_path / f"ready{r}").read_text())["rank"] == r
+        assert json.loads((tmp_path / f"r{r}.json").read_text()) == outs[r]
+    return outs
+
+
+def test_three_workers_all_reduce_on_loopback(tmp_path):
+    outs = _run_workers(tmp_path, 3, "--op", "allreduce", "--dtype", "int32",
+                        "--min-bytes", "1000", "--max-bytes", "256000", "--factor", "16",
+                        "--warmup", "1", "--iterations", "3", "--qps", "2",
+                        "--chunk-bytes", "4096", "--mtu", "1024")
+    for r, o in enumerate(outs):
+        assert o["rank"] == r and o["size"] == 3 and o["error"] is None
+        assert o["stopped_by"] == "done" and o["partial"] is None
+        assert [x["bytes"] for x in o["results"]] == [1000, 16000, 256000]
+        for x in o["results"]:
+            assert x["wrong"] == 0 and x["count"] == x["bytes"] // 4
+            assert len(x["iterations_us"]) == 3 and x["min_us"] > 0
+            assert x["min_us"] <= x["p50_us"] <= x["p99_us"]
+            assert set(x["phases_us"]) == {"reduce_scatter", "all_gather"}
+            assert sum(x["phases_us"].values()) <= x["avg_us"]
+        c = o["counters"]
+        assert c["retransmissions"] == 0 and c["rnr_naks_received"] == 0
+    sent = sum(o["counters"]["bytes_sent"] for o in outs)
+    assert sent == sum(o["counters"]["bytes_received"] for o in outs) > 0
+    # what rank r sent to rank p is what p received from r
+    for r, o in enumerate(outs):
+        for p, pc in o["counters"]["per_peer"].items():
+            assert pc["bytes_sent"] == outs[int(p)]["counters"]["per_peer"][str(r)][
+                "bytes_received"]
+
+
+def test_three_workers_all_to_all(tmp_path):
+    outs = _run_workers(tmp_path, 3, "--op", "alltoall", "--min-bytes", "3000",
+                        "--max-bytes", "3000", "--iterations", "2")
+    assert all(o["results"][0]["wrong"] == 0 and o["results"][0]["count"] == 250
+               for o in outs)
+
+
+def test_a_wrong_result_is_counted_and_fails_the_run(tmp_path):
+    # the stand-in's "tree" all-reduce leaves two thirds of the buffer unwritten
+    outs = _run_workers(tmp_path, 3, "--algorithm", "tree", "--dtype", "int32",
+                        "--min-bytes", "3000", "--max-bytes", "3000", "--iterations", "1",
+                        returncode=1)
+    assert all(o["results"][0]["wrong"] == 500 and o["error"] is None for o in outs)
+
+
+def test_a_missing_algorithms_module_is_a_clear_error(tmp_path):
+    peers = _peers(2)
+    res = subprocess.run(
+        [sys.executable, "-m", "agents.collectives", "--rank", "0", "--peers",
+         ",".join(str(p) for p in peers), "--algorithms-module",
+         "agents.collectives.no_such_algorithms"],
+        cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "agents.collectives.no_such_algorithms is missing" in out["error"]
+    assert out["results"] == [] and out["stopped_by"] == "error"
+
+
+def test_sigterm_stops_a_rank_with_what_it_has_and_its_peers_learn_it(tmp_path):
+    peers = _peers(3)
+    procs = [_worker(r, peers, tmp_path, "--min-bytes", "4096", "--max-bytes", "4096",
+                     "--iterations", "1000000", "--control-sock", str(tmp_path / f"s{r}"))
+             for r in range(3)]
+    try:
+        deadline = time.monotonic() + 60
+        while True:             # running, a few timed iterations in
+            try:
+                snap = read_snapshot(str(tmp_path / "s1"))
+            except OSError:
+                snap = {}
+            if snap.get("phase") == "running" and (snap.get("iteration") or 0) > 3:
+                break
+            assert time.monotonic() < deadline, snap
+            time.sleep(0.05)
+        assert snap["current_bytes"] == 4096 and snap["bytes_sent"] > 0
+        procs[1].send_signal(signal.SIGTERM)
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=30)
+            outs.append((p.returncode, json.loads(out.strip().splitlines()[-1]), err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    rc, o, _ = outs[1]
+    assert rc == 0 and o["stopped_by"] == "signal:SIGTERM" and o["error"] is None
+    res = o["partial"]         # the size under way, unchecked; no size was checked
+    assert o["results"] == [] and res["bytes"] == 4096
+    assert res["wrong"] is None and len(res["iterations_us"]) >= 3 and res["avg_us"] > 0
+    for r in (0, 2):
+        rc, o, err = outs[r]
+        assert rc == 1 and o["stopped_by"] == "error", err
+        assert "rank 1 left (signal:SIGTERM)" in o["error"]
+
+
+@pytest.mark.parametrize("rank, message", [(0, "cannot connect to 127.0.0.1"),
+                                           (1, "not every lower rank connected in time")])
+def test_a_rank_alone_gives_up_after_the_connect_timeout(tmp_path, rank, message):
+    peers = _peers(2)
+    p = _worker(rank, peers, tmp_path, "--connect-timeout-s", "1")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1, err
+    o = json.loads(out.strip().splitlines()[-1])
+    assert o["error"].startswith("SetupError") and message in o["error"]
+    assert (tmp_path / f"ready{rank}").exists()      # it was listening all along
