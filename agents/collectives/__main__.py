@@ -53,7 +53,7 @@ from types import ModuleType
 
 import numpy as np
 
-from agents.collectives import sweep
+from agents.collectives import ina, sweep
 from agents.collectives.roce import (
     MAX_QPS,
     RoceConfig,
@@ -70,6 +70,7 @@ from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
 from agents.runtime.waiting import wait_until_mono
+from agents.timebase import Dilation
 
 ALGORITHMS_MODULE = "agents.collectives.algorithms"
 DATA_MODULE = "agents.collectives.data"
@@ -130,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout-s", type=argtypes.positive_float, default=30.0,
                    help="wall seconds for connecting to every rank (default %(default)s)")
     # tests: stand-ins for the algorithms / data modules
+    ina_args = p.add_argument_group("in-network all-reduce (--algorithm ina)")
+    ina_args.add_argument("--aggregator", metavar="IP:PORT",
+                          help="this rank's (leaf switch's) aggregator")
+    ina_args.add_argument("--job-id", type=argtypes.nonneg_int, default=1)
+    ina_args.add_argument("--worker-id", type=argtypes.nonneg_int, default=None,
+                          help="this rank's id in the aggregator's job (default: --rank)")
+    ina_args.add_argument("--ina-slots", type=argtypes.positive_int, default=32)
+    ina_args.add_argument("--ina-slot-elements", type=argtypes.positive_int, default=2048)
+    ina_args.add_argument("--ina-port", type=argtypes.port, default=0,
+                          help="UDP port of this rank's aggregation socket (the job's "
+                               "member entry names it)")
     p.add_argument("--algorithms-module", default=ALGORITHMS_MODULE, help=argparse.SUPPRESS)
     p.add_argument("--data-module", default=DATA_MODULE, help=argparse.SUPPRESS)
     return p
@@ -154,6 +166,24 @@ def check_args(args: Namespace) -> str | None:
         return f"--root {args.root} is not one of the {n} ranks"
     if args.chunk_bytes <= 16:
         return "--chunk-bytes must exceed the 16-byte chunk header"
+    if args.algorithm == "ina":
+        return _check_ina(args)
+    return None
+
+
+def _check_ina(args: Namespace) -> str | None:
+    if args.op != "allreduce":
+        return "--algorithm ina is an all-reduce"
+    if args.aggregator is None:
+        return "--algorithm ina needs --aggregator IP:PORT"
+    if args.dtype == "bfloat16" or args.redop != "sum":
+        return "--algorithm ina sums float32, float16 or int32"
+    host, _, port = args.aggregator.rpartition(":")
+    if not host or not port.isdigit():
+        return f"--aggregator {args.aggregator!r} is not IP:PORT"
+    args.aggregator_addr = (host, int(port))
+    if args.worker_id is None:
+        args.worker_id = args.rank
     return None
 
 
@@ -196,9 +226,14 @@ class Live:
         self.partial: dict | None = None     # the size under way (unchecked)
         self.current_bytes: int | None = None
         self.iteration: int | None = None
+        self.ina: InaLink | None = None
 
     def counters(self) -> dict:
-        return self.transport.counters() if self.transport is not None else {}
+        out = self.transport.counters() if self.transport is not None else {}
+        if self.ina is not None:
+            out = {**out, "ina": dict(self.ina.totals),
+                   "ina_max_error_bound": self.ina.max_error_bound}
+        return out
 
     def snapshot(self) -> dict:
         try:
@@ -237,12 +272,13 @@ class Sweep:
     """Runs the sizes of one rank, recording into `live`."""
 
     def __init__(self, args: Namespace, t: RoceTransport, algorithms: ModuleType,
-                 data: ModuleType, live: Live) -> None:
+                 data: ModuleType, live: Live, link: InaLink | None = None) -> None:
         self.args = args
         self.t = t
         self.algorithms = algorithms
         self.data = data
         self.live = live
+        self.ina = link
         self.data_op = module_op(data, args.op)
         self.algo_op = module_op(algorithms, args.op)
 
@@ -272,9 +308,13 @@ class Sweep:
             barrier(self.t, (index, it))
             clock = sweep.PhaseClock(t.clock.now_ns)
             t0 = t.clock.now_ns()
-            self.algorithms.run(self.algo_op, a.algorithm, t, send, recv, redop=a.redop,
-                                root=a.root, chunks=a.pipeline_chunks, dtype=a.dtype,
-                                on_phase=clock.mark)
+            if self.ina is not None:
+                clock.mark("in_network")
+                self.ina.allreduce(send, recv)
+            else:
+                self.algorithms.run(self.algo_op, a.algorithm, t, send, recv, redop=a.redop,
+                                    root=a.root, chunks=a.pipeline_chunks, dtype=a.dtype,
+                                    on_phase=clock.mark)
             t.wait_sends()
             clock.end()
             elapsed = t.clock.now_ns() - t0
@@ -291,7 +331,42 @@ class Sweep:
         a, t = self.args, self.t
         ref = self.data.reference(self.data_op, a.redop, t.size, count, a.dtype, rank=t.rank,
                                   root=a.root, seed=a.seed)
+        if self.ina is not None and a.dtype != "int32":
+            # fixed point: each element within the quantisation bound the agreed exponent
+            # implies (agents/collectives/ina.py), plus the dtype's rounding of the result
+            got = self.data.widen(a.dtype, recv)
+            tol = self.ina.max_error_bound + self.data.eps(a.dtype) * np.abs(ref.values)
+            return int(np.count_nonzero(~(np.abs(got - ref.values) <= tol)))
         return int(self.data.wrong(recv, ref, a.dtype, t.size, a.algorithm))
+
+
+class InaLink:
+    """This rank's side of the in-network all-reduce: a UDP socket to its leaf switch's
+    aggregator, the job, and what the calls so far cost."""
+
+    def __init__(self, args: Namespace, bind_ip: str, life: Lifecycle) -> None:
+        self.args = args
+        self.life = life
+        self.sock = ina.open_socket(bind_ip, args.ina_port, dscp=args.dscp)
+        self.job = ina.InaJob(args.job_id, len(args.peer_list), args.ina_slots,
+                              args.ina_slot_elements)
+        self.chunk_base = 0
+        self.max_error_bound = 0.0
+        self.totals: dict[str, int] = {}
+
+    def allreduce(self, send: np.ndarray, recv: np.ndarray) -> None:
+        c = ina.allreduce_ina(self.sock, self.args.aggregator_addr, self.job,
+                              self.args.worker_id, send, recv,
+                              dilation=Dilation(self.args.dilation),
+                              chunk_base=self.chunk_base, life=self.life)
+        self.chunk_base = c.next_chunk_base
+        self.max_error_bound = max(self.max_error_bound, c.max_error_bound)
+        for key, value in c.as_dict().items():
+            if isinstance(value, int) and key != "next_chunk_base":
+                self.totals[key] = self.totals.get(key, 0) + value
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def finish(t: RoceTransport) -> None:
@@ -321,7 +396,13 @@ def run(args: Namespace, life: Lifecycle, live: Live) -> None:
         if life.should_stop():
             raise Stopped()
         live.phase = "running"
-        Sweep(args, t, algorithms, data, live).run()
+        link = InaLink(args, me.ip, life) if args.algorithm == "ina" else None
+        live.ina = link
+        try:
+            Sweep(args, t, algorithms, data, live, link).run()
+        finally:
+            if link is not None:
+                link.close()
         finish(t)
         live.phase = left = "done"
     finally:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 OPS = ("allreduce", "reducescatter", "allgather", "broadcast", "alltoall")
 SNAKE_OP = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter",
             "allgather": "all_gather", "broadcast": "broadcast", "alltoall": "all_to_all"}
-ALGORITHMS = ("ring", "rhd", "tree", "pairwise")
+ALGORITHMS = ("ring", "rhd", "tree", "pairwise", "ina")
 #: The algorithm an op runs when --algorithm is not given.
 DEFAULT_ALGORITHM = {"allreduce": "ring", "reducescatter": "ring", "allgather": "ring",
                      "broadcast": "ring", "alltoall": "pairwise"}

@@ -63,7 +63,8 @@ CollectiveKindName = Literal["allreduce", "reducescatter", "allgather", "broadca
 REDUCING = ("allreduce", "reducescatter")
 SETUP_PORT, ROCE_PORT = 12000, 10000          # TCP set-up, UDP RoCE of a host's first rank
 AGGREGATOR_PORT = 11000                       # UDP of a switch's first aggregator
-MAX_RANKS_PER_HOST = 1000
+INA_WORKER_PORT = 11500                       # UDP of a host's first rank's aggregation socket
+MAX_RANKS_PER_HOST = 500
 # A worker imports numpy, connects to every peer and builds its buffers before t0.
 STARTUP_PER_RANK_S = 0.3
 # A 16-byte chunk header per message piece, BTH 12 + ICRC 4 per packet (besides
@@ -188,8 +189,9 @@ class CollectiveKind(WorkloadKind):
                      "user-space RoCE transport, swept over sizes the way nccl-tests does; "
                      "one row per size, also written as results/<entry>.nccl.txt and "
                      "results/<entry>.nccl.json (nccl-tests' table and -J JSON).")
+    # UDP: RoCE 10000.., aggregators 11000.., ranks' aggregation sockets 11500..
     ports: ClassVar = {"tcp": range(SETUP_PORT, SETUP_PORT + MAX_RANKS_PER_HOST),
-                       "udp": range(ROCE_PORT, ROCE_PORT + MAX_RANKS_PER_HOST)}
+                       "udp": range(ROCE_PORT, INA_WORKER_PORT + 500)}
     example: ClassVar = {"name": "ar", "kind": "allreduce", "algorithm": "ring",
                          "ranks": ["h1", "h2", "h3", "h4"],
                          "sizes": {"min": "64KiB", "max": "1MiB", "factor": 4}}
@@ -226,6 +228,10 @@ class CollectiveKind(WorkloadKind):
         if t.algorithm is not None and t.algorithm not in allowed:
             yield (loc + ("algorithm",), f"{t.algorithm!r} is not a {t.kind} algorithm; use "
                    f"{' or '.join(allowed)}")
+        if t.op_algorithm == "ina" and (t.dtype == "bfloat16" or t.redop != "sum"):
+            yield (loc + ("dtype" if t.dtype == "bfloat16" else "redop",),
+                   "the in-network all-reduce sums float32, float16 or int32 in int32 fixed "
+                   "point; pick one of those and redop: sum")
         if t.kind == "broadcast" and t.root >= len(t.ranks):
             yield (loc + ("root",), f"root {t.root} is not a rank (ranks 0..{len(t.ranks) - 1})")
         if t.redop != "sum" and t.kind not in REDUCING:
@@ -246,7 +252,6 @@ class CollectiveKind(WorkloadKind):
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         assert isinstance(entry, CollectiveTraffic)
         t = entry
-        aggregators = ina_plan(t, index, ctx) if t.op_algorithm == "ina" else None
         per_host = ctx.state("collective")       # host -> ranks on it so far
         ports = []
         for host in t.ranks:
@@ -254,9 +259,11 @@ class CollectiveKind(WorkloadKind):
             if n >= MAX_RANKS_PER_HOST:
                 raise ValueError(f"more than {MAX_RANKS_PER_HOST} collective ranks on {host}")
             per_host[host] = n + 1
-            ports.append((SETUP_PORT + n, ROCE_PORT + n))
+            ports.append((SETUP_PORT + n, ROCE_PORT + n, INA_WORKER_PORT + n))
+        aggregators = (ina_plan(t, index, ctx, [p[2] for p in ports])
+                       if t.op_algorithm == "ina" else None)
         peers = ",".join(f"{ctx.address(h)}:{tcp}:{udp}"
-                         for h, (tcp, udp) in zip(t.ranks, ports, strict=True))
+                         for h, (tcp, udp, _ina) in zip(t.ranks, ports, strict=True))
         mtu = ctx.roce_mtu_bytes
         rtt = ctx.round_trip_ns(ctx.tc(t.tclass)) if t.window_packets == "auto" else None
         cc = ["--cc", t.cc] + (["--cc-preset", t.preset] if t.preset else [])
@@ -339,6 +346,9 @@ class CollectiveKind(WorkloadKind):
         notes = []
         for spec in specs:
             res = results.get(spec.name) or {}
+            if spec.module == AGGREGATOR_MODULE:
+                notes += _aggregator_notes(spec, res)
+                continue
             if res.get("error"):
                 notes.append(f"collective rank {spec.name} on {spec.node}: {res['error']}")
             wrong = sum(int(r.get("wrong", 0)) for r in res.get("results") or [])
@@ -373,6 +383,19 @@ class CollectiveKind(WorkloadKind):
 AGGREGATOR_MODULE = "agents.aggregator"
 
 
+def _aggregator_notes(spec: AgentSpec, res: dict) -> list[str]:
+    """An aggregator that failed, or dropped packets it should have taken."""
+    if not res:
+        return [f"aggregator {spec.name} on {spec.node} reported nothing"]
+    notes = [f"aggregator {spec.name} on {spec.node}: {res['error']}"] if res.get(
+        "error") else []
+    drops = {k: v for k, v in (res.get("drops") or {}).items() if v}
+    if drops:
+        notes.append(f"aggregator {spec.name} on {spec.node} dropped "
+                     + ", ".join(f"{v} {k}" for k, v in sorted(drops.items())))
+    return notes
+
+
 @dataclass
 class InaPlan:
     """An in-network all-reduce's aggregators: one per leaf switch of the ranks' hosts,
@@ -384,13 +407,15 @@ class InaPlan:
     leaf_of: dict[str, str]                 # host -> its leaf switch
     address: dict[tuple[str, str], str]     # (switch, host) -> the switch's address there
     port: dict[str, int]                    # switch -> its aggregator's UDP port
+    worker_port: list[int]                  # rank -> its aggregation socket's UDP port
     specs: list[AgentSpec] = field(default_factory=list)
 
     def worker_argv(self, rank: int, host: str) -> list[str]:
         leaf = self.leaf_of[host]
         return ["--aggregator", f"{self.address[(leaf, host)]}:{self.port[leaf]}",
                 "--job-id", str(self.job_id), "--worker-id", str(rank),
-                "--ina-slots", str(self.slots), "--ina-slot-elements", str(self.slot_elements)]
+                "--ina-slots", str(self.slots), "--ina-slot-elements", str(self.slot_elements),
+                "--ina-port", str(self.worker_port[rank])]
 
 
 def _leaf_switch(ctx: ExpandContext, host: str) -> str:
@@ -400,8 +425,10 @@ def _leaf_switch(ctx: ExpandContext, host: str) -> str:
     return switches[0]
 
 
-def ina_plan(t: CollectiveTraffic, index: int, ctx: ExpandContext) -> InaPlan:
-    """Place the aggregators of entry `index` (job id index + 1) and build their argv."""
+def ina_plan(t: CollectiveTraffic, index: int, ctx: ExpandContext,
+             worker_port: list[int]) -> InaPlan:
+    """Place the aggregators of entry `index` (job id index + 1) and build their argv;
+    `worker_port[rank]` is the UDP port of the rank's aggregation socket."""
     leaf_of = {h: _leaf_switch(ctx, h) for h in t.ranks}
     leaves = list(dict.fromkeys(leaf_of.values()))
     if len(leaves) == 1:
@@ -422,9 +449,9 @@ def ina_plan(t: CollectiveTraffic, index: int, ctx: ExpandContext) -> InaPlan:
         port[switch] = AGGREGATOR_PORT + n
     address = {(leaf_of[h], h): ctx.link_address(leaf_of[h], h) or "" for h in t.ranks}
     plan = InaPlan(job_id=index + 1, slots=t.ina.slots, slot_elements=t.ina.slot_elements,
-                   leaf_of=leaf_of, address=address, port=port)
+                   leaf_of=leaf_of, address=address, port=port, worker_port=worker_port)
     for leaf_id, leaf in enumerate(leaves):
-        members = [[r, ctx.address(h), ROCE_PORT] for r, h in enumerate(t.ranks)
+        members = [[r, ctx.address(h), worker_port[r]] for r, h in enumerate(t.ranks)
                    if leaf_of[h] == leaf]
         job: dict[str, object] = {"id": plan.job_id, "members": members, "slots": t.ina.slots,
                                   "slot_elements": t.ina.slot_elements}
@@ -463,7 +490,8 @@ def _entries(specs: Sequence[AgentSpec]) -> list[tuple[str, str, list[AgentSpec]
     """(traffic, kind, its ranks in rank order) for each entry among `specs`."""
     out: dict[str, tuple[str, list[AgentSpec]]] = {}
     for s in specs:
-        out.setdefault(s.traffic, (s.kind, []))[1].append(s)
+        if s.module != AGGREGATOR_MODULE:
+            out.setdefault(s.traffic, (s.kind, []))[1].append(s)
     return [(t, kind, sorted(ranks, key=lambda s: int(_arg(s.argv, "--rank"))))
             for t, (kind, ranks) in out.items()]
 
