@@ -207,7 +207,10 @@ def module_op(module: ModuleType, op: str) -> str:
 
 
 def check_algorithm(algorithms: ModuleType, op: str, algorithm: str) -> None:
-    """Refuse, before any set-up, an algorithm the module's table does not list for `op`."""
+    """Refuse, before any set-up, an algorithm the module's table does not list for `op`
+    (the in-network all-reduce is not the module's: it runs through the aggregators)."""
+    if algorithm == "ina":
+        return
     table = getattr(algorithms, "ALGORITHMS", None)
     if isinstance(table, dict):
         known = table.get(module_op(algorithms, op), ())
