@@ -312,6 +312,10 @@ class Sweep:
             clock = sweep.PhaseClock(t.clock.now_ns)
             t0 = t.clock.now_ns()
             if self.ina is not None:
+                # The aggregation runs on its own socket, and nothing drives the RoCE
+                # engine meanwhile: the barrier's last sends must be on the wire and
+                # acknowledged first, or a peer still waiting for one never leaves it.
+                t.wait_sends()
                 clock.mark("in_network")
                 self.ina.allreduce(send, recv)
             else:
