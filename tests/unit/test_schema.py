@@ -17,9 +17,11 @@ REGENERATE = "python -m testbed.config.schema > configs/schema/fabric.schema.jso
 
 
 def example_configs() -> list[Path]:
-    """configs/*.yaml and configs/examples/**/*.yaml: the files users copy from."""
+    """configs/*.yaml, configs/examples/**/*.yaml and configs/collectives/*.yaml: the files
+    users copy from."""
     configs = REPO / "configs"
-    return sorted([*configs.glob("*.yaml"), *(configs / "examples").rglob("*.yaml")])
+    return sorted([*configs.glob("*.yaml"), *(configs / "examples").rglob("*.yaml"),
+                   *(configs / "collectives").glob("*.yaml")])
 
 
 def schema_of(path: Path) -> Path | None:

@@ -147,3 +147,21 @@ def test_nccl_tests_table_and_json_files(tmp_path: Path) -> None:
     assert first["root"] == "    -1" and first["actual_iterations"] == 3
     assert doc["out_of_bounds"] == {"count": 3, "okay": "false"}
     assert [d["hostname"] for d in doc["config"]["devices"]] == ["h1", "h2", "h3"]
+
+
+def test_the_collectives_suite_compares_every_all_reduce_algorithm() -> None:
+    from agents.collectives.ops import ALGORITHMS
+    from testbed.cli.run import suite_runs
+    from tests.conftest import REPO
+
+    runs = suite_runs(str(REPO / "configs" / "suites" / "collectives.yaml"))
+    assert runs is not None
+    algorithms = []
+    for path in runs:
+        loaded = load_config_text(Path(path).read_text(), path)
+        plan = compile_plan(loaded)
+        (entry,) = loaded.fabric.workload.traffic
+        assert entry.kind == "allreduce" and len(entry.ranks) == len(plan.hosts())
+        algorithms.append(entry.op_algorithm)
+        assert expand_workload(loaded.fabric, plan)
+    assert sorted(algorithms) == sorted((*ALGORITHMS["allreduce"], "ina"))
