@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import socket
 import sys
 import time
 from argparse import Namespace
@@ -71,6 +72,7 @@ from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
 from agents.runtime.waiting import wait_until_mono
 from agents.timebase import Dilation
+from agents.wire import BytesLike
 
 ALGORITHMS_MODULE = "agents.collectives.algorithms"
 DATA_MODULE = "agents.collectives.data"
@@ -347,14 +349,35 @@ class Sweep:
         return int(self.data.wrong(recv, ref, a.dtype, t.size, a.algorithm))
 
 
+# Longest wall time the aggregation socket waits before the RoCE engine is served again.
+SERVICE_WALL_NS = 1_000_000
+
+
+class ServicedPort(ina.UdpPort):
+    """The aggregation socket, serving the RoCE engine between receives: a peer whose
+    barrier message our ACK for was lost retransmits it, and would run out of retries if
+    nothing answered while this rank aggregates in the switches."""
+
+    def __init__(self, sock: socket.socket, life: Lifecycle, t: RoceTransport) -> None:
+        super().__init__(sock, life)
+        self.t = t
+
+    def recv(self, timeout_wall_ns: int) -> tuple[BytesLike, ina.Addr] | None:
+        while self.t.engine.step():
+            pass
+        return super().recv(min(timeout_wall_ns, SERVICE_WALL_NS))
+
+
 class InaLink:
     """This rank's side of the in-network all-reduce: a UDP socket to its leaf switch's
     aggregator, the job, and what the calls so far cost."""
 
-    def __init__(self, args: Namespace, bind_ip: str, life: Lifecycle) -> None:
+    def __init__(self, args: Namespace, bind_ip: str, life: Lifecycle,
+                 t: RoceTransport) -> None:
         self.args = args
         self.life = life
         self.sock = ina.open_socket(bind_ip, args.ina_port, dscp=args.dscp)
+        self.port = ServicedPort(self.sock, life, t)
         self.job = ina.InaJob(args.job_id, len(args.peer_list), args.ina_slots,
                               args.ina_slot_elements)
         self.chunk_base = 0
@@ -362,7 +385,7 @@ class InaLink:
         self.totals: dict[str, int] = {}
 
     def allreduce(self, send: np.ndarray, recv: np.ndarray) -> None:
-        c = ina.allreduce_ina(self.sock, self.args.aggregator_addr, self.job,
+        c = ina.allreduce_ina(self.port, self.args.aggregator_addr, self.job,
                               self.args.worker_id, send, recv,
                               dilation=Dilation(self.args.dilation),
                               chunk_base=self.chunk_base, life=self.life)
@@ -403,7 +426,7 @@ def run(args: Namespace, life: Lifecycle, live: Live) -> None:
         if life.should_stop():
             raise Stopped()
         live.phase = "running"
-        link = InaLink(args, me.ip, life) if args.algorithm == "ina" else None
+        link = InaLink(args, me.ip, life, t) if args.algorithm == "ina" else None
         live.ina = link
         try:
             Sweep(args, t, algorithms, data, live, link).run()
