@@ -363,7 +363,9 @@ class ServicedPort(ina.UdpPort):
         self.t = t
 
     def recv(self, timeout_wall_ns: int) -> tuple[BytesLike, ina.Addr] | None:
-        while self.t.engine.step():
+        # step the engine (ACKs, timers) and reap: a message that lands is put in place
+        # and its receive buffer posted again, or the peer's next SEND meets RNR NAKs
+        while self.t.engine.step() or self.t.reap():
             pass
         return super().recv(min(timeout_wall_ns, SERVICE_WALL_NS))
 

@@ -72,8 +72,8 @@ topology:
   host_link: {{port: 100GBASE-CR1, length: 2m}}
   fabric_link: {{port: 400GBASE-DR4, length: 100m}}
 impairments:
-  - {{link: [leaf1, spine1], loss: 0.03}}
-  - {{link: [leaf1, spine2], loss: 0.03}}
+  - {{link: [leaf1, spine1], loss: 0.01}}
+  - {{link: [leaf1, spine2], loss: 0.01}}
 workload:
   traffic:
     - {{name: ina, kind: allreduce, algorithm: ina, ranks: [h1, h2, h3, h4],
@@ -82,9 +82,9 @@ workload:
 
 
 def test_in_network_all_reduce_through_a_tree_survives_loss(tmp_path) -> None:
-    """Leaf aggregators on leaf1 and leaf2 under one on a spine; 3 % loss on leaf1's
+    """Leaf aggregators on leaf1 and leaf2 under one on a spine; 1 % loss on leaf1's
     uplinks: the result is exact within the quantisation bound, and the losses show as
-    the workers' retransmissions."""
+    retransmissions."""
     lab = unique_lab("ina")
     loaded = load_config_text(INA.format(lab=lab), "ina.yaml")
     result = run_config(loaded, compile_plan(loaded),
@@ -93,8 +93,12 @@ def test_in_network_all_reduce_through_a_tree_survives_loss(tmp_path) -> None:
     assert row["error"] is None and row["wrong"] == 0 and row["algorithm"] == "ina"
     agents = result.run_dir / "agents"
     ranks = [json.loads((agents / f"ina-r{r}.json").read_text()) for r in range(4)]
-    assert sum(r["counters"]["ina"]["retransmissions"] for r in ranks) > 0
-    assert result.summary["totals"]["phy_drops"] > 0
+    drops = result.summary["totals"]["phy_drops"]
+    assert drops > 0
+    # a lost request or result is resent by its worker (a lost barrier packet, by RoCE)
+    resent = sum(r["counters"]["ina"]["retransmissions"] + r["counters"].get(
+        "retransmissions", 0) for r in ranks)
+    assert resent > 0
     names = {p.stem for p in agents.glob("ina-agg-*.json")}
     assert names == {"ina-agg-leaf1", "ina-agg-leaf2", "ina-agg-spine1"}
     root = json.loads((agents / "ina-agg-spine1.json").read_text())
