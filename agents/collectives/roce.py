@@ -62,6 +62,7 @@ import numpy as np
 from agents.rdma import options
 from agents.rdma.qp import QpAttrs, RcQp, WcStatus
 from agents.rdma.transport import Binding, Endpoint, Engine, Stopped
+from agents.runtime.sockets import dial_tcp
 from agents.timebase import Dilation, FabricClock
 from agents.wire.roce import PSN_MASK, icrc_context
 
@@ -672,23 +673,13 @@ def _check_hello(t: RoceTransport, msg: dict, peer: int | None) -> int:
 def _dial(addr: PeerAddress, local_ip: str, deadline: float,
           should_stop: Callable[[], bool]) -> socket.socket:
     """Connect to a rank's set-up port, retrying (it may not listen yet) until `deadline`."""
-    last: OSError | None = None
-    while time.monotonic() < deadline:
-        if should_stop():
-            raise Stopped()
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            s.bind((local_ip, 0))
-            s.settimeout(max(0.1, min(1.0, deadline - time.monotonic())))
-            s.connect((addr.ip, addr.tcp_port))
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.settimeout(None)
-            return s
-        except OSError as e:
-            last = e
-            s.close()
-            time.sleep(0.05)
-    raise SetupError(f"cannot connect to {addr.ip}:{addr.tcp_port}: {last or 'timed out'}")
+    try:
+        s = dial_tcp((addr.ip, addr.tcp_port), local_ip, deadline, should_stop, attempt_s=1.0)
+    except TimeoutError as e:
+        raise SetupError(f"cannot connect to {addr.ip}:{addr.tcp_port}: {e}") from None
+    if s is None:
+        raise Stopped()
+    return s
 
 
 def _accept(lsock: socket.socket, deadline: float,

@@ -47,6 +47,7 @@ from agents.rdma.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, 
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready
+from agents.runtime.sockets import dial_tcp
 from agents.runtime.waiting import wait_until_mono
 from agents.timebase import Dilation, FabricClock
 from agents.wire.roce import PSN_MASK, ROCE_UDP_PORT, icrc_context
@@ -288,23 +289,14 @@ TITLES = {"write_bw": "RDMA_Write BW Test", "write_lat": "RDMA_Write Latency Tes
 
 def _connect(server: str, port: int, bind: str | None, timeout_s: float,
              life: Lifecycle) -> socket.socket:
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline and not life.should_stop():
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            if bind:
-                s.bind((bind, 0))
-            s.settimeout(max(0.1, min(2.0, deadline - time.monotonic())))
-            s.connect((server, port))
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.settimeout(None)
-            return s
-        except OSError as e:
-            last = e
-            s.close()
-            time.sleep(0.05)
-    raise TestError(f"cannot connect to {server}:{port}: {last or 'stopped'}")
+    try:
+        s = dial_tcp((server, port), bind, time.monotonic() + timeout_s, life.should_stop,
+                     attempt_s=2.0)
+    except TimeoutError as e:
+        raise TestError(f"cannot connect to {server}:{port}: {e}") from None
+    if s is None:
+        raise TestError(f"cannot connect to {server}:{port}: stopped")
+    return s
 
 
 # --- client -----------------------------------------------------------------------------

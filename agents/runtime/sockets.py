@@ -18,6 +18,7 @@ import errno
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 # Linux values Python's socket module does not export (asm-generic, as on x86 and arm).
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
@@ -116,3 +117,29 @@ class SendErrors:
             self.icmp_errors += 1
             return "icmp"
         raise e
+
+
+def dial_tcp(addr: tuple[str, int], bind: str | None, deadline: float,
+             should_stop: Callable[[], bool], attempt_s: float) -> socket.socket | None:
+    """Connect to a TCP set-up port, retrying until CLOCK_MONOTONIC `deadline` (the peer
+    may not listen yet): the connected socket (TCP_NODELAY, blocking), None if
+    `should_stop()` turned true first, TimeoutError naming the last failure at the
+    deadline. Each attempt waits at most `attempt_s`."""
+    last: OSError | None = None
+    while time.monotonic() < deadline:
+        if should_stop():
+            return None
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            if bind:
+                s.bind((bind, 0))
+            s.settimeout(max(0.1, min(attempt_s, deadline - time.monotonic())))
+            s.connect(addr)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.settimeout(None)
+            return s
+        except OSError as e:
+            last = e
+            s.close()
+            time.sleep(0.05)
+    raise TimeoutError(str(last or "timed out"))

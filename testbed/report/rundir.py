@@ -219,6 +219,7 @@ def rebuild_summary(run_dir: Path, plan: Plan | None, store: Store | None,
             duration_fabric_ns = max(0, int(hi_fabric))
             duration_wall_s = (hi_wall - lo_wall) / 1e9
         fidelity = [str(e.get("message", e)) for e in store.events("fidelity")]
+    links = link_rows(plan, ports)
     return {
         "format_version": RUN_FORMAT_VERSION,
         "name": name,
@@ -230,8 +231,8 @@ def rebuild_summary(run_dir: Path, plan: Plan | None, store: Store | None,
         "interrupted": True,
         "ports": ports,
         "workloads": workloads,
-        "links": link_rows(plan, ports),
-        "totals": {**totals(ports, delivered), **link_totals(link_rows(plan, ports))},
+        "links": links,
+        "totals": {**totals(ports, delivered), **link_totals(links)},
         "fidelity": fidelity,
         "verdict": None,
         "rebuilt_from_counters": True,

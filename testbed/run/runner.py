@@ -400,13 +400,14 @@ def write_results(run: Run) -> None:
     own notes. Best effort on an interrupted run: what cannot be read is said."""
     try:
         view = _run_view(run)
-        for kind, specs in run.by_kind().items():
+        kinds = run.by_kind()
+        for kind, specs in kinds.items():
             rows = kind.result_rows(specs, run.results, view)
             for row in rows:
                 run.store.add_result(row.traffic, row.kind, row.fields)
             write_output_files(run.run_dir, kind.output_files(rows, specs, run.results, view))
         run.results_written = True
-        for kind, specs in run.by_kind().items():
+        for kind, specs in kinds.items():
             run.notes.extend(kind.fidelity_notes(specs, run.results, view))
     except Exception as exc:
         run.notes.add(f"could not collect agent results: {exc!r}")

@@ -44,6 +44,7 @@ from testbed.workloads.base import (
     Shape,
     TrafficEntry,
     WorkloadKind,
+    arg_of,
 )
 from testbed.workloads.collective_nccl import iteration_stats, json_report, table
 from testbed.workloads.rdma import (
@@ -483,7 +484,10 @@ def _aggregator_spec(t: CollectiveTraffic, switch: str, port: int, jobs: list[di
 
 
 def _arg(argv: Sequence[str], flag: str) -> str:
-    return argv[argv.index(flag) + 1]
+    """A flag's value in an argv this kind wrote (so it is there)."""
+    value = arg_of(argv, flag)
+    assert value is not None, flag
+    return value
 
 
 def _entries(specs: Sequence[AgentSpec]) -> list[tuple[str, str, list[AgentSpec]]]:

@@ -5,13 +5,36 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
 from testbed.config import load_config_text
 from testbed.net import apply_plan, destroy_lab
+from testbed.net.namespaces import list_testbed_namespaces
 from testbed.plan import Plan, compile_plan
 from tests.conftest import REPO, unique_lab
+
+
+@contextmanager
+def built_lab(template: str, stem: str, **fields: object) -> Iterator[Plan]:
+    """A lab from a config `template` (its `{name}` a unique lab name, the rest from
+    `fields`), up for the block and torn down after it, port programs included; fails
+    if a namespace of it is left behind."""
+    lab = unique_lab(stem)
+    plan = compile_plan(load_config_text(template.format(name=lab, **fields), "<test>"))
+    try:
+        apply_plan(plan)
+        yield plan
+    finally:
+        destroy_lab(plan.lab)
+        try:
+            from testbed.net import portprog
+            portprog.detach_lab(plan.lab)
+        except Exception:   # noqa: BLE001 - nothing pinned, or no bpffs
+            pass
+    left = [n for n in list_testbed_namespaces() if n.startswith(f"tb-{lab}")]
+    assert not left, f"namespaces left behind: {left}"
 
 
 def plan_from_file(path: str, stem: str) -> Plan:

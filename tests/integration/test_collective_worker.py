@@ -21,13 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from testbed.config import load_config_text
-from testbed.net import apply_plan, destroy_lab
 from testbed.net.counters import read_counters
-from testbed.net.namespaces import list_testbed_namespaces
-from testbed.plan import Plan, compile_plan
+from testbed.plan import Plan
+from testbed.plan.paths import host_address
 from testbed.run.procs import AgentProcess, start_agent
-from tests.conftest import unique_lab
+from tests.integration.conftest import built_lab
 
 pytestmark = pytest.mark.root
 
@@ -56,24 +54,12 @@ def _modules() -> list[str]:
 
 @pytest.fixture(scope="module")
 def fabric() -> Iterator[Plan]:
-    lab = unique_lab("coll")
-    plan = compile_plan(load_config_text(FABRIC_YAML.format(name=lab, d=D), "<test>"))
-    try:
-        apply_plan(plan)
+    with built_lab(FABRIC_YAML, "coll", d=D) as plan:
         yield plan
-    finally:
-        destroy_lab(plan.lab)
-        try:
-            from testbed.net import portprog
-            portprog.detach_lab(plan.lab)
-        except Exception:   # noqa: BLE001 - nothing pinned, or no bpffs
-            pass
-    left = [n for n in list_testbed_namespaces() if n.startswith(f"tb-{lab}")]
-    assert not left, f"namespaces left behind: {left}"
 
 
 def _ip(plan: Plan, host: str) -> str:
-    return plan.node(host).interfaces[0].address.split("/")[0]
+    return host_address(plan, host)
 
 
 def _class_packets(plan: Plan, host: str, tc: int) -> int:

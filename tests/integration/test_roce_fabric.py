@@ -18,12 +18,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from testbed.config import load_config_text
-from testbed.net import apply_plan, destroy_lab
 from testbed.net.counters import read_counters
-from testbed.net.namespaces import list_testbed_namespaces
-from testbed.plan import Plan, compile_plan
-from tests.conftest import REPO, unique_lab
+from testbed.plan import Plan
+from testbed.plan.paths import host_address
+from tests.conftest import REPO
+from tests.integration.conftest import built_lab
 
 pytestmark = pytest.mark.root
 
@@ -41,20 +40,8 @@ topology: {{kind: single_switch, hosts: 3, host_link: {{port: 100GBASE-CR1, leng
 
 @pytest.fixture(scope="module")
 def fabric() -> Iterator[Plan]:
-    lab = unique_lab("roce")
-    plan = compile_plan(load_config_text(FABRIC_YAML.format(name=lab, d=D), "<test>"))
-    try:
-        apply_plan(plan)
+    with built_lab(FABRIC_YAML, "roce", d=D) as plan:
         yield plan
-    finally:
-        destroy_lab(plan.lab)
-        try:
-            from testbed.net import portprog
-            portprog.detach_lab(plan.lab)
-        except Exception:   # noqa: BLE001 - nothing pinned, or no bpffs
-            pass
-    left = [n for n in list_testbed_namespaces() if n.startswith(f"tb-{lab}")]
-    assert not left, f"namespaces left behind: {left}"
 
 
 def _ns(plan: Plan, host: str) -> str:
@@ -62,7 +49,7 @@ def _ns(plan: Plan, host: str) -> str:
 
 
 def _ip(plan: Plan, host: str) -> str:
-    return plan.node(host).interfaces[0].address.split("/")[0]
+    return host_address(plan, host)
 
 
 def _agent(plan: Plan, host: str, *argv: str) -> list[str]:
