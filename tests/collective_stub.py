@@ -102,3 +102,9 @@ def reference(op, redop, size, count, dtype, *, rank=0, root=0, seed=0) -> np.nd
 
 def wrong(result, ref, dtype, n_ranks, algorithm) -> int:
     return int(np.count_nonzero(np.asarray(result) != ref))
+
+
+def count_wrong(result, op, redop, size, count, dtype, algorithm, *, rank=0, root=0, seed=0,
+                tolerance=None, block=None, between=None) -> int:
+    return wrong(result, reference(op, redop, size, count, dtype, rank=rank, root=root,
+                                   seed=seed), dtype, size, algorithm)

@@ -156,33 +156,46 @@ def reduce_into(redop: str, dtype: str, acc: np.ndarray, incoming: np.ndarray) -
 _M64 = (1 << 64) - 1
 
 
+_GAMMA = 0x9E3779B97F4A7C15       # SplitMix64's increment (the golden ratio, odd)
+
+
 def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser (Steele, Lea & Flood 2014): a bijective 64-bit mix."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    """SplitMix64's finaliser (Steele, Lea & Flood 2014), a bijective 64-bit mix, applied
+    to `x` in place (and returned): the inputs of a 256 MiB buffer are recomputed by
+    every rank's check, so temporaries are kept to one."""
+    t = np.empty_like(x)
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB), (31, None)):
+        np.right_shift(x, np.uint64(shift), out=t)
+        np.bitwise_xor(x, t, out=x)
+        if mult is not None:
+            np.multiply(x, np.uint64(mult), out=x)
+    return x
 
 
 def fill(rank: int, count: int, dtype: str, seed: int = 0, *, start: int = 0) -> np.ndarray:
     """Elements start..start+count-1 of `rank`'s test input, as a `dtype` buffer.
 
     Element i's value depends only on (seed, rank, i): fill(r, 10)[4:] == fill(r, 6,
-    start=4). Floats: +-[0.5, 2) rounded to the dtype, negative with probability 1/4;
-    int32: uniform over the whole range.
+    start=4). It is SplitMix64's output for state key + (i + 1) x gamma, the key mixed
+    from (seed, rank). Floats: +-[0.5, 2) rounded to the dtype, negative with probability
+    1/4; int32: uniform over the whole range.
     """
     _check("dtype", dtype, DTYPES)
     # The key is mixed in Python integers (mod 2**64), so numpy scalar overflow warnings
     # never fire; the array arithmetic below wraps silently, as intended.
-    key = ((seed * 0x9E3779B97F4A7C15) ^ (rank * 0xD1B54A32D192ED03) ^ 0x632BE59BD9B4E019) & _M64
-    idx = np.arange(start, start + count, dtype=np.uint64)
-    h = _splitmix64(_splitmix64(idx ^ np.uint64(key)) + np.uint64(key))
+    key = ((seed * _GAMMA) ^ (rank * 0xD1B54A32D192ED03) ^ 0x632BE59BD9B4E019) & _M64
+    key = int(_splitmix64(np.array([key], dtype=np.uint64))[0])
+    h = np.arange(start + 1, start + count + 1, dtype=np.uint64)
+    np.multiply(h, np.uint64(_GAMMA), out=h)
+    np.add(h, np.uint64(key), out=h)
+    _splitmix64(h)
     if dtype == "int32":
         return (h >> np.uint64(32)).astype(np.uint32).view(np.int32)
-    unit = (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    sign = np.where((h & np.uint64(3)) == 0, -1.0, 1.0)
-    return narrow(dtype, sign * (0.5 + 1.5 * unit))
+    unit = (h >> np.uint64(11)).astype(np.float64)
+    unit *= 1.5 * 2.0**-53
+    unit += 0.5
+    unit[(h & np.uint64(3)) == 0] *= -1.0
+    return narrow(dtype, unit)
 
 
 def make_sendbuf(op: str, rank: int, size: int, count: int, dtype: str,
@@ -237,25 +250,70 @@ def _reduced(redop: str, dtype: str, size: int, count: int, seed: int,
 
 
 def reference(op: str, redop: str, size: int, count: int, dtype: str, *, rank: int = 0,
-              root: int = 0, seed: int = 0) -> Reference:
+              root: int = 0, seed: int = 0, start: int = 0,
+              stop: int | None = None) -> Reference:
     """The exact expected receive buffer of `rank` for `op` over `size` ranks whose
-    inputs are `make_sendbuf(op, r, size, count, dtype, seed)`; `root` for broadcast."""
+    inputs are `make_sendbuf(op, r, size, count, dtype, seed)`; `root` for broadcast.
+
+    `start`/`stop` select elements start..stop-1 of the receive buffer (default: all),
+    so a large result can be checked block by block (`count_wrong`) in bounded memory:
+    each element's value depends only on (seed, rank, index), see `fill`."""
     _check("redop", redop, REDOPS)
-    buffer_counts(op, count, size)  # validates op, count, size
+    n_out = buffer_counts(op, count, size)[1]  # validates op, count, size
     if not 0 <= rank < size or not 0 <= root < size:
         raise ValueError(f"rank {rank} / root {root} outside 0..{size - 1}")
+    stop = n_out if stop is None else stop
+    if not 0 <= start <= stop <= n_out:
+        raise ValueError(f"elements {start}..{stop} outside the {n_out}-element buffer")
     if op in ("allreduce", "reducescatter"):
-        start = rank * count if op == "reducescatter" else 0
-        values, abs_sum = _reduced(redop, dtype, size, count, seed, start)
+        first = (rank * count if op == "reducescatter" else 0) + start
+        values, abs_sum = _reduced(redop, dtype, size, stop - start, seed, first)
         return Reference(op, redop, values, abs_sum)
     if op == "broadcast":
-        values = widen(dtype, fill(root, count, dtype, seed))
-    elif op == "allgather":
-        values = np.concatenate([widen(dtype, fill(r, count, dtype, seed)) for r in range(size)])
-    else:  # alltoall: block j of my receive buffer is block `rank` of rank j's send buffer
-        values = np.concatenate([widen(dtype, fill(r, count, dtype, seed, start=rank * count))
-                                 for r in range(size)])
+        return Reference(op, redop, widen(dtype, fill(root, stop - start, dtype, seed,
+                                                      start=start)), None)
+    # allgather: block j of the receive buffer is rank j's send buffer; alltoall: block j
+    # is block `rank` of rank j's send buffer. Either way piece by piece, block by block.
+    base = rank * count if op == "alltoall" else 0
+    pieces = []
+    for j in range(start // count, -(-stop // count)) if count else ():
+        a, b = max(start, j * count), min(stop, (j + 1) * count)
+        pieces.append(widen(dtype, fill(j, b - a, dtype, seed, start=base + a - j * count)))
+    values = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.float64)
     return Reference(op, redop, values, None)
+
+
+#: Elements checked at a time by `count_wrong` (a few tens of MB of temporaries).
+CHECK_BLOCK_ELEMENTS = 1 << 20
+
+
+def count_wrong(result: np.ndarray, op: str, redop: str, size: int, count: int, dtype: str,
+                algorithm: str, *, rank: int = 0, root: int = 0, seed: int = 0,
+                tolerance: Callable[[Reference], np.ndarray | float] | None = None,
+                block: int = CHECK_BLOCK_ELEMENTS,
+                between: Callable[[], None] | None = None) -> int:
+    """`wrong` over the whole of `result` against `reference`, one block at a time, so
+    checking a 256 MiB result never holds its float64 reference whole (the reference of
+    a block costs ~10 float64 temporaries per element). `tolerance(ref_block)` replaces
+    the algorithm's bound (the in-network path's quantisation bound); `between()` runs
+    between blocks (a stop check)."""
+    flat = np.asarray(result).reshape(-1)
+    if flat.size != buffer_counts(op, count, size)[1]:
+        raise ValueError(f"result has {flat.size} elements, the receive buffer "
+                         f"{buffer_counts(op, count, size)[1]}")
+    bad = 0
+    for a in range(0, flat.size, block):
+        b = min(a + block, flat.size)
+        ref = reference(op, redop, size, count, dtype, rank=rank, root=root, seed=seed,
+                        start=a, stop=b)
+        if tolerance is None:
+            bad += wrong(flat[a:b], ref, dtype, size, algorithm)
+        else:
+            got = widen(dtype, flat[a:b])
+            bad += int(np.count_nonzero(~(np.abs(got - ref.values) <= tolerance(ref))))
+        if between is not None:
+            between()
+    return bad
 
 
 def reduction_depth(algorithm: str, n: int) -> int:

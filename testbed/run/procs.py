@@ -30,6 +30,11 @@ class AgentProcess:
     def pid(self) -> int:
         return self.popen.pid
 
+    def request_stop(self) -> None:
+        """SIGTERM, without waiting: agents stopped together wind down in parallel."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)

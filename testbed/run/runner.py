@@ -51,6 +51,7 @@ from testbed.run.workload import (
     run_view,
     stream_accounts,
     workload_span_ns,
+    workload_work_wall_s,
 )
 from testbed.units import format_size
 from testbed.workloads.base import AgentFiles, AgentSpec, RunView, WorkloadKind
@@ -120,6 +121,7 @@ class Run:
     period_ns: int                       # fabric time between samples
     drain_ns: int
     span_ns: int                         # fabric time from t0 to the senders' end
+    work_wall_s: float = 0.0             # wall time senders work outside fabric time
     t_start: float = field(default_factory=time.monotonic)
     t0_mono_ns: int = field(default_factory=time.monotonic_ns)
     t0_realtime_ns: int = field(default_factory=time.time_ns)
@@ -226,7 +228,8 @@ def prepare(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> Run:
     run = Run(loaded=loaded, plan=plan, options=options, run_dir=run_dir, store=store,
               notes=Notes(store, lambda: 0), probe=probe,
               specs=expand_workload(fabric, plan), period_ns=period_ns, drain_ns=drain_ns,
-              span_ns=workload_span_ns(fabric, plan))
+              span_ns=workload_span_ns(fabric, plan),
+              work_wall_s=workload_work_wall_s(fabric))
     run.notes = Notes(store, run.fabric_now_ns)
     run.notes.extend(plan.warnings)
     run.notes.extend(kernel_notes(plan, probe))
@@ -362,8 +365,9 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
             break
         if not senders and time.monotonic_ns() >= end_wall:
             break
-        if time.monotonic_ns() > end_wall + SENDER_OVERRUN_S * 1e9:
-            run.notes.add(f"senders did not finish {SENDER_OVERRUN_S:g} s of wall time after "
+        overrun_s = SENDER_OVERRUN_S + run.work_wall_s
+        if time.monotonic_ns() > end_wall + overrun_s * 1e9:
+            run.notes.add(f"senders did not finish {overrun_s:g} s of wall time after "
                           "their scheduled end; they were stopped")
             break
         stop.wait(0.05)
@@ -381,7 +385,11 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
 
 def stop_agents(run: Run) -> None:
     """Stop the workload's agents and keep their results, then the captures, the fabric
-    agents and the collector (whose last sample is the final one)."""
+    agents and the collector (whose last sample is the final one). Every workload agent is
+    asked first and then waited for, so each gets the whole grace period to wind down and
+    write its counters (one after the other, the last would have waited for all)."""
+    for _spec, proc in run.agents:
+        proc.request_stop()
     for spec, proc in run.agents:
         proc.stop()
         try:

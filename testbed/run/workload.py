@@ -89,6 +89,15 @@ def expand_workload(fabric: Fabric, plan: Plan) -> list[AgentSpec]:
     return specs
 
 
+def workload_work_wall_s(fabric: Fabric) -> float:
+    """The most wall time any entry's agents spend outside their fabric schedule
+    (WorkloadKind.work_wall_s): entries run at once, so the largest counts."""
+    if fabric.workload is None:
+        return 0.0
+    return max((REGISTRY.of(t.kind).work_wall_s(t) for t in fabric.workload.traffic),
+               default=0.0)
+
+
 def workload_span_ns(fabric: Fabric, plan: Plan | None = None) -> int:
     """Fabric time from t0 until the last sender is scheduled to stop (an entry without a
     schedule counts as its kind says: RoCE `messages` at line rate, with a plan)."""

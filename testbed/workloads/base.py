@@ -239,6 +239,12 @@ class WorkloadKind(ABC):
         """Wall time the agent needs between its start and the common start time."""
         return 0.03
 
+    def work_wall_s(self, entry: TrafficEntry) -> float:
+        """Wall time the entry's agents spend outside their fabric schedule once started
+        (a collective builds and checks its buffers between timed runs): the run waits
+        this much longer for its senders before it stops them."""
+        return 0.0
+
     def waits_ready(self, spec: AgentSpec) -> bool:
         """Whether the run waits for this agent's ready file before starting senders."""
         return False

@@ -31,6 +31,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from agents.collectives.ops import ALGORITHMS, BUS_FACTOR_FORMULA, ITEMSIZE, bus_factor, count_of
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
+from agents.wire.ina import HEADER_BYTES as INA_HEADER_BYTES
 from testbed.fields import NAME_RE, DurationNs, SizeBytes, Strict
 from testbed.workloads.base import (
     AgentFiles,
@@ -68,6 +69,14 @@ INA_WORKER_PORT = 11500                       # UDP of a host's first rank's agg
 MAX_RANKS_PER_HOST = 500
 # A worker imports numpy, connects to every peer and builds its buffers before t0.
 STARTUP_PER_RANK_S = 0.3
+# Waiting bounds (span_ns, work_wall_s), generous on purpose: fabric time per algorithm
+# step (a step's latency on the default fabric is a few us), the CPU a rank's data
+# generator spends per element (about 40 ns on this project's 2-core VMs), the cores a
+# communicator may share, and the margin over that estimate.
+STEP_ALLOWANCE_NS = 100_000
+FILL_CPU_NS_PER_ELEMENT = 40
+CPU_CORES_ASSUMED = 2
+WORK_MARGIN = 3.0
 # A 16-byte chunk header per message piece, BTH 12 + ICRC 4 per packet (besides
 # WIRE_OVERHEAD_BYTES).
 RETH_BYTES, BTH_ICRC_BYTES = 16, 12 + 4
@@ -102,8 +111,11 @@ class Sizes(Strict):
 class InaSettings(Strict):
     """The in-network all-reduce's switch resources (algorithm: ina)."""
 
-    slots: int = Field(32, ge=1, le=4096, description="aggregation slots per job and switch "
-                       "(SwitchML's pool): chunks in flight per worker")
+    slots: int = Field(128, ge=1, le=4096, description="aggregation slots per job and "
+                       "switch (SwitchML's pool): chunks in flight per worker. A chunk's "
+                       "slot stays busy for a round trip through the tree, so the pool must "
+                       "cover the bandwidth-delay product: 128 x 8 KiB = 1 MiB is 84 us at "
+                       "100 Gb/s")
     slot_elements: int = Field(2048, ge=1, le=16384, description="int32 elements per slot "
                                "(one packet's payload; 2048 = 8 KiB)")
 
@@ -295,9 +307,11 @@ class CollectiveKind(WorkloadKind):
         return (aggregators.specs if aggregators is not None else []) + specs
 
     def span_ns(self, entry: TrafficEntry, ctx: ExpandContext | None) -> int:
-        """No schedule: the time the busiest rank needs at line rate for every size and
-        run, its bus bytes as the operation's bus factor says (a floor: the run waits for
-        the ranks to exit, this only bounds how long it waits)."""
+        """No schedule: a generous bound on the time the ranks need, not an estimate (the
+        run waits for the ranks to exit; this only bounds how long it waits). Per size
+        and run: the busiest rank's bus bytes (the operation's bus factor) at half the
+        slowest NIC's rate, plus STEP_ALLOWANCE_NS for each of the 2n steps of the
+        slowest algorithm and for the barrier before each run."""
         assert isinstance(entry, CollectiveTraffic)
         if ctx is None:
             return entry.start_ns
@@ -307,7 +321,19 @@ class CollectiveKind(WorkloadKind):
         wire = sum(b * bus_factor(entry.kind, n) * (1 + per_packet / ctx.roce_mtu_bytes)
                    + RETH_BYTES for b in entry.sizes.each()) * runs
         slowest = min(ctx.line_rate_bps(h) for h in entry.ranks)
-        return entry.start_ns + int(wire * 8 * 10**9 / slowest)
+        steps = len(entry.sizes.each()) * runs * (2 * n + n.bit_length())
+        return (entry.start_ns + int(2 * wire * 8 * 10**9 / slowest)
+                + steps * STEP_ALLOWANCE_NS)
+
+    def work_wall_s(self, entry: TrafficEntry) -> float:
+        """Building the buffers of every size and checking the last run's result: each
+        rank recomputes n + 1 inputs per size (agents/collectives/data.py), at about
+        FILL_CPU_NS_PER_ELEMENT each, and n ranks may share CPU_CORES_ASSUMED cores."""
+        assert isinstance(entry, CollectiveTraffic)
+        n = len(entry.ranks)
+        elements = sum(b // ITEMSIZE[entry.dtype] for b in entry.sizes.each())
+        cpu_s = elements * (n + 1) * FILL_CPU_NS_PER_ELEMENT * 1e-9
+        return WORK_MARGIN * cpu_s * max(1.0, n / CPU_CORES_ASSUMED)
 
     def startup_wall_s(self, spec: AgentSpec) -> float:
         return STARTUP_PER_RANK_S
@@ -460,18 +486,20 @@ def ina_plan(t: CollectiveTraffic, index: int, ctx: ExpandContext,
         if leaf != root:
             job["uplink_id"] = leaf_id
             parent = ["--parent", f"{ctx.link_address(root, leaf)}:{port[root]}"]
-        plan.specs.append(_aggregator_spec(t, leaf, port[leaf], [job], parent, ctx))
+        plan.specs.append(_aggregator_spec(t, leaf, port[leaf], [job], parent, ctx,
+                                           len(members)))
     if root not in leaves:
         children = [[i, ctx.link_address(leaf, root), port[leaf]]
                     for i, leaf in enumerate(leaves)]
         job = {"id": plan.job_id, "members": [], "children": children, "slots": t.ina.slots,
                "slot_elements": t.ina.slot_elements}
-        plan.specs.append(_aggregator_spec(t, root, port[root], [job], [], ctx))
+        plan.specs.append(_aggregator_spec(t, root, port[root], [job], [], ctx,
+                                           len(children)))
     return plan
 
 
 def _aggregator_spec(t: CollectiveTraffic, switch: str, port: int, jobs: list[dict],
-                     parent: list[str], ctx: ExpandContext) -> AgentSpec:
+                     parent: list[str], ctx: ExpandContext, contributors: int) -> AgentSpec:
     # Bound to every address of the switch: workers reach it on their own link's address
     # and a tree's leaves on theirs, and what it sends leaves with the address of the link
     # it goes out of, which is the one the receiver knows it by.
@@ -480,7 +508,21 @@ def _aggregator_spec(t: CollectiveTraffic, switch: str, port: int, jobs: list[di
                      argv=["--bind", "0.0.0.0", "--port", str(port),
                            "--jobs", json.dumps(jobs, separators=(",", ":")),
                            "--dilation", str(ctx.dilation), "--dscp", str(ctx.dscp(t.tclass)),
+                           "--rcvbuf-bytes", str(aggregator_rcvbuf_bytes(t, contributors)),
                            *parent])
+
+
+# A datagram of a slot's payload costs about twice its bytes of socket buffer (the kernel
+# charges the skb's truesize, a 9000-byte MTU page set for an 8 KiB payload).
+AGGREGATOR_MIN_RCVBUF_BYTES = 8 << 20
+TRUESIZE_FACTOR = 2
+
+
+def aggregator_rcvbuf_bytes(t: CollectiveTraffic, contributors: int) -> int:
+    """SO_RCVBUF for an aggregator: every contributor's whole window at once (the pool
+    bounds what can be in flight), so the switch's socket never drops a contribution."""
+    window = contributors * t.ina.slots * (t.ina.slot_elements * 4 + INA_HEADER_BYTES)
+    return max(AGGREGATOR_MIN_RCVBUF_BYTES, TRUESIZE_FACTOR * window)
 
 
 def _arg(argv: Sequence[str], flag: str) -> str:

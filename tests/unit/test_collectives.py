@@ -613,3 +613,33 @@ def test_bad_arguments_are_refused() -> None:
         algorithms.run("allreduce", "ring", t, f, f, redop="prod")
     with pytest.raises(ValueError, match="chunks 0"):
         algorithms.run("allreduce", "ring", t, f, f, chunks=0)
+
+
+@pytest.mark.parametrize("op", ["allreduce", "reducescatter", "broadcast", "allgather",
+                                "alltoall"])
+def test_a_reference_block_is_that_slice_of_the_whole(op: str) -> None:
+    n, count = 3, 10
+    whole = data.reference(op, "sum", n, count, "float32", rank=1, root=2, seed=5)
+    for a, b in ((0, 1), (3, 17), (9, 11), (0, whole.values.size)):
+        if b > whole.values.size:
+            continue
+        part = data.reference(op, "sum", n, count, "float32", rank=1, root=2, seed=5,
+                              start=a, stop=b)
+        assert np.array_equal(part.values, whole.values[a:b])
+        if whole.abs_sum is not None:
+            assert np.array_equal(part.abs_sum, whole.abs_sum[a:b])
+
+
+def test_count_wrong_in_blocks_agrees_with_wrong_and_sees_every_block() -> None:
+    n, count, dtype = 4, 1000, "float32"
+    ref = data.reference("allreduce", "sum", n, count, dtype)
+    result = data.narrow(dtype, ref.values)
+    result[[0, 499, 500, 999]] += 1.0           # one in each of the first and last block
+    calls = []
+    got = data.count_wrong(result, "allreduce", "sum", n, count, dtype, "ring", block=500,
+                           between=lambda: calls.append(1))
+    assert got == data.wrong(result, ref, dtype, n, "ring") == 4
+    assert len(calls) == 2
+    # a tolerance of its own (the in-network bound) replaces the algorithm's
+    assert data.count_wrong(result, "allreduce", "sum", n, count, dtype, "ina", block=300,
+                            tolerance=lambda r: 2.0) == 0

@@ -7,13 +7,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from testbed.config import load_config
 from testbed.plan import compile_plan
 from testbed.results.store import Store
 from testbed.run.procs import AgentProcess
-from testbed.run.runner import Notes, Run, RunOptions, kernel_notes, wait_ready
+from testbed.run.runner import Notes, Run, RunOptions, kernel_notes, stop_agents, wait_ready
 from testbed.run.workload import expand_workload, ready_file
 from tests.conftest import REPO
 
@@ -75,3 +76,37 @@ def test_waiting_for_ready_agents_names_those_that_exit_or_never_get_ready(
     assert f"RoCE server {servers[2].name} on {servers[2].node} was not ready 1 s" in notes[0]
     assert f"RoCE server {servers[1].name} on {servers[1].node} exited during set-up " \
            "(code 3)" in notes[1]
+
+
+def test_agents_are_stopped_together_so_each_has_the_whole_grace_period(
+        tmp_path: Path) -> None:
+    """Three agents that each need 2 s after SIGTERM to write their counters: stopped one
+    after the other with a 5 s grace each, the last would be asked only after the others
+    had gone; asked together, all three finish and report."""
+    loaded = load_config(REPO / "configs" / "examples" / "dcqcn-on.yaml")
+    plan = compile_plan(loaded)
+    specs = expand_workload(loaded.fabric, plan)[:3]
+    (tmp_path / "agents").mkdir()
+    store = Store(tmp_path / "c.sqlite", create=True)
+    run = Run(loaded=loaded, plan=plan, options=RunOptions(say=lambda _m: None),
+              run_dir=tmp_path, store=store, notes=Notes(store, lambda: 0), probe={},
+              specs=specs, period_ns=1, drain_ns=1, span_ns=1)
+    slow_exit = ("import json, signal, sys, time\n"
+                 "def bye(*_):\n"
+                 "    time.sleep(2); print(json.dumps({'t': time.monotonic()})); sys.exit(0)\n"
+                 "signal.signal(signal.SIGTERM, bye)\n"
+                 "print('up', flush=True)\n"
+                 "time.sleep(60)\n")
+    run.agents = [(s, _proc(s.name, slow_exit)) for s in specs]
+    for _, proc in run.agents:
+        assert proc.popen.stdout.readline().strip() == "up"
+    t0 = time.monotonic()
+    try:
+        stop_agents(run)
+    finally:
+        for _, proc in run.agents:
+            proc.stop()
+    store.close()
+    assert sorted(run.results) == sorted(s.name for s in specs)
+    assert time.monotonic() - t0 < 5.5         # in parallel: ~2 s, not 3 x 2 s
+    assert not [n for n in run.notes.items if "without counters" in n]

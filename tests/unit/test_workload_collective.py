@@ -165,3 +165,25 @@ def test_the_collectives_suite_compares_every_all_reduce_algorithm() -> None:
         algorithms.append(entry.op_algorithm)
         assert expand_workload(loaded.fabric, plan)
     assert sorted(algorithms) == sorted((*ALGORITHMS["allreduce"], "ina"))
+
+
+def test_the_run_waits_long_enough_for_a_big_collective_and_its_checks() -> None:
+    """The span is a bound (twice the line-rate time plus a step allowance), and the wall
+    time a rank spends building and checking 64 MiB buffers is allowed on top of it."""
+    loaded, plan = _load("    - {name: ar, kind: allreduce, ranks: [h1, h2, h3, h4, h5], "
+                         "sizes: {min: 64MiB, max: 64MiB}, iterations: 1, warmup: 1}")
+    entry = loaded.fabric.workload.traffic[0]
+    line_rate_ns = 2 * 64 * 2**20 * bus_factor("allreduce", 5) * 8 / 100  # 2 runs, 100G
+    assert workload_span_ns(loaded.fabric, plan) > 2 * line_rate_ns
+    # 16 Mi elements, 6 inputs recomputed per rank, 5 ranks on 2 cores: tens of seconds
+    assert 20 < KIND.work_wall_s(entry) < 300
+    small, _ = _load(AR)
+    assert KIND.work_wall_s(small.fabric.workload.traffic[0]) < 1
+
+
+def test_aggregators_get_a_receive_buffer_for_every_contributors_window() -> None:
+    loaded, plan = _load("    - {name: ar, kind: allreduce, algorithm: ina, "
+                         "ranks: [h1, h2, h3, h4, h5], ina: {slots: 512}}")
+    [agg] = [s for s in expand_workload(loaded.fabric, plan) if s.role == "receiver"]
+    rcvbuf = int(agg.argv[agg.argv.index("--rcvbuf-bytes") + 1])
+    assert rcvbuf >= 2 * 5 * 512 * (2048 * 4 + 32)
