@@ -5,6 +5,12 @@ One `testbed run` per algorithm (ring, rhd, tree, ina) of the default fabric wit
 collective entry; prints, per size, the measured time, algbw and busbw (fabric units,
 nccl-tests' definitions), the model's time, and the bytes the leaf-spine links carried.
 
+Leaf-spine bytes. Ranks are in leaf order (h1..h8), as NCCL builds its rings, so the
+ring crosses the leaf-spine links at 2 of its 8 hops: 2 hops x 2(n-1)/n S x 2 links =
+7 S, against in-network's 2 leaves x (S up + S down) = 4 S, a ratio of 4/7 whatever H.
+"ring-x" is the same ring over ranks interleaved across the leaves (every hop crosses:
+28 S), the placement the 1/H target compares with: 4/28 = 1/7 at n = 8, H = 4.
+
 The model (Hockney's alpha-beta, as in Thakur et al. 2005), with n ranks, S bytes, B the
 NIC rate and alpha one step's latency:
 - ring: 2(n-1) alpha + 2(n-1)/n S/B
@@ -15,7 +21,7 @@ alpha is fitted from ring's smallest size (its time over 2(n-1)), so the table s
 how far each algorithm's latency and bandwidth terms are from the model's.
 
     sudo .venv/bin/python bench/collectives.py [--min 4KiB] [--max 4MiB] [--factor 4]
-        [--iterations 3] [--algorithms ring,rhd,tree,ina]
+        [--iterations 3] [--algorithms ring,rhd,tree,ina,ring-x] [--dilation auto]
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ from testbed.run.runner import RunOptions, run_config  # noqa: E402
 from testbed.units import parse_size_bytes  # noqa: E402
 
 FABRIC = """\
-name: bc{alg}
-dilation: auto
+name: bc{name}
+dilation: {dilation}
 topology:
   kind: leaf_spine
   spines: 2
@@ -46,18 +52,23 @@ topology:
   fabric_link: {{port: 400GBASE-DR4, length: 100m}}
 workload:
   traffic:
-    - {{name: ar, kind: allreduce, algorithm: {alg}, ranks: [h1, h2, h3, h4, h5, h6, h7, h8],
+    - {{name: ar, kind: allreduce, algorithm: {alg}, ranks: [{ranks}],
        sizes: {{min: {min}, max: {max}, factor: {factor}}}, iterations: {iterations},
        warmup: 1}}
 """
 N = 8
+LEAF_ORDER = "h1, h2, h3, h4, h5, h6, h7, h8"      # rank order = leaf order, as NCCL rings
+#: "ring-x": the ring over ranks interleaved across the leaves, so that every hop crosses
+#: the leaf-spine links (a placement that ignores the topology).
+INTERLEAVED = "h1, h5, h2, h6, h3, h7, h4, h8"
+HOSTS_PER_LEAF = 4
 NIC_BYTES_PER_US = 100e9 / 8 / 1e6
 
 
 def model_us(alg: str, size: int, alpha_us: float, n: int = N) -> float:
     s_us = size / NIC_BYTES_PER_US
     steps = math.ceil(math.log2(n))
-    if alg == "ring":
+    if alg in ("ring", "ring-x"):
         return 2 * (n - 1) * alpha_us + 2 * (n - 1) / n * s_us
     if alg == "rhd":
         extra = 0.0 if n & (n - 1) == 0 else 2 * alpha_us + s_us
@@ -67,9 +78,12 @@ def model_us(alg: str, size: int, alpha_us: float, n: int = N) -> float:
     return 2 * alpha_us + s_us
 
 
-def run_one(alg: str, args: argparse.Namespace, root: Path) -> dict:
-    text = FABRIC.format(alg=alg, min=args.min, max=args.max, factor=args.factor,
-                         iterations=args.iterations)
+def run_one(name: str, args: argparse.Namespace, root: Path) -> dict:
+    alg = "ring" if name == "ring-x" else name
+    text = FABRIC.format(name=name.replace("-", ""), alg=alg, min=args.min, max=args.max,
+                         factor=args.factor, iterations=args.iterations,
+                         dilation=args.dilation,
+                         ranks=INTERLEAVED if name == "ring-x" else LEAF_ORDER)
     loaded = load_config_text(text, f"bench-{alg}.yaml")
     result = run_config(loaded, compile_plan(loaded),
                         RunOptions(runs_root=root, say=lambda _m: None))
@@ -86,7 +100,9 @@ def main() -> int:
     p.add_argument("--max", default="4MiB")
     p.add_argument("--factor", type=int, default=4)
     p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--algorithms", default="ring,rhd,tree,ina")
+    p.add_argument("--algorithms", default="ring,rhd,tree,ina,ring-x",
+                   help="ring-x: ring over ranks interleaved across the leaves")
+    p.add_argument("--dilation", default="auto", help="the fabric's dilation (default auto)")
     args = p.parse_args()
     parse_size_bytes(args.min), parse_size_bytes(args.max)      # fail early on a typo
     out: dict[str, dict] = {}
@@ -106,11 +122,15 @@ def main() -> int:
             print(f"| {alg} | {r['bytes']:,} | {r['time_us']:.1f} | "
                   f"{model_us(alg, r['bytes'], alpha):.1f} | {r['algbw_gbps']:.2f} | "
                   f"{r['busbw_gbps']:.2f} | {r['busbw_gbps'] / 12.5:.0%} | {r['wrong']} |")
-    print("\n| algorithm | leaf-spine bytes (whole sweep) | vs ring |")
-    print("|---|---:|---:|")
+    print(f"\n| algorithm | leaf-spine bytes (whole sweep) | vs ring | vs ring-x | "
+          f"target 1/H = 1/{HOSTS_PER_LEAF} |")
+    print("|---|---:|---:|---:|---:|")
+    ring_x = out.get("ring-x")
     for alg, res in out.items():
         ratio = res["fabric_bytes"] / ring["fabric_bytes"] if ring else float("nan")
-        print(f"| {alg} | {res['fabric_bytes']:,} | {ratio:.2f} |")
+        ratio_x = res["fabric_bytes"] / ring_x["fabric_bytes"] if ring_x else float("nan")
+        print(f"| {alg} | {res['fabric_bytes']:,} | {ratio:.2f} | {ratio_x:.2f} | "
+              f"{1 / HOSTS_PER_LEAF:.2f} |")
     if ring and "ina" in out:
         print("\n| size (B) | in-network speed-up over ring | model's |")
         print("|---:|---:|---:|")
