@@ -26,11 +26,12 @@ starts before every rank has arrived, and ranks out of step are caught), then ti
 on this rank, `algorithms.run(...)` plus `wait_sends()` in fabric microseconds; the
 algorithm's `on_phase(name)` calls split that time into phases. The last iteration
 runs on fresh inputs into a receive buffer pre-filled with a sentinel and is checked
-with `data.wrong` against `data.reference`.
+with `data.count_wrong` against `data.reference`, block by block.
 
 Output: one JSON line on stdout (and --out), `{"rank", "size", "op", "algorithm",
 "dtype", "redop", "root", "results": [{"bytes", "count", "iterations_us", "min_us",
-"avg_us", "p50_us", "p99_us", "wrong", "phases_us"}], "partial", "counters", "error",
+"avg_us", "p50_us", "p99_us", "wrong", "phases_us", "wire_bytes_per_iteration"}],
+"partial", "counters", "error",
 "stopped_by"}`, where `counters` are the transport's (`RoceTransport.counters`).
 `results` holds the sizes that ran to their check (`wrong` is always a count); a size cut
 short by a stop or an error is `partial` (the same fields, the iterations it timed,
@@ -69,6 +70,7 @@ from agents.collectives.roce import (
 from agents.rdma import options
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
 from agents.runtime.waiting import wait_until_mono
@@ -241,6 +243,19 @@ class Live:
                    "ina_max_error_bound": self.ina.max_error_bound}
         return out
 
+    def wire_bytes_sent(self) -> int:
+        """Bytes this rank's data packets cost on its host link so far (UDP payload plus
+        agents.runtime.framing's per-packet overhead): RoCE data packets, and the
+        in-network datagrams. The ACKs it sends are not counted (one per few packets)."""
+        total = 0
+        if self.transport is not None:
+            total += int(self.transport.counters().get("wire_bytes_sent", 0))
+        if self.ina is not None:
+            totals = self.ina.totals
+            total += (totals.get("bytes_sent", 0)
+                      + totals.get("packets_sent", 0) * WIRE_OVERHEAD_BYTES)
+        return total
+
     def snapshot(self) -> dict:
         try:
             counters = self.counters()
@@ -308,12 +323,15 @@ class Sweep:
         self.live.current_bytes = result["bytes"]
         self.live.partial = result
         total = a.warmup + a.iterations
+        sent0 = 0
         for it in range(total):
             self.live.iteration = it
             if it == total - 1:            # the checked one: fresh inputs, sentinel output
                 send[...] = pristine
                 recv[...] = sentinel
             barrier(self.t, (index, it))
+            if it == a.warmup:
+                sent0 = self.live.wire_bytes_sent()
             clock = sweep.PhaseClock(t.clock.now_ns)
             t0 = t.clock.now_ns()
             if self.ina is not None:
@@ -335,6 +353,9 @@ class Sweep:
                 phases.append(clock.ns)
                 result.update(sweep.summary(result["iterations_us"]))
                 result["phases_us"] = sweep.mean_phases_us(phases)
+        # what this rank put on its host link per timed run (the barriers' few bytes too)
+        result["wire_bytes_per_iteration"] = round(
+            (self.live.wire_bytes_sent() - sent0) / a.iterations)
         result["wrong"] = self.wrong(count, recv)
         self.live.results.append(result)
         self.live.partial = None

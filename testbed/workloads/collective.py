@@ -211,7 +211,8 @@ class CollectiveKind(WorkloadKind):
     console_columns: ClassVar = (
         ("algorithm", "algorithm"), ("ranks", "ranks"), ("size (B)", "bytes"),
         ("type", "dtype"), ("time (us)", "time_us"), ("algbw (GB/s)", "algbw_gbps"),
-        ("busbw (GB/s)", "busbw_gbps"), ("#wrong", "wrong"))
+        ("busbw (GB/s)", "busbw_gbps"), ("link (GB/s)", "effective_link_gbps"),
+        ("#wrong", "wrong"))
     result_fields: ClassVar = {
         "operation": "allreduce, reducescatter, allgather, broadcast or alltoall",
         "algorithm": "the algorithm (ring, rhd, tree, pairwise)",
@@ -231,6 +232,12 @@ class CollectiveKind(WorkloadKind):
         "iteration", "p99_us": "99th-percentile iteration (nccl-tests' index rule)",
         "phases_us": "mean fabric time per phase over the ranks (reduce_scatter, "
                      "all_gather, tree_up, tree_down, ...)",
+        "link_bytes": "wire bytes the busiest rank put on its host link per timed run "
+                      "(data packets, headers and per-packet Ethernet overhead included)",
+        "effective_link_gbps": "link_bytes / time_us, fabric GB/s: the load the algorithm "
+                               "really placed on the busiest NIC (docs/collectives-roce.md); "
+                               "unlike busbw it needs no per-algorithm factor, so it stays "
+                               "meaningful for tree and in-network all-reduce",
         "error": "the first error a rank reported (null: none)",
     }
 
@@ -556,6 +563,8 @@ def _size_row(kind: str, first: dict, size: int, per_rank_rows: list[dict], n: i
         for name, us in (r.get("phases_us") or {}).items():
             phases[name] = phases.get(name, 0.0) + float(us) / len(per_rank_rows)
     dtype = str(first.get("dtype") or "float32")
+    link_bytes = max((int(r.get("wire_bytes_per_iteration") or 0) for r in per_rank_rows),
+                     default=0)
     errors = [str(r["error"]) for r in per_rank if r.get("error")]
     if not complete and not errors:
         errors = [f"{n - len(per_rank_rows)} of {n} ranks reported no result for {size} B"]
@@ -574,6 +583,8 @@ def _size_row(kind: str, first: dict, size: int, per_rank_rows: list[dict], n: i
         "p50_us": round(float(stats.get("p50_us", 0.0)), 3),
         "p99_us": round(float(stats.get("p99_us", 0.0)), 3),
         "phases_us": {k: round(v, 3) for k, v in phases.items()},
+        "link_bytes": link_bytes,
+        "effective_link_gbps": round(link_bytes / (time_us * 1e3), 4) if time_us > 0 else 0.0,
         "error": errors[0] if errors else None,
     }
 
