@@ -733,7 +733,7 @@ def _rank_table(run: RunData, events: list[dict]) -> Table | None:
             cells.append("-" if value is None else fmt_duration(value))
         rows.append(cells)
     head = ["rank agent", "node", "rank", *(label for _, label in columns),
-            *(f"in {p}" for p in phases)]
+            *(f"{p} time" for p in phases)]
     return Table(head, rows, [False, False, True] + [True] * (len(head) - 3))
 
 

@@ -120,7 +120,7 @@ def test_the_section_has_a_phase_timeline_per_rank_an_occupancy_plot_and_a_rank_
 
     table = section["ranks"]
     assert table.columns == ["rank agent", "node", "rank", "bytes sent", "bytes received",
-                             "retransmissions", "in reduce_scatter", "in all_gather"]
+                             "retransmissions", "reduce_scatter time", "all_gather time"]
     assert table.rows[2] == ["ar-r2", "h3", "2", "900,000", "900,000", "2", "18 us", "12 us"]
 
 
