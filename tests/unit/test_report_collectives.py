@@ -66,6 +66,8 @@ def make_run(root: Path, *, events: bool = True, ranks: bool = True,
             used = SLOTS_IN_USE[i] if i < len(SLOTS_IN_USE) else 0
             samples += [Sample(*AGG, -1, "aggregator.slots_in_use", used),
                         Sample(*AGG, -1, "aggregator.slots", POOL),
+                        Sample(*AGG, -1, "aggregator.slots_in_use_max",
+                               max(SLOTS_IN_USE[:i + 1]) + 1),   # a peak between samples
                         Sample(*AGG, -1, "aggregator.drops_stale", 0)]
         store.add_samples(ts, 10**12 + ts * 1000, samples, final=i == N_SAMPLES - 1)
     if events:
@@ -116,7 +118,7 @@ def test_the_section_has_a_phase_timeline_per_rank_an_occupancy_plot_and_a_rank_
     occ = section["occupancy"]
     assert len(occ["svgs"]) == 1 and "pool 32 slots" in occ["svgs"][0]
     assert "ar-agg-sw1 (sw1)" in occ["svgs"][0]
-    assert occ["table"].rows == [["ar-agg-sw1", "sw1", "3", "32"]]
+    assert occ["table"].rows == [["ar-agg-sw1", "sw1", "3", "4", "32"]]
 
     table = section["ranks"]
     assert table.columns == ["rank agent", "node", "rank", "bytes sent", "bytes received",
@@ -181,7 +183,7 @@ def test_the_report_files_carry_the_section(tmp_path) -> None:
     assert section.count("<svg") == 2 and 'href="#collectives"' in html
     assert "Aggregator slot occupancy" in section and "ar-r1" in section
     assert "## Collectives" in md and "| ar-r0 " in md
-    assert re.search(r"\| ar-agg-sw1 +\| sw1 +\| +3 \| +32 \|", md)
+    assert re.search(r"\| ar-agg-sw1 +\| sw1 +\| +3 \| +4 \| +32 \|", md)
 
 
 def test_a_timeline_without_categories_draws_as_before() -> None:
