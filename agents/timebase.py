@@ -61,3 +61,8 @@ class FabricClock:
 
     def now_ns(self) -> float:
         return self._dilation.to_fabric_ns(self._wall_ns() - self._origin_wall_ns)
+
+    def to_wall_clock_ns(self, fabric_ns: float) -> int:
+        """The reading of the wall clock (CLOCK_MONOTONIC ns by default) at which this
+        clock read `fabric_ns`: how an agent stamps an event it timed in fabric time."""
+        return self._origin_wall_ns + self._dilation.to_wall_ns(fabric_ns)

@@ -28,7 +28,10 @@ of `Aggregator.counters()` (packets / bytes received and sent, aggregated, dupli
 shadow_answers, results_sent, partials_forwarded, partials_resent, completed,
 overflow_elements, slots_in_use(_max), drops by reason, malformed by reason, per job),
 plus bind, port, dscp, dilation, send errors (eagain, enobufs, icmp_errors) and
-stopped_by. The ready file holds {"bind": IP, "port": P} (the port actually bound).
+stopped_by. The live snapshot adds, flat for the run's collector (`mode` aggregator),
+`logic.sampled_counters`: drops_<reason>, malformed_<reason>, slots and per job
+job<id>_slots_in_use and job<id>_slots. The ready file holds {"bind": IP, "port": P}
+(the port actually bound).
 
 Exit codes: 0 stopped cleanly, 1 a socket error (the JSON then has 'error'), 2 bad
 arguments (including a bad --jobs).
@@ -43,7 +46,13 @@ import sys
 import threading
 import time
 
-from agents.aggregator.logic import Addr, Aggregator, JobConfig, jobs_from_json
+from agents.aggregator.logic import (
+    Addr,
+    Aggregator,
+    JobConfig,
+    jobs_from_json,
+    sampled_counters,
+)
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import PARENT_CHECK_NS, Lifecycle
@@ -149,7 +158,10 @@ def serve(args: argparse.Namespace, life: Lifecycle) -> dict:
 
     def snapshot() -> dict:
         with lock:
-            return {**agg.counters(), "eagain": errs.eagain, "enobufs": errs.enobufs}
+            counters = agg.counters()
+        # mode: the collector stores these as aggregator.<key>
+        return {**counters, **sampled_counters(counters), "mode": "aggregator",
+                "eagain": errs.eagain, "enobufs": errs.enobufs}
 
     sock = _open(args)
     server = serve_snapshots(args.control_sock, snapshot)

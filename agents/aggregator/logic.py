@@ -534,3 +534,22 @@ class Aggregator:
             "jobs": jobs,
         })
         return out
+
+
+def sampled_counters(counters: dict) -> dict:
+    """The numbers the run's collector samples from an aggregator's snapshot, flat (it
+    keeps a snapshot's top-level numbers only): `counters` (Aggregator.counters()) with
+    `drops_<reason>` and `malformed_<reason>` for the nested counts by reason, `slots`
+    (the jobs' pools: at most that many copies are busy at once, since a worker sends
+    chunk c + slots only after the result of c) and per job `job<id>_slots_in_use` and
+    `job<id>_slots`."""
+    out = {k: v for k, v in counters.items()
+           if isinstance(v, int | float) and not isinstance(v, bool)}
+    out.update({f"drops_{k}": v for k, v in (counters.get("drops") or {}).items()})
+    out.update({f"malformed_{k}": v for k, v in (counters.get("malformed") or {}).items()})
+    jobs = counters.get("jobs") or {}
+    out["slots"] = sum(int(j["slots"]) for j in jobs.values())
+    for jid, j in jobs.items():
+        out[f"job{jid}_slots_in_use"] = j["slots_in_use"]
+        out[f"job{jid}_slots"] = j["slots"]
+    return out

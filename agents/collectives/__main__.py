@@ -11,7 +11,7 @@ Synopsis (all times the worker reports are FABRIC time; `--dilation D` converts)
         --dscp --cnp-dscp --cnp-interval-ns --window-packets --ack-every --ack-req-every
         --timeout-ns --retry-cnt --max-burst-bytes --sndbuf-bytes --spin-ns]
         [--dilation D] [--start-at-mono-ns T] [--control-sock PATH] [--ready-file PATH]
-        [--out PATH] [--connect-timeout-s S]
+        [--out PATH] [--events PATH] [--max-events N] [--connect-timeout-s S]
 
 Entry i of --peers is rank i; this rank binds its own entry (TCP set-up port, UDP RoCE
 port) and reaches the others at theirs (`agents.collectives.roce`). The ready file
@@ -32,11 +32,18 @@ Output: one JSON line on stdout (and --out), `{"rank", "size", "op", "algorithm"
 "dtype", "redop", "root", "results": [{"bytes", "count", "iterations_us", "min_us",
 "avg_us", "p50_us", "p99_us", "wrong", "phases_us", "wire_bytes_per_iteration"}],
 "partial", "counters", "error",
-"stopped_by"}`, where `counters` are the transport's (`RoceTransport.counters`).
-`results` holds the sizes that ran to their check (`wrong` is always a count); a size cut
-short by a stop or an error is `partial` (the same fields, the iterations it timed,
-`wrong` null), else `partial` is null. --control-sock
-serves the live counters, the current size and iteration. SIGTERM / SIGINT stop
+"stopped_by", "events_written", "events_dropped"}`, where `counters` are the transport's
+(`RoceTransport.counters`). `results` holds the sizes that ran to their check (`wrong`
+is always a count); a size cut short by a stop or an error is `partial` (the same
+fields, the iterations it timed, `wrong` null), else `partial` is null.
+
+--control-sock serves the live snapshot (`Live.snapshot`, mode `collective`): the
+transport's flat totals (bytes_sent, bytes_received, retransmissions, ...), `ina_<key>`
+for the in-network all-reduce's totals, `phase_<name>_ns` (fabric ns spent in each phase
+so far, warm-ups included), the current size and iteration, and the events counts.
+--events appends one `collective_phase` JSON line per phase of every iteration
+(`sweep.PhaseLog`; written in batches off the data path by `agents.runtime.events`, at
+most --max-events of them: the rest are counted in `events_dropped`). SIGTERM / SIGINT stop
 cleanly with what the rank has; the rank exits when its parent dies. Exit codes: 0
 done (every checked result right) or stopped; 1 an error or a wrong result; 2 bad
 arguments.
@@ -70,6 +77,7 @@ from agents.collectives.roce import (
 from agents.rdma import options
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
+from agents.runtime.events import MAX_EVENTS, EventLog
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
@@ -133,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="create PATH once the set-up port listens (one JSON line: rank, "
                         "ports, pid)")
     p.add_argument("--out", metavar="PATH", help="also write the final JSON here")
+    p.add_argument("--events", metavar="PATH",
+                   help="append a collective_phase event (a JSON line) per phase here")
+    p.add_argument("--max-events", type=argtypes.nonneg_int, default=MAX_EVENTS,
+                   help="events written at most; later ones are only counted "
+                        "(default %(default)s)")
     p.add_argument("--connect-timeout-s", type=argtypes.positive_float, default=30.0,
                    help="wall seconds for connecting to every rank (default %(default)s)")
     # tests: stand-ins for the algorithms / data modules
@@ -226,7 +239,7 @@ def check_algorithm(algorithms: ModuleType, op: str, algorithm: str) -> None:
 class Live:
     """What the rank has so far: the results, the current size and iteration."""
 
-    def __init__(self, args: Namespace) -> None:
+    def __init__(self, args: Namespace, events: EventLog | None = None) -> None:
         self.args = args
         self.transport: RoceTransport | None = None
         self.phase = "setup"
@@ -235,6 +248,8 @@ class Live:
         self.current_bytes: int | None = None
         self.iteration: int | None = None
         self.ina: InaLink | None = None
+        self.events = events
+        self.phases: sweep.PhaseLog | None = None
 
     def counters(self) -> dict:
         out = self.transport.counters() if self.transport is not None else {}
@@ -257,14 +272,24 @@ class Live:
         return total
 
     def snapshot(self) -> dict:
+        """The live counters; the collector samples every top-level number of it as
+        `collective.<key>` (docs/run-format.md)."""
         try:
             counters = self.counters()
         except RuntimeError:        # a QP list changing under us: the next one is whole
             counters = {}
         flat = {k: v for k, v in counters.items() if isinstance(v, int | float)}
-        return {**flat, "rank": self.args.rank, "op": self.args.op, "phase": self.phase,
-                "current_bytes": self.current_bytes, "iteration": self.iteration,
-                "sizes_done": len(self.results), "counters": counters}
+        ina_totals = counters.get("ina") or {}
+        flat.update({f"ina_{k}": v for k, v in ina_totals.items()
+                     if isinstance(v, int | float)})
+        if self.phases is not None:
+            flat.update(self.phases.counters())
+        if self.events is not None:
+            flat.update(self.events.counters())
+        return {**flat, "mode": "collective", "rank": self.args.rank, "op": self.args.op,
+                "phase": self.phase, "current_bytes": self.current_bytes,
+                "iteration": self.iteration, "sizes_done": len(self.results),
+                "counters": counters}
 
     def header(self) -> dict:
         a = self.args
@@ -304,6 +329,8 @@ class Sweep:
         self.ina = link
         self.data_op = module_op(data, args.op)
         self.algo_op = module_op(algorithms, args.op)
+        self.phases = sweep.PhaseLog(t.rank, t.clock, live.events)
+        live.phases = self.phases
 
     def run(self) -> None:
         for i, nbytes in enumerate(self.args.size_list):
@@ -332,7 +359,8 @@ class Sweep:
             barrier(self.t, (index, it))
             if it == a.warmup:
                 sent0 = self.live.wire_bytes_sent()
-            clock = sweep.PhaseClock(t.clock.now_ns)
+            self.phases.iteration(result["bytes"], it, it < a.warmup)
+            clock = sweep.PhaseClock(t.clock.now_ns, on_close=self.phases.close)
             t0 = t.clock.now_ns()
             if self.ina is not None:
                 # The aggregation runs on its own socket, and nothing drives the RoCE
@@ -481,9 +509,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
     life = Lifecycle()
     life.install_signal_handlers()
-    live = Live(args)
-    server = serve_snapshots(args.control_sock, live.snapshot)
     error: str | None = None
+    try:
+        events = EventLog(args.events, args.max_events,
+                          who=f"agents.collectives rank {args.rank}").start()
+    except OSError as e:
+        parser.error(f"--events {args.events}: {e}")
+    live = Live(args, events)
+    server = serve_snapshots(args.control_sock, live.snapshot)
     try:
         run(args, life, live)
     except Stopped:
@@ -494,10 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.close()
+        events.close()
     stopped_by = life.stop_reason or ("error" if error else "done")
     out = {**live.header(), "results": live.results, "partial": live.partial,
            "counters": live.counters(),
-           "error": error, "stopped_by": stopped_by}
+           "error": error, "stopped_by": stopped_by, **events.counters()}
     report_counters(out, args.out)
     bad = any(r["wrong"] for r in live.results)
     return 1 if error is not None or bad else 0

@@ -14,13 +14,19 @@ Pure helpers of `python -m agents.collectives`:
   `bus_factor`: algbw -> busbw, both as nccl-tests (docs/PERFORMANCE.md there);
 - `summary(samples_us)`: min / avg / p50 / p99 (nearest rank);
 - `PhaseClock`: fabric time per named phase of one operation, from the algorithm's
-  `on_phase(name)` calls.
+  `on_phase(name)` calls;
+- `PhaseLog`: what the phases of a whole sweep cost one rank: the fabric ns spent in
+  each phase so far (the live snapshot's `phase_<name>_ns`) and one `collective_phase`
+  event per phase in the rank's events file (docs/run-format.md, "Events").
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol
+
+from agents.runtime.events import EventLog
 
 #: Operation names on the command line (nccl-tests' binaries without _perf, as the
 #: control plane's collective kinds), and the same with underscores, which a data or
@@ -97,11 +103,14 @@ class PhaseClock:
 
     The algorithm calls `mark(name)` as a phase begins (its `on_phase` callback; extra
     arguments are ignored); a phase lasts until the next mark or `end()`. Time before
-    the first mark goes to no phase. A name marked more than once adds up.
+    the first mark goes to no phase. A name marked more than once adds up. `on_close`,
+    if given, is told of every phase as it ends: (name, start, end) in the clock's units.
     """
 
-    def __init__(self, now_ns: Callable[[], float]) -> None:
+    def __init__(self, now_ns: Callable[[], float],
+                 on_close: Callable[[str, float, float], None] | None = None) -> None:
         self._now = now_ns
+        self._on_close = on_close
         self._current: str | None = None
         self._since = 0.0
         self.ns: dict[str, float] = {}
@@ -119,6 +128,8 @@ class PhaseClock:
     def _close(self, now: float) -> None:
         if self._current is not None:
             self.ns[self._current] = self.ns.get(self._current, 0.0) + now - self._since
+            if self._on_close is not None:
+                self._on_close(self._current, self._since, now)
 
 
 def mean_phases_us(per_iteration_ns: list[dict[str, float]]) -> dict[str, float]:
@@ -131,3 +142,46 @@ def mean_phases_us(per_iteration_ns: list[dict[str, float]]) -> dict[str, float]
         names += [k for k in it if k not in names]
     n = len(per_iteration_ns)
     return {k: sum(it.get(k, 0.0) for it in per_iteration_ns) / n / 1e3 for k in names}
+
+
+class WallStamps(Protocol):
+    """A fabric clock that can say when, on the wall clock, it read a value
+    (agents.timebase.FabricClock)."""
+
+    def to_wall_clock_ns(self, fabric_ns: float) -> int: ...
+
+
+class PhaseLog:
+    """One rank's phases over a sweep: cumulative fabric ns per phase (warm-up iterations
+    included: it is time the rank spent there), and a `collective_phase` event for each
+    phase as it ends (a PhaseClock's `on_close`).
+
+    `iteration(...)` says which size and iteration the next phases belong to. The
+    event is stamped with the phase's start (`mono_ns`, the wall clock of `clock`) and
+    carries its end (`end_mono_ns`) and its length in fabric ns (`duration_ns`, the
+    PhaseClock's own measure, so events, counters and `phases_us` agree)."""
+
+    def __init__(self, rank: int, clock: WallStamps, events: EventLog | None) -> None:
+        self.rank = rank
+        self.clock = clock
+        self.events = events
+        self.total_ns: dict[str, float] = {}
+        self._bytes = 0
+        self._iteration = 0
+        self._warmup = False
+
+    def iteration(self, nbytes: int, index: int, warmup: bool) -> None:
+        self._bytes, self._iteration, self._warmup = nbytes, index, warmup
+
+    def close(self, name: str, start_ns: float, end_ns: float) -> None:
+        self.total_ns[name] = self.total_ns.get(name, 0.0) + end_ns - start_ns
+        if self.events is not None:
+            self.events.emit("collective_phase", self.clock.to_wall_clock_ns(start_ns),
+                             rank=self.rank, phase=name, bytes=self._bytes,
+                             iteration=self._iteration, warmup=self._warmup,
+                             end_mono_ns=self.clock.to_wall_clock_ns(end_ns),
+                             duration_ns=round(end_ns - start_ns))
+
+    def counters(self) -> dict[str, int]:
+        """`phase_<name>_ns`: fabric ns this rank spent in each phase so far."""
+        return {f"phase_{k}_ns": round(v) for k, v in dict(self.total_ns).items()}

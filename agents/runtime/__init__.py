@@ -4,6 +4,8 @@
   (--control-sock), and the client that reads it;
 - `agents.runtime.output`: the ready file (--ready-file) and the final counters
   (stdout and --out);
+- `agents.runtime.events`: the events file (--events), JSON lines written in
+  batches off the data path, capped;
 - `agents.runtime.framing`: WIRE_OVERHEAD_BYTES, what a datagram costs beyond its
   UDP payload on the Ethernet wire;
 - `agents.runtime.argtypes`: argparse types of the agents' command lines;

@@ -585,6 +585,177 @@ def dcqcn_rates(run: RunData) -> dict | None:
     return {"svgs": svgs, "table": table}
 
 
+# --- collectives --------------------------------------------------------------------------
+
+#: The collective ranks' phase events and the counter prefixes of ranks and aggregators
+#: (their snapshots' modes; docs/run-format.md).
+PHASE_EVENT = "collective_phase"
+RANK_PREFIX = "collective."
+AGGREGATOR_SLOTS = "aggregator.slots_in_use"
+#: Phases in the order the algorithms run them, so a phase keeps its colour across runs.
+PHASE_ORDER = ("pre_reduce", "reduce_scatter", "all_gather", "post_distribute", "tree_up",
+               "tree_down", "broadcast", "all_to_all", "in_network")
+#: Bars one timeline draws at most; beyond it, the last size's timed iterations only.
+MAX_TIMELINE_BARS = 1200
+MAX_TIMELINE_ROWS = 32
+
+
+def _phase_names(names: Iterable[str]) -> list[str]:
+    seen = set(names)
+    return [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER))
+
+
+def _last_sizes_timed(by_rank: dict[tuple[str, str], list[dict]]
+                      ) -> dict[tuple[str, str], list[dict]]:
+    """Each rank's timed (not warm-up) phases of the last size it ran."""
+    out = {}
+    for key, evs in by_rank.items():
+        last = evs[-1]["bytes"]
+        out[key] = [e for e in evs if e["bytes"] == last and not e.get("warmup")]
+    return out
+
+
+def _phase_timeline(run: RunData, events: list[dict]) -> dict | None:
+    """One row per rank, a bar per phase of each iteration, coloured by phase."""
+    by_rank: dict[tuple[str, str], list[dict]] = {}
+    for e in sorted(events, key=lambda e: e["ts_fabric_ns"]):
+        if isinstance(e.get("duration_ns"), int | float) and e.get("phase"):
+            by_rank.setdefault((e["node"], e["port"]), []).append(e)
+    if not by_rank:
+        return None
+    total = sum(len(v) for v in by_rank.values())
+    ranks = sorted(by_rank, key=lambda k: (natural_key(k[1]), natural_key(k[0])))
+    shown_ranks = ranks[:MAX_TIMELINE_ROWS]
+    chosen = {k: by_rank[k] for k in shown_ranks}
+    what = "every phase of every iteration, warm-ups included"
+    if sum(len(v) for v in chosen.values()) > MAX_TIMELINE_BARS:
+        chosen = _last_sizes_timed(chosen)
+        sizes = sorted({int(v[0]["bytes"]) for v in chosen.values() if v})
+        what = ("the timed iterations of each rank's last size ("
+                + ", ".join(fmt_bytes(b) for b in sizes) + ")")
+        per_rank = max(1, MAX_TIMELINE_BARS // len(chosen))
+        if any(len(v) > per_rank for v in chosen.values()):
+            chosen = {k: v[-per_rank:] for k, v in chosen.items()}
+            what += f", the last {per_rank} phases of each rank"
+    shown = sum(len(v) for v in chosen.values())
+    if not shown:
+        return None
+    rows = []
+    for key in shown_ranks:
+        evs = chosen[key]
+        rank = next((e.get("rank") for e in evs), None)
+        label = f"{key[1]} ({key[0]})" if rank is None else f"{key[1]} rank {rank} ({key[0]})"
+        rows.append((label, [(int(e["ts_fabric_ns"]), int(e["duration_ns"]), str(e["phase"]))
+                             for e in evs]))
+    x_min = min(b[0] for _, bars in rows for b in bars)
+    x_max = max(b[0] + b[1] for _, bars in rows for b in bars)
+    phases = _phase_names(b[2] for _, bars in rows for b in bars)
+    svg = plots.timeline_plot(rows, "phases", "collective phases per rank", x_max,
+                              x_min_ns=x_min, categories=phases)
+    caption = (f"{shown} of {total} phase bars: {what}." if shown < total
+               else f"{total} phase bars: {what}.")
+    if len(ranks) > len(shown_ranks):
+        caption += f" The first {len(shown_ranks)} of {len(ranks)} ranks."
+    dropped = sum(run.store.last_values(RANK_PREFIX + "events_dropped").values()) \
+        if run.store is not None else 0
+    if dropped:
+        caption += (f" {fmt_int(dropped)} phase events were not written (each rank writes "
+                    "at most its cap): the timeline stops early.")
+    return {"svg": svg, "caption": caption}
+
+
+def _slot_occupancy(run: RunData) -> dict | None:
+    """Slots in use per aggregator over time, the configured pool as a dashed line."""
+    assert run.store is not None
+    series = run.store.series(AGGREGATOR_SLOTS)
+    if not series:
+        return None
+    pools = run.store.last_values("aggregator.slots")
+    ordered = sorted(series, key=lambda k: (natural_key(k[1]), natural_key(k[0])))
+    x_max = _duration_ns(run, series.values())
+    svgs = []
+    for n, chunk in enumerate(_chunks(ordered, SERIES_PER_PLOT)[:MAX_PLOTS]):
+        sizes = sorted({int(pools[k]) for k in chunk if k in pools})
+        hlines = [(float(v), f"pool {v} slots") for v in sizes]
+        svgs.append(plots.line_plot(
+            [Series(f"{k[1]} ({k[0]})", series[k]) for k in chunk], f"slots{n}",
+            "aggregator slot occupancy" if n == 0
+            else f"aggregator slot occupancy, aggregators {_span(n, chunk)}",
+            "slots in use", 1.0, x_max, hlines))
+    # The samples can miss a peak between them; the aggregator counts its own exactly
+    # (per job: with several jobs, the sum of their peaks bounds the total's).
+    exact = run.store.last_values("aggregator.slots_in_use_max")
+    peaks = [[k[1], k[0], fmt_int(max(v for _, v in series[k])),
+              fmt_int(exact[k]) if k in exact else "-",
+              fmt_int(pools[k]) if k in pools else "-"] for k in ordered]
+    return {"svgs": svgs, "table": Table(
+        ["aggregator", "node", "peak slots in use (sampled)", "peak (its own count)",
+         "pool (slots)"], peaks, [False, False, True, True, True])}
+
+
+def _rank_table(run: RunData, events: list[dict]) -> Table | None:
+    """Per rank: bytes, retransmissions and fabric time in each phase (every iteration,
+    warm-ups included), from the ranks' last sampled counters."""
+    assert run.store is not None
+    last: dict[str, dict[tuple[str, str], float]] = {}
+    wanted = {"rank", "bytes_sent", "bytes_received", "retransmissions", "ina_bytes_sent",
+              "ina_retransmissions"}
+    for counter in run.store.counters():
+        name = counter[len(RANK_PREFIX):]
+        if counter.startswith(RANK_PREFIX) and (
+                name in wanted or (name.startswith("phase_") and name.endswith("_ns"))):
+            last[name] = {
+                (k[0], k[1]): v for k, v in run.store.last_values(counter).items()}
+    from_events: dict[tuple[str, str], dict[str, float]] = {}
+    for e in events:
+        if isinstance(e.get("duration_ns"), int | float) and e.get("phase"):
+            per = from_events.setdefault((e["node"], e["port"]), {})
+            per[str(e["phase"])] = per.get(str(e["phase"]), 0.0) + e["duration_ns"]
+    keys = set(from_events)
+    for values in last.values():
+        keys |= set(values)
+    if not keys:
+        return None
+    phase_counters = {k[len("phase_"):-len("_ns")]: k for k in last
+                      if k.startswith("phase_") and k.endswith("_ns")}
+    phases = _phase_names([*phase_counters, *(p for v in from_events.values() for p in v)])
+    columns = [("bytes_sent", "bytes sent"), ("bytes_received", "bytes received"),
+               ("retransmissions", "retransmissions")]
+    columns += [(k, label) for k, label in (("ina_bytes_sent", "INA bytes sent"),
+                                            ("ina_retransmissions", "INA retransmissions"))
+                if k in last]
+    rows = []
+    for key in sorted(keys, key=lambda k: (natural_key(k[1]), natural_key(k[0]))):
+        rank = last.get("rank", {}).get(key)
+        cells = [key[1], key[0], "-" if rank is None else fmt_int(rank)]
+        for counter, _ in columns:
+            value = last.get(counter, {}).get(key)
+            cells.append("-" if value is None else fmt_int(value))
+        for phase in phases:
+            value = last.get(phase_counters.get(phase, ""), {}).get(key)
+            if value is None:
+                value = from_events.get(key, {}).get(phase)
+            cells.append("-" if value is None else fmt_duration(value))
+        rows.append(cells)
+    head = ["rank agent", "node", "rank", *(label for _, label in columns),
+            *(f"{p} time" for p in phases)]
+    return Table(head, rows, [False, False, True] + [True] * (len(head) - 3))
+
+
+def collectives(run: RunData) -> dict | None:
+    """The collective ranks' phases over time and the aggregators' slot occupancy; None
+    when the run had neither (or no counters database)."""
+    if run.store is None:
+        return None
+    events = run.store.events(PHASE_EVENT)
+    timeline = _phase_timeline(run, events)
+    occupancy = _slot_occupancy(run)
+    table = _rank_table(run, events)
+    if timeline is None and occupancy is None and table is None:
+        return None
+    return {"timeline": timeline, "occupancy": occupancy, "ranks": table}
+
+
 def workloads(run: RunData) -> list[dict]:
     out = []
     for w in run.summary.get("workloads") or []:
@@ -686,6 +857,7 @@ def build_context(run: RunData) -> dict:
         "pfc": pfc(run, idx),
         "rates": agent_rates(run),
         "dcqcn": dcqcn_rates(run),
+        "collectives": collectives(run),
         "workloads": workloads(run),
         "ports": port_totals(run, idx),
         "fidelity": fidelity(run),

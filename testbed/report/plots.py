@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from testbed.plan.model import Plan
 
@@ -151,23 +152,43 @@ def line_plot(series: Sequence[Series], prefix: str, title: str, ylabel: str, y_
         return _svg(fig, prefix, title)
 
 
-def timeline_plot(rows: Sequence[tuple[str, Sequence[tuple[int, int]]]], prefix: str,
-                  title: str, x_max_ns: float) -> str:
-    """Broken-bar timeline: one row per label, bars = (start_ns, duration_ns)."""
+#: A timeline bar: (start_ns, duration_ns), or with a category that picks its colour.
+Bar = tuple[int, int] | tuple[int, int, str]
+
+
+def timeline_plot(rows: Sequence[tuple[str, Sequence[Bar]]], prefix: str,
+                  title: str, x_max_ns: float, x_min_ns: float = 0.0,
+                  categories: Sequence[str] = ()) -> str:
+    """Broken-bar timeline: one row per label, bars = (start_ns, duration_ns[, category]).
+
+    Bars without a category are drawn in one colour. Bars with one are coloured by it,
+    with a legend: the categories in the order of `categories`, then any other in the
+    order first met. The x axis runs from `x_min_ns` to `x_max_ns` (fabric time)."""
+    order = list(dict.fromkeys([*categories, *(b[2] for _, bars in rows for b in bars
+                                               if len(b) > 2)]))
+    color_of = {c: SERIES_COLORS[i % len(SERIES_COLORS)] for i, c in enumerate(order)}
     with matplotlib.rc_context(_RC):
         height = 1.2 + 0.38 * len(rows)
         fig = Figure(figsize=(10.5, height))
         ax = fig.add_subplot()
         scale, unit = time_unit(x_max_ns)
+        # a bar too short to see is drawn 1/800 of the axis wide
+        least = (x_max_ns - x_min_ns) / scale / 800
         for i, (_, bars) in enumerate(rows):
-            spans = [(s / scale, max(d / scale, x_max_ns / scale / 800)) for s, d in bars]
-            ax.broken_barh(spans, (i - 0.35, 0.7), facecolors=SERIES_COLORS[1], alpha=0.85)
+            spans = [(b[0] / scale, max(b[1] / scale, least)) for b in bars]
+            colors = [color_of[b[2]] if len(b) > 2 else SERIES_COLORS[1] for b in bars]
+            ax.broken_barh(spans, (i - 0.35, 0.7), facecolors=colors, alpha=0.85)
         ax.set_yticks(range(len(rows)), [plain(label) for label, _ in rows])
         ax.set_ylim(len(rows) - 0.5, -0.5)
-        ax.set_xlim(0, max(x_max_ns / scale, 1e-9))
+        ax.set_xlim(x_min_ns / scale, max(x_max_ns / scale, x_min_ns / scale + 1e-9))
         ax.set_xlabel(f"fabric time ({unit})")
-        ax.set_title(title, loc="left")
+        ax.set_title(plain(title), loc="left")
         ax.grid(axis="y", visible=False)
+        used = [c for c in order if any(len(b) > 2 and b[2] == c for _, bs in rows for b in bs)]
+        if used:
+            handles = [Patch(facecolor=color_of[c], alpha=0.85, label=plain(c)) for c in used]
+            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                      frameon=False)
         return _svg(fig, prefix, title)
 
 

@@ -59,6 +59,14 @@ def _mark_svgs(ctx: dict) -> dict:
             out[key] = {**out[key], "svgs": [Markup(s) for s in out[key]["svgs"]]}
     if out.get("pfc") and out["pfc"].get("svg"):
         out["pfc"] = {**out["pfc"], "svg": Markup(out["pfc"]["svg"])}
+    if out.get("collectives"):
+        c = dict(out["collectives"])
+        if c.get("timeline"):
+            c["timeline"] = {**c["timeline"], "svg": Markup(c["timeline"]["svg"])}
+        if c.get("occupancy"):
+            c["occupancy"] = {**c["occupancy"],
+                              "svgs": [Markup(s) for s in c["occupancy"]["svgs"]]}
+        out["collectives"] = c
     return out
 
 

@@ -35,7 +35,7 @@ class AgentEndpoint:
     name: str
     node: str
     sock_path: str
-    events_path: str | None = None     # JSON lines the agent appends (PFC events)
+    events_path: str | None = None     # JSON lines the agent appends (PFC, collective phases)
     events_offset: int = 0
     reads: int = 0                     # snapshot requests while its socket existed
     failed_reads: int = 0              # ... that timed out or returned garbage
@@ -203,7 +203,8 @@ class Collector:
                 self.cpu_ns += time.thread_time_ns() - cpu0
 
     def _read_events(self, agent: AgentEndpoint) -> list[Event]:
-        """The new complete lines of the agent's event file, as events for the store."""
+        """The new complete lines of the agent's event file, as events for the store. An
+        event that names no port gets the agent's name there, as its samples have."""
         if not agent.events_path:
             return []
         try:
@@ -222,7 +223,7 @@ class Collector:
                 continue
             mono = int(event.pop("mono_ns", time.monotonic_ns()))
             out.append(Event(self.fabric_now_ns(mono), mono, event.pop("kind", "agent"),
-                             node=event.pop("node", agent.node), port=event.pop("port", ""),
+                             node=event.pop("node", agent.node), port=event.pop("port", agent.name),
                              tclass=int(event.pop("tclass", -1)), detail=event))
         return out
 

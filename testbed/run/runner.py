@@ -45,6 +45,7 @@ from testbed.run.workload import (
     DEFAULT_DRAIN_WALL_NS,
     DEFAULT_SAMPLE_PERIOD_WALL_NS,
     by_kind,
+    events_file,
     expand_workload,
     out_file,
     ready_file,
@@ -293,13 +294,16 @@ def start_agent_of(run: Run, spec: AgentSpec, t0_mono_ns: int | None = None) -> 
     for and (a sender) the common start time."""
     plan = run.plan
     sock = socket_path(run.agents_dir, spec.name, plan.lab)
-    files = AgentFiles(ready=ready_file(run.agents_dir, spec), out=out_file(run.agents_dir, spec))
+    files = AgentFiles(ready=ready_file(run.agents_dir, spec), out=out_file(run.agents_dir, spec),
+                       events=events_file(run.agents_dir, spec))
     argv = [*spec.argv, "--control-sock", sock, *REGISTRY.of(spec.kind).files_argv(spec, files)]
     if t0_mono_ns is not None:
         argv += ["--start-at-mono-ns", str(t0_mono_ns + plan.timebase.to_wall_ns(spec.start_ns))]
     proc = start_agent(plan.lab, plan.node(spec.node).netns, spec.module, argv, spec.name)
     run.agents.append((spec, proc))
-    run.endpoints.append(AgentEndpoint(spec.name, spec.node, sock))
+    # The collector imports the events file if the kind pointed its agent at it.
+    run.endpoints.append(AgentEndpoint(spec.name, spec.node, sock,
+                                       events_path=str(files.events)))
 
 
 def start_workload(run: Run, stop: threading.Event) -> None:

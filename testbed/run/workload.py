@@ -147,3 +147,7 @@ def ready_file(agents_dir: Path, spec: AgentSpec) -> Path:
 
 def out_file(agents_dir: Path, spec: AgentSpec) -> Path:
     return agents_dir / f"{spec.name}.json"
+
+
+def events_file(agents_dir: Path, spec: AgentSpec) -> Path:
+    return agents_dir / f"{spec.name}.events.jsonl"

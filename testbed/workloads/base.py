@@ -110,6 +110,7 @@ class AgentFiles:
 
     ready: Path          # the agent creates it once it can serve (a server listening)
     out: Path            # its final JSON counters, kept in the run directory
+    events: Path         # JSON lines of events it appends; the collector imports them
 
 
 class ClassView(Protocol):

@@ -349,7 +349,10 @@ class CollectiveKind(WorkloadKind):
         return spec.module == AGGREGATOR_MODULE     # workers send to it from their start
 
     def files_argv(self, spec: AgentSpec, files: AgentFiles) -> list[str]:
-        return ["--ready-file", str(files.ready), "--out", str(files.out)]
+        argv = ["--ready-file", str(files.ready), "--out", str(files.out)]
+        if spec.module != AGGREGATOR_MODULE:      # a rank: a collective_phase per phase
+            argv += ["--events", str(files.events)]
+        return argv
 
     def result_rows(self, specs: Sequence[AgentSpec], results: Results,
                     view: RunView) -> list[ResultRow]:

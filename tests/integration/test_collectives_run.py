@@ -1,6 +1,8 @@
 """`testbed run` of collectives end to end: four ranks on a leaf-spine fabric all-reduce
 with ring and double binary tree, every result checked against its exact reference, and
-nccl-tests' table and JSON written; the bytes the links carried are in the summary."""
+nccl-tests' table and JSON written; the bytes the links carried are in the summary. The
+in-network run also leaves the ranks' phase events and the aggregators' slot occupancy
+in counters.sqlite, and the report's Collectives section."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from testbed.config import load_config_text
 from testbed.net.namespaces import list_testbed_namespaces
 from testbed.plan import compile_plan
+from testbed.results.store import Store
 from testbed.run.runner import RunOptions, run_config
 from tests.conftest import unique_lab
 
@@ -103,3 +106,21 @@ def test_in_network_all_reduce_through_a_tree_survives_loss(tmp_path) -> None:
     assert names == {"ina-agg-leaf1", "ina-agg-leaf2", "ina-agg-spine1"}
     root = json.loads((agents / "ina-agg-spine1.json").read_text())
     assert root["jobs"]["1"]["partials_received"] >= 2 * 256      # 2 leaves x 256 chunks
+    # what the collector sampled and imported: a collective_phase event per rank and
+    # iteration (warmup 0, so both are timed), each aggregator's occupancy and pool
+    with Store(result.run_dir / "counters.sqlite") as store:
+        phases = store.events("collective_phase")
+        slots = store.series("aggregator.slots_in_use")
+        pools = store.last_values("aggregator.slots")
+    assert sorted((e["port"], e["rank"], e["iteration"]) for e in phases) == [
+        (f"ina-r{r}", r, i) for r in range(4) for i in range(2)]
+    assert all(e["phase"] == "in_network" and e["bytes"] == 1 << 20 and not e["warmup"]
+               and e["duration_ns"] > 0 for e in phases)
+    assert {e["node"] for e in phases} == {"h1", "h2", "h3", "h4"}
+    assert {k[1] for k in slots} == names and set(pools.values()) == {32}
+    print(f"peak slots in use: {max(v for pts in slots.values() for _, v in pts)}")
+    html = (result.run_dir / "report.html").read_text()
+    section = html[html.index('<section id="collectives">'):]
+    section = section[:section.index("</section>")]
+    assert "collective phases per rank" in section and "aggregator slot occupancy" in section
+    assert "ina-r3" in section and "ina-agg-spine1" in section

@@ -85,6 +85,9 @@ def test_three_workers_through_the_aggregator_process(tmp_path):
     try:
         live = read_snapshot(str(tmp_path / "agg.sock"))
         assert live["completed"] == 0 and live["jobs"]["4"]["slots"] == S
+        # flat, for the run's collector (aggregator.<key>)
+        assert live["mode"] == "aggregator" and live["job4_slots"] == live["slots"] == S
+        assert live["job4_slots_in_use"] == 0 and live["drops_not_member"] == 0
         rng = np.random.default_rng(0)
         xs = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
         outs = [np.zeros_like(x) for x in xs]

@@ -14,6 +14,7 @@ from agents.aggregator.logic import (
     DropReason,
     JobConfig,
     jobs_from_json,
+    sampled_counters,
 )
 from agents.collectives.ina import InaJob, InaWorker
 from agents.wire.ina import (
@@ -381,3 +382,25 @@ def test_counters_have_every_key_from_the_start():
             x for k, v in d.items() if isinstance(v, dict) for x in keys(v, f"{prefix}{k}.")}
     assert keys(before) == keys(after)
     assert set(before["drops"]) == {r.value for r in DropReason}
+
+
+def test_the_sampled_counters_are_flat_numbers_with_occupancy_per_job_and_drops_by_reason():
+    a = _job(jid=10, n=3, slots=4, elements=4)
+    b = JobConfig(id=11, members=_members(2, first=5), slots=2, slot_elements=4)
+    agg = _agg(a, b)
+    for chunk in (0, 1):                   # two chunks of job 10 open (2 of 3 workers in)
+        for w in (0, 1):
+            _contribute(agg, a, w, chunk, [1] * 4)
+    _contribute(agg, a, 0, 0, [1] * 4)     # a duplicate
+    for w in (5, 6):                       # job 11's chunk completes: its copy is free again
+        _contribute(agg, b, w, 0, [2] * 4)
+    _contribute(agg, a, 0, 0, [1] * 5)     # longer than the job's slots: dropped
+    flat = sampled_counters(agg.counters())
+    assert all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat.values())
+    assert flat["slots_in_use"] == 2 and flat["slots"] == 6 and flat["slots_total"] == 12
+    assert (flat["job10_slots_in_use"], flat["job10_slots"]) == (2, 4)
+    assert (flat["job11_slots_in_use"], flat["job11_slots"]) == (0, 2)
+    assert flat["aggregated"] == 6 and flat["duplicates"] == 1 and flat["results_sent"] == 2
+    assert flat["drops_too_long"] == 1 and flat["drops_stale"] == 0
+    assert {f"drops_{r.value}" for r in DropReason} <= set(flat)
+    assert flat["malformed_TOO_SHORT"] == 0

@@ -359,7 +359,8 @@ def _worker(rank: int, peers: list[PeerAddress], tmp_path, *args: str) -> subpro
          "--algorithms-module", "tests.collective_stub", "--data-module", "tests.collective_stub",
          "--line-rate-bps", "2e9", "--timeout-ns", "1e9", "--spin-ns", "0",
          "--ready-file", str(tmp_path / f"ready{rank}"), "--out", str(tmp_path / f"r{rank}.json"),
-         *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--events", str(tmp_path / f"r{rank}.events.jsonl"), *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _run_workers(tmp_path, n: int, *args: str, returncode: int = 0) -> list[dict]:
@@ -401,6 +402,23 @@ def test_three_workers_all_reduce_on_loopback(tmp_path):
         assert c["retransmissions"] == 0 and c["rnr_naks_received"] == 0
     sent = sum(o["counters"]["bytes_sent"] for o in outs)
     assert sent == sum(o["counters"]["bytes_received"] for o in outs) > 0
+    # one collective_phase event per phase of every iteration, warm-ups flagged, whose
+    # fabric lengths are what phases_us averages
+    for r, o in enumerate(outs):
+        events = [json.loads(line) for line in
+                  (tmp_path / f"r{r}.events.jsonl").read_text().splitlines()]
+        assert len(events) == 3 * 4 * 2 == o["events_written"] and o["events_dropped"] == 0
+        assert {(e["kind"], e["rank"]) for e in events} == {("collective_phase", r)}
+        assert [e["warmup"] for e in events[:2]] == [True, True]
+        assert [(e["phase"], e["iteration"]) for e in events[:4]] == [
+            ("reduce_scatter", 0), ("all_gather", 0), ("reduce_scatter", 1), ("all_gather", 1)]
+        assert all(e["end_mono_ns"] >= e["mono_ns"] for e in events)
+        for x in o["results"]:
+            for phase, mean_us in x["phases_us"].items():
+                timed = [e["duration_ns"] for e in events if e["bytes"] == x["bytes"]
+                         and e["phase"] == phase and not e["warmup"]]
+                assert len(timed) == 3
+                assert sum(timed) / 3 / 1e3 == pytest.approx(mean_us, abs=1e-3)
     # what rank r sent to rank p is what p received from r
     for r, o in enumerate(outs):
         for p, pc in o["counters"]["per_peer"].items():

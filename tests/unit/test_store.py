@@ -391,6 +391,21 @@ def test_the_collector_imports_each_samples_agent_events_in_one_transaction(
                    ("pfc_xoff", "sw1", "swp2", 3, None)]
 
 
+def test_an_agent_event_without_a_port_is_stored_under_the_agents_name(
+        tmp_path, monkeypatch) -> None:
+    events = tmp_path / "ar-r1.events.jsonl"
+    events.write_text('{"kind": "collective_phase", "mono_ns": 4000000, "rank": 1, '
+                      '"phase": "reduce_scatter", "duration_ns": 20}\n')
+    agent = AgentEndpoint("ar-r1", "h2", str(tmp_path / "no.sock"), str(events))
+    store, collector = _collector(tmp_path, monkeypatch, agents=[agent])
+    collector.sample_once()
+    (got,) = store.events("collective_phase")
+    store.close()
+    assert (got["node"], got["port"], got["tclass"]) == ("h2", "ar-r1", -1)
+    assert got["rank"] == 1 and got["duration_ns"] == 20
+    assert got["ts_wall_ns"] == 4000000 and got["ts_fabric_ns"] == collector.fabric_now_ns(4000000)
+
+
 def test_a_collector_that_misses_its_period_says_when_and_by_how_much(
         tmp_path, monkeypatch) -> None:
     # a 1 ms period and a sample that takes 5 ms: every tick of the workload is late

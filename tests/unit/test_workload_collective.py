@@ -12,6 +12,7 @@ from agents.collectives.ops import bus_factor, count_of
 from testbed.config import ConfigError, load_config_text
 from testbed.plan import compile_plan
 from testbed.run.workload import expand_workload, run_view, workload_span_ns
+from testbed.workloads.base import AgentFiles
 from testbed.workloads.collective import KIND
 from testbed.workloads.collective_nccl import iteration_stats, percentile_index
 
@@ -60,6 +61,23 @@ def test_one_worker_per_rank_with_every_peers_address_and_ports() -> None:
     assert specs[3].argv[specs[3].argv.index("--algorithm") + 1] == "pairwise"
     assert {s.module for s in specs} == {"agents.collectives"}
     assert workload_span_ns(loaded.fabric, plan) > 0
+
+
+def test_ranks_write_phase_events_and_aggregators_do_not(tmp_path: Path) -> None:
+    loaded, plan = _load("    - {name: ina, kind: allreduce, algorithm: ina, ranks: [h1, h2], "
+                         "sizes: {min: 64KiB, max: 64KiB}}")
+    specs = expand_workload(loaded.fabric, plan)
+    for spec in specs:
+        files = AgentFiles(ready=tmp_path / f"{spec.name}.ready",
+                           out=tmp_path / f"{spec.name}.json",
+                           events=tmp_path / f"{spec.name}.events.jsonl")
+        argv = KIND.files_argv(spec, files)
+        assert argv[argv.index("--out") + 1] == str(files.out)
+        if spec.module == "agents.collectives":
+            assert argv[argv.index("--events") + 1] == str(files.events)
+        else:                                   # the aggregator takes no --events
+            assert spec.module == "agents.aggregator" and "--events" not in argv
+    assert {s.module for s in specs} == {"agents.collectives", "agents.aggregator"}
 
 
 def test_bad_collective_entries_are_named() -> None:
