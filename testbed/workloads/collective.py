@@ -388,6 +388,11 @@ class CollectiveKind(WorkloadKind):
                 continue
             if res.get("error"):
                 notes.append(f"collective rank {spec.name} on {spec.node}: {res['error']}")
+            if res.get("events_dropped"):
+                notes.append(f"collective rank {spec.name} on {spec.node}: "
+                             f"{res['events_dropped']} phase events beyond its cap of "
+                             f"{res.get('events_written', 0)} were not written: the report's "
+                             "phase timeline misses them (the results are whole)")
             wrong = sum(int(r.get("wrong", 0)) for r in res.get("results") or [])
             if wrong:
                 notes.append(f"collective rank {spec.name} on {spec.node}: {wrong} elements "

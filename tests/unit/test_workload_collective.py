@@ -205,3 +205,13 @@ def test_aggregators_get_a_receive_buffer_for_every_contributors_window() -> Non
     [agg] = [s for s in expand_workload(loaded.fabric, plan) if s.role == "receiver"]
     rcvbuf = int(agg.argv[agg.argv.index("--rcvbuf-bytes") + 1])
     assert rcvbuf >= 2 * 5 * 512 * (2048 * 4 + 32)
+
+
+def test_phase_events_beyond_the_cap_are_a_fidelity_note() -> None:
+    loaded, plan = _load(AR)
+    specs = expand_workload(loaded.fabric, plan)
+    results = {s.name: {"results": [], "events_written": 10000, "events_dropped": 0}
+               for s in specs}
+    results["ar-r1"]["events_dropped"] = 42
+    [note] = KIND.fidelity_notes(specs, results, run_view(plan, Path("/nonexistent"), 0))
+    assert "ar-r1" in note and "42 phase events" in note
