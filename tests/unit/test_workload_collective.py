@@ -165,3 +165,105 @@ def test_the_collectives_suite_compares_every_all_reduce_algorithm() -> None:
         algorithms.append(entry.op_algorithm)
         assert expand_workload(loaded.fabric, plan)
     assert sorted(algorithms) == sorted((*ALGORITHMS["allreduce"], "ina"))
+
+
+LEAF_SPINE = """\
+name: inatree
+dilation: 1000
+topology:
+  kind: leaf_spine
+  spines: 2
+  leaves: 2
+  hosts_per_leaf: 3
+  host_link: {{port: 100GBASE-CR1, length: 2m}}
+  fabric_link: {{port: 400GBASE-DR4, length: 100m}}
+workload:
+  traffic:
+{traffic}
+"""
+
+
+def _ina(traffic: str):
+    loaded = load_config_text(LEAF_SPINE.format(traffic=traffic), "ina.yaml")
+    plan = compile_plan(loaded)
+    return plan, expand_workload(loaded.fabric, plan)
+
+
+def _ip(plan, node: str, peer: str) -> str:
+    return next(i.address.split("/")[0] for i in plan.node(node).interfaces
+                if i.peer.node == peer)
+
+
+def _aggregators(specs) -> dict[str, tuple[int, list[dict], str | None]]:
+    """switch -> (port, jobs, parent) of each aggregator among `specs`."""
+    out = {}
+    for s in specs:
+        if s.module == "agents.aggregator":
+            argv = s.argv
+            parent = argv[argv.index("--parent") + 1] if "--parent" in argv else None
+            out[s.node] = (int(argv[argv.index("--port") + 1]),
+                           json.loads(argv[argv.index("--jobs") + 1]), parent)
+    return out
+
+
+def _worker_ina(spec) -> tuple[str, str, str, str]:
+    argv = spec.argv
+    return tuple(argv[argv.index(f) + 1] for f in ("--aggregator", "--job-id", "--worker-id",
+                                                     "--ina-port"))
+
+
+def test_ina_places_leaf_aggregators_under_a_spine_linked_to_every_leaf() -> None:
+    plan, specs = _ina("    - {name: ar, kind: allreduce, algorithm: ina, "
+                       "ranks: [h1, h2, h4, h5]}")
+    host = {h.name: h.interfaces[0].address.split("/")[0] for h in plan.hosts()}
+    aggs = _aggregators(specs)
+    assert [s.name for s in specs[:3]] == ["ar-agg-leaf1", "ar-agg-leaf2", "ar-agg-spine1"]
+    assert aggs["leaf1"] == (11000, [{"id": 1, "members": [[0, host["h1"], 11500],
+                                                           [1, host["h2"], 11500]],
+                                      "slots": 32, "slot_elements": 2048, "uplink_id": 0}],
+                             f"{_ip(plan, 'spine1', 'leaf1')}:11000")
+    assert aggs["leaf2"][1][0]["members"] == [[2, host["h4"], 11500], [3, host["h5"], 11500]]
+    assert aggs["leaf2"][1][0]["uplink_id"] == 1
+    assert aggs["leaf2"][2] == f"{_ip(plan, 'spine1', 'leaf2')}:11000"
+    assert aggs["spine1"] == (11000, [{"id": 1, "members": [], "children": [
+        [0, _ip(plan, "leaf1", "spine1"), 11000], [1, _ip(plan, "leaf2", "spine1"), 11000]],
+        "slots": 32, "slot_elements": 2048}], None)
+    workers = [s for s in specs if s.module == "agents.collectives"]
+    assert [_worker_ina(s) for s in workers] == [
+        (f"{_ip(plan, 'leaf1', 'h1')}:11000", "1", "0", "11500"),
+        (f"{_ip(plan, 'leaf1', 'h2')}:11000", "1", "1", "11500"),
+        (f"{_ip(plan, 'leaf2', 'h4')}:11000", "1", "2", "11500"),
+        (f"{_ip(plan, 'leaf2', 'h5')}:11000", "1", "3", "11500")]
+
+
+def test_ina_ranks_on_one_switch_need_one_aggregator_as_leaf_and_root() -> None:
+    plan, specs = _ina("    - {name: ar, kind: allreduce, algorithm: ina, ranks: [h1, h3]}")
+    aggs = _aggregators(specs)
+    assert list(aggs) == ["leaf1"]
+    port, (job,), parent = aggs["leaf1"]
+    assert parent is None and "uplink_id" not in job and len(job["members"]) == 2
+
+
+def test_two_ina_entries_on_shared_switches_get_their_own_job_ports_and_aggregators() -> None:
+    plan, specs = _ina(
+        "    - {name: a, kind: allreduce, algorithm: ina, ranks: [h1, h4]}\n"
+        "    - {name: b, kind: allreduce, algorithm: ina, ranks: [h2, h5]}\n"
+        "    - {name: c, kind: allreduce, algorithm: ina, ranks: [h1, h2, h4]}")
+    by_entry: dict[str, dict] = {}
+    for s in specs:
+        if s.module == "agents.aggregator":
+            by_entry.setdefault(s.traffic, {})[s.node] = _aggregators([s])[s.node]
+    assert {e: {sw: a[0] for sw, a in aggs.items()} for e, aggs in by_entry.items()} == {
+        "a": {"leaf1": 11000, "leaf2": 11000, "spine1": 11000},
+        "b": {"leaf1": 11001, "leaf2": 11001, "spine1": 11001},
+        "c": {"leaf1": 11002, "leaf2": 11002, "spine1": 11002}}
+    assert {e: {a[1][0]["id"] for a in aggs.values()} for e, aggs in by_entry.items()} == {
+        "a": {1}, "b": {2}, "c": {3}}
+    # every leaf names its own entry's root port as its parent
+    for aggs in by_entry.values():
+        root_port = aggs["spine1"][0]
+        assert all(a[2].endswith(f":{root_port}") for sw, a in aggs.items() if sw != "spine1")
+    # h1 holds a rank of a and of c: each has its own aggregation socket port
+    workers = {s.name: _worker_ina(s) for s in specs if s.module == "agents.collectives"}
+    assert workers["a-r0"][3] == "11500" and workers["c-r0"][3] == "11501"
+    assert workers["c-r0"][0].endswith(":11002") and workers["c-r0"][1] == "3"
