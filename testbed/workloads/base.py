@@ -132,6 +132,9 @@ class CheckContext:
     hosts: Sequence[str]
     classes: Mapping[str | int, ClassView]       # by name and by number
     nic_bps: Mapping[str, int]                   # each host's first NIC's MAC rate
+    roles: Mapping[str, str] = field(default_factory=dict)   # node -> "host" or "switch"
+    neighbours: Callable[[str], list[str]] = lambda node: []  # nodes linked to a node, in
+    #                                              link order, each once
 
 
 @dataclass

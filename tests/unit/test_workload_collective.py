@@ -267,3 +267,142 @@ def test_two_ina_entries_on_shared_switches_get_their_own_job_ports_and_aggregat
     workers = {s.name: _worker_ina(s) for s in specs if s.module == "agents.collectives"}
     assert workers["a-r0"][3] == "11500" and workers["c-r0"][3] == "11501"
     assert workers["c-r0"][0].endswith(":11002") and workers["c-r0"][1] == "3"
+
+
+# h7 has a NIC on each leaf; sx is a switch linked to leaf1 only
+EXTRA = """\
+nodes:
+  - {name: h7, role: host}
+  - {name: sx, role: switch}
+links:
+  - {a: h7, b: leaf1, port: 100GBASE-CR1, length: 2m}
+  - {a: h7, b: leaf2, port: 100GBASE-CR1, length: 2m}
+  - {a: sx, b: leaf1, port: 400GBASE-DR4, length: 100m}
+"""
+
+
+def _ina_entry(ranks: str, ina: str = "", algorithm: str = "ina") -> str:
+    return (f"    - {{name: ar, kind: allreduce, algorithm: {algorithm}, ranks: [{ranks}]"
+            + (f", ina: {{{ina}}}" if ina else "") + "}")
+
+
+def _tree_problems(ranks: str, ina: str, algorithm: str = "ina") -> set[str]:
+    """The entry's problems (all on its line), without the file, line and entry."""
+    text = LEAF_SPINE.format(traffic=_ina_entry(ranks, ina, algorithm)) + EXTRA
+    try:
+        load_config_text(text, "ina.yaml")
+    except ConfigError as err:
+        return {p.split("workload.traffic[0].", 1)[1] for p in str(err).splitlines()}
+    return set()
+
+
+def test_an_explicit_tree_sets_each_aggregators_parent_members_and_leaf_ids() -> None:
+    loaded = load_config_text(LEAF_SPINE.format(traffic=_ina_entry(
+        "h1, h2, h4, h7", "root: spine2, leaves: {leaf2: [h4, h7], leaf1: [h2, h1]}"))
+        + EXTRA, "ina.yaml")
+    plan = compile_plan(loaded)
+    specs = expand_workload(loaded.fabric, plan)
+    host = {h.name: h.interfaces[0].address.split("/")[0] for h in plan.hosts()}
+    aggs = _aggregators(specs)
+    assert [s.node for s in specs[:3]] == ["leaf2", "leaf1", "spine2"]
+    # leaf ids in the given order; members in rank order; h7 under its second switch
+    assert aggs["leaf2"] == (11000, [{"id": 1, "members": [[2, host["h4"], 11500],
+                                                           [3, host["h7"], 11500]],
+                                      "slots": 32, "slot_elements": 2048, "uplink_id": 0}],
+                             f"{_ip(plan, 'spine2', 'leaf2')}:11000")
+    assert aggs["leaf1"][1][0]["members"] == [[0, host["h1"], 11500], [1, host["h2"], 11500]]
+    assert aggs["leaf1"][1][0]["uplink_id"] == 1
+    assert aggs["leaf1"][2] == f"{_ip(plan, 'spine2', 'leaf1')}:11000"
+    assert aggs["spine2"][1][0]["children"] == [[0, _ip(plan, "leaf2", "spine2"), 11000],
+                                                [1, _ip(plan, "leaf1", "spine2"), 11000]]
+    assert aggs["spine2"][2] is None
+    workers = [_worker_ina(s) for s in specs if s.module == "agents.collectives"]
+    assert [w[0] for w in workers] == [f"{_ip(plan, 'leaf1', 'h1')}:11000",
+                                       f"{_ip(plan, 'leaf1', 'h2')}:11000",
+                                       f"{_ip(plan, 'leaf2', 'h4')}:11000",
+                                       f"{_ip(plan, 'leaf2', 'h7')}:11000"]
+
+
+def test_a_root_alone_keeps_the_topologys_leaves() -> None:
+    plan, specs = _ina(_ina_entry("h1, h4", "root: spine2"))
+    aggs = _aggregators(specs)
+    assert list(aggs) == ["leaf1", "leaf2", "spine2"]
+    assert aggs["leaf1"][2] == f"{_ip(plan, 'spine2', 'leaf1')}:11000"
+    # one leaf: the root may be the leaf (one aggregator) or a switch above it
+    _, specs = _ina(_ina_entry("h1, h2", "root: leaf1"))
+    assert [(s.node, "--parent" in s.argv) for s in specs[:1]] == [("leaf1", False)]
+    plan, specs = _ina(_ina_entry("h1, h2", "root: spine1"))
+    aggs = _aggregators(specs)
+    assert list(aggs) == ["leaf1", "spine1"] and aggs["leaf1"][1][0]["uplink_id"] == 0
+    assert aggs["spine1"][1][0]["children"] == [[0, _ip(plan, "leaf1", "spine1"), 11000]]
+
+
+def test_a_leaf_that_is_no_switch_is_named() -> None:
+    assert _tree_problems("h1, h4", "leaves: {leaf3: [h1], h2: [h4]}") == {
+        "ina.leaves.leaf3: 'leaf3' is not a node of this fabric; an aggregator runs on a "
+        "switch (did you mean 'leaf2'? switches: spine1, spine2, leaf1, leaf2, sx)",
+        "ina.leaves.h2: 'h2' is a host; an aggregator runs on a switch (switches: spine1, "
+        "spine2, leaf1, leaf2, sx)"}
+
+
+def test_every_rank_is_placed_once_under_a_switch_it_is_linked_to() -> None:
+    assert _tree_problems("h1, h2, h4, h5", "leaves: {leaf1: [h1], leaf2: [h4, h1, h3]}") == {
+        "ina.leaves.leaf2[1]: h1 is already under leaf1; a rank has one leaf aggregator, "
+        "remove it from one of them",
+        "ina.leaves.leaf2[2]: 'h3' is not a rank of 'ar' (ranks: h1, h2, h4, h5); remove it",
+        "ina.leaves: 2 rank(s) under no leaf: rank 1 (h2) is linked to leaf1; rank 3 (h5) is "
+        "linked to leaf2; add each host under one of its switches"}
+    assert _tree_problems("h1, h4", "leaves: {leaf1: [h1, h4], leaf2: []}") == {
+        "ina.leaves.leaf1[1]: h4 is not linked to leaf1, so leaf1's aggregator cannot be its "
+        "first hop; put it under a switch it is linked to (leaf2)",
+        "ina.leaves.leaf2: leaf2 holds no rank; list the hosts of its ranks or remove it"}
+    assert _tree_problems("h1", "leaves: {}") == {
+        "ina.leaves: no leaf switch is given; map each leaf switch to its ranks' hosts, or "
+        "remove leaves to place every rank under its own switch",
+        "ina.leaves: 1 rank(s) under no leaf: rank 0 (h1) is linked to leaf1; add each host "
+        "under one of its switches"}
+
+
+def test_the_root_is_a_switch_linked_to_every_leaf_and_a_leaf_only_alone() -> None:
+    assert _tree_problems("h1, h4", "root: sx") == {
+        "ina.root: sx is not linked to leaf leaf2; the root must be linked to every leaf "
+        "switch (linked to all of them: spine1, spine2)"}
+    assert _tree_problems("h1, h4", "root: leaf1, leaves: {leaf1: [h1], leaf2: [h4]}") == {
+        "ina.root: leaf1 is also a leaf; with 2 leaves the root is another switch, linked to "
+        "each of them (spine1, spine2)"}
+    assert _tree_problems("h1, h4", "root: h2") == {
+        "ina.root: 'h2' is a host; an aggregator runs on a switch (switches: spine1, spine2, "
+        "leaf1, leaf2, sx)"}
+    assert _tree_problems("h1, h2", "root: sx, leaves: {leaf1: [h1, h2]}") == set()  # linked
+
+
+def test_ina_settings_apply_to_algorithm_ina_only() -> None:
+    assert _tree_problems("h1, h4", "root: spine1", algorithm="ring") == {
+        "ina: ina applies to algorithm: ina, not ring; remove it or set algorithm: ina"}
+
+
+RING = """\
+name: inaring
+topology:
+  kind: ring
+  switches: 6
+  hosts_per_switch: 1
+  host_link: {{port: 100GBASE-CR1, length: 2m}}
+  fabric_link: {{port: 400GBASE-DR4, length: 100m}}
+workload:
+  traffic:
+{traffic}
+"""
+
+
+def test_ranks_whose_leaves_no_switch_joins_have_no_root() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config_text(RING.format(traffic=_ina_entry("h1, h4")), "ring.yaml")
+    assert str(err.value).splitlines() == [
+        "ring.yaml:10: workload.traffic[0].ranks: no switch is linked to every leaf of the "
+        "ranks (sw1, sw4), so the aggregation tree has no root; place the ranks under leaves "
+        "one switch links to (ina.leaves)"]
+    # sw2 joins sw1 and sw3: the root of their ranks
+    loaded = load_config_text(RING.format(traffic=_ina_entry("h1, h3")), "r.yaml")
+    specs = expand_workload(loaded.fabric, compile_plan(loaded))
+    assert [s.node for s in specs if s.module == "agents.aggregator"] == ["sw1", "sw3", "sw2"]
