@@ -48,6 +48,7 @@ from testbed.workloads.base import (
     WorkloadKind,
     arg_of,
 )
+from testbed.workloads.collective_accounts import ina_accounts, roce_accounts
 from testbed.workloads.collective_nccl import iteration_stats, json_report, table
 from testbed.workloads.rdma import (
     CC_PRESET_DESCRIPTION,
@@ -361,9 +362,15 @@ class CollectiveKind(WorkloadKind):
 
     def stream_accounts(self, specs: Sequence[AgentSpec], results: Results,
                         flow_drops: Sequence[dict], view: RunView) -> list[dict]:
-        # The ranks' QPs are accounted by the transport's own retransmission counters;
-        # a per-flow conservation account of collective traffic is not built yet.
-        return []
+        """Rank to rank (RoCE) and rank / aggregator (INA) streams, both ways
+        (testbed/workloads/collective_accounts.py)."""
+        out = []
+        for traffic, kind, ranks in _entries(specs):
+            out += roce_accounts(traffic, kind, ranks, results, flow_drops)
+            aggregators = [s for s in specs
+                           if s.module == AGGREGATOR_MODULE and s.traffic == traffic]
+            out += ina_accounts(traffic, kind, ranks, aggregators, results, flow_drops, view)
+        return out
 
     def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
                        view: RunView) -> list[str]:

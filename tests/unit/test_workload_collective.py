@@ -406,3 +406,115 @@ def test_ranks_whose_leaves_no_switch_joins_have_no_root() -> None:
     loaded = load_config_text(RING.format(traffic=_ina_entry("h1, h3")), "r.yaml")
     specs = expand_workload(loaded.fabric, compile_plan(loaded))
     assert [s.node for s in specs if s.module == "agents.aggregator"] == ["sw1", "sw3", "sw2"]
+
+
+# --------------------------------------------------------------------------- accounts
+
+
+def _verdict(plan, streams: list[dict]) -> dict:
+    from testbed.run.invariants import InvariantMonitor
+    return InvariantMonitor(plan).finish(None, {}, streams, {})
+
+
+def _flow(saddr: str, sport: int, daddr: str, dport: int, phy: int = 0, tail: int = 0) -> dict:
+    return {"node": "x", "saddr": saddr, "daddr": daddr, "sport": sport, "dport": dport,
+            "proto": 17, "tclass": 3, "phy": phy, "tail": tail, "mmu": 0, "desc": 0}
+
+
+def _rank_counters(peers: dict[int, tuple[int, int, int]], endpoint_drops: int = 0,
+                   sport: int = 10000, ina: dict | None = None) -> dict:
+    """A rank's result: per peer (packets its QP sent, packets its QP received, out of
+    order drops), split over two QPs as the transport reports them."""
+    per_peer = {}
+    for peer, (sent, received, ooo) in peers.items():
+        qps = {str(100 + 2 * peer + k): {"packets_sent": sent // 2 + (sent % 2) * k,
+                                         "packets_received": received // 2
+                                         + (received % 2) * k,
+                                         "responder": {"ooo_drops": ooo if k else 0},
+                                         "sport": sport, "injected_drops": 0}
+               for k in (0, 1)}
+        per_peer[str(peer)] = {"qps": qps}
+    return {"results": [], "counters": {
+        "per_peer": per_peer, "ina": ina or {},
+        "endpoint": {"malformed": {"BAD_ICRC": 0}, "unknown_qp": endpoint_drops,
+                     "wrong_peer": 0}}}
+
+
+def test_rank_to_rank_accounts_take_every_packet_of_the_flow_and_its_counted_drops(
+        tmp_path: Path) -> None:
+    loaded, plan = _load(AR)
+    specs = expand_workload(loaded.fabric, plan)
+    addr = {h.name: h.interfaces[0].address.split("/")[0] for h in plan.hosts()}
+    # r0 -> r1: 120 packets (data, and ACKs for r1's data), 3 lost in the fabric;
+    # r2 -> r0: one datagram r0's endpoint gave to no QP; r1 -> r2: reordered, no loss
+    results = {"ar-r0": _rank_counters({1: (120, 80, 0), 2: (60, 58, 0)}, endpoint_drops=1),
+               "ar-r1": _rank_counters({0: (80, 117, 0), 2: (40, 40, 0)}),
+               "ar-r2": _rank_counters({0: (59, 58, 0), 1: (40, 40, 2)})}
+    flows = [_flow(addr["h1"], 10000, addr["h2"], 10000, phy=2, tail=1),
+             _flow(addr["h2"], 10000, addr["h1"], 10000),         # a flow with no drops
+             _flow(addr["h1"], 10000, addr["h3"], 10000, phy=2)]
+    streams = KIND.stream_accounts(specs, results, flows, run_view(plan, tmp_path, 0))
+    by_name = {s["name"]: s for s in streams}
+    assert sorted(by_name) == ["ar r0->r1", "ar r0->r2", "ar r1->r0", "ar r1->r2",
+                               "ar r2->r0", "ar r2->r1"]
+    a = by_name["ar r0->r1"]
+    assert (a["src"], a["dst"], a["sent"], a["received"], a["fabric_drops"]) == (
+        "h1", "h2", 120, 117, 3)
+    assert a["drops"] == {"phy": 2, "tail": 1, "mmu": 0, "desc": 0, "injected": 0}
+    assert a["lost_counted"] and a["complete"] and a["kind"] == "allreduce"
+    assert by_name["ar r2->r0"]["socket_drops"] == 1
+    assert by_name["ar r1->r2"]["reordered"] == 2
+    verdict = _verdict(plan, streams)
+    assert [(v["invariant"], v["where"]) for v in verdict["violations"]] == [
+        ("reorder", "stream ar r1->r2")]
+    # one more packet missing on r0 -> r2 has no counted place
+    results["ar-r2"] = _rank_counters({0: (59, 57, 0), 1: (40, 40, 0)})
+    streams = KIND.stream_accounts(specs, results, flows, run_view(plan, tmp_path, 0))
+    [v] = _verdict(plan, streams)["violations"]
+    assert (v["invariant"], v["where"], v["amount"]) == ("conservation", "stream ar r0->r2", 1)
+
+
+def test_in_network_accounts_cover_ranks_leaves_and_root_both_ways(tmp_path: Path) -> None:
+    plan, specs = _ina("    - {name: ar, kind: allreduce, algorithm: ina, "
+                       "ranks: [h1, h2, h4, h5]}")
+    host = {h.name: h.interfaces[0].address.split("/")[0] for h in plan.hosts()}
+    aggs = _aggregators(specs)
+    ranks = {s.node: s for s in specs if s.module == "agents.collectives"}
+    up_ip = {leaf: _ip(plan, leaf, "spine1") for leaf in ("leaf1", "leaf2")}
+
+    def peers(members: list[str]) -> dict:
+        return {f"{host[h]}:11500": {"received": 40, "discarded": 1 if h == "h2" else 0,
+                                     "sent": 40} for h in members}
+    results = {
+        "ar-agg-leaf1": {"peers": {**peers(["h1", "h2"]), f"{aggs['leaf1'][2]}": {
+            "received": 32, "discarded": 0, "sent": 33}}},
+        "ar-agg-leaf2": {"peers": {**peers(["h4", "h5"]), f"{aggs['leaf2'][2]}": {
+            "received": 32, "discarded": 0, "sent": 32}}},
+        "ar-agg-spine1": {"peers": {f"{up_ip['leaf1']}:11000": {"received": 32, "discarded": 0,
+                                                                "sent": 32},
+                                    f"{up_ip['leaf2']}:11000": {"received": 32, "discarded": 0,
+                                                                "sent": 32}}}}
+    for spec in ranks.values():
+        results[spec.name] = _rank_counters({}, ina={"packets_sent": 40,
+                                                     "packets_received": 40, "foreign": 0,
+                                                     "bad_results": 0, "stale_results": 0})
+    # leaf1 sent 33 PARTIALs to the root, which took 32: one was lost on leaf1's uplink
+    flows = [_flow(up_ip["leaf1"], 11000, _ip(plan, "spine1", "leaf1"), 11000, phy=1)]
+    streams = KIND.stream_accounts(specs, results, flows, run_view(plan, tmp_path, 0))
+    ina = {s["name"]: s for s in streams if "agg@" in s["name"]}
+    assert sorted(ina) == sorted(
+        [f"ar r{r}->agg@{leaf}" for r, leaf in enumerate(["leaf1"] * 2 + ["leaf2"] * 2)]
+        + [f"ar agg@{leaf}->r{r}" for r, leaf in enumerate(["leaf1"] * 2 + ["leaf2"] * 2)]
+        + ["ar agg@leaf1->agg@spine1", "ar agg@spine1->agg@leaf1",
+           "ar agg@leaf2->agg@spine1", "ar agg@spine1->agg@leaf2"])
+    up = ina["ar agg@leaf1->agg@spine1"]
+    assert (up["src"], up["dst"], up["sent"], up["received"], up["fabric_drops"]) == (
+        "leaf1", "spine1", 33, 32, 1)
+    assert ina["ar r1->agg@leaf1"]["discarded"] == 1 and ina["ar r1->agg@leaf1"]["src"] == "h2"
+    assert ina["ar agg@leaf2->r3"]["dst"] == "h5" and ina["ar agg@leaf2->r3"]["sent"] == 40
+    assert _verdict(plan, streams)["violations"] == []
+    # a RESULT that never reached h4 and that no port dropped is named
+    results["ar-r2"]["counters"]["ina"]["packets_received"] = 39
+    streams = KIND.stream_accounts(specs, results, flows, run_view(plan, tmp_path, 0))
+    [v] = _verdict(plan, streams)["violations"]
+    assert (v["where"], v["amount"]) == ("stream ar agg@leaf2->r2", 1)
