@@ -421,9 +421,15 @@ def _aggregator_notes(spec: AgentSpec, res: dict) -> list[str]:
     notes = [f"aggregator {spec.name} on {spec.node}: {res['error']}"] if res.get(
         "error") else []
     drops = {k: v for k, v in (res.get("drops") or {}).items() if v}
-    if drops:
-        notes.append(f"aggregator {spec.name} on {spec.node} dropped "
-                     + ", ".join(f"{v} {k}" for k, v in sorted(drops.items())))
+    drops |= {f"malformed {k}": v for k, v in (res.get("malformed") or {}).items() if v}
+    strangers = int(res.get("received_from_others") or 0)
+    parts = [f"dropped {', '.join(f'{v} {k}' for k, v in sorted(drops.items()))}"] if drops \
+        else []
+    if strangers:
+        parts.append(f"{strangers} datagrams came from addresses that are not its job's "
+                     "members, children or parent")
+    if parts:
+        notes.append(f"aggregator {spec.name} on {spec.node} " + "; ".join(parts))
     return notes
 
 

@@ -518,3 +518,21 @@ def test_in_network_accounts_cover_ranks_leaves_and_root_both_ways(tmp_path: Pat
     streams = KIND.stream_accounts(specs, results, flows, run_view(plan, tmp_path, 0))
     [v] = _verdict(plan, streams)["violations"]
     assert (v["where"], v["amount"]) == ("stream ar agg@leaf2->r2", 1)
+
+
+def test_an_aggregators_drops_and_strangers_are_noted(tmp_path: Path) -> None:
+    plan, specs = _ina("    - {name: ar, kind: allreduce, algorithm: ina, ranks: [h1, h4]}")
+    view = run_view(plan, tmp_path, 0)
+    clean = {"drops": {"not_member": 0}, "malformed": {"TOO_SHORT": 0},
+             "received_from_others": 0}
+    results = {s.name: dict(clean) for s in specs if s.module == "agents.aggregator"}
+    results["ar-agg-leaf1"] = {"drops": {"not_member": 6, "unknown_job": 4, "stale": 0},
+                               "malformed": {"TOO_SHORT": 1}, "received_from_others": 11}
+    results.update({s.name: {"results": []} for s in specs if s.module != "agents.aggregator"})
+    assert KIND.fidelity_notes(specs, results, view) == [
+        "aggregator ar-agg-leaf1 on leaf1 dropped 1 malformed TOO_SHORT, 6 not_member, "
+        "4 unknown_job; 11 datagrams came from addresses that are not its job's members, "
+        "children or parent"]
+    del results["ar-agg-spine1"]
+    assert KIND.fidelity_notes(specs, results, view)[-1] == (
+        "aggregator ar-agg-spine1 on spine1 reported nothing")
