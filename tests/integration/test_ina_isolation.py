@@ -6,7 +6,8 @@ write to: jobs are isolated from each other and from non-members.
   aggregators on leaf1, leaf2 and spine1, on ports and job ids of their own. Both are
   exact, each aggregator saw its own members' (or leaves') packets only, nothing is
   dropped, and the stream accounts of both jobs hold.
-- One INA job on four of six hosts; from an idle host's namespace a test sender
+- One INA job on four of six hosts, its tree given in config (the root on spine2, leaf
+  ids in the order given); from an idle host's namespace a test sender
   (tests/integration/ina_inject.py) writes REQUESTs of the live job (a member's worker
   id, a full slot of large values) and of a job id nobody has to the leaf aggregator
   the members use. They are dropped and counted (not_member, unknown_job), the run's
@@ -49,13 +50,13 @@ workload:
 {traffic}
 """
 ENTRY = ("    - {{name: {name}, kind: allreduce, algorithm: ina, ranks: [{ranks}], "
-         "sizes: {{min: 256KiB, max: 256KiB}}, iterations: 2, warmup: 0}}")
+         "sizes: {{min: 256KiB, max: 256KiB}}, iterations: 2, warmup: 0{extra}}}")
 
 
-def _run(tmp_path: Path, per_leaf: int, entries: dict[str, str], on_up=None
+def _run(tmp_path: Path, per_leaf: int, entries: dict[str, str], on_up=None, extra: str = ""
          ) -> tuple[Plan, RunResult]:
     lab = unique_lab("inaiso")
-    traffic = "\n".join(ENTRY.format(name=n, ranks=r) for n, r in entries.items())
+    traffic = "\n".join(ENTRY.format(name=n, ranks=r, extra=extra) for n, r in entries.items())
     loaded = load_config_text(FABRIC.format(lab=lab, per_leaf=per_leaf, traffic=traffic),
                               "ina-isolation.yaml")
     plan = compile_plan(loaded)
@@ -147,7 +148,9 @@ def test_a_non_members_packets_and_an_unknown_job_are_dropped_and_counted(tmp_pa
             "--unknown-count", str(unknown), "--spread-s", "1.0"], "ina-inject"))
 
     try:
-        plan, result = _run(tmp_path, 3, {"ina": "h1, h2, h4, h5"}, on_up=inject)
+        # the tree as given in config, its root on the spine the topology would not pick
+        plan, result = _run(tmp_path, 3, {"ina": "h1, h2, h4, h5"}, on_up=inject, extra=(
+            ", ina: {root: spine2, leaves: {leaf2: [h4, h5], leaf1: [h1, h2]}}"))
         (sent,) = [p.result(timeout_s=30) for p in injector]
     finally:
         for p in injector:
@@ -173,6 +176,11 @@ def test_a_non_members_packets_and_an_unknown_job_are_dropped_and_counted(tmp_pa
     assert check["held"] is True, summary["invariants"]["violations"]
     up = next(s for s in streams if s["name"] == "ina r0->agg@leaf1")
     assert up["sent"] == up["received"] and up["discarded"] == 0
+    assert {s["name"] for s in streams if "agg@spine" in s["name"]} == {
+        "ina agg@leaf1->agg@spine2", "ina agg@spine2->agg@leaf1", "ina agg@leaf2->agg@spine2",
+        "ina agg@spine2->agg@leaf2"}
+    root = _agents(result, "ina-agg-spine2")["ina-agg-spine2"]
+    assert root["jobs"]["1"]["partials_received"] >= root["jobs"]["1"]["completed"] * 2 > 0
     print(f"\nnon-member: {forged} forged REQUESTs of job 1 and {unknown} of job 99 from h3: "
           f"leaf1 dropped {leaf1['jobs']['1']['drops']['not_member']} not_member, "
           f"{leaf1['drops']['unknown_job']} unknown_job; result wrong {row['wrong']}, "
