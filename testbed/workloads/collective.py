@@ -602,7 +602,13 @@ def ina_plan(t: CollectiveTraffic, index: int, ctx: ExpandContext,
              worker_port: list[int]) -> InaPlan:
     """Place the aggregators of entry `index` (job id index + 1) and build their argv;
     `worker_port[rank]` is the UDP port of the rank's aggregation socket."""
-    tree, problems = ina_tree(t, ctx.neighbours, ctx.role)
+    def role(node: str) -> str:
+        try:
+            return ctx.role(node)
+        except KeyError:        # a name in ina.leaves / ina.root that is no node
+            return ""
+
+    tree, problems = ina_tree(t, ctx.neighbours, role)
     if tree is None:        # the config's checks report these first, located
         raise ValueError(f"in-network all-reduce {t.name!r}: "
                          + "; ".join(f"{'.'.join(map(str, at))}: {m}" for at, m in problems))

@@ -11,8 +11,8 @@ import pytest
 from agents.collectives.ops import bus_factor, count_of
 from testbed.config import ConfigError, load_config_text
 from testbed.plan import compile_plan
-from testbed.run.workload import expand_workload, run_view, workload_span_ns
-from testbed.workloads.collective import KIND
+from testbed.run.workload import expand_context, expand_workload, run_view, workload_span_ns
+from testbed.workloads.collective import KIND, CollectiveTraffic, InaSettings
 from testbed.workloads.collective_nccl import iteration_stats, percentile_index
 
 FABRIC = """\
@@ -536,3 +536,14 @@ def test_an_aggregators_drops_and_strangers_are_noted(tmp_path: Path) -> None:
     del results["ar-agg-spine1"]
     assert KIND.fidelity_notes(specs, results, view)[-1] == (
         "aggregator ar-agg-spine1 on spine1 reported nothing")
+
+
+def test_expanding_an_unchecked_tree_says_what_is_wrong() -> None:
+    """The config's checks catch a bad tree first; an entry built in code is refused at
+    expansion with the same words."""
+    loaded, plan = _load(AR)
+    entry = CollectiveTraffic(name="x", kind="allreduce", algorithm="ina",
+                              ranks=["h1", "h2"], ina=InaSettings(leaves={"sw9": ["h1", "h2"]}))
+    with pytest.raises(ValueError, match=r"in-network all-reduce 'x': ina\.leaves\.sw9: "
+                                         r"'sw9' is not a node of this fabric"):
+        KIND.expand(entry, 0, expand_context(loaded.fabric, plan))
