@@ -26,11 +26,12 @@ block with a bounded SO_SNDTIMEO (a paused port pushes back) and are retried.
 Counters (live on --control-sock, final on stdout as one JSON line and in --out): those
 of `Aggregator.counters()` (packets / bytes received and sent, aggregated, duplicates,
 shadow_answers, results_sent, partials_forwarded, partials_resent, completed,
-overflow_elements, slots_in_use(_max), drops by reason, malformed by reason, per job),
-plus bind, port, dscp, dilation, send errors (eagain, enobufs, icmp_errors) and
-stopped_by. The live snapshot adds, flat for the run's collector (`mode` aggregator),
-`logic.sampled_counters`: drops_<reason>, malformed_<reason>, slots and per job
-job<id>_slots_in_use and job<id>_slots. The ready file holds {"bind": IP, "port": P}
+overflow_elements, slots_in_use(_max), drops by reason, malformed by reason, per job;
+per configured address `peers` {"ip:port": {received, discarded, sent}} and
+received_from_others), plus bind, port, dscp, dilation, send errors (eagain, enobufs,
+icmp_errors) and stopped_by. The live snapshot adds, flat for the run's collector (`mode`
+aggregator), `logic.sampled_counters`: drops_<reason>, malformed_<reason>, slots and per
+job job<id>_slots_in_use and job<id>_slots. The ready file holds {"bind": IP, "port": P}
 (the port actually bound).
 
 Exit codes: 0 stopped cleanly, 1 a socket error (the JSON then has 'error'), 2 bad

@@ -28,6 +28,10 @@ is docs/ina.md's. In short:
   bits). Elements whose sum left the int32 range are counted (`overflow_elements`);
   the worker's quantisation (agents.collectives.ina) never lets a float sum get
   there, and int32 data wraps exactly as numpy's int32 addition does.
+- **Counters.** Totals, per job, drops by reason, and per configured address (every
+  member, child and the parent: datagrams received from it, how many of those it did
+  not take, datagrams sent to it), so each stream of a job can be accounted end to
+  end; datagrams from any other address are one count (`received_from_others`).
 - **Tree.** With a parent (`parent=(ip, port)`), a completed chunk becomes ONE
   PARTIAL to the parent (sender = the job's `uplink_id`, bitmap = this aggregator's
   contributors) and waits; the parent's RESULT completes it here and is relayed,
@@ -303,6 +307,20 @@ class JobCounters:
         return out
 
 
+class PeerCounters:
+    """Datagrams to and from one address the aggregator knows (a member, child or parent),
+    so each stream of a job can be accounted end to end: `discarded` are received
+    datagrams it did not take (malformed, unknown job, dropped by a DropReason)."""
+
+    __slots__ = ("discarded", "received", "sent")
+
+    def __init__(self) -> None:
+        self.received = self.discarded = self.sent = 0
+
+    def as_dict(self) -> dict:
+        return {"received": self.received, "discarded": self.discarded, "sent": self.sent}
+
+
 class _Job:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
@@ -344,6 +362,14 @@ class Aggregator:
         self.packets_sent = self.bytes_sent = 0
         self.unknown_job = 0
         self.malformed = {r.name: 0 for r in MalformedReason}
+        # Only configured addresses get counters of their own: a switch keeps no state
+        # for whoever else sends to it, so everyone else shares `received_from_others`.
+        self.peers = {c.addr: PeerCounters() for j in self._jobs.values()
+                      for c in j.cfg.contributors}
+        if parent is not None:
+            self.peers.setdefault(parent, PeerCounters())
+        self.received_from_others = 0
+        self._discarded = 0          # every datagram received and not taken, any reason
 
     # -- entry point
 
@@ -351,14 +377,31 @@ class Aggregator:
         """One datagram from `src`; returns what to send. Never raises for a packet."""
         self.packets_received += 1
         self.bytes_received += len(data)
+        before = self._discarded
+        out = self._handle(data, src)
+        peer = self.peers.get(src)
+        if peer is None:
+            self.received_from_others += 1
+        else:
+            peer.received += 1
+            peer.discarded += self._discarded - before
+        for payload, to in out:
+            self.packets_sent += 1
+            self.bytes_sent += len(payload)
+            self.peers[to].sent += 1         # only ever to a member, child or the parent
+        return out
+
+    def _handle(self, data: BytesLike, src: Addr) -> list[Send]:
         try:
             pkt = parse(data)
         except MalformedPacket as e:
             self.malformed[e.reason.name] += 1
+            self._discarded += 1
             return []
         job = self._jobs.get(pkt.header.job)
         if job is None:
             self.unknown_job += 1
+            self._discarded += 1
             return []
         h = pkt.header
         if h.type == PacketType.REQUEST:
@@ -372,15 +415,13 @@ class Aggregator:
         else:
             job.counters.results_received += 1
             out = self._from_parent(job, pkt, data, src)
-        for payload, _ in out:
-            self.packets_sent += 1
-            self.bytes_sent += len(payload)
         return out
 
     # -- helpers
 
     def _drop(self, job: _Job, reason: DropReason) -> list[Send]:
         job.counters.drops[reason.value] += 1
+        self._discarded += 1
         return []
 
     def _misfit(self, job: _Job, h: Header) -> DropReason | None:
@@ -532,6 +573,8 @@ class Aggregator:
             "open_fabric_ns": latency.as_dict(),
             "parent": f"{self.parent[0]}:{self.parent[1]}" if self.parent else None,
             "jobs": jobs,
+            "peers": {f"{ip}:{port}": c.as_dict() for (ip, port), c in self.peers.items()},
+            "received_from_others": self.received_from_others,
         })
         return out
 

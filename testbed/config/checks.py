@@ -182,7 +182,13 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
     hosts = [n.name for n in expanded.nodes if n.role == "host"]
     classes: dict[str | int, TrafficClass] = {t.name: t for t in fabric.traffic_classes}
     classes |= {t.tc: t for t in fabric.traffic_classes}
-    ctx = CheckContext(hosts=hosts, classes=classes, nic_bps=_host_nic_rates(expanded))
+    linked: dict[str, list[str]] = {}
+    for link in expanded.links:
+        linked.setdefault(link.a, []).append(link.b)
+        linked.setdefault(link.b, []).append(link.a)
+    ctx = CheckContext(hosts=hosts, classes=classes, nic_bps=_host_nic_rates(expanded),
+                       roles={n.name: n.role for n in expanded.nodes},
+                       neighbours=lambda node: list(dict.fromkeys(linked.get(node, []))))
     names: set[str] = set()
     for i, t in enumerate(fabric.workload.traffic):
         loc = ("workload", "traffic", i)

@@ -133,6 +133,9 @@ class CheckContext:
     hosts: Sequence[str]
     classes: Mapping[str | int, ClassView]       # by name and by number
     nic_bps: Mapping[str, int]                   # each host's first NIC's MAC rate
+    roles: Mapping[str, str] = field(default_factory=dict)   # node -> "host" or "switch"
+    neighbours: Callable[[str], list[str]] = lambda node: []  # nodes linked to a node, in
+    #                                              link order, each once
 
 
 @dataclass
@@ -297,8 +300,16 @@ def stream_account(spec: AgentSpec, *, sent: int, received: int, drops: dict[str
                    reordered: int, complete: bool) -> dict:
     """One stream's packet account, as testbed/run/invariants.py reads it: `drops` by
     cause (flow_drops_of, plus any the kind counts itself) are the fabric's losses."""
+    return account(spec.name, spec.kind, spec.src, spec.dst, sent=sent, received=received,
+                   drops=drops, reordered=reordered, complete=complete)
+
+
+def account(name: str, kind: str, src: str, dst: str, *, sent: int, received: int,
+            drops: dict[str, int], reordered: int, complete: bool) -> dict:
+    """`stream_account` for a stream that is not one agent's (a collective's streams run
+    between ranks, and between ranks and switch aggregators)."""
     lost = sum(drops.values())
-    return {"name": spec.name, "kind": spec.kind, "src": spec.src, "dst": spec.dst,
+    return {"name": name, "kind": kind, "src": src, "dst": dst,
             "sent": sent, "received": received, "fabric_drops": lost, "drops": drops,
             "reordered": reordered, "lost_counted": lost > 0, "complete": complete}
 

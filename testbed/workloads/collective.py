@@ -22,8 +22,9 @@ all-to-all). results/<entry>.nccl.txt and .nccl.json hold its table and -J JSON.
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -32,6 +33,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from agents.collectives.ops import ALGORITHMS, BUS_FACTOR_FORMULA, ITEMSIZE, bus_factor, count_of
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.wire.ina import HEADER_BYTES as INA_HEADER_BYTES
+from agents.wire.ina import MAX_CONTRIBUTORS
 from testbed.fields import NAME_RE, DurationNs, SizeBytes, Strict
 from testbed.workloads.base import (
     AgentFiles,
@@ -47,6 +49,7 @@ from testbed.workloads.base import (
     WorkloadKind,
     arg_of,
 )
+from testbed.workloads.collective_accounts import ina_accounts, roce_accounts
 from testbed.workloads.collective_nccl import iteration_stats, json_report, table
 from testbed.workloads.rdma import (
     CC_PRESET_DESCRIPTION,
@@ -67,6 +70,7 @@ SETUP_PORT, ROCE_PORT = 12000, 10000          # TCP set-up, UDP RoCE of a host's
 AGGREGATOR_PORT = 11000                       # UDP of a switch's first aggregator
 INA_WORKER_PORT = 11500                       # UDP of a host's first rank's aggregation socket
 MAX_RANKS_PER_HOST = 500
+MAX_AGGREGATORS_PER_SWITCH = INA_WORKER_PORT - AGGREGATOR_PORT   # one per entry that uses it
 # A worker imports numpy, connects to every peer and builds its buffers before t0.
 STARTUP_PER_RANK_S = 0.3
 # Waiting bounds (span_ns, work_wall_s), generous on purpose: fabric time per algorithm
@@ -109,7 +113,7 @@ class Sizes(Strict):
 
 
 class InaSettings(Strict):
-    """The in-network all-reduce's switch resources (algorithm: ina)."""
+    """The in-network all-reduce's switch resources and tree (algorithm: ina)."""
 
     slots: int = Field(128, ge=1, le=4096, description="aggregation slots per job and "
                        "switch (SwitchML's pool): chunks in flight per worker. A chunk's "
@@ -118,6 +122,15 @@ class InaSettings(Strict):
                        "100 Gb/s")
     slot_elements: int = Field(2048, ge=1, le=16384, description="int32 elements per slot "
                                "(one packet's payload; 2048 = 8 KiB)")
+    leaves: dict[str, list[str]] | None = Field(
+        None, description="the tree's leaves, given: leaf switch -> the hosts of the ranks "
+                          "whose aggregator it is (each host linked to its switch, every rank "
+                          "under exactly one); leaf ids follow this order. Default: each "
+                          "rank's first switch, leaves in rank order")
+    root: str | None = Field(
+        None, description="the switch of the tree's root aggregator, linked to every leaf "
+                          "switch (a leaf itself only when there is one leaf). Default: the "
+                          "first switch linked to every leaf; with one leaf, the leaf")
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -165,8 +178,9 @@ class CollectiveTraffic(TrafficEntry):
                                             "(as RoCE entries: docs/roce.md)")
     seed: int = Field(1, ge=0, description="seed of the ranks' input data")
     ina: InaSettings = Field(default_factory=InaSettings, description="algorithm ina: the "
-                             "aggregators' slot pools (an aggregator runs on each rank's "
-                             "leaf switch, and on a spine joined to every leaf as the root)")
+                             "aggregators' slot pools and tree (an aggregator runs on each "
+                             "rank's leaf switch, and on a switch joined to every leaf as the "
+                             "root; ina.leaves and ina.root choose them)")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -252,6 +266,16 @@ class CollectiveKind(WorkloadKind):
             yield (loc + ("dtype" if t.dtype == "bfloat16" else "redop",),
                    "the in-network all-reduce sums float32, float16 or int32 in int32 fixed "
                    "point; pick one of those and redop: sum")
+        if t.op_algorithm == "ina":
+            # a rank that is no host, or a host twice, is the shape check's to report
+            if all(h in ctx.hosts for h in t.ranks) and len(set(t.ranks)) == len(t.ranks):
+                switches = [n for n, r in ctx.roles.items() if r == "switch"]
+                for at, message in ina_tree(t, ctx.neighbours, lambda n: ctx.roles.get(n, ""),
+                                            switches)[1]:
+                    yield loc + at, message
+        elif "ina" in t.model_fields_set:
+            yield (loc + ("ina",), f"ina applies to algorithm: ina, not {t.op_algorithm}; "
+                   "remove it or set algorithm: ina")
         if t.kind == "broadcast" and t.root >= len(t.ranks):
             yield (loc + ("root",), f"root {t.root} is not a rank (ranks 0..{len(t.ranks) - 1})")
         if t.redop != "sum" and t.kind not in REDUCING:
@@ -374,9 +398,15 @@ class CollectiveKind(WorkloadKind):
 
     def stream_accounts(self, specs: Sequence[AgentSpec], results: Results,
                         flow_drops: Sequence[dict], view: RunView) -> list[dict]:
-        # The ranks' QPs are accounted by the transport's own retransmission counters;
-        # a per-flow conservation account of collective traffic is not built yet.
-        return []
+        """Rank to rank (RoCE) and rank / aggregator (INA) streams, both ways
+        (testbed/workloads/collective_accounts.py)."""
+        out = []
+        for traffic, kind, ranks in _entries(specs):
+            out += roce_accounts(traffic, kind, ranks, results, flow_drops)
+            aggregators = [s for s in specs
+                           if s.module == AGGREGATOR_MODULE and s.traffic == traffic]
+            out += ina_accounts(traffic, kind, ranks, aggregators, results, flow_drops, view)
+        return out
 
     def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
                        view: RunView) -> list[str]:
@@ -432,9 +462,15 @@ def _aggregator_notes(spec: AgentSpec, res: dict) -> list[str]:
     notes = [f"aggregator {spec.name} on {spec.node}: {res['error']}"] if res.get(
         "error") else []
     drops = {k: v for k, v in (res.get("drops") or {}).items() if v}
-    if drops:
-        notes.append(f"aggregator {spec.name} on {spec.node} dropped "
-                     + ", ".join(f"{v} {k}" for k, v in sorted(drops.items())))
+    drops |= {f"malformed {k}": v for k, v in (res.get("malformed") or {}).items() if v}
+    strangers = int(res.get("received_from_others") or 0)
+    parts = [f"dropped {', '.join(f'{v} {k}' for k, v in sorted(drops.items()))}"] if drops \
+        else []
+    if strangers:
+        parts.append(f"{strangers} datagrams came from addresses that are not its job's "
+                     "members, children or parent")
+    if parts:
+        notes.append(f"aggregator {spec.name} on {spec.node} " + "; ".join(parts))
     return notes
 
 
@@ -460,33 +496,171 @@ class InaPlan:
                 "--ina-port", str(self.worker_port[rank])]
 
 
-def _leaf_switch(ctx: ExpandContext, host: str) -> str:
-    switches = [n for n in ctx.neighbours(host) if ctx.role(n) == "switch"]
-    if not switches:
-        raise ValueError(f"in-network all-reduce: host {host} is not linked to a switch")
-    return switches[0]
+@dataclass(frozen=True)
+class InaTree:
+    """Where an entry's aggregators go: each rank's leaf, and the root over the leaves
+    (one leaf and no other root: the leaf is the root, a single aggregator)."""
+
+    leaf_of: dict[str, str]                 # host -> its leaf switch
+    leaves: list[str]                       # leaf id i is leaves[i]
+    root: str
+
+
+def _names(items: Sequence[str]) -> str:
+    return ", ".join(items) or "none"
+
+
+def _not_a_switch(name: str, role: str, switches: list[str]) -> str:
+    what = "a host" if role == "host" else "not a node of this fabric"
+    close = difflib.get_close_matches(name, switches, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (f"{name!r} is {what}; an aggregator runs on a switch ({hint}switches: "
+            f"{_names(switches[:8])}{' ...' if len(switches) > 8 else ''})")
+
+
+def _given_leaves(t: CollectiveTraffic, leaves: dict[str, list[str]],
+                  neighbours: Callable[[str], list[str]], role: Callable[[str], str],
+                  switches_of: Callable[[str], list[str]], switches: list[str]
+                  ) -> tuple[dict[str, str], list[Problem]]:
+    """Each rank's leaf as `ina.leaves` places it, and what is wrong with the placement."""
+    problems: list[Problem] = []
+    leaf_of: dict[str, str] = {}
+    if not leaves:
+        problems.append((("ina", "leaves"), "no leaf switch is given; map each leaf switch "
+                         "to its ranks' hosts, or remove leaves to place every rank under "
+                         "its own switch"))
+    for switch, hosts in leaves.items():
+        at = ("ina", "leaves", switch)
+        is_switch = role(switch) == "switch"
+        if not is_switch:
+            problems.append((at, _not_a_switch(switch, role(switch), switches)))
+        if not hosts:
+            problems.append((at, f"{switch} holds no rank; list the hosts of its ranks or "
+                             "remove it"))
+        for j, host in enumerate(hosts):
+            if host not in t.ranks:
+                problems.append(((*at, j), f"{host!r} is not a rank of {t.name!r} (ranks: "
+                                 f"{_names(t.ranks)}); remove it"))
+            elif host in leaf_of:
+                problems.append(((*at, j), f"{host} is already under {leaf_of[host]}; a rank "
+                                 "has one leaf aggregator, remove it from one of them"))
+            else:
+                leaf_of[host] = switch
+                if is_switch and switch not in neighbours(host):
+                    problems.append(((*at, j), f"{host} is not linked to {switch}, so "
+                                     f"{switch}'s aggregator cannot be its first hop; put it "
+                                     "under a switch it is linked to "
+                                     f"({_names(switches_of(host))})"))
+    missing = [h for h in t.ranks if h not in leaf_of]
+    if missing:
+        where = "; ".join(f"rank {t.ranks.index(h)} ({h}) is linked to "
+                          f"{_names(switches_of(h))}" for h in missing)
+        problems.append((("ina", "leaves"), f"{len(missing)} rank(s) under no leaf: {where}; "
+                         "add each host under one of its switches"))
+    return leaf_of, problems
+
+
+def ina_tree(t: CollectiveTraffic, neighbours: Callable[[str], list[str]],
+             role: Callable[[str], str], switches: Sequence[str] | None = None
+             ) -> tuple[InaTree | None, list[Problem]]:
+    """The aggregation tree of entry `t` (ina.leaves and ina.root where given, else from
+    the topology), or the problems that leave it without one, located under the entry.
+    `role(node)` is "host", "switch", or "" for a name that is no node; `switches`, the
+    names a misspelt switch is matched against (default: those near the ranks)."""
+    def switches_of(node: str) -> list[str]:
+        return [n for n in neighbours(node) if role(n) == "switch"]
+
+    if switches is None:
+        near = {s for h in t.ranks for s in switches_of(h)}
+        switches = sorted(near | {s for n in near for s in switches_of(n)})
+    switches = list(switches)
+    problems: list[Problem] = []
+    given = t.ina.leaves
+    if given is None:
+        leaf_of = {}
+        for i, host in enumerate(t.ranks):
+            first = switches_of(host)
+            if first:
+                leaf_of[host] = first[0]
+            else:
+                problems.append((("ranks", i), f"{host} is linked to no switch, so no "
+                                 "aggregator can be its first hop; link it to a switch or "
+                                 "pick another algorithm"))
+        leaves = list(dict.fromkeys(leaf_of.values()))
+    else:
+        leaf_of, problems = _given_leaves(t, given, neighbours, role, switches_of, switches)
+        leaves = list(given)
+    if t.ina.root is not None and role(t.ina.root) != "switch":
+        problems.append((("ina", "root"), _not_a_switch(t.ina.root, role(t.ina.root),
+                                                        switches)))
+    if problems:
+        return None, problems
+    # where a problem with the leaves as a whole is reported
+    at = ("ina", "leaves") if given is not None else ("ranks",)
+    for leaf in leaves:
+        members = sum(1 for h in t.ranks if leaf_of[h] == leaf)
+        if members > MAX_CONTRIBUTORS:
+            problems.append((("ina", "leaves", leaf) if given is not None else at,
+                             f"{members} ranks under {leaf}: an aggregator sums at most "
+                             f"{MAX_CONTRIBUTORS} (its bitmap); spread them over more leaves"))
+    if len(leaves) > MAX_CONTRIBUTORS:
+        problems.append((at, f"{len(leaves)} leaves: a root sums at most {MAX_CONTRIBUTORS}"))
+    root, root_problems = _root_of(t.ina.root, leaves, neighbours, switches_of, at)
+    problems += root_problems
+    if problems or root is None:
+        return None, problems
+    return InaTree(leaf_of=leaf_of, leaves=leaves, root=root), []
+
+
+def _root_of(root: str | None, leaves: list[str], neighbours: Callable[[str], list[str]],
+             switches_of: Callable[[str], list[str]], at: tuple
+             ) -> tuple[str | None, list[Problem]]:
+    """The root over `leaves`: `root` if it may be one, else the first switch linked to
+    every leaf (with one leaf, the leaf); `at`: where a missing root is reported."""
+    common = [s for s in switches_of(leaves[0])
+              if all(s in neighbours(leaf) for leaf in leaves[1:])]
+    if root is None:
+        if len(leaves) == 1:
+            return leaves[0], []
+        if common:
+            return common[0], []
+        return None, [(at, f"no switch is linked to every leaf of the ranks "
+                           f"({_names(leaves)}), so the aggregation tree has no root; place "
+                           "the ranks under leaves one switch links to (ina.leaves)")]
+    if root in leaves and len(leaves) > 1:
+        return None, [(("ina", "root"), f"{root} is also a leaf; with {len(leaves)} leaves "
+                       "the root is another switch, linked to each of them "
+                       f"({_names(common)})")]
+    unlinked = [leaf for leaf in leaves if leaf != root and leaf not in neighbours(root)]
+    if unlinked:
+        return None, [(("ina", "root"), f"{root} is not linked to leaf {_names(unlinked)}; "
+                       "the root must be linked to every leaf switch (linked to all of them: "
+                       f"{_names(common)})")]
+    return root, []
 
 
 def ina_plan(t: CollectiveTraffic, index: int, ctx: ExpandContext,
              worker_port: list[int]) -> InaPlan:
     """Place the aggregators of entry `index` (job id index + 1) and build their argv;
     `worker_port[rank]` is the UDP port of the rank's aggregation socket."""
-    leaf_of = {h: _leaf_switch(ctx, h) for h in t.ranks}
-    leaves = list(dict.fromkeys(leaf_of.values()))
-    if len(leaves) == 1:
-        root = leaves[0]
-    else:
-        common = [s for s in ctx.neighbours(leaves[0]) if ctx.role(s) == "switch"
-                  and all(s in ctx.neighbours(leaf) for leaf in leaves[1:])]
-        if not common:
-            raise ValueError(f"in-network all-reduce {t.name!r}: no switch is linked to every "
-                             f"leaf of its ranks ({', '.join(leaves)}), so there is no root "
-                             "for the aggregation tree")
-        root = common[0]
+    def role(node: str) -> str:
+        try:
+            return ctx.role(node)
+        except KeyError:        # a name in ina.leaves / ina.root that is no node
+            return ""
+
+    tree, problems = ina_tree(t, ctx.neighbours, role)
+    if tree is None:        # the config's checks report these first, located
+        raise ValueError(f"in-network all-reduce {t.name!r}: "
+                         + "; ".join(f"{'.'.join(map(str, at))}: {m}" for at, m in problems))
+    leaf_of, leaves, root = tree.leaf_of, tree.leaves, tree.root
     per_switch = ctx.state("aggregators")
     port = {}
     for switch in dict.fromkeys([*leaves, root]):
         n = per_switch.get(switch, 0)
+        if n >= MAX_AGGREGATORS_PER_SWITCH:
+            raise ValueError(f"more than {MAX_AGGREGATORS_PER_SWITCH} in-network all-reduce "
+                             f"aggregators on {switch}")
         per_switch[switch] = n + 1
         port[switch] = AGGREGATOR_PORT + n
     address = {(leaf_of[h], h): ctx.link_address(leaf_of[h], h) or "" for h in t.ranks}

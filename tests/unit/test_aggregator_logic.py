@@ -133,6 +133,31 @@ def test_non_members_unknown_jobs_and_misfits_are_dropped_by_reason():
     assert c["aggregated"] == 0 and c["slots_in_use"] == 0 and c["packets_sent"] == 0
 
 
+def test_each_configured_address_has_its_own_received_discarded_and_sent():
+    job = _job(slots=4, elements=8, uplink_id=0)
+    parent = ("10.0.9.1", 48000)
+    agg = _agg(job, parent=parent)
+    for w in range(3):
+        _contribute(agg, job, w, 0, [1] * 8)                 # the last one sends a PARTIAL
+    _contribute(agg, job, 0, 0, [1] * 8)                     # a duplicate: re-sends it
+    agg.handle(_req(_job(jid=7), 1, 1, [1]), _addr(job, 1))  # unknown job, from member 1
+    agg.handle(b"garbage", _addr(job, 2))
+    agg.handle(_req(job, 0, 1, [1]), ("10.0.0.99", 47000))   # forged id 0: not its address
+    result = build(Header(PacketType.RESULT, 1, 0, 0, 0, AGGREGATOR, bitmap=7),
+                   np.full(8, 3, dtype=np.int32))
+    agg.handle(result, parent)                               # relayed to every member
+    peers = agg.counters()["peers"]
+    ip = {w: f"{a[0]}:{a[1]}" for w, a in ((w, _addr(job, w)) for w in range(3))}
+    assert peers == {ip[0]: {"received": 2, "discarded": 0, "sent": 1},
+                     ip[1]: {"received": 2, "discarded": 1, "sent": 1},
+                     ip[2]: {"received": 2, "discarded": 1, "sent": 1},
+                     "10.0.9.1:48000": {"received": 1, "discarded": 0, "sent": 2}}
+    c = agg.counters()
+    assert c["received_from_others"] == 1 and c["drops"]["not_member"] == 1
+    assert c["packets_received"] == sum(p["received"] for p in peers.values()) + 1
+    assert c["packets_sent"] == sum(p["sent"] for p in peers.values())
+
+
 def test_count_and_exponent_must_match_the_chunks_first_contribution():
     job = _job()
     agg = _agg(job)
