@@ -39,13 +39,14 @@ class StepSchedule:
     ready_ns: list[float]          # bucket k's gradients are complete
     start_ns: list[float]          # bucket k's all-reduce starts
     end_ns: list[float]            # ... and ends
+    allreduce_ns: list[float]      # ... so it takes this long
     compute_ns: float              # forward + backward
     iteration_ns: float            # max(compute end, last all-reduce end)
 
     @property
     def comm_ns(self) -> float:
         """The all-reduce times, summed (what the step would take with no compute)."""
-        return sum(e - s for s, e in zip(self.start_ns, self.end_ns, strict=True))
+        return sum(self.allreduce_ns)
 
     @property
     def exposed_ns(self) -> float:
@@ -87,7 +88,8 @@ def step_schedule(bucket_bytes: Sequence[int], forward_ns: float, backward_ns: f
         starts.append(start)
         prev_end = start + d
         ends.append(prev_end)
-    return StepSchedule(ready, starts, ends, compute, max(compute, prev_end))
+    return StepSchedule(ready, starts, ends, list(allreduce_ns), compute,
+                        max(compute, prev_end))
 
 
 def busiest_rank_bytes(algorithm: str, n: int, nbytes: int) -> float:
