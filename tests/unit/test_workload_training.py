@@ -254,7 +254,8 @@ def test_two_workers_run_overlapped_steps_on_loopback(tmp_path: Path) -> None:
          "--peers", peers, "--buckets-bytes", "65536,8192,131072", "--forward-ns", "20000",
          "--backward-ns", "60000", "--warmup", "1", "--iterations", "2", "--dtype", "int32",
          "--chunk-bytes", "16384", "--mtu", "1024", "--line-rate-bps", "2e9",
-         "--dilation", "10", "--spin-ns", "0", "--out", str(tmp_path / f"r{r}.json")],
+         "--dilation", "10", "--spin-ns", "0", "--timeout-ns", "1e9",
+         "--out", str(tmp_path / f"r{r}.json")],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = []
     try:
@@ -279,4 +280,22 @@ def test_two_workers_run_overlapped_steps_on_loopback(tmp_path: Path) -> None:
             assert it["comm_ns"] == sum(x["allreduce_ns"] for x in b)
             assert it["iteration_ns"] >= max(80000, b[-1]["start_ns"] + b[-1]["allreduce_ns"])
             assert it["exposed_ns"] == it["iteration_ns"] - 80000 >= b[-1]["allreduce_ns"] - 1
-            assert it["retransmissions"] == 0 and it["cnps"] == 0
+            assert it["cnps"] == 0 and it["ecn_marked"] == 0          # nothing marks here
+
+
+def test_the_training_suite_runs_the_same_step_without_and_with_an_incast() -> None:
+    from testbed.cli.run import suite_runs
+
+    runs = suite_runs(str(REPO / "configs" / "suites" / "training.yaml"))
+    assert runs is not None and len(runs) == 2
+    steps, others = [], []
+    for path in runs:
+        loaded = load_config_text(Path(path).read_text(), path)
+        plan = compile_plan(loaded)
+        assert plan.timebase.factor == 2000 and len(plan.hosts()) == 8   # the default fabric
+        step, *rest = loaded.fabric.workload.traffic
+        assert step.kind == "training" and len(step.ranks) == 8
+        steps.append(step.model_dump(exclude={"name"}))
+        others.append([t.kind for t in rest])
+        assert expand_workload(loaded.fabric, plan)
+    assert steps[0] == steps[1] and others == [[], ["roce_incast"]]
