@@ -56,7 +56,6 @@ import importlib
 import os
 import socket
 import sys
-import time
 from argparse import Namespace
 from collections.abc import Callable
 from types import ModuleType
@@ -74,6 +73,7 @@ from agents.collectives.roce import (
     connect,
     parse_peers,
 )
+from agents.collectives.sync import barrier, finish
 from agents.rdma import options
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
@@ -87,11 +87,6 @@ from agents.wire import BytesLike
 
 ALGORITHMS_MODULE = "agents.collectives.algorithms"
 DATA_MODULE = "agents.collectives.data"
-#: Tags at and above this are the worker's own (the barrier); algorithms use smaller ones.
-BARRIER_TAG = 0xFFFFFF00
-#: Wall seconds the rank keeps answering its peers after the last barrier (a duplicate
-#: whose ACK was lost still gets one), before it closes its socket.
-LINGER_S = 0.05
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,20 +295,6 @@ class Live:
 # --------------------------------------------------------------------------- the sweep
 
 
-def barrier(t: RoceTransport, token: tuple[int, int]) -> None:
-    """Dissemination barrier over the transport (see the module docstring)."""
-    mine = np.array(token, dtype=np.int64)
-    got = np.empty(2, dtype=np.int64)
-    k, rnd = 1, 0
-    while k < t.size:
-        t.send((t.rank + k) % t.size, BARRIER_TAG + rnd, mine)
-        t.recv((t.rank - k) % t.size, BARRIER_TAG + rnd, got)
-        if not np.array_equal(got, mine):
-            raise TransportError(f"rank {t.rank} at {token} met rank "
-                                 f"{(t.rank - k) % t.size} at {tuple(got.tolist())}")
-        k, rnd = k * 2, rnd + 1
-
-
 class Sweep:
     """Runs the sizes of one rank, recording into `live`."""
 
@@ -457,15 +438,6 @@ class InaLink:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def finish(t: RoceTransport) -> None:
-    """Leave together: every send acknowledged, a last barrier, a short linger."""
-    t.wait_sends()
-    barrier(t, (-1, -1))
-    t.wait_sends()
-    end = time.monotonic() + LINGER_S
-    t.drive(lambda: time.monotonic() >= end)
 
 
 def run(args: Namespace, life: Lifecycle, live: Live) -> None:

@@ -210,6 +210,10 @@ class WorkloadKind(ABC):
     #: the host ports its agents listen on, by protocol ("tcp", "udp"); the registry
     #: refuses a kind whose ranges overlap another's, so kinds never share a socket
     ports: ClassVar[Mapping[str, range]]
+    #: the shared module that numbers these ports, if the kind does not itself: kinds
+    #: with the same owner may declare the same ranges (the owner never hands one port to
+    #: two agents), e.g. the communicator kinds' testbed/workloads/rdma_group.py
+    port_owner: ClassVar[str | None] = None
     #: one entry of this kind on any fabric with hosts h1..h4, as a config would hold it
     #: (the docs show it; tests expand it and check the rows it writes)
     example: ClassVar[Mapping[str, object]]

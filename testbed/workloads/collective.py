@@ -5,8 +5,8 @@ RoCE traffic), measured the way nccl-tests measures.
 
 An entry becomes one worker per rank, all started together at the common start t0; rank
 i runs on `ranks[i]`. Each worker listens for its peers' set-up on a TCP port and takes
-RDMA traffic on a UDP port of its host, numbered per host over all collective entries
-(`ports`), and gets every rank's address and ports in `--peers`. It sweeps message
+RDMA traffic on a UDP port of its host, numbered per host over every communicator
+(rdma_group.py), and gets every rank's address and ports in `--peers`. It sweeps message
 sizes from `sizes.min` to `sizes.max` by `sizes.factor` (nccl-tests' -b -e -f), each
 with `warmup` untimed and `iterations` timed runs, checks the last result of every size
 against an exact reference (`#wrong`, never assumed 0) and reports per-iteration fabric
@@ -62,14 +62,12 @@ from testbed.workloads.rdma import (
     preset_problem,
     roce_window_packets,
 )
+from testbed.workloads.rdma_group import GROUP_PORTS, INA_WORKER_PORT, PORT_OWNER, rank_ports
 
 CollectiveKindName = Literal["allreduce", "reducescatter", "allgather", "broadcast",
                              "alltoall"]
 REDUCING = ("allreduce", "reducescatter")
-SETUP_PORT, ROCE_PORT = 12000, 10000          # TCP set-up, UDP RoCE of a host's first rank
 AGGREGATOR_PORT = 11000                       # UDP of a switch's first aggregator
-INA_WORKER_PORT = 11500                       # UDP of a host's first rank's aggregation socket
-MAX_RANKS_PER_HOST = 500
 MAX_AGGREGATORS_PER_SWITCH = INA_WORKER_PORT - AGGREGATOR_PORT   # one per entry that uses it
 # A worker imports numpy, connects to every peer and builds its buffers before t0.
 STARTUP_PER_RANK_S = 0.3
@@ -217,8 +215,8 @@ class CollectiveKind(WorkloadKind):
                      "one row per size, also written as results/<entry>.nccl.txt and "
                      "results/<entry>.nccl.json (nccl-tests' table and -J JSON).")
     # UDP: RoCE 10000.., aggregators 11000.., ranks' aggregation sockets 11500..
-    ports: ClassVar = {"tcp": range(SETUP_PORT, SETUP_PORT + MAX_RANKS_PER_HOST),
-                       "udp": range(ROCE_PORT, INA_WORKER_PORT + 500)}
+    ports: ClassVar = GROUP_PORTS
+    port_owner: ClassVar = PORT_OWNER
     example: ClassVar = {"name": "ar", "kind": "allreduce", "algorithm": "ring",
                          "ranks": ["h1", "h2", "h3", "h4"],
                          "sizes": {"min": "64KiB", "max": "1MiB", "factor": 4}}
@@ -296,14 +294,7 @@ class CollectiveKind(WorkloadKind):
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         assert isinstance(entry, CollectiveTraffic)
         t = entry
-        per_host = ctx.state("collective")       # host -> ranks on it so far
-        ports = []
-        for host in t.ranks:
-            n = per_host.get(host, 0)
-            if n >= MAX_RANKS_PER_HOST:
-                raise ValueError(f"more than {MAX_RANKS_PER_HOST} collective ranks on {host}")
-            per_host[host] = n + 1
-            ports.append((SETUP_PORT + n, ROCE_PORT + n, INA_WORKER_PORT + n))
+        ports = rank_ports(ctx, t.ranks)         # (TCP set-up, UDP RoCE, UDP INA) per rank
         aggregators = (ina_plan(t, index, ctx, [p[2] for p in ports])
                        if t.op_algorithm == "ina" else None)
         peers = ",".join(f"{ctx.address(h)}:{tcp}:{udp}"

@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from testbed.workloads import collective, roce, udp
+from testbed.workloads import collective, roce, training, udp
 from testbed.workloads.base import TrafficEntry, WorkloadKind
 
 
@@ -34,6 +34,8 @@ class Registry:
             raise ValueError(f"workload kind {taken[0]!r} is already registered by "
                              f"{type(self._by_name[taken[0]]).__name__}")
         for other in self.kinds():
+            if kind.port_owner is not None and kind.port_owner == other.port_owner:
+                continue        # one numbering hands out both kinds' ports
             for proto, ports in kind.ports.items():
                 theirs = other.ports.get(proto, range(0))
                 if max(ports.start, theirs.start) < min(ports.stop, theirs.stop):
@@ -90,3 +92,4 @@ REGISTRY = Registry()
 REGISTRY.add(udp.KIND)
 REGISTRY.add(roce.KIND)
 REGISTRY.add(collective.KIND)
+REGISTRY.add(training.KIND)

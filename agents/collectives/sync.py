@@ -1,0 +1,45 @@
+"""How the ranks of a communicator keep in step over the RoCE transport: a barrier
+before each timed operation, and leaving together at the end.
+
+Shared by the collective benchmark (`python -m agents.collectives`) and the training-step
+worker (`python -m agents.collectives.training`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from agents.collectives.roce import RoceTransport, TransportError
+
+#: Tags at and above this are the worker's own (the barrier); algorithms use smaller ones.
+BARRIER_TAG = 0xFFFFFF00
+#: Wall seconds the rank keeps answering its peers after the last barrier (a duplicate
+#: whose ACK was lost still gets one), before it closes its socket.
+LINGER_S = 0.05
+
+
+def barrier(t: RoceTransport, token: tuple[int, int]) -> None:
+    """Dissemination barrier over the transport: ceil(log2 n) rounds; in round k a rank
+    sends `token` to rank + 2^k and waits for the one from rank - 2^k, so no rank leaves
+    before every rank has arrived, and ranks out of step (different tokens) are caught."""
+    mine = np.array(token, dtype=np.int64)
+    got = np.empty(2, dtype=np.int64)
+    k, rnd = 1, 0
+    while k < t.size:
+        t.send((t.rank + k) % t.size, BARRIER_TAG + rnd, mine)
+        t.recv((t.rank - k) % t.size, BARRIER_TAG + rnd, got)
+        if not np.array_equal(got, mine):
+            raise TransportError(f"rank {t.rank} at {token} met rank "
+                                 f"{(t.rank - k) % t.size} at {tuple(got.tolist())}")
+        k, rnd = k * 2, rnd + 1
+
+
+def finish(t: RoceTransport) -> None:
+    """Leave together: every send acknowledged, a last barrier, a short linger."""
+    t.wait_sends()
+    barrier(t, (-1, -1))
+    t.wait_sends()
+    end = time.monotonic() + LINGER_S
+    t.drive(lambda: time.monotonic() >= end)
