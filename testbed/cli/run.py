@@ -123,7 +123,10 @@ def _cell(field: str, value: object) -> str:
         return format_rate(value)
     if isinstance(value, bool) or not isinstance(value, int | float):
         return str(value)
-    return f"{value:,}" if isinstance(value, int) else f"{value:,.3g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    # 3 significant digits, but never an exponent: 6,340 us, not 6.34e+03
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:,.3g}"
 
 
 def _print_summary(console, summary: dict) -> None:

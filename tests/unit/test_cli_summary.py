@@ -27,3 +27,12 @@ def test_each_kind_gets_its_own_columns() -> None:
     assert "1,200" in text and "1,190" in text and "25Gbps" in text.replace(" ", "")
     assert "busbw (GB/s)" in text and "1,048,576" in text and "7.33" in text
     assert "fidelity: a note" in text
+
+
+def test_console_cells_give_large_floats_without_an_exponent() -> None:
+    from testbed.cli.run import _cell
+    assert _cell("step_avg_us", 6339.46) == "6,339"
+    assert _cell("time_us", 116.23) == "116"
+    assert _cell("algbw_gbps", 6.7008) == "6.7"
+    assert _cell("bytes", 67108864) == "67,108,864"
+    assert _cell("rate_bps", 100e9) != "1e+11"
