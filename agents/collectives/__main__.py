@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import socket
 import sys
 from argparse import Namespace
@@ -65,22 +64,20 @@ import numpy as np
 from agents.collectives import ina, sweep
 from agents.collectives.roce import (
     MAX_QPS,
-    RoceConfig,
     RoceTransport,
     SetupError,
     Stopped,
     TransportError,
-    connect,
     parse_peers,
 )
-from agents.collectives.sync import barrier, finish
+from agents.collectives.sync import barrier, finish, open_transport
 from agents.rdma import options
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
 from agents.runtime.events import MAX_EVENTS, EventLog
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
-from agents.runtime.output import mark_ready, report_counters
+from agents.runtime.output import report_counters
 from agents.runtime.waiting import wait_until_mono
 from agents.timebase import Dilation
 from agents.wire import BytesLike
@@ -444,13 +441,7 @@ def run(args: Namespace, life: Lifecycle, live: Live) -> None:
     algorithms = load(args.algorithms_module, "algorithms")
     data = load(args.data_module, "data helpers")
     check_algorithm(algorithms, args.op, args.algorithm)
-    config = RoceConfig(args=args, qps=args.qps, chunk_bytes=args.chunk_bytes,
-                        dilation=args.dilation, connect_timeout_s=args.connect_timeout_s)
-    me = args.peer_list[args.rank]
-    t = connect(args.rank, args.peer_list, config, should_stop=life.should_stop,
-                on_listening=lambda: mark_ready(args.ready_file, {
-                    "rank": args.rank, "tcp_port": me.tcp_port, "udp_port": me.udp_port,
-                    "pid": os.getpid()}))
+    t = open_transport(args, life)
     live.transport = t
     left = "error"
     try:
@@ -458,6 +449,7 @@ def run(args: Namespace, life: Lifecycle, live: Live) -> None:
         if life.should_stop():
             raise Stopped()
         live.phase = "running"
+        me = args.peer_list[args.rank]
         link = InaLink(args, me.ip, life, t) if args.algorithm == "ina" else None
         live.ina = link
         try:

@@ -7,17 +7,33 @@ worker (`python -m agents.collectives.training`).
 
 from __future__ import annotations
 
+import os
 import time
+from argparse import Namespace
 
 import numpy as np
 
-from agents.collectives.roce import RoceTransport, TransportError
+from agents.collectives.roce import RoceConfig, RoceTransport, TransportError, connect
+from agents.runtime.lifecycle import Lifecycle
+from agents.runtime.output import mark_ready
 
 #: Tags at and above this are the worker's own (the barrier); algorithms use smaller ones.
 BARRIER_TAG = 0xFFFFFF00
 #: Wall seconds the rank keeps answering its peers after the last barrier (a duplicate
 #: whose ACK was lost still gets one), before it closes its socket.
 LINGER_S = 0.05
+
+
+def open_transport(args: Namespace, life: Lifecycle) -> RoceTransport:
+    """Connect this rank (`args.rank` of `args.peer_list`) to every other over the RoCE
+    transport, marking its ready file once it listens for its peers' set-up."""
+    config = RoceConfig(args=args, qps=args.qps, chunk_bytes=args.chunk_bytes,
+                        dilation=args.dilation, connect_timeout_s=args.connect_timeout_s)
+    me = args.peer_list[args.rank]
+    return connect(args.rank, args.peer_list, config, should_stop=life.should_stop,
+                   on_listening=lambda: mark_ready(args.ready_file, {
+                       "rank": args.rank, "tcp_port": me.tcp_port, "udp_port": me.udp_port,
+                       "pid": os.getpid()}))
 
 
 def barrier(t: RoceTransport, token: tuple[int, int]) -> None:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import threading
 import time
@@ -56,21 +55,19 @@ from agents.collectives import algorithms, data, sweep
 from agents.collectives.roce import (
     LINK_CHECK_S,
     MAX_QPS,
-    RoceConfig,
     RoceTransport,
     SetupError,
     Stopped,
     TransportError,
-    connect,
     parse_peers,
 )
 from agents.collectives.schedule import ready_times_ns
-from agents.collectives.sync import barrier, finish
+from agents.collectives.sync import barrier, finish, open_transport
 from agents.rdma import options
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
-from agents.runtime.output import mark_ready, report_counters
+from agents.runtime.output import report_counters
 from agents.runtime.waiting import wait_until_mono
 from agents.timebase import Dilation
 
@@ -336,13 +333,7 @@ class Steps:
 
 
 def run(args: Namespace, life: Lifecycle, live: Live) -> None:
-    config = RoceConfig(args=args, qps=args.qps, chunk_bytes=args.chunk_bytes,
-                        dilation=args.dilation, connect_timeout_s=args.connect_timeout_s)
-    me = args.peer_list[args.rank]
-    t = connect(args.rank, args.peer_list, config, should_stop=life.should_stop,
-                on_listening=lambda: mark_ready(args.ready_file, {
-                    "rank": args.rank, "tcp_port": me.tcp_port, "udp_port": me.udp_port,
-                    "pid": os.getpid()}))
+    t = open_transport(args, life)
     live.transport = t
     left = "error"
     try:
