@@ -332,3 +332,34 @@ def test_allreduce_ina_over_loopback_udp(drop_every):
     if drop_every:
         assert sum(s.retransmissions for s in stats) > 0
     assert all(s.next_chunk_base == chunks for s in stats)
+
+
+def test_the_aggregation_socket_serves_the_roce_engine_at_most_every_millisecond() -> None:
+    """Between results the rank's RoCE engine is stepped (a peer's retransmitted barrier
+    message still gets its ACK), but not per datagram: once per SERVICE_WALL_NS."""
+    import socket as socketlib
+    from types import SimpleNamespace
+
+    from agents.collectives.__main__ import SERVICE_WALL_NS, ServicedPort
+    from agents.runtime.lifecycle import Lifecycle
+
+    steps = []
+    engine = SimpleNamespace(step=lambda: steps.append(1) and False)
+    t = SimpleNamespace(engine=engine, reap=lambda: False)
+    now = [10**9]
+    sock = socketlib.socket(socketlib.AF_INET, socketlib.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sender = socketlib.socket(socketlib.AF_INET, socketlib.SOCK_DGRAM)
+    try:
+        port = ServicedPort(sock, Lifecycle(), t, wall_ns=lambda: now[0])
+        for _ in range(50):
+            sender.sendto(b"x", sock.getsockname())
+            assert port.recv(10**8) is not None
+        assert len(steps) == 1
+        now[0] += SERVICE_WALL_NS
+        sender.sendto(b"x", sock.getsockname())
+        port.recv(10**8)
+        assert len(steps) == 2 and port.services == 2
+    finally:
+        sock.close()
+        sender.close()
