@@ -15,6 +15,7 @@ from testbed.net.namespaces import list_testbed_namespaces
 from testbed.plan import compile_plan
 from testbed.results.store import Store
 from testbed.run.runner import RunOptions, run_config
+from testbed.workloads.collective import InaSettings
 from tests.conftest import unique_lab
 
 pytestmark = pytest.mark.root
@@ -117,7 +118,7 @@ def test_in_network_all_reduce_through_a_tree_survives_loss(tmp_path) -> None:
     assert all(e["phase"] == "in_network" and e["bytes"] == 1 << 20 and not e["warmup"]
                and e["duration_ns"] > 0 for e in phases)
     assert {e["node"] for e in phases} == {"h1", "h2", "h3", "h4"}
-    assert {k[1] for k in slots} == names and set(pools.values()) == {32}
+    assert {k[1] for k in slots} == names and set(pools.values()) == {InaSettings().slots}
     print(f"peak slots in use: {max(v for pts in slots.values() for _, v in pts)}")
     html = (result.run_dir / "report.html").read_text()
     section = html[html.index('<section id="collectives">'):]
