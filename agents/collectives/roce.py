@@ -49,14 +49,15 @@ Slots are freed after every engine step, so with `recv_depth` covering what one 
 can land this stays rare (counted: `rnr_naks_*`).
 
 Framing: a message is split into chunks of at most `chunk_bytes - 16` data bytes;
-each chunk is one WRITE with immediate of a 16-byte header (tag, per-(peer, tag) message number,
-offset, total length; little-endian u32s) followed by its data, so a chunk of
-`chunk_bytes` (an MTU multiple) fills whole packets. Chunks go to the peer's QPs in
-turn (one counter per peer, across messages), so a large message is pipelined over
-all QPs and small ones spread too. The receiver matches a chunk to (peer, tag,
-message number): the n-th message sent to a peer with a tag is the n-th one
-received with it, however its chunks interleave across QPs. A chunk of a message
-nobody waits for yet is kept in a buffer of its own (copied once more on `recv`).
+each chunk is one WRITE with immediate of a 16-byte header (tag, per-(peer, tag)
+message number, offset, total length; little-endian u32s) followed by its data, so a
+chunk of `chunk_bytes` (an MTU multiple) fills whole packets and one ring slot. Chunks
+go to the peer's QPs in turn (one counter per peer, across messages), so a large
+message is pipelined over all QPs and small ones spread too. The receiver matches a
+chunk to (peer, tag, message number): the n-th message sent to a peer with a tag is the
+n-th one received with it, however its chunks interleave across QPs. A chunk of a
+message nobody waits for yet is kept in a buffer of its own (copied once more on
+`recv`).
 
 Set-up (`connect`): each rank listens on its TCP set-up port; rank i connects to every
 rank j > i and accepts one connection from each j < i. Over each connection the two
@@ -583,10 +584,11 @@ class RoceTransport:
         rings = self._rings.pop(peer, None)
         if rings is None or len(rings) != len(local):
             raise SetupError(f"rank {self._rank}: no landing rings made for rank {peer}")
+        theirs = [_remote_qp(q, peer, i, self.config.chunk_bytes) for i, q in enumerate(remote)]
         me, them = self.peers[self._rank], self.peers[peer]
         args = self.config.args
-        for i, (mine, theirs, ring) in enumerate(zip(local, remote, rings, strict=True)):
-            qpn, psn, va, rkey, slots = _remote_qp(theirs, peer, i, self.config.chunk_bytes)
+        for i, (mine, (qpn, psn, va, rkey, slots), ring) in enumerate(
+                zip(local, theirs, rings, strict=True)):
             mr = MemoryRegion(ring.data, mine["va"], mine["rkey"], writes_need_recv=True)
             ctx = icrc_context(me.ip, them.ip, self.endpoint.port, them.udp_port)
             qp = RcQp(mine["qpn"], qpn, ctx, self.attrs,
