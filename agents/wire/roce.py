@@ -573,16 +573,18 @@ def parse_packet(data: BytesLike, ctx: IcrcContext | None, *, check_icrc: bool =
     size = _payload_bytes(info, n, end, pad)
     hdr = info.header_bytes
     reth = aeth = imm = None
-    if info.reth:
-        reth = _tuple_new(Reth, _RETH.unpack_from(view, BTH_BYTES))
-    if info.imm:
-        (imm,) = _IMMDT.unpack_from(view, hdr - IMMDT_BYTES)
-    elif info.aeth:
-        (word,) = _AETH.unpack_from(view, BTH_BYTES)
-        syndrome = word >> 24
-        if syndrome & 0x80 or (syndrome >> 5) == 2:
-            raise MalformedPacket(MalformedReason.RESERVED_SYNDROME, f"syndrome {syndrome:#04x}")
-        aeth = _tuple_new(Aeth, (syndrome, word & 0xFFFFFF))
+    if hdr != BTH_BYTES:        # extension headers; most packets (MIDDLE) have none
+        if info.reth:
+            reth = _tuple_new(Reth, _RETH.unpack_from(view, BTH_BYTES))
+        if info.imm:
+            (imm,) = _IMMDT.unpack_from(view, hdr - IMMDT_BYTES)
+        elif info.aeth:
+            (word,) = _AETH.unpack_from(view, BTH_BYTES)
+            syndrome = word >> 24
+            if syndrome & 0x80 or (syndrome >> 5) == 2:
+                raise MalformedPacket(MalformedReason.RESERVED_SYNDROME,
+                                      f"syndrome {syndrome:#04x}")
+            aeth = _tuple_new(Aeth, (syndrome, word & 0xFFFFFF))
     bth = _tuple_new(Bth, (opcode, (flags & 0x80) != 0, (flags & 0x40) != 0, pad, 0, p_key,
                            (w1 & 0x80000000) != 0, (w1 & 0x40000000) != 0, w1 & QPN_MASK,
                            (w2 & 0x80000000) != 0, w2 & PSN_MASK))
