@@ -4,36 +4,68 @@ One rank of a communicator talks to every other rank over RC queue pairs
 (`agents.rdma`): one UDP socket (`Endpoint`) per rank on its RoCE port, `qps` QPs
 (1..8) per pair of ranks, all driven by one `Engine` from the caller's thread.
 
-Data moves as RC SENDs into receive buffers the receiver posted (not RDMA WRITEs):
+Data moves as RDMA WRITEs with immediate into a landing ring per QP, as NCCL's IB
+transport moves its data:
 
-- the responder's receive queue gives the receiver an in-order completion per
-  message, with its length, on each QP; a WRITE without immediate data gives the
-  target nothing, so framing over WRITEs would need a flag in memory to poll and a
-  credit protocol back to the sender before a slot could be reused;
-- RC's RNR NAK is the flow control: a chunk that finds no posted buffer is NAKed and
-  resent after the RNR timer, so no application credits are needed. Buffers are
-  re-posted after every engine step, so with `recv_depth` covering what one step can
-  land this stays rare (counted: `rnr_naks_*`);
-- on the wire they are the same RoCEv2 packets (BTH, DSCP, ECT(0), paced by the
-  QP's rate controller, CNPs on the CNP DSCP) as perftest's send_bw: DCQCN, ECN
-  and PFC see no difference from write_bw beyond the absent RETH.
+- on the wire these are RDMA_WRITE_FIRST / _MIDDLE / _LAST_WITH_IMMEDIATE, or one
+  RDMA_WRITE_ONLY_WITH_IMMEDIATE: RoCEv2 packets with the QP's DSCP and ECT(0),
+  paced by its rate controller, answered by CNPs on the CNP DSCP, so DCQCN, ECN and
+  PFC act on them as on perftest's write_bw;
+- the immediate gives the receiver one completion per chunk, in order, with its
+  length, on each QP (a WRITE without it would give the target nothing: a flag in
+  memory to poll, and a credit protocol back to the sender before a slot is reused).
+
+The landing ring. For each QP, the receiver registers one `MemoryRegion` of `depth` =
+`recv_depth(...)` slots of `chunk_bytes` and tells the sender its VA, R_Key and slot
+count in the set-up hello. It posts `depth` zero-length receive WQEs, one per free
+slot. The sender writes the n-th chunk it sends on a QP (n from 0) into slot
+n mod depth, with the immediate `(n mod 2^16) << 16 | slot`. RC delivers a QP's
+messages in order, so the receiver's n-th receive completion on that QP is chunk n,
+in slot n mod depth: the receiver checks the immediate against that, and a mismatch
+(a lost or doubled completion, a confused peer) is a TransportError, never bytes
+taken from the wrong slot. Once a chunk has been consumed (copied into its message's
+buffer by `Messages.deliver`), its slot's WQE is posted again; completions are taken
+in order, so WQEs are re-posted in slot order.
+
+Why slot n mod depth is free when the WRITE of chunk n + depth is accepted: the WQEs
+are posted `depth` at set-up and one more each time a chunk has been consumed, so the
+WQE numbered n + depth in posting order exists only after chunk n, the one in slot
+n mod depth = (n + depth) mod depth, was consumed. The responder takes a QP's
+messages one at a time in PSN order, and each WRITE with immediate consumes one WQE,
+the oldest: when the first packet of chunk n + depth is the expected one, chunks
+0 .. n + depth - 1 have consumed WQEs 0 .. n + depth - 1, so a WQE is posted only if
+WQE n + depth is. The ring's region is registered `writes_need_recv`, which makes the
+responder RNR-NAK the first packet of a WRITE into it while no WQE is posted
+(agents.rdma.qp): no byte of chunk n + depth lands before slot n mod depth is free.
+A go-back-N resend changes nothing: a packet once accepted is never applied again,
+and resent later packets continue the same chunk in the same slot. A responder that
+looked for the WQE only at the LAST packet (as an RNIC may: a multi-packet WRITE with
+immediate begins as a plain WRITE FIRST) would let the FIRST and MIDDLE bytes of chunk
+n + depth overwrite slot n mod depth while chunk n still waits to be read.
+
+So RC's RNR NAK is the flow control, as it was for SENDs: a chunk that finds no WQE
+is NAKed and resent after the RNR timer, and no application credits are needed.
+Slots are freed after every engine step, so with `recv_depth` covering what one step
+can land this stays rare (counted: `rnr_naks_*`).
 
 Framing: a message is split into chunks of at most `chunk_bytes - 16` data bytes;
-each chunk is one SEND of a 16-byte header (tag, per-(peer, tag) message number,
-offset, total length; little-endian u32s) followed by its data, so a chunk of
-`chunk_bytes` (an MTU multiple) fills whole packets. Chunks go to the peer's QPs in
-turn (one counter per peer, across messages), so a large message is pipelined over
-all QPs and small ones spread too. The receiver matches a chunk to (peer, tag,
-message number): the n-th message sent to a peer with a tag is the n-th one
-received with it, however its chunks interleave across QPs. A chunk of a message
-nobody waits for yet is kept in a buffer of its own (copied once more on `recv`).
+each chunk is one WRITE with immediate of a 16-byte header (tag, per-(peer, tag)
+message number, offset, total length; little-endian u32s) followed by its data, so a
+chunk of `chunk_bytes` (an MTU multiple) fills whole packets and one ring slot. Chunks
+go to the peer's QPs in turn (one counter per peer, across messages), so a large
+message is pipelined over all QPs and small ones spread too. The receiver matches a
+chunk to (peer, tag, message number): the n-th message sent to a peer with a tag is the
+n-th one received with it, however its chunks interleave across QPs. A chunk of a
+message nobody waits for yet is kept in a buffer of its own (copied once more on
+`recv`).
 
 Set-up (`connect`): each rank listens on its TCP set-up port; rank i connects to every
 rank j > i and accepts one connection from each j < i. Over each connection the two
-sides exchange one JSON line each (rank, communicator size, QP count, chunk size, MTU,
-and per QP its QPN and first PSN); the side that accepted attaches its QPs before it
-answers, the side that connected attaches them and then says so, so no data packet
-ever reaches a QP that is not there yet. Connecting retries until the set-up deadline.
+sides exchange one JSON line each (protocol version, rank, communicator size, QP count,
+chunk size, MTU, and per QP its QPN, first PSN and landing ring: VA, R_Key, slots); the
+side that accepted attaches its QPs before it answers, the side that connected attaches
+them and then says so, so no data packet ever reaches a QP that is not there yet.
+Connecting retries until the set-up deadline.
 No rank waits for a lower one before answering a higher one, so there is no cycle.
 The set-up connections then stay open, idle: a rank that leaves says why (`leave`),
 and one that leaves other than by finishing ('done'), or dies (the connection closes),
@@ -60,28 +92,39 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.rdma import options
-from agents.rdma.qp import QpAttrs, RcQp, WcStatus
+from agents.rdma.qp import (
+    WC_RECV_RDMA_WITH_IMM,
+    Completion,
+    MemoryRegion,
+    QpAttrs,
+    RcQp,
+    WcStatus,
+)
 from agents.rdma.transport import Binding, Endpoint, Engine, Stopped
 from agents.runtime.sockets import dial_tcp
 from agents.timebase import Dilation, FabricClock
 from agents.wire.roce import PSN_MASK, icrc_context
 
-__all__ = ["HEADER_BYTES", "MAX_QPS", "Messages", "PeerAddress", "RoceConfig", "RoceTransport",
-           "SetupError", "Stopped", "TransportError", "chunk_spans", "connect",
-           "parse_peers", "recv_depth"]
+__all__ = ["HEADER_BYTES", "MAX_QPS", "MAX_SLOTS", "PROTOCOL_VERSION", "Messages",
+           "PeerAddress", "RoceConfig", "RoceTransport", "SetupError", "Stopped",
+           "TransportError", "chunk_spans", "connect", "parse_peers", "recv_depth", "slot_imm"]
 
 HEADER = struct.Struct("<IIII")      # tag, message number, offset, total length
 HEADER_BYTES = HEADER.size
 MAX_QPS = 8
 MAX_TAG = 0xFFFFFFFF
 MAX_MESSAGE_BYTES = 0xFFFFFFFF
-PROTOCOL_VERSION = 1
-#: Most bytes of receive buffers per QP: a huge window must not pin gigabytes.
+#: 2: data as RDMA WRITE with immediate into landing rings (their VA / R_Key / slots in
+#: the hello); 1 was SENDs into posted receive buffers.
+PROTOCOL_VERSION = 2
+#: Most bytes of landing ring per QP: a huge window must not pin gigabytes.
 MAX_RECV_BYTES_PER_QP = 64 << 20
+#: Most slots of a landing ring: the immediate carries the slot index in 16 bits.
+MAX_SLOTS = 0xFFFF
 #: Wall seconds between two looks at the set-up connections (has a peer left?).
 LINK_CHECK_S = 0.1
 #: Datagrams an engine step drains per endpoint (agents.rdma.transport.RECV_BATCH): the
-#: most chunks that can land between two re-posts of the receive buffers.
+#: most chunks that can land between two reaps, which free their slots.
 _LANDING_PER_STEP = 64
 
 
@@ -330,29 +373,47 @@ class RoceConfig:
 
 
 def recv_depth(attrs: QpAttrs, chunk_bytes: int) -> int:
-    """Receive buffers to post per QP, so that a chunk rarely meets an empty receive
-    queue (RNR NAK). A QP's messages land in order, so at most one chunk is in progress
-    on it; the others hold a buffer from their last packet until the end of the engine
-    step that received it, when they are taken and their buffers re-posted. One step
-    receives at most _LANDING_PER_STEP datagrams, so that many packets' worth of chunks,
-    plus the one in progress, plus one of margin; at most MAX_RECV_BYTES_PER_QP."""
+    """Slots of a QP's landing ring (and receive WQEs posted for them), so that a chunk
+    rarely meets an empty receive queue (RNR NAK). A QP's messages land in order, so at
+    most one chunk is in progress on it; the others hold their slot from their last
+    packet until the end of the engine step that received it, when they are taken and
+    their WQEs re-posted. One step receives at most _LANDING_PER_STEP datagrams, so
+    that many packets' worth of chunks, plus the one in progress, plus one of margin;
+    at most MAX_RECV_BYTES_PER_QP of ring (and MAX_SLOTS slots)."""
     packets_per_chunk = math.ceil(chunk_bytes / attrs.mtu)
     step_chunks = math.ceil(_LANDING_PER_STEP / packets_per_chunk)
     want = max(4, step_chunks + 2)
-    return max(2, min(want, MAX_RECV_BYTES_PER_QP // chunk_bytes))
+    return max(2, min(want, MAX_RECV_BYTES_PER_QP // chunk_bytes, MAX_SLOTS))
+
+
+def slot_imm(n: int, slots: int) -> int:
+    """The immediate of the n-th chunk written on a QP to a ring of `slots`:
+    (n mod 2^16) << 16 | its slot, n mod slots."""
+    return (n & 0xFFFF) << 16 | n % slots
 
 
 class _Qp:
-    """One of our QPs: its binding, its peer and QP index, and its receive buffers."""
+    """One of our QPs: its binding, its peer and QP index, our landing ring (where the
+    peer writes to us) and where we write in the peer's, with a chunk count each way."""
 
-    __slots__ = ("binding", "qp", "peer", "index", "bufs")
+    __slots__ = ("binding", "qp", "peer", "index", "ring", "slots", "recv_n", "remote_va",
+                 "remote_rkey", "remote_slots", "send_n")
 
-    def __init__(self, binding: Binding, peer: int, index: int, bufs: list[np.ndarray]) -> None:
+    def __init__(self, binding: Binding, peer: int, index: int, ring: np.ndarray, slots: int,
+                 remote_va: int, remote_rkey: int, remote_slots: int) -> None:
         self.binding = binding
         self.qp: RcQp = binding.qp
         self.peer = peer
         self.index = index
-        self.bufs = bufs
+        self.ring = ring                # slots x chunk_bytes, registered with the responder
+        self.slots = slots
+        self.recv_n = 0                 # chunks received on this QP: the next is in slot
+        #                                 recv_n mod slots
+        self.remote_va = remote_va
+        self.remote_rkey = remote_rkey
+        self.remote_slots = remote_slots
+        self.send_n = 0                 # chunks posted on this QP: the next goes to slot
+        #                                 send_n mod remote_slots
 
 
 class RoceTransport:
@@ -390,6 +451,8 @@ class RoceTransport:
         self._qpn_base = random.Random().randrange(0x100, 0xF00000 - len(peers) * MAX_QPS)
         self._qps: list[_Qp] = []
         self._by_peer: list[list[_Qp]] = [[] for _ in peers]
+        # landing rings made for a peer's hello, until its QPs are attached
+        self._rings: dict[int, list[np.ndarray]] = {}
         self._wr = 0
         # the set-up connections stay open: a peer that goes away is seen (see check_links)
         self._links: dict[int, socket.socket] = {}
@@ -410,9 +473,16 @@ class RoceTransport:
         qps = self._by_peer[peer] if 0 <= peer < self.size else []
         if not qps:
             raise ValueError(f"rank {self._rank}: not connected to rank {peer}")
+        chunk_bytes = self.config.chunk_bytes
         for q, chunk in self.messages.frame(peer, tag, data):
+            e = qps[q]
+            n = e.send_n
+            e.send_n = n + 1
+            slot = n % e.remote_slots
             self._wr += 1
-            qps[q].qp.requester.post_send(self._wr, chunk.data)
+            e.qp.requester.post_write_imm(self._wr, chunk.data,
+                                          e.remote_va + slot * chunk_bytes, e.remote_rkey,
+                                          slot_imm(n, e.remote_slots))
 
     def recv(self, peer: int, tag: int, out: np.ndarray) -> None:
         if not 0 <= peer < self.size or not self._by_peer[peer]:
@@ -446,9 +516,10 @@ class RoceTransport:
                 engine.wait()
 
     def reap(self) -> bool:
-        """Take completions: landed chunks into place (and their buffers re-posted),
+        """Take completions: landed chunks into place (and their slots' WQEs re-posted),
         acknowledged chunks counted. True if there were any."""
         msgs = self.messages
+        chunk_bytes = self.config.chunk_bytes
         any_ = False
         for q in self._qps:
             rs = q.qp.responder
@@ -456,9 +527,16 @@ class RoceTransport:
             while rcomps:
                 any_ = True
                 c = rcomps.popleft()
-                buf = q.bufs[c.wr_id]
-                msgs.deliver(q.peer, buf[:c.byte_len])
-                rs.post_recv(c.wr_id, buf.data)
+                n = q.recv_n
+                slot = n % q.slots
+                if (c.imm != slot_imm(n, q.slots) or c.opcode != WC_RECV_RDMA_WITH_IMM
+                        or c.status != WcStatus.SUCCESS or c.byte_len > chunk_bytes):
+                    raise TransportError(self._landing_error(q, c, n, slot))
+                off = slot * chunk_bytes
+                msgs.deliver(q.peer, q.ring[off:off + c.byte_len])
+                # the chunk is copied out: its slot is free for chunk n + slots
+                q.recv_n = n + 1
+                rs.post_recv(slot)
             rq = q.qp.requester
             scomps = rq.completions
             while scomps:
@@ -473,35 +551,54 @@ class RoceTransport:
                                      f"failed: {rs.error or rq.error}")
         return any_
 
+    def _landing_error(self, q: _Qp, c: Completion, n: int, slot: int) -> str:
+        want = slot_imm(n, q.slots)
+        imm = f"{c.imm:#010x}" if c.imm is not None else "none"
+        return (f"rank {self._rank}: QP {q.qp.qpn:#x} from rank {q.peer}: completion "
+                f"#{n} is {c.opcode} {c.status}, {c.byte_len} bytes, immediate {imm}; "
+                f"expected a WRITE with immediate {want:#010x} (chunk {n & 0xFFFF}, slot "
+                f"{slot} of {q.slots}) of at most {self.config.chunk_bytes} bytes")
+
     # -- set-up
 
     def local_qps(self, peer: int) -> list[dict]:
-        """What `peer` must know of our QPs to it: QPN and first PSN of each."""
+        """What `peer` must know of our QPs to it: QPN, first PSN and the landing ring
+        (VA, R_Key, slots) of each. Makes the rings, which `attach` registers."""
         rng = random.Random()
+        rings = [np.empty(self.recv_depth * self.config.chunk_bytes, dtype=np.uint8)
+                 for _ in range(self.config.qps)]
+        self._rings[peer] = rings
         return [{"qpn": self._qpn_base + peer * MAX_QPS + i,
-                 "psn": rng.randrange(0, PSN_MASK + 1)} for i in range(self.config.qps)]
+                 "psn": rng.randrange(0, PSN_MASK + 1),
+                 "va": ring.ctypes.data, "rkey": rng.randrange(1, 1 << 32),
+                 "slots": self.recv_depth} for i, ring in enumerate(rings)]
 
     def attach(self, peer: int, local: list[dict], remote: list[dict]) -> None:
         """Make and attach our QPs to `peer` (from both sides' QP lists), with their
-        receive buffers posted, before the peer may send."""
+        landing rings registered and a receive WQE posted per slot, before the peer may
+        send."""
         if self._by_peer[peer]:
             raise SetupError(f"rank {self._rank}: rank {peer} connected twice")
         if len(remote) != len(local):
             raise SetupError(f"rank {peer} has {len(remote)} QPs to us, we {len(local)}")
+        rings = self._rings.pop(peer, None)
+        if rings is None or len(rings) != len(local):
+            raise SetupError(f"rank {self._rank}: no landing rings made for rank {peer}")
+        theirs = [_remote_qp(q, peer, i, self.config.chunk_bytes) for i, q in enumerate(remote)]
         me, them = self.peers[self._rank], self.peers[peer]
         args = self.config.args
-        for i, (mine, theirs) in enumerate(zip(local, remote, strict=True)):
+        for i, (mine, (qpn, psn, va, rkey, slots), ring) in enumerate(
+                zip(local, theirs, rings, strict=True)):
+            mr = MemoryRegion(ring.data, mine["va"], mine["rkey"], writes_need_recv=True)
             ctx = icrc_context(me.ip, them.ip, self.endpoint.port, them.udp_port)
-            qp = RcQp(mine["qpn"], int(theirs["qpn"]), ctx, self.attrs,
+            qp = RcQp(mine["qpn"], qpn, ctx, self.attrs,
                       options.make_rate_controller(args, self.cc, self.clock.now_ns()),
-                      np=options.make_np(args, self.cc[0], self.cc_params), clock=self.clock,
-                      sq_psn=mine["psn"], rq_psn=int(theirs["psn"]))
-            bufs = [np.empty(self.config.chunk_bytes, dtype=np.uint8)
-                    for _ in range(self.recv_depth)]
-            for k, b in enumerate(bufs):
-                qp.responder.post_recv(k, b.data)
+                      np=options.make_np(args, self.cc[0], self.cc_params),
+                      mrs={mr.rkey: mr}, clock=self.clock, sq_psn=mine["psn"], rq_psn=psn)
+            for slot in range(mine["slots"]):
+                qp.responder.post_recv(slot)        # zero-length: the data goes to the ring
             binding = self.endpoint.attach(qp, (them.ip, them.udp_port))
-            entry = _Qp(binding, peer, i, bufs)
+            entry = _Qp(binding, peer, i, ring, mine["slots"], va, rkey, slots)
             self._qps.append(entry)
             self._by_peer[peer].append(entry)
         self.engine.refresh()
@@ -611,6 +708,23 @@ class RoceTransport:
 
 
 # --------------------------------------------------------------------------- set-up
+
+
+def _remote_qp(theirs: object, peer: int, i: int, chunk_bytes: int
+               ) -> tuple[int, int, int, int, int]:
+    """(QPN, first PSN, ring VA, R_Key, slots) of the peer's QP i, from its hello."""
+    fields = ("qpn", "psn", "va", "rkey", "slots")
+    values = [theirs.get(k) for k in fields] if isinstance(theirs, dict) else []
+    ints = [v for v in values if type(v) is int]
+    if len(ints) != len(fields):
+        raise SetupError(f"rank {peer}: QP {i} of its hello is not "
+                         f"{{qpn, psn, va, rkey, slots}} integers: {theirs!r}")
+    qpn, psn, va, rkey, slots = ints
+    if not (1 <= slots <= MAX_SLOTS and 0 <= rkey <= 0xFFFFFFFF and 0 <= psn <= PSN_MASK
+            and 0 <= va and va + slots * chunk_bytes <= 1 << 64):
+        raise SetupError(f"rank {peer}: QP {i} has a landing ring we cannot write: "
+                         f"{theirs!r}")
+    return qpn, psn, va, rkey, slots
 
 
 class _Line:

@@ -16,15 +16,16 @@ Received packets are handed in already parsed and ICRC-checked
 (`agents.wire.roce.parse_packet`): `RcQp.on_packet(parsed, ce, now)`.
 
 Requester (one per QP, the DCQCN reaction point):
-  RDMA WRITE and SEND messages segmented at the path MTU (FIRST / MIDDLE / LAST,
-  or ONLY), 24-bit PSNs with wrap, at most `window_packets` unacknowledged
-  packets, AckReq on the last packet of every message and on every PSN that is a
-  multiple of `ack_req_every`, a local ACK timeout and a retry limit (fabric
-  time), go-back-N: an ACK acknowledges every PSN up to its own, a NAK(PSN
-  sequence error) acknowledges every PSN before its own and the requester
-  resends from it. Pacing: the rate is the congestion controller's (`cc.rate_bps`,
-  fabric bit/s); every packet costs `len(datagram) + wire_overhead_bytes` wire
-  bytes, which is also what `cc.on_bytes_sent` is told.
+  RDMA WRITE, RDMA WRITE with immediate and SEND messages segmented at the path MTU
+  (FIRST / MIDDLE / LAST, or ONLY; a WRITE with immediate ends in LAST / ONLY WITH
+  IMMEDIATE, which carry the 32-bit ImmDt), 24-bit PSNs with wrap, at most
+  `window_packets` unacknowledged packets, AckReq on the last packet of every
+  message and on every PSN that is a multiple of `ack_req_every`, a local ACK
+  timeout and a retry limit (fabric time), go-back-N: an ACK acknowledges every PSN
+  up to its own, a NAK(PSN sequence error) acknowledges every PSN before its own and
+  the requester resends from it. Pacing: the rate is the congestion controller's
+  (`cc.rate_bps`, fabric bit/s); every packet costs `len(datagram) +
+  wire_overhead_bytes` wire bytes, which is also what `cc.on_bytes_sent` is told.
 
 Responder (one per QP, the DCQCN notification point):
   expected PSN; PSN > expected: one NAK(PSN sequence error) carrying the
@@ -38,8 +39,29 @@ Responder (one per QP, the DCQCN notification point):
   Every data packet is shown to the `DcqcnNp`, which decides whether a CE mark
   earns a CNP.
 
-Not implemented: RDMA READ, atomics, immediate data, UD/UC, SRQ, credits (ACKs
-carry "unlimited"), path migration. See docs/roce.md.
+RDMA WRITE with immediate (what NCCL's IB transport moves its data with): the bytes
+  land in the memory region exactly as a WRITE's (same R_Key and bounds checks), and
+  the message consumes one posted receive WQE, completed as WC_RECV_RDMA_WITH_IMM
+  with the immediate and the message's byte length (the WQE's own buffer is not
+  touched, so a zero-length WQE will do: `post_recv(wr_id)`). With no WQE posted the
+  responder RNR-NAKs, and no byte of the packet lands. Where it checks:
+  - the LAST / ONLY WITH IMMEDIATE packet always needs one (that is where the
+    message's WQE is consumed; rxe checks there and only there);
+  - a multi-packet WRITE with immediate starts with a plain RDMA_WRITE_FIRST, so a
+    responder cannot tell from its first packet that a WQE will be needed, and a real
+    RNIC (rxe: the RWR mask is on LAST / ONLY WITH IMMEDIATE alone) may land the
+    FIRST and MIDDLE bytes with no WQE posted and RNR-NAK only the LAST. Here a
+    region registered with `writes_need_recv=True` asks more: the FIRST (or ONLY)
+    packet of any WRITE into it is RNR-NAKed while the receive queue is empty, so no
+    byte lands there before a WQE for its message exists. That is what makes a
+    landing ring safe to reuse: a receiver that posts a WQE only once the slot it
+    stands for is free can never have a slot overwritten before it was consumed
+    (agents.collectives.roce argues it in full). Between the FIRST and its LAST
+    nothing else can take the WQE (RC messages are processed one at a time, in
+    order), so the check at the FIRST holds at the LAST.
+
+Not implemented: RDMA READ, atomics, SEND with immediate / invalidate, UD/UC, SRQ,
+credits (ACKs carry "unlimited"), path migration. See docs/roce.md.
 """
 
 from __future__ import annotations
@@ -60,6 +82,7 @@ from agents.wire.roce import (
     CNP_OPCODES,
     DEFAULT_P_KEY,
     ICRC_BYTES,
+    IMMDT_BYTES,
     PSN_HALF,
     PSN_MASK,
     QPN_MASK,
@@ -81,6 +104,10 @@ __all__ = [
     "PKT_CNP",
     "PKT_DATA",
     "RNR_TIMER_NS",
+    "WC_RECV",
+    "WC_RECV_RDMA_WITH_IMM",
+    "WC_SEND",
+    "WC_WRITE",
     "Completion",
     "MemoryRegion",
     "QpAttrs",
@@ -125,10 +152,14 @@ _OP_WRITE_FIRST = int(Opcode.RC_RDMA_WRITE_FIRST)
 _OP_WRITE_MIDDLE = int(Opcode.RC_RDMA_WRITE_MIDDLE)
 _OP_WRITE_LAST = int(Opcode.RC_RDMA_WRITE_LAST)
 _OP_WRITE_ONLY = int(Opcode.RC_RDMA_WRITE_ONLY)
+_OP_WRITE_LAST_IMM = int(Opcode.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE)
+_OP_WRITE_ONLY_IMM = int(Opcode.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE)
 # (first, middle, last, only) per message kind
 _WRITE_OPS = (_OP_WRITE_FIRST, _OP_WRITE_MIDDLE, _OP_WRITE_LAST, _OP_WRITE_ONLY)
+_WRITE_IMM_OPS = (_OP_WRITE_FIRST, _OP_WRITE_MIDDLE, _OP_WRITE_LAST_IMM, _OP_WRITE_ONLY_IMM)
 _SEND_OPS = (_OP_SEND_FIRST, _OP_SEND_MIDDLE, _OP_SEND_LAST, _OP_SEND_ONLY)
-_MESSAGE_END = frozenset({_OP_SEND_LAST, _OP_SEND_ONLY, _OP_WRITE_LAST, _OP_WRITE_ONLY})
+_WRITE_END = frozenset({_OP_WRITE_LAST, _OP_WRITE_ONLY, _OP_WRITE_LAST_IMM, _OP_WRITE_ONLY_IMM})
+_MESSAGE_END = frozenset({_OP_SEND_LAST, _OP_SEND_ONLY}) | _WRITE_END
 
 _SYN_ACK = 0x1F                                     # ACK, unlimited credits
 _SYN_NAK_SEQ = 0x60 | NakCode.PSN_SEQUENCE_ERROR
@@ -138,18 +169,20 @@ _SYN_NAK_ACCESS = 0x60 | NakCode.REMOTE_ACCESS_ERROR
 
 _BTH = struct.Struct("!BBHII")
 _RETH = struct.Struct("!QII")
+_IMMDT = struct.Struct("!I")
 _ICRC = struct.Struct("<I")
 _ZPAD = bytes(4)
 
 
 def build_data_packet(buf: bytearray, view: memoryview, ctx: IcrcContext, opcode: int,
                       p_key: int, dest_qp: int, ack_req: bool, psn: int,
-                      reth: tuple[int, int, int] | None, payload: BytesLike) -> memoryview:
-    """The requester's fast path: BTH [+ RETH] + payload + pad + ICRC into `buf`.
+                      reth: tuple[int, int, int] | None, payload: BytesLike,
+                      imm: int | None = None) -> memoryview:
+    """The requester's fast path: BTH [+ RETH] [+ ImmDt] + payload + pad + ICRC into `buf`.
 
     Byte for byte what `agents.wire.roce.build_packet` makes for the same fields (a unit
     test holds them equal), without its argument checks: the requester only passes
-    opcodes, PSNs and QPNs it made itself. `view` is memoryview(buf).
+    opcodes, PSNs, QPNs and immediates it made or checked itself. `view` is memoryview(buf).
     """
     n = len(payload)
     pad = -n & 3
@@ -159,6 +192,9 @@ def build_data_packet(buf: bytearray, view: memoryview, ctx: IcrcContext, opcode
                    0x80000000 | psn if ack_req else psn)
     if reth is not None:
         _RETH.pack_into(buf, 12, *reth)
+    if imm is not None:
+        _IMMDT.pack_into(buf, hdr, imm)
+        hdr += 4
     end = hdr + n
     if n:
         buf[hdr:end] = payload
@@ -210,13 +246,25 @@ _NAK_STATUS: dict[int, str] = {
 }
 
 
+#: Work-completion opcodes, after ibv_wc_opcode: a requester completes WRITEs (with or
+#: without immediate, as IBV_WC_RDMA_WRITE) and SENDs; a responder completes a receive
+#: WQE for a SEND (IBV_WC_RECV) or for a WRITE with immediate (IBV_WC_RECV_RDMA_WITH_IMM).
+WC_WRITE = "write"
+WC_SEND = "send"
+WC_RECV = "recv"
+WC_RECV_RDMA_WITH_IMM = "recv_rdma_with_imm"
+
+
 class Completion(NamedTuple):
-    """A work completion: `opcode` is 'write', 'send' (requester side) or 'recv'."""
+    """A work completion: `opcode` is one of the WC_* names. `byte_len` is the message's
+    length (for a WRITE with immediate, the bytes written into the region); `imm` is the
+    immediate data of a WC_RECV_RDMA_WITH_IMM, None otherwise."""
 
     wr_id: int
     status: str
     opcode: str
     byte_len: int
+    imm: int | None = None
 
 
 @dataclass(frozen=True)
@@ -270,11 +318,16 @@ class MemoryRegion:
     """A registered buffer: remote writes to [va, va + length) with `rkey` land in `buf`.
 
     `buf` is anything with a writable contiguous buffer (bytearray, numpy array).
+    `writes_need_recv`: the first packet of a WRITE into this region is RNR-NAKed while
+    the responder has no receive WQE posted, so nothing lands before the WQE its message
+    will consume exists (a landing ring for WRITEs with immediate; see the module
+    docstring). Off, only the packet that consumes the WQE needs one, as on an RNIC.
     """
 
-    __slots__ = ("va", "rkey", "length", "view", "remote_write")
+    __slots__ = ("va", "rkey", "length", "view", "remote_write", "writes_need_recv")
 
-    def __init__(self, buf: BytesLike, va: int, rkey: int, *, remote_write: bool = True) -> None:
+    def __init__(self, buf: BytesLike, va: int, rkey: int, *, remote_write: bool = True,
+                 writes_need_recv: bool = False) -> None:
         view = memoryview(buf)
         if view.readonly:
             raise ValueError("a memory region needs a writable buffer")
@@ -287,6 +340,7 @@ class MemoryRegion:
         self.va = va
         self.rkey = rkey
         self.remote_write = remote_write
+        self.writes_need_recv = writes_need_recv
 
     def __repr__(self) -> str:
         return f"MemoryRegion(va={self.va:#x}, length={self.length}, rkey={self.rkey:#x})"
@@ -321,16 +375,20 @@ class RatePacer:
 
 #: What a finished WQE holds instead of its message: the caller's buffer is let go.
 _RELEASED = memoryview(b"")
+#: The buffer of a receive WQE posted without one (for WRITEs with immediate, which do
+#: not touch it; a SEND with any payload into it is a local length error).
+_NO_BUFFER = memoryview(bytearray(0))
 
 
 class _Wqe:
     """One posted send-queue work request."""
 
-    __slots__ = ("wr_id", "ops", "kind", "data", "length", "va", "rkey", "first_psn", "npkts")
+    __slots__ = ("wr_id", "ops", "kind", "data", "length", "va", "rkey", "first_psn", "npkts",
+                 "imm")
 
     def __init__(self, wr_id: int, ops: tuple[int, int, int, int], kind: str,
                  data: memoryview, length: int, va: int, rkey: int, first_psn: int,
-                 npkts: int) -> None:
+                 npkts: int, imm: int | None) -> None:
         self.wr_id = wr_id
         self.ops = ops
         self.kind = kind
@@ -340,6 +398,7 @@ class _Wqe:
         self.rkey = rkey
         self.first_psn = first_psn
         self.npkts = npkts
+        self.imm = imm          # the immediate data, on the last packet; None: no immediate
 
 
 def _now(clock: Clock | None, now_ns: float | None) -> float:
@@ -377,7 +436,7 @@ class RcRequester:
         self.state = QpState.RTS
         self.error: str | None = None
         self._mtu = attrs.mtu
-        self._buf = bytearray(BTH_BYTES + RETH_BYTES + attrs.mtu + _PAD_ICRC)
+        self._buf = bytearray(BTH_BYTES + RETH_BYTES + IMMDT_BYTES + attrs.mtu + _PAD_ICRC)
         self._view = memoryview(self._buf)
         self._p_key = attrs.p_key
         self._window = attrs.window_packets
@@ -421,24 +480,34 @@ class RcRequester:
 
     def post_write(self, wr_id: int, local: BytesLike, remote_va: int, rkey: int) -> None:
         """Post an RDMA WRITE of the whole of `local` to `remote_va` under `rkey`."""
-        self._post(wr_id, _WRITE_OPS, "write", local, remote_va, rkey)
+        self._post(wr_id, _WRITE_OPS, WC_WRITE, local, remote_va, rkey, None)
+
+    def post_write_imm(self, wr_id: int, local: BytesLike, remote_va: int, rkey: int,
+                       imm: int) -> None:
+        """Post an RDMA WRITE with immediate: `local` to `remote_va` under `rkey`, and the
+        32-bit `imm` to the peer's next receive WQE, which the message consumes (segmented
+        as a WRITE; the last packet is LAST / ONLY WITH IMMEDIATE). Completes as a WRITE."""
+        if not 0 <= imm <= 0xFFFFFFFF:
+            raise ValueError(f"immediate data {imm} is not 32 bits")
+        self._post(wr_id, _WRITE_IMM_OPS, WC_WRITE, local, remote_va, rkey, imm)
 
     def post_send(self, wr_id: int, local: BytesLike) -> None:
         """Post a SEND of the whole of `local` (lands in the peer's next receive buffer)."""
-        self._post(wr_id, _SEND_OPS, "send", local, 0, 0)
+        self._post(wr_id, _SEND_OPS, WC_SEND, local, 0, 0, None)
 
-    def _post(self, wr_id, ops, kind, local, va, rkey) -> None:
+    def _post(self, wr_id: int, ops: tuple[int, int, int, int], kind: str, local: BytesLike,
+              va: int, rkey: int, imm: int | None) -> None:
         data = _as_bytes_view(local)
         n = data.nbytes
         if n >= 1 << 31:
             raise ValueError(f"message of {n} bytes exceeds 2^31 - 1")
-        if kind == "write" and not (0 <= va and va + n <= 1 << 64 and 0 <= rkey <= 0xFFFFFFFF):
+        if kind == WC_WRITE and not (0 <= va and va + n <= 1 << 64 and 0 <= rkey <= 0xFFFFFFFF):
             raise ValueError(f"bad remote address {va:#x}+{n} / rkey {rkey}")
         if self.state != QpState.RTS:
             self.completions.append(Completion(wr_id, WcStatus.FLUSHED, kind, 0))
             return
         npkts = packets_for(n, self._mtu)
-        self._sq.append(_Wqe(wr_id, ops, kind, data, n, va, rkey, self._post_psn, npkts))
+        self._sq.append(_Wqe(wr_id, ops, kind, data, n, va, rkey, self._post_psn, npkts, imm))
         self._post_psn = (self._post_psn + npkts) & PSN_MASK
         self.messages_posted += 1
 
@@ -506,9 +575,10 @@ class RcRequester:
         off = i * self._mtu
         payload = w.data[off:off + self._mtu]
         ack_req = last or snd % self._ack_req_every == 0
-        reth = (w.va, w.rkey, w.length) if (i == 0 and w.kind == "write") else None
+        reth = (w.va, w.rkey, w.length) if (i == 0 and w.kind == WC_WRITE) else None
         view = build_data_packet(self._buf, self._view, self.ctx, opcode, self._p_key,
-                                 self.dest_qpn, ack_req, snd, reth, payload)
+                                 self.dest_qpn, ack_req, snd, reth, payload,
+                                 w.imm if last else None)
         # advance the cursor
         if last:
             self._cur += 1
@@ -717,7 +787,8 @@ class RcRequester:
 
 class RcResponder:
     """Receive side of an RC QP: expected PSN, NAK + silent drop, duplicates, ACK coalescing,
-    RDMA WRITE into memory regions, SEND into posted receive buffers, DCQCN NP."""
+    RDMA WRITE (with or without immediate) into memory regions, SEND into posted receive
+    buffers, DCQCN NP."""
 
     def __init__(self, qpn: int, dest_qpn: int, ctx: IcrcContext, attrs: QpAttrs, *,
                  psn: int = 0, np: DcqcnNp | None = None,
@@ -749,6 +820,7 @@ class RcResponder:
         self._wr_view: memoryview | None = None
         self._wr_off = 0
         self._wr_left = 0
+        self._wr_len = 0          # its DMA length (a WRITE with immediate completes with it)
         # receive queue and the SEND being received
         self._rq: deque[tuple[int, memoryview]] = deque()
         self._rv: tuple[int, memoryview] | None = None
@@ -757,7 +829,9 @@ class RcResponder:
         # the placer of each request opcode the responder accepts (bound once: per packet)
         self._placers: dict[int, Callable[[int, Parsed], bool]] = {
             _OP_WRITE_FIRST: self._write_start, _OP_WRITE_ONLY: self._write_start,
+            _OP_WRITE_ONLY_IMM: self._write_start,
             _OP_WRITE_MIDDLE: self._write_continue, _OP_WRITE_LAST: self._write_continue,
+            _OP_WRITE_LAST_IMM: self._write_continue,
             _OP_SEND_FIRST: self._send_start, _OP_SEND_ONLY: self._send_start,
             _OP_SEND_MIDDLE: self._send_continue, _OP_SEND_LAST: self._send_continue,
         }
@@ -773,18 +847,23 @@ class RcResponder:
         self.error_drops = 0          # packets dropped in the error state
         self.ce_packets_received = 0
         self.cnps_sent = 0
-        self.write_messages = 0
+        self.write_messages = 0       # RDMA WRITEs, with immediate or not
+        self.write_imm_messages = 0   # of which WRITEs with immediate (each took a WQE)
         self.send_messages = 0
 
     @property
     def expected_psn(self) -> int:
         return self._epsn
 
-    def post_recv(self, wr_id: int, buf: BytesLike) -> None:
-        """Post a receive buffer for one incoming SEND."""
-        view = _as_bytes_view(buf)
-        if view.readonly:
-            raise ValueError("a receive buffer must be writable")
+    def post_recv(self, wr_id: int, buf: BytesLike | None = None) -> None:
+        """Post a receive WQE for one incoming SEND (into `buf`) or WRITE with immediate
+        (which leaves `buf` alone: post it without one)."""
+        if buf is None:
+            view = _NO_BUFFER
+        else:
+            view = _as_bytes_view(buf)
+            if view.readonly:
+                raise ValueError("a receive buffer must be writable")
         self._rq.append((wr_id, view))
 
     @property
@@ -843,7 +922,8 @@ class RcResponder:
     # when it did, False when it answered the packet instead (fatal NAK, RNR NAK).
 
     def _write_start(self, op: int, p: Parsed) -> bool:
-        """RDMA WRITE FIRST / ONLY: check the RETH against the memory region, write."""
+        """RDMA WRITE FIRST / ONLY [WITH IMMEDIATE]: check the RETH against the memory
+        region (and, where the message needs one, for a receive WQE), write."""
         reth = p.reth
         if self._wr_view is not None or self._rv is not None or reth is None:
             self._fatal(p.bth.psn, _SYN_NAK_INVALID, "invalid_request")
@@ -851,42 +931,67 @@ class RcResponder:
         payload = p.payload
         n = len(payload)
         va, rkey, dma_len = reth
-        if (op == _OP_WRITE_ONLY and n != dma_len) or (
-                op == _OP_WRITE_FIRST and (n != self._mtu or dma_len <= n)):
+        if (n != self._mtu or dma_len <= n) if op == _OP_WRITE_FIRST else n != dma_len:
             self._fatal(p.bth.psn, _SYN_NAK_INVALID, "invalid_request")
             return False
-        if not dma_len:
-            return True
-        mr = self.mrs.get(rkey)
-        if (mr is None or not mr.remote_write or va < mr.va
-                or va + dma_len > mr.va + mr.length):
-            self._fatal(p.bth.psn, _SYN_NAK_ACCESS, "remote_access_error")
+        with_imm = op == _OP_WRITE_ONLY_IMM
+        if dma_len:
+            mr = self.mrs.get(rkey)
+            if (mr is None or not mr.remote_write or va < mr.va
+                    or va + dma_len > mr.va + mr.length):
+                self._fatal(p.bth.psn, _SYN_NAK_ACCESS, "remote_access_error")
+                return False
+            if (with_imm or mr.writes_need_recv) and not self._rq:
+                self._rnr(p.bth.psn)            # before a byte of it lands
+                return False
+            off = va - mr.va
+            mr.view[off:off + n] = payload
+            if op == _OP_WRITE_FIRST:
+                self._wr_view = mr.view
+                self._wr_off = off + n
+                self._wr_left = dma_len - n
+                self._wr_len = dma_len
+                return True
+        elif with_imm and not self._rq:
+            self._rnr(p.bth.psn)
             return False
-        off = va - mr.va
-        mr.view[off:off + n] = payload
-        if op == _OP_WRITE_FIRST:
-            self._wr_view = mr.view
-            self._wr_off = off + n
-            self._wr_left = dma_len - n
+        if with_imm:
+            self._complete_imm(p.imm, n)
         return True
 
     def _write_continue(self, op: int, p: Parsed) -> bool:
-        """RDMA WRITE MIDDLE / LAST: the next bytes of the WRITE in progress."""
+        """RDMA WRITE MIDDLE / LAST [WITH IMMEDIATE]: the next bytes of the WRITE in
+        progress (a LAST WITH IMMEDIATE first needs a receive WQE: RNR NAK without)."""
         payload = p.payload
         n = len(payload)
         view = self._wr_view
-        if view is None or n > self._wr_left or (
-                op == _OP_WRITE_MIDDLE and (n != self._mtu or n == self._wr_left)) or (
-                op == _OP_WRITE_LAST and n != self._wr_left):
+        left = self._wr_left
+        # a MIDDLE carries exactly the MTU and leaves some; a LAST carries what is left
+        if view is None or ((n != self._mtu or n >= left) if op == _OP_WRITE_MIDDLE
+                            else n != left):
             self._fatal(p.bth.psn, _SYN_NAK_INVALID, "invalid_request")
+            return False
+        if op == _OP_WRITE_LAST_IMM and not self._rq:
+            self._rnr(p.bth.psn)            # the WRITE stays in progress, this PSN expected
             return False
         off = self._wr_off
         view[off:off + n] = payload
-        self._wr_off = off + n
-        self._wr_left -= n
-        if op == _OP_WRITE_LAST:
-            self._wr_view = None
+        if op == _OP_WRITE_MIDDLE:
+            self._wr_off = off + n
+            self._wr_left = left - n
+            return True
+        self._wr_view = None
+        self._wr_left = 0
+        if op == _OP_WRITE_LAST_IMM:
+            self._complete_imm(p.imm, self._wr_len)
         return True
+
+    def _complete_imm(self, imm: int | None, byte_len: int) -> None:
+        """A WRITE with immediate has landed: it consumes the next receive WQE."""
+        wr_id, _buf = self._rq.popleft()
+        self.completions.append(Completion(wr_id, WcStatus.SUCCESS, WC_RECV_RDMA_WITH_IMM,
+                                           byte_len, imm))
+        self.write_imm_messages += 1
 
     def _send_start(self, op: int, p: Parsed) -> bool:
         """SEND FIRST / ONLY: into the next posted receive buffer (none: RNR NAK)."""
@@ -898,10 +1003,7 @@ class RcResponder:
             self._fatal(psn, _SYN_NAK_INVALID, "invalid_request")
             return False
         if not self._rq:
-            # receiver not ready: RNR NAK, then drop until this PSN comes again
-            self.rnr_naks_sent += 1
-            self._nak_sent = True
-            self._send_aeth(psn, 0x20 | self.attrs.min_rnr_timer)
+            self._rnr(psn)
             return False
         wr_id, buf = self._rq[0]
         if n > buf.nbytes:
@@ -913,7 +1015,7 @@ class RcResponder:
             self._rv = (wr_id, buf)
             self._rv_off = n
         else:
-            self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", n))
+            self.completions.append(Completion(wr_id, WcStatus.SUCCESS, WC_RECV, n))
             self.send_messages += 1
         return True
 
@@ -933,7 +1035,7 @@ class RcResponder:
         buf[off:off + n] = payload
         self._rv_off = off + n
         if op == _OP_SEND_LAST:
-            self.completions.append(Completion(wr_id, WcStatus.SUCCESS, "recv", off + n))
+            self.completions.append(Completion(wr_id, WcStatus.SUCCESS, WC_RECV, off + n))
             self.send_messages += 1
             self._rv = None
         return True
@@ -946,7 +1048,7 @@ class RcResponder:
         end = op in _MESSAGE_END
         if end:
             self.msn = (self.msn + 1) & 0xFFFFFF
-            if op == _OP_WRITE_LAST or op == _OP_WRITE_ONLY:
+            if op in _WRITE_END:
                 self.write_messages += 1
         if end or ack_req or self._since_ack >= self._ack_every:
             self._send_ack()
@@ -965,6 +1067,13 @@ class RcResponder:
                             None, Aeth(syndrome, self.msn))
         if self.tx is not None:
             self.tx(view, PKT_ACK)
+
+    def _rnr(self, psn: int) -> None:
+        """Receiver not ready (no receive WQE): RNR NAK this PSN, which stays the expected
+        one; later packets are dropped silently until it comes again."""
+        self.rnr_naks_sent += 1
+        self._nak_sent = True
+        self._send_aeth(psn, 0x20 | self.attrs.min_rnr_timer)
 
     def _send_cnp(self) -> None:
         self.cnps_sent += 1
@@ -995,6 +1104,7 @@ class RcResponder:
             "ce_packets_received": self.ce_packets_received,
             "cnps_sent": self.cnps_sent,
             "write_messages": self.write_messages,
+            "write_imm_messages": self.write_imm_messages,
             "send_messages": self.send_messages,
             "expected_psn": self._epsn,
             "msn": self.msn,

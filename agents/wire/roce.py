@@ -4,13 +4,21 @@ Layout (InfiniBand Architecture Specification Vol. 1, chapter 9: BTH, RETH,
 AETH; IBTA Annex A17, RoCEv2: the IB transport over UDP destination port 4791,
 and the CNP), all big-endian except the ICRC::
 
-    UDP payload = BTH (12) [+ RETH (16) | AETH (4) | CNP reserved (16)] + payload + pad + ICRC (4)
+    UDP payload = BTH (12) [+ RETH (16)] [+ ImmDt (4)] [| AETH (4) | CNP reserved (16)]
+                  + payload + pad + ICRC (4)
 
     BTH   opcode(8) | SE(1) M(1) PadCnt(2) TVer(4) | P_Key(16)
           | FECN(1) BECN(1) resv(6) DestQP(24) | AckReq(1) resv(7) PSN(24)
-    RETH  VA(64) R_Key(32) DMA length(32)          on RDMA_WRITE_FIRST / _ONLY
+    RETH  VA(64) R_Key(32) DMA length(32)          on RDMA_WRITE_FIRST / _ONLY / _ONLY_WITH_IMM.
+    ImmDt immediate data(32)                       on RDMA_WRITE_LAST_WITH_IMMEDIATE (0x09) and
+                                                   _ONLY_WITH_IMMEDIATE (0x0B), after the RETH
     AETH  syndrome(8) MSN(24)                      on ACKNOWLEDGE
     CNP   opcode 0x81, BECN=1, 16 reserved zero bytes
+
+A WRITE with immediate of more than one packet is RDMA_WRITE_FIRST (RETH), _MIDDLE...,
+then RDMA_WRITE_LAST_WITH_IMMEDIATE (ImmDt): its first packets are those of a plain
+WRITE. The immediate is 32 bits, carried big-endian (verbs hand it over as a __be32);
+here it is an unsigned int.
 
 This module is the per-packet hot path of the user-space RoCE transport, so it
 uses only `struct` and `zlib` on preallocated buffers; scapy appears in the
@@ -60,6 +68,7 @@ __all__ = [
     "CNP_RESERVED_BYTES",
     "DEFAULT_P_KEY",
     "ICRC_BYTES",
+    "IMMDT_BYTES",
     "IP_MTU_DISCOVER",
     "IP_PMTUDISC_DO",
     "MIN_PACKET_BYTES",
@@ -115,6 +124,7 @@ __all__ = [
 
 BTH_BYTES = 12
 RETH_BYTES = 16
+IMMDT_BYTES = 4
 AETH_BYTES = 4
 CNP_RESERVED_BYTES = 16
 MIN_PACKET_BYTES = BTH_BYTES + ICRC_BYTES
@@ -132,6 +142,7 @@ CNP_OPCODES = frozenset({0x80, 0x81})
 _BTH = struct.Struct("!BBHII")      # opcode, SE|M|PadCnt|TVer, P_Key, FECN|BECN|DestQP, AckReq|PSN
 _RETH = struct.Struct("!QII")
 _AETH = struct.Struct("!I")
+_IMMDT = struct.Struct("!I")
 _ICRC = struct.Struct("<I")
 _ZEROS = bytes(CNP_RESERVED_BYTES)
 _tuple_new = tuple.__new__
@@ -149,7 +160,9 @@ class Opcode(IntEnum):
     RC_RDMA_WRITE_FIRST = 0x06
     RC_RDMA_WRITE_MIDDLE = 0x07
     RC_RDMA_WRITE_LAST = 0x08
+    RC_RDMA_WRITE_LAST_WITH_IMMEDIATE = 0x09
     RC_RDMA_WRITE_ONLY = 0x0A
+    RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE = 0x0B
     RC_ACKNOWLEDGE = 0x11
     UC_SEND_FIRST = 0x20
     UC_SEND_MIDDLE = 0x21
@@ -158,7 +171,9 @@ class Opcode(IntEnum):
     UC_RDMA_WRITE_FIRST = 0x26
     UC_RDMA_WRITE_MIDDLE = 0x27
     UC_RDMA_WRITE_LAST = 0x28
+    UC_RDMA_WRITE_LAST_WITH_IMMEDIATE = 0x29
     UC_RDMA_WRITE_ONLY = 0x2A
+    UC_RDMA_WRITE_ONLY_WITH_IMMEDIATE = 0x2B
     CNP = 0x81
 
 
@@ -167,7 +182,8 @@ class OpcodeInfo(NamedTuple):
 
     opcode: int
     name: str
-    reth: bool              # RETH follows the BTH (RDMA WRITE FIRST / ONLY)
+    reth: bool              # RETH follows the BTH (RDMA WRITE FIRST / ONLY [WITH IMMEDIATE])
+    imm: bool               # ImmDt follows the BTH [+ RETH] (WRITE LAST / ONLY WITH IMMEDIATE)
     aeth: bool              # AETH follows the BTH (ACKNOWLEDGE)
     cnp: bool               # 16 reserved bytes follow the BTH, nothing else
     payload: bool           # carries a payload (possibly empty on ONLY / LAST)
@@ -177,13 +193,15 @@ class OpcodeInfo(NamedTuple):
 
 def _info(opcode: int, name: str) -> OpcodeInfo:
     op = opcode & 0x1F
-    reth = op in (0x06, 0x0A)
+    reth = op in (0x06, 0x0A, 0x0B)
+    imm = op in (0x09, 0x0B)
     aeth = op == 0x11
     cnp = opcode in CNP_OPCODES
     payload = not (aeth or cnp)
-    pad = payload and op in (0x02, 0x04, 0x08, 0x0A)
-    ext = RETH_BYTES if reth else AETH_BYTES if aeth else CNP_RESERVED_BYTES if cnp else 0
-    return OpcodeInfo(opcode, name, reth, aeth, cnp, payload, pad, BTH_BYTES + ext)
+    pad = payload and op in (0x02, 0x04, 0x08, 0x09, 0x0A, 0x0B)
+    ext = (RETH_BYTES if reth else 0) + (IMMDT_BYTES if imm else 0) + (
+        AETH_BYTES if aeth else CNP_RESERVED_BYTES if cnp else 0)
+    return OpcodeInfo(opcode, name, reth, imm, aeth, cnp, payload, pad, BTH_BYTES + ext)
 
 
 OPCODES: dict[int, OpcodeInfo] = {int(o): _info(int(o), o.name) for o in Opcode}
@@ -398,17 +416,21 @@ def psn_ge(a: int, b: int) -> bool:
 # --------------------------------------------------------------------------- build
 
 def build_packet(buf: bytearray, ctx: IcrcContext, bth: Bth, reth: Reth | None = None,
-                 aeth: Aeth | None = None, payload: BytesLike = b"") -> memoryview:
-    """Write BTH [+ RETH | AETH | CNP zeros] + payload + pad + ICRC into `buf`.
+                 aeth: Aeth | None = None, payload: BytesLike = b"", *,
+                 imm: int | None = None) -> memoryview:
+    """Write BTH [+ RETH] [+ ImmDt] [| AETH | CNP zeros] + payload + pad + ICRC into `buf`.
 
     Returns a memoryview of `buf` holding the whole UDP payload, ready for
     sendto(). PadCnt is derived from len(payload) (bth.pad_count must be 0 or
     that value); the ICRC is computed for the datagram `ctx` describes.
+    `imm` (32 bits) is the immediate data of a WRITE LAST / ONLY WITH IMMEDIATE.
     Raises ValueError for a header that does not fit the opcode or a field out
     of range, and for a buffer too small.
     """
     opcode, se, m, pad_count, tver, p_key, fecn, becn, dest_qp, ack_req, psn = bth
-    info = _layout_for(opcode, reth, aeth)
+    info = _layout_for(opcode, reth, aeth, imm)
+    if imm is not None and not 0 <= imm <= 0xFFFFFFFF:
+        raise ValueError(f"immediate data {imm} is not 32 bits")
     if type(payload) is not bytes:
         payload = memoryview(payload).cast("B")
     n = len(payload)
@@ -434,6 +456,8 @@ def build_packet(buf: bytearray, ctx: IcrcContext, bth: Bth, reth: Reth | None =
             _RETH.pack_into(buf, BTH_BYTES, *reth)
         except struct.error as exc:
             raise ValueError(f"RETH field out of range: {reth}: {exc}") from None
+    if imm is not None:
+        _IMMDT.pack_into(buf, hdr - IMMDT_BYTES, imm)
     elif aeth is not None:
         _AETH.pack_into(buf, BTH_BYTES, _aeth_word(aeth))
     elif info.cnp:
@@ -449,23 +473,27 @@ def build_packet(buf: bytearray, ctx: IcrcContext, bth: Bth, reth: Reth | None =
     return view[:end + ICRC_BYTES]
 
 
-def _layout_for(opcode: int, reth: Reth | None, aeth: Aeth | None) -> OpcodeInfo:
+def _layout_for(opcode: int, reth: Reth | None, aeth: Aeth | None,
+                imm: int | None = None) -> OpcodeInfo:
     """The layout of `opcode`, which the extension headers given must fit."""
     info = _INFO[opcode] if 0 <= opcode <= 0xFF else None
     if info is None:
         raise ValueError(f"opcode {opcode:#x} is not one this transport speaks")
     if (reth is not None) != info.reth:
         raise ValueError(f"{info.name} {'needs' if info.reth else 'takes no'} RETH")
+    if (imm is not None) != info.imm:
+        raise ValueError(f"{info.name} {'needs' if info.imm else 'takes no'} immediate data")
     if (aeth is not None) != info.aeth:
         raise ValueError(f"{info.name} {'needs' if info.aeth else 'takes no'} AETH")
     return info
 
 
 def encode_packet(ctx: IcrcContext, bth: Bth, reth: Reth | None = None,
-                  aeth: Aeth | None = None, payload: BytesLike = b"") -> bytes:
+                  aeth: Aeth | None = None, payload: BytesLike = b"", *,
+                  imm: int | None = None) -> bytes:
     """`build_packet` into a fresh buffer; for tests and cold paths."""
-    size = BTH_BYTES + RETH_BYTES + memoryview(payload).nbytes + 3 + ICRC_BYTES
-    return bytes(build_packet(bytearray(size), ctx, bth, reth, aeth, payload))
+    size = BTH_BYTES + RETH_BYTES + IMMDT_BYTES + memoryview(payload).nbytes + 3 + ICRC_BYTES
+    return bytes(build_packet(bytearray(size), ctx, bth, reth, aeth, payload, imm=imm))
 
 
 def build_cnp(buf: bytearray, ctx: IcrcContext, dest_qp: int, *, opcode: int = CNP_OPCODE,
@@ -500,13 +528,15 @@ class MalformedPacket(Exception):
 
 
 class Parsed(NamedTuple):
-    """A parsed RoCE packet; `payload` is a view into the datagram, pad excluded."""
+    """A parsed RoCE packet; `payload` is a view into the datagram, pad excluded.
+    `imm` is the ImmDt of a WRITE LAST / ONLY WITH IMMEDIATE, else None."""
 
     bth: Bth
     reth: Reth | None
     aeth: Aeth | None
     payload: memoryview
     icrc: int
+    imm: int | None = None
 
 
 def parse_packet(data: BytesLike, ctx: IcrcContext | None, *, check_icrc: bool = True) -> Parsed:
@@ -542,19 +572,23 @@ def parse_packet(data: BytesLike, ctx: IcrcContext | None, *, check_icrc: bool =
     pad = (flags >> 4) & 3
     size = _payload_bytes(info, n, end, pad)
     hdr = info.header_bytes
-    reth = aeth = None
-    if info.reth:
-        reth = _tuple_new(Reth, _RETH.unpack_from(view, BTH_BYTES))
-    elif info.aeth:
-        (word,) = _AETH.unpack_from(view, BTH_BYTES)
-        syndrome = word >> 24
-        if syndrome & 0x80 or (syndrome >> 5) == 2:
-            raise MalformedPacket(MalformedReason.RESERVED_SYNDROME, f"syndrome {syndrome:#04x}")
-        aeth = _tuple_new(Aeth, (syndrome, word & 0xFFFFFF))
+    reth = aeth = imm = None
+    if hdr != BTH_BYTES:        # extension headers; most packets (MIDDLE) have none
+        if info.reth:
+            reth = _tuple_new(Reth, _RETH.unpack_from(view, BTH_BYTES))
+        if info.imm:
+            (imm,) = _IMMDT.unpack_from(view, hdr - IMMDT_BYTES)
+        elif info.aeth:
+            (word,) = _AETH.unpack_from(view, BTH_BYTES)
+            syndrome = word >> 24
+            if syndrome & 0x80 or (syndrome >> 5) == 2:
+                raise MalformedPacket(MalformedReason.RESERVED_SYNDROME,
+                                      f"syndrome {syndrome:#04x}")
+            aeth = _tuple_new(Aeth, (syndrome, word & 0xFFFFFF))
     bth = _tuple_new(Bth, (opcode, (flags & 0x80) != 0, (flags & 0x40) != 0, pad, 0, p_key,
                            (w1 & 0x80000000) != 0, (w1 & 0x40000000) != 0, w1 & QPN_MASK,
                            (w2 & 0x80000000) != 0, w2 & PSN_MASK))
-    return _tuple_new(Parsed, (bth, reth, aeth, view[hdr:hdr + size], stored))
+    return _tuple_new(Parsed, (bth, reth, aeth, view[hdr:hdr + size], stored, imm))
 
 
 def _payload_bytes(info: OpcodeInfo, n: int, end: int, pad: int) -> int:

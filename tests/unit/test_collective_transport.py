@@ -1,9 +1,11 @@
 """The collectives' RoCE transport (agents.collectives.roce) and worker, without root.
 
 Framing, matching and QP spreading are pure (`Messages`, wired back to back here);
-then two ranks in threads over real QPs on 127.0.0.1, and three worker processes
-(`python -m agents.collectives`) on 127.0.0.1 running the test stand-in algorithms
-(tests/collective_stub.py), as a fabric run would but without namespaces.
+then two ranks in threads over real QPs on 127.0.0.1 (the data as RDMA WRITEs with
+immediate into landing rings: the packets on the wire, ring reuse, RNR under a slow
+receiver, loss), and three worker processes (`python -m agents.collectives`) on
+127.0.0.1 running the test stand-in algorithms (tests/collective_stub.py), as a fabric
+run would but without namespaces.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import types
 
 import numpy as np
 import pytest
+from scapy.contrib.roce import BTH as ScapyBTH
+from scapy.contrib.roce import _bth_opcodes as scapy_opcode_names
 
 from agents.collectives import sweep
 from agents.collectives.__main__ import (
@@ -29,7 +33,10 @@ from agents.collectives.__main__ import (
     module_op,
 )
 from agents.collectives.roce import (
+    HEADER,
     HEADER_BYTES,
+    MAX_SLOTS,
+    PROTOCOL_VERSION,
     Messages,
     PeerAddress,
     RoceConfig,
@@ -40,9 +47,11 @@ from agents.collectives.roce import (
     connect,
     parse_peers,
     recv_depth,
+    slot_imm,
 )
-from agents.rdma.qp import QpAttrs
+from agents.rdma.qp import WC_RECV, WC_RECV_RDMA_WITH_IMM, Completion, QpAttrs, WcStatus
 from agents.runtime.control import read_snapshot
+from agents.wire.roce import Opcode, icrc_context, parse_packet
 from tests import collective_stub
 from tests.conftest import REPO
 
@@ -78,6 +87,15 @@ def test_recv_depth_covers_what_one_engine_step_can_land_and_is_bounded():
     assert recv_depth(QpAttrs(mtu=1024), 1024) == 64 + 2
     assert recv_depth(QpAttrs(), 1 << 20) == 4
     assert recv_depth(QpAttrs(), 32 << 20) * (32 << 20) <= 64 << 20
+    assert recv_depth(QpAttrs(mtu=256), HEADER_BYTES + 1) <= MAX_SLOTS
+
+
+def test_the_immediate_names_the_chunk_and_its_slot():
+    assert slot_imm(0, 6) == 0 and slot_imm(5, 6) == 5 << 16 | 5
+    assert slot_imm(6, 6) == 6 << 16 | 0 and slot_imm(13, 6) == 13 << 16 | 1
+    assert slot_imm(0x10000 + 7, 4) == 7 << 16 | 3       # the chunk number wraps at 2^16
+    assert all(slot_imm(n, 66) >> 16 == n & 0xFFFF and slot_imm(n, 66) & 0xFFFF == n % 66
+               for n in range(0, 300_000, 997))
 
 
 def _pair(qps: int = 3, chunk_bytes: int = HEADER_BYTES + 7) -> tuple[Messages, Messages]:
@@ -330,6 +348,300 @@ def test_two_ranks_in_threads_over_real_qps_on_loopback():
     assert len(c0["per_peer"]["1"]["qps"]) == 3
     # every QP carried some of it
     assert all(q["requester"]["packets_sent"] > 0 for q in c0["per_peer"]["1"]["qps"].values())
+
+
+class _Tap:
+    """Stands in for an endpoint's socket and keeps a copy of the first `keep` datagrams
+    it receives, with their source address (a capture inside the process: no root)."""
+
+    def __init__(self, sock: socket.socket, keep: int) -> None:
+        self._sock = sock
+        self.keep = keep
+        self.got: list[tuple[bytes, tuple[str, int]]] = []
+
+    def recvmsg_into(self, buffers, *args):
+        res = self._sock.recvmsg_into(buffers, *args)
+        if len(self.got) < self.keep:
+            self.got.append((bytes(memoryview(buffers[0])[:res[0]]), res[3]))
+        return res
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+def _two_ranks(config: RoceConfig, body, timeout_s: float = 120):
+    """Ranks 0 and 1 in threads: connect, then body(rank, transport) -> result.
+    Returns (transports, results); the transports are closed, their counters kept."""
+    peers = _peers(2)
+    transports: list[RoceTransport | None] = [None, None]
+    errors: list[BaseException] = []
+    results: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        try:
+            t = connect(r, peers, config)
+            transports[r] = t
+            results[r] = body(r, t)
+        except BaseException as e:   # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout_s)
+    finally:
+        for t in transports:
+            if t is not None:
+                t.close()
+    assert not errors, errors
+    assert not any(th.is_alive() for th in threads)
+    return transports, results
+
+
+def _finish(t: RoceTransport, other: int) -> None:
+    """Leave together: a last message each way, so the final ACKs have gone out."""
+    t.wait_sends()
+    t.send(other, 99, np.zeros(1, dtype=np.uint8))
+    t.recv(other, 99, np.empty(1, dtype=np.uint8))
+    t.wait_sends()
+
+
+def _messages(r: int, sizes: list[int]) -> list[np.ndarray]:
+    return [np.random.default_rng(r * 100 + i).integers(0, 256, n, dtype=np.uint8)
+            for i, n in enumerate(sizes)]
+
+
+def test_the_data_goes_on_the_wire_as_rdma_writes_with_immediate_into_the_ring():
+    # chunks of 4 packets: FIRST, MIDDLE, MIDDLE, LAST WITH IMMEDIATE; a small message
+    # is one ONLY WITH IMMEDIATE; no SEND opcode anywhere
+    args = _rdma_args("--line-rate-bps", "2e9", "--timeout-ns", "1e9", "--spin-ns", "0",
+                      "--mtu", "1024")
+    config = RoceConfig(args=args, qps=2, chunk_bytes=4096, connect_timeout_s=20)
+    sizes = [10_000, 100, 5000]
+    taps: dict[int, _Tap] = {}
+
+    def body(r: int, t: RoceTransport):
+        tap = taps[r] = _Tap(t.endpoint.sock, keep=200)
+        t.endpoint.sock = tap
+        if r == 0:
+            for i, m in enumerate(_messages(0, sizes)):
+                t.send(1, i, m)
+        else:
+            outs = [np.empty(n, dtype=np.uint8) for n in sizes]
+            for i, out in enumerate(outs):
+                t.recv(0, i, out)
+            assert all(np.array_equal(o, m) for o, m in zip(outs, _messages(0, sizes),
+                                                             strict=True))
+        _finish(t, 1 - r)
+        return None
+    (t0, t1), _ = _two_ranks(config, body)
+    assert t0 is not None and t1 is not None
+    # what rank 1 received from rank 0: parse every datagram (ICRC checked) and dissect
+    # it with scapy (the BTH as the UDP payload: the ports are not 4791 here)
+    rings = {q.qp.qpn: q for q in t1._qps}
+    ops = []
+    chunks_per_qp: dict[int, int] = {}
+    for data, (src, sport) in taps[1].got:
+        p = parse_packet(data, icrc_context(src, LOOPBACK, sport, t1.endpoint.port))
+        b = ScapyBTH(data)
+        assert (b.opcode, b.dqpn, b.psn) == (p.bth.opcode, p.bth.dest_qp, p.bth.psn)
+        if p.bth.opcode == Opcode.RC_ACKNOWLEDGE:
+            continue
+        ops.append(scapy_opcode_names[b.opcode])
+        q = rings[p.bth.dest_qp]
+        if p.reth is not None:            # FIRST / ONLY: into a slot of this QP's ring
+            va, rkey, length = p.reth
+            assert rkey == next(iter(q.qp.responder.mrs))
+            off = va - q.ring.ctypes.data
+            assert off % config.chunk_bytes == 0 and 0 <= off < q.slots * config.chunk_bytes
+            assert length <= config.chunk_bytes
+        if p.imm is not None:             # LAST / ONLY WITH IMMEDIATE: chunk n, slot n % slots
+            n = chunks_per_qp.get(p.bth.dest_qp, 0)
+            chunks_per_qp[p.bth.dest_qp] = n + 1
+            assert p.imm == slot_imm(n, q.slots)
+    assert set(ops) == {"RC_RDMA_WRITE_FIRST", "RC_RDMA_WRITE_MIDDLE",
+                        "RC_RDMA_WRITE_LAST_WITH_IMMEDIATE",
+                        "RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE"}, ops
+    # 10 000 B is 3 chunks (4080 data bytes each), 100 B one, 5000 B two; + the farewell
+    assert sum(chunks_per_qp.values()) == 3 + 1 + 2 + 1
+    c0 = t0.counters()["per_peer"]["1"]
+    assert all(q["responder"]["send_messages"] == 0 for q in c0["qps"].values())
+
+
+def test_the_landing_ring_is_reused_over_many_more_chunks_than_slots():
+    args = _rdma_args("--line-rate-bps", "2e9", "--timeout-ns", "1e9", "--spin-ns", "0",
+                      "--mtu", "1024")
+    config = RoceConfig(args=args, qps=2, chunk_bytes=4096, connect_timeout_s=20)
+    sizes = [1_000_000, 4079, 1, 700_000]       # ~420 chunks over 2 QPs of 18 slots, both ways
+
+    def body(r: int, t: RoceTransport):
+        other = 1 - r
+        for i, m in enumerate(_messages(r, sizes)):
+            t.send(other, i, m)
+        outs = [np.empty(n, dtype=np.uint8) for n in sizes]
+        for i in (3, 1, 0, 2):
+            t.recv(other, i, outs[i])
+        _finish(t, other)
+        return outs
+
+    (t0, t1), results = _two_ranks(config, body)
+    assert t0 is not None and t1 is not None
+    for r in (0, 1):
+        assert all(np.array_equal(o, m) for o, m in zip(results[r], _messages(1 - r, sizes),
+                                                         strict=True))
+    depth = t1.recv_depth
+    for t in (t0, t1):
+        c = t.counters()
+        qps = c["per_peer"][str(1 - t.rank)]["qps"].values()
+        # every QP's ring went round many times, one WQE per chunk
+        assert all(q["responder"]["write_imm_messages"] > 10 * depth for q in qps), depth
+        assert sum(q["responder"]["write_imm_messages"] for q in qps) == c["chunks_received"]
+        assert c["bytes_received"] == sum(sizes) + 1
+
+
+def test_a_slow_receiver_gets_rnr_naks_and_no_slot_is_overwritten_before_it_is_read():
+    # rank 1 drives its engine (ACKs, RNR NAKs) but takes nothing for 0.3 s: its ring
+    # fills, every chunk after that is RNR-NAKed at its FIRST packet and resent; had a
+    # FIRST or MIDDLE landed in a slot still holding an untaken chunk, the bytes would
+    # differ
+    args = _rdma_args("--line-rate-bps", "2e9", "--timeout-ns", "1e9", "--spin-ns", "0",
+                      "--mtu", "1024")
+    config = RoceConfig(args=args, qps=1, chunk_bytes=4096, connect_timeout_s=20)
+    depth = recv_depth(config.attrs(), config.chunk_bytes)
+    sizes = [(3 * depth + 2) * (4096 - HEADER_BYTES), 20_000]
+
+    def body(r: int, t: RoceTransport):
+        if r == 0:
+            for i, m in enumerate(_messages(0, sizes)):
+                t.send(1, i, m)
+            _finish(t, 1)
+            return None
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            t.engine.step()
+        landed = len(t._qps[0].qp.responder.completions)
+        outs = [np.empty(n, dtype=np.uint8) for n in sizes]
+        for i, out in enumerate(outs):
+            t.recv(0, i, out)
+        _finish(t, 0)
+        return landed, outs
+
+    (t0, t1), results = _two_ranks(config, body)
+    assert t0 is not None and t1 is not None
+    landed, outs = results[1]
+    assert landed == depth                      # the ring full, nothing more landed
+    assert all(np.array_equal(o, m) for o, m in zip(outs, _messages(0, sizes), strict=True))
+    c0, c1 = t0.counters(), t1.counters()
+    assert c1["rnr_naks_sent"] > 0 and c0["rnr_naks_received"] > 0
+    assert c0["bytes_sent"] == c1["bytes_received"] == sum(sizes) + 1
+
+
+def test_chunks_lost_on_the_wire_are_resent_and_land_once_each():
+    args = _rdma_args("--line-rate-bps", "2e9", "--timeout-ns", "5e7", "--spin-ns", "0",
+                      "--mtu", "1024")
+    config = RoceConfig(args=args, qps=2, chunk_bytes=4096, connect_timeout_s=20)
+    sizes = [200_000, 3, 60_000]
+
+    def body(r: int, t: RoceTransport):
+        for i, b in enumerate(t.endpoint.bindings):
+            b.drop_prob = 0.03               # any data packet, resends too (ACKs are kept)
+            b._rng.seed(10 * r + i)
+        other = 1 - r
+        for i, m in enumerate(_messages(r, sizes)):
+            t.send(other, i, m)
+        outs = [np.empty(n, dtype=np.uint8) for n in sizes]
+        for i, out in enumerate(outs):
+            t.recv(other, i, out)
+        _finish(t, other)
+        return outs
+
+    (t0, t1), results = _two_ranks(config, body)
+    assert t0 is not None and t1 is not None
+    for r in (0, 1):
+        assert all(np.array_equal(o, m) for o, m in zip(results[r], _messages(1 - r, sizes),
+                                                         strict=True))
+    for t in (t0, t1):
+        c = t.counters()
+        peer = c["per_peer"][str(1 - t.rank)]
+        drops = sum(q["injected_drops"] for q in peer["qps"].values())
+        assert drops > 0 and c["retransmissions"] >= drops
+        # each chunk completed once: the immediates were checked in order on every QP
+        assert c["chunks_received"] == c["chunks_sent"] == peer["chunks_posted"]
+        assert c["bytes_received"] == sum(sizes) + 1
+
+
+def _lone_transport(qps: int = 1) -> RoceTransport:
+    args = _rdma_args("--mtu", "1024")
+    peers = _peers(2)
+    return RoceTransport(0, peers, RoceConfig(args=args, qps=qps, chunk_bytes=4096))
+
+
+def test_the_hello_gives_each_qps_landing_ring_and_the_version():
+    t = _lone_transport(qps=2)
+    try:
+        local = t.local_qps(1)
+        assert [sorted(q) for q in local] == [["psn", "qpn", "rkey", "slots", "va"]] * 2
+        assert all(q["slots"] == t.recv_depth and 0 < q["rkey"] < 1 << 32 for q in local)
+        rings = t._rings[1]
+        assert [q["va"] for q in local] == [r.ctypes.data for r in rings]
+        assert all(r.nbytes == t.recv_depth * 4096 for r in rings)
+        assert PROTOCOL_VERSION == 2
+        from agents.collectives.roce import _check_hello, _hello
+        hello = _hello(t, 1)
+        assert hello["version"] == 2
+        with pytest.raises(SetupError, match="'version': 1"):
+            _check_hello(t, {**hello, "version": 1, "rank": 1}, 1)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("change", [{"va": None}, {"slots": 0}, {"slots": MAX_SLOTS + 1},
+                                    {"rkey": 1 << 32}, {"va": (1 << 64) - 4096}])
+def test_a_peer_ring_we_cannot_write_fails_set_up(change):
+    t = _lone_transport()
+    try:
+        local = t.local_qps(1)
+        remote = [{**q, **change} for q in local]
+        if change.get("va", 0) is None:
+            del remote[0]["va"]
+        with pytest.raises(SetupError, match="QP 0"):
+            t.attach(1, local, remote)
+    finally:
+        t.close()
+
+
+def test_a_completion_that_is_not_the_expected_chunk_and_slot_is_a_transport_error():
+    t = _lone_transport()
+    try:
+        local = t.local_qps(1)
+        t.attach(1, local, [dict(q) for q in local])
+        q = t._qps[0]
+        rs = q.qp.responder
+        slots = t.recv_depth
+        ok = [Completion(k % slots, WcStatus.SUCCESS, WC_RECV_RDMA_WITH_IMM, 20,
+                         slot_imm(k, slots)) for k in range(2)]
+        for c in ok:                      # chunks 0 and 1: headers of a 4-byte message
+            q.ring[(c.wr_id) * 4096:(c.wr_id) * 4096 + 20] = np.frombuffer(
+                HEADER.pack(0, 0, 4 * c.wr_id, 8) + bytes(4), dtype=np.uint8)
+            rs.completions.append(c)
+        posted = rs.posted_receives
+        t.reap()
+        assert q.recv_n == 2 and rs.posted_receives == posted + 2   # both slots re-posted
+        for bad in (Completion(2, WcStatus.SUCCESS, WC_RECV_RDMA_WITH_IMM, 20,
+                               slot_imm(3, slots)),              # chunk 3 where 2 is due
+                    Completion(2, WcStatus.SUCCESS, WC_RECV_RDMA_WITH_IMM, 20,
+                               slot_imm(2, slots) ^ 1),          # the wrong slot
+                    Completion(2, WcStatus.SUCCESS, WC_RECV, 20, None),   # a SEND
+                    Completion(2, WcStatus.SUCCESS, WC_RECV_RDMA_WITH_IMM, 4097,
+                               slot_imm(2, slots))):             # longer than a slot
+            rs.completions.append(bad)
+            with pytest.raises(TransportError, match="completion #2"):
+                t.reap()
+            assert q.recv_n == 2
+    finally:
+        t.close()
 
 
 def test_setup_refuses_a_rank_with_other_settings():

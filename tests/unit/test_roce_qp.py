@@ -247,7 +247,7 @@ def test_rdma_write_is_segmented_at_the_path_mtu_with_first_middle_last_only(siz
         reth = 16 if i == 0 else 0
         assert len(p.data) == 12 + reth + n + (-n & 3) + 4
     assert bytes(w.mem[8:8 + size]) == data
-    assert w.a.requester.completions.popleft() == (1, WcStatus.SUCCESS, "write", size)
+    assert w.a.requester.completions.popleft() == (1, WcStatus.SUCCESS, "write", size, None)
 
 
 @pytest.mark.parametrize("mtu", [256, 1024, 4096])
@@ -266,8 +266,8 @@ def test_send_is_segmented_and_lands_in_the_posted_receive_buffer(mtu, size):
     else:
         assert ops == [W.RC_SEND_FIRST] + [W.RC_SEND_MIDDLE] * (n - 2) + [W.RC_SEND_LAST]
     assert bytes(rbuf[:size]) == data
-    assert w.b.responder.completions.popleft() == (77, WcStatus.SUCCESS, "recv", size)
-    assert w.a.requester.completions.popleft() == (5, WcStatus.SUCCESS, "send", size)
+    assert w.b.responder.completions.popleft() == (77, WcStatus.SUCCESS, "recv", size, None)
+    assert w.a.requester.completions.popleft() == (5, WcStatus.SUCCESS, "send", size, None)
 
 
 def test_send_without_a_posted_receive_gets_an_rnr_nak_and_is_retried():
@@ -281,6 +281,233 @@ def test_send_without_a_posted_receive_gets_an_rnr_nak_and_is_retried():
     w.run()
     assert bytes(rbuf) == data
     assert w.a.requester.completions.popleft().status == WcStatus.SUCCESS
+
+
+# --- RDMA WRITE with immediate ------------------------------------------------------------
+
+IMM_CASES = [
+    (0, [W.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE]),
+    (1, [W.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE]),
+    (4096, [W.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE]),
+    (4097, [W.RC_RDMA_WRITE_FIRST, W.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE]),
+    (3 * 4096 + 5, [W.RC_RDMA_WRITE_FIRST] + [W.RC_RDMA_WRITE_MIDDLE] * 2
+     + [W.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE]),
+]
+
+
+def write_imm(w: Wire, data: bytes, imm: int, offset: int = 0, wr_id: int = 1) -> None:
+    w.a.requester.post_write_imm(wr_id, data, w.va + offset, w.rkey, imm)
+
+
+@pytest.mark.parametrize("size,opcodes", IMM_CASES)
+def test_write_with_immediate_lands_like_a_write_and_completes_one_receive_with_imm_and_length(
+        size, opcodes):
+    w = Wire()
+    rs = w.b.responder
+    rs.post_recv(41)                         # zero-length WQEs: the data goes to the region
+    rs.post_recv(42)
+    data = pattern(size, seed=size)
+    write_imm(w, data, 0xC0FFEE00 | size & 0xFF, offset=12)
+    w.run()
+    sent = w.data_from("A")
+    assert [p.opcode for p in sent] == opcodes
+    for i, p in enumerate(sent):
+        n = min(4096, size - 4096 * i)
+        first, last = i == 0, i == len(sent) - 1
+        # BTH [+ RETH on the first] [+ ImmDt on the last] + payload + pad + ICRC
+        assert len(p.data) == 12 + 16 * first + 4 * last + n + (-n & 3) + 4
+        parsed = parse_packet(p.data, w.ctx_ab)
+        assert parsed.imm == ((0xC0FFEE00 | size & 0xFF) if last else None)
+        if last:
+            assert p.data[12 + 16 * first:16 + 16 * first] == (
+                0xC0FFEE00 | size & 0xFF).to_bytes(4, "big")
+        if first:
+            assert parsed.reth == (w.va + 12, w.rkey, size)
+    assert bytes(w.mem[12:12 + size]) == data
+    assert list(rs.completions) == [(41, WcStatus.SUCCESS, "recv_rdma_with_imm", size,
+                                     0xC0FFEE00 | size & 0xFF)]
+    assert rs.posted_receives == 1                          # one WQE for the message
+    assert (rs.write_messages, rs.write_imm_messages) == (1, 1)
+    assert list(w.a.requester.completions) == [(1, WcStatus.SUCCESS, "write", size, None)]
+
+
+def test_a_plain_write_takes_no_receive_wqe_and_a_write_with_immediate_takes_one_each():
+    w = Wire(QpAttrs(mtu=1024))
+    rs = w.b.responder
+    for k in range(3):
+        rs.post_recv(100 + k)
+    write(w, pattern(3000, seed=1), wr_id=1)
+    write_imm(w, pattern(2000, seed=2), 7, offset=4096, wr_id=2)
+    write(w, pattern(10, seed=3), offset=8192, wr_id=3)
+    write_imm(w, b"", 8, wr_id=4)
+    w.run()
+    assert [(c.wr_id, c.opcode, c.byte_len, c.imm) for c in rs.completions] == [
+        (100, "recv_rdma_with_imm", 2000, 7), (101, "recv_rdma_with_imm", 0, 8)]
+    assert rs.posted_receives == 1 and rs.write_messages == 4
+    assert [c.wr_id for c in w.a.requester.completions] == [1, 2, 3, 4]
+    assert bytes(w.mem[4096:6096]) == pattern(2000, seed=2)
+
+
+def test_immediate_data_must_be_32_bits():
+    w = Wire()
+    for bad in (-1, 1 << 32):
+        with pytest.raises(ValueError):
+            write_imm(w, b"x", bad)
+    write_imm(w, b"x", 0xFFFFFFFF)            # the largest is fine
+
+
+def test_a_gated_region_rnr_naks_the_first_packet_and_lands_nothing_until_a_receive_is_posted():
+    w = Wire(QpAttrs(mtu=1024, min_rnr_timer=3))       # RNR timer 30 us
+    w.mrs[w.rkey] = MemoryRegion(w.mem, w.va, w.rkey, writes_need_recv=True)
+    data = pattern(5 * 1024 + 3)
+    write_imm(w, data, 0x1234)
+    rs, rq = w.b.responder, w.a.requester
+    w.run(until=lambda: rs.rnr_naks_sent >= 3, max_ns=1e6)
+    rnrs = [a for a in w.acks_from("B") if a.syndrome is not None and a.syndrome >> 5 == 1]
+    assert rnrs and all(a.psn == 0 for a in rnrs)      # at the FIRST packet, every time
+    assert rnrs[0].syndrome == 0x20 | 3
+    assert bytes(w.mem) == bytes(len(w.mem))           # not one byte landed
+    assert rs.expected_psn == 0 and not rs.completions and rq.rnr_naks_received >= 2
+    assert rq.completions == type(rq.completions)()
+    rs.post_recv(5)
+    w.run()
+    assert bytes(w.mem[:len(data)]) == data
+    assert list(rs.completions) == [(5, WcStatus.SUCCESS, "recv_rdma_with_imm", len(data),
+                                     0x1234)]
+    assert rq.completions.popleft().status == WcStatus.SUCCESS
+    # an RNR NAK at the first packet: the whole message is sent again after each
+    assert rq.retransmissions >= rq.rnr_naks_received
+
+
+def test_a_zero_length_write_with_immediate_needs_a_receive_too():
+    w = Wire(QpAttrs(min_rnr_timer=1))
+    write_imm(w, b"", 99)
+    rs = w.b.responder
+    w.run(until=lambda: rs.rnr_naks_sent >= 1, max_ns=1e6)
+    assert not rs.completions
+    rs.post_recv(3)
+    w.run()
+    assert list(rs.completions) == [(3, WcStatus.SUCCESS, "recv_rdma_with_imm", 0, 99)]
+
+
+def test_an_ungated_region_takes_the_first_bytes_and_rnr_naks_only_the_last_packet():
+    # what an RNIC (rxe) does: a multi-packet WRITE with immediate begins as a plain WRITE
+    # FIRST, so only its LAST WITH IMMEDIATE, which consumes the WQE, needs one
+    w = Wire(QpAttrs(mtu=1024, min_rnr_timer=2))
+    data = pattern(3 * 1024 + 10)
+    write_imm(w, data, 5)
+    rs, rq = w.b.responder, w.a.requester
+    w.run(until=lambda: rs.rnr_naks_sent >= 2, max_ns=1e6)
+    rnrs = [a for a in w.acks_from("B") if a.syndrome is not None and a.syndrome >> 5 == 1]
+    assert rnrs and all(a.psn == 3 for a in rnrs)      # the LAST's PSN
+    assert bytes(w.mem[:3 * 1024]) == data[:3 * 1024]  # FIRST and MIDDLEs landed already
+    assert bytes(w.mem[3 * 1024:len(data)]) == bytes(10)
+    assert rs.expected_psn == 3
+    rs.post_recv(8)
+    w.run()
+    assert bytes(w.mem[:len(data)]) == data
+    assert list(rs.completions) == [(8, WcStatus.SUCCESS, "recv_rdma_with_imm", len(data), 5)]
+    assert rq.completions.popleft().status == WcStatus.SUCCESS
+    # the RNR NAK acknowledged PSNs 0..2: only the LAST was sent again
+    assert {p.psn for p in w.data_from("A")[4:]} == {3}
+
+
+def test_write_with_immediate_under_loss_goes_back_n_and_consumes_each_wqe_exactly_once():
+    # 1 KB MTU, 12 messages of 1..4 packets, on a gated ring of 4 slots whose WQE is
+    # re-posted only when its message has been taken (as the collectives do); losses:
+    # a FIRST, a MIDDLE, two LAST WITH IMMEDIATEs, an ONLY WITH IMMEDIATE (first
+    # transmissions), and the ACK of the final message (a timeout resends it: duplicates)
+    slots, slot_bytes = 4, 4 * 1024
+    sizes = [4096, 100, 3000, 1024, 4000, 1, 2048, 4096, 1500, 3500, 10, 4096]
+    lost: set[tuple[int, int]] = set()
+
+    def drop(p, n):
+        if p.src == "A" and p.kind == 0:
+            key = (p.psn, p.opcode)
+            if p.psn in (0, 4, 7, 17, 19) and key not in lost:
+                lost.add(key)
+                return True
+        if p.src == "B" and p.kind == PKT_ACK and p.psn == final_psn and ("ack", 0) not in lost:
+            lost.add(("ack", 0))
+            return True
+        return False
+
+    w = Wire(QpAttrs(mtu=1024, timeout_ns=40 * US, ack_every=2), drop=drop,
+             mr_bytes=slots * slot_bytes)
+    final_psn = sum(packets_for(n, 1024) for n in sizes) - 1
+    w.mrs[w.rkey] = MemoryRegion(w.mem, w.va, w.rkey, writes_need_recv=True)
+    rs, rq = w.b.responder, w.a.requester
+    for k in range(slots):
+        rs.post_recv(k)
+    msgs = [pattern(n, seed=100 + i) for i, n in enumerate(sizes)]
+    for i, m in enumerate(msgs):
+        write_imm(w, m, i << 8 | i % slots, offset=(i % slots) * slot_bytes, wr_id=i)
+    taken: list[bytes] = []
+
+    def take() -> bool:
+        # consume landed messages in order: copy out of the slot, then re-post its WQE
+        while rs.completions:
+            c = rs.completions.popleft()
+            i = len(taken)
+            assert c.imm == i << 8 | i % slots and c.wr_id == i % slots
+            off = (i % slots) * slot_bytes
+            taken.append(bytes(w.mem[off:off + c.byte_len]))
+            w.mem[off:off + slot_bytes] = bytes(slot_bytes)     # a stale byte would show
+            rs.post_recv(c.wr_id)
+        return len(taken) == len(msgs) and rq.idle and not w._q
+
+    w.run(until=take, max_ns=1e7)
+    assert taken == msgs                                 # every message, each once, exact
+    assert rs.write_imm_messages == len(msgs) and rs.posted_receives == slots
+    assert [c.wr_id for c in rq.completions] == list(range(len(msgs)))
+    assert [c.status for c in rq.completions] == [WcStatus.SUCCESS] * len(msgs), rq.counters()
+    assert sorted(op for psn, op in lost if psn != "ack") == sorted([
+        W.RC_RDMA_WRITE_FIRST, W.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE,
+        W.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE, W.RC_RDMA_WRITE_MIDDLE,
+        W.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE]) and ("ack", 0) in lost
+    assert rq.naks_received >= 1 and rq.retransmissions > 0
+    assert rq.timeouts >= 1 and rs.duplicates >= 1      # the final message came twice
+
+
+@pytest.mark.parametrize("offset,length,rkey_delta", [
+    (0, 100, 1),                       # wrong R_Key
+    (-1, 10, 0),                       # below the region
+    ((1 << 20) - 10, 11, 0),           # past its end
+    (0, 3 * 4096, 7),                  # multi-packet, wrong R_Key: NAKed at the FIRST
+])
+def test_write_with_immediate_outside_the_region_or_key_is_a_remote_access_error(
+        offset, length, rkey_delta):
+    w = Wire()
+    rs = w.b.responder
+    rs.post_recv(1)
+    w.a.requester.post_write_imm(1, pattern(length), w.va + offset, w.rkey + rkey_delta, 3)
+    w.run()
+    naks = [a for a in w.acks_from("B") if a.syndrome == 0x60 | NakCode.REMOTE_ACCESS_ERROR]
+    assert len(naks) == 1 and naks[0].psn == 0
+    assert w.a.requester.completions[0].status == WcStatus.REMOTE_ACCESS_ERROR
+    assert rs.state == QpState.ERROR and not rs.completions
+    assert rs.posted_receives == 1                  # the WQE was not consumed
+    assert bytes(w.mem) == bytes(len(w.mem))
+
+
+def test_a_last_with_immediate_out_of_sequence_is_an_invalid_request():
+    w = Wire()
+    w.b.responder.post_recv(1)
+    pkt = encode_packet(w.ctx_ab, Bth(Opcode.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE, dest_qp=0x22,
+                                      psn=0, ack_req=True), payload=b"abcd", imm=1)
+    w.b.on_packet(parse_packet(pkt, w.ctx_ab))     # no WRITE in progress
+    rs = w.b.responder
+    assert rs.state == QpState.ERROR and rs.error == "invalid_request"
+    assert rs.posted_receives == 1 and not rs.completions
+
+
+def test_a_send_into_a_zero_length_receive_is_a_local_length_error():
+    w = Wire()
+    w.b.responder.post_recv(1)
+    w.a.requester.post_send(1, b"data")
+    w.run()
+    assert w.b.responder.error == "local_length_error"
+    assert w.a.requester.completions[0].status == WcStatus.REMOTE_INVALID_REQUEST
 
 
 # --- PSNs -------------------------------------------------------------------------------
@@ -528,7 +755,7 @@ def test_a_window_of_thousands_of_packets_fills_keeps_no_copies_and_goes_back_n(
     assert rq.retransmissions == highest_before - lost_at + 1
     assert rs.ooo_drops == highest_before - lost_at
     assert (rq.naks_received, rq.timeouts, rs.duplicates) == (1, 0, 0)
-    assert rq.completions.popleft() == (1, WcStatus.SUCCESS, "write", n * 1024)
+    assert rq.completions.popleft() == (1, WcStatus.SUCCESS, "write", n * 1024, None)
 
 
 def test_window_is_at_most_2_to_the_22():
@@ -709,19 +936,20 @@ def test_fast_data_builder_matches_the_wire_module_byte_for_byte():
     ctx = icrc_context(A_IP, B_IP, 0xC0DE, ROCE_UDP_PORT)
     buf = bytearray(5000)
     view = memoryview(buf)
-    for opcode in (0x00, 0x01, 0x02, 0x04, 0x06, 0x07, 0x08, 0x0A):
+    for opcode in (0x00, 0x01, 0x02, 0x04, 0x06, 0x07, 0x08, 0x09, 0x0A, 0x0B):
         for n in (0, 1, 2, 3, 4, 255, 4096):
             info = opcode_info(opcode)
             if (n & 3 and not info.pad) or (n and not info.payload):
                 continue
             payload = pattern(n, seed=n)
             reth = (0x1234_5678_9ABC, 0xDEAD, 99999) if info.reth else None
+            imm = 0xFEDC_BA98 - n if info.imm else None
             for ack_req in (False, True):
                 fast = bytes(build_data_packet(buf, view, ctx, opcode, 0xFFFF, 0x123456,
-                                               ack_req, 0xABCDEF, reth, payload))
+                                               ack_req, 0xABCDEF, reth, payload, imm))
                 ref = encode_packet(ctx, Bth(opcode, p_key=0xFFFF, dest_qp=0x123456,
                                              ack_req=ack_req, psn=0xABCDEF),
-                                    Reth(*reth) if reth else None, None, payload)
+                                    Reth(*reth) if reth else None, None, payload, imm=imm)
                 assert fast == ref, (hex(opcode), n, ack_req)
 
 

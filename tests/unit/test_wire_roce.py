@@ -36,6 +36,7 @@ from agents.wire.roce import (
     BTH_BYTES,
     CNP_OPCODE,
     CNP_RESERVED_BYTES,
+    IMMDT_BYTES,
     OPCODES,
     PSN_MASK,
     RETH_BYTES,
@@ -129,6 +130,10 @@ def example_packets() -> list[bytes]:
         encode_packet(CTX, Bth(Opcode.RC_ACKNOWLEDGE, dest_qp=3, psn=10), aeth=aeth_ack(4)),
         encode_packet(CTX, Bth(Opcode.RC_SEND_MIDDLE, dest_qp=3, psn=11), payload=bytes(16)),
         bytes(build_cnp(bytearray(64), CTX, 3)),
+        encode_packet(CTX, Bth(Opcode.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE, dest_qp=3, psn=12),
+                      reth=Reth(0x1000, 7, 3), payload=b"xyz", imm=0xCAFE0001),
+        encode_packet(CTX, Bth(Opcode.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE, dest_qp=3, psn=13),
+                      payload=bytes(8), imm=5),
     ]
 
 
@@ -147,6 +152,8 @@ def test_opcode_values_and_names_match_the_spec_and_scapy():
     assert Opcode.RC_SEND_LAST == 0x02 and Opcode.RC_SEND_ONLY == 0x04
     assert Opcode.RC_RDMA_WRITE_FIRST == 0x06 and Opcode.RC_RDMA_WRITE_MIDDLE == 0x07
     assert Opcode.RC_RDMA_WRITE_LAST == 0x08 and Opcode.RC_RDMA_WRITE_ONLY == 0x0A
+    assert Opcode.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE == 0x09
+    assert Opcode.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE == 0x0B
     assert Opcode.RC_ACKNOWLEDGE == 0x11 and Opcode.CNP == CNP_OPCODE == 0x81
     for op in Opcode:
         assert scapy_opcode_names[int(op)] == op.name
@@ -156,17 +163,25 @@ def test_opcode_values_and_names_match_the_spec_and_scapy():
 
 def test_each_opcode_declares_the_headers_that_follow_the_bth():
     with_reth = {o for o in Opcode if OPCODES[o].reth}
+    with_imm = {o for o in Opcode if OPCODES[o].imm}
     with_aeth = {o for o in Opcode if OPCODES[o].aeth}
     assert with_reth == {Opcode.RC_RDMA_WRITE_FIRST, Opcode.RC_RDMA_WRITE_ONLY,
-                         Opcode.UC_RDMA_WRITE_FIRST, Opcode.UC_RDMA_WRITE_ONLY}
+                         Opcode.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE,
+                         Opcode.UC_RDMA_WRITE_FIRST, Opcode.UC_RDMA_WRITE_ONLY,
+                         Opcode.UC_RDMA_WRITE_ONLY_WITH_IMMEDIATE}
+    assert with_imm == {Opcode.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE,
+                        Opcode.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE,
+                        Opcode.UC_RDMA_WRITE_LAST_WITH_IMMEDIATE,
+                        Opcode.UC_RDMA_WRITE_ONLY_WITH_IMMEDIATE}
     assert with_aeth == {Opcode.RC_ACKNOWLEDGE}
     assert OPCODES[Opcode.CNP].cnp and not OPCODES[Opcode.CNP].payload
     assert OPCODES[0x80].cnp                       # the kernel's name for a CNP also parses
     for op in Opcode:
         info = OPCODES[op]
-        assert info.header_bytes == BTH_BYTES + RETH_BYTES * info.reth + AETH_BYTES * info.aeth \
-            + CNP_RESERVED_BYTES * info.cnp
-        is_end = op.name.endswith(("_ONLY", "_LAST"))
+        assert info.header_bytes == BTH_BYTES + RETH_BYTES * info.reth + IMMDT_BYTES * info.imm \
+            + AETH_BYTES * info.aeth + CNP_RESERVED_BYTES * info.cnp
+        is_end = op.name.endswith(("_ONLY", "_LAST", "_ONLY_WITH_IMMEDIATE",
+                                   "_LAST_WITH_IMMEDIATE"))
         assert info.pad == is_end
     assert opcode_info(0x31) is None             # UC has no ACKNOWLEDGE
     assert opcode_info(0x64) is None and opcode_info(-1) is None and opcode_info(256) is None
@@ -252,12 +267,21 @@ def _packet_args(op: Opcode, payload_len: int):
     info = OPCODES[op]
     reth = Reth(0xDEADBEEF00001000 + payload_len, 0x1234ABCD, 65536) if info.reth else None
     aeth = aeth_nak(0xABCDEF, NakCode.PSN_SEQUENCE_ERROR) if info.aeth else None
+    imm = 0x89ABCDEF - payload_len if info.imm else None
     if not info.payload:
         payload_len = 0
     elif not info.pad:
         payload_len -= payload_len % 4
     payload = bytes((i * 7 + 3) & 0xFF for i in range(payload_len))
-    return reth, aeth, payload
+    return reth, aeth, imm, payload
+
+
+def _ext_bytes(op: Opcode, reth: Reth | None, imm: int | None) -> bytes:
+    """What follows the BTH before the payload, by hand (scapy has no RETH or ImmDt)."""
+    if op == Opcode.CNP:
+        return bytes(16)
+    return (pack_reth(reth) if reth else b"") + (struct.pack("!I", imm) if imm is not None
+                                                 else b"")
 
 
 @pytest.mark.parametrize("ipv6", [False, True], ids=["ipv4", "ipv6"])
@@ -265,30 +289,29 @@ def _packet_args(op: Opcode, payload_len: int):
 @pytest.mark.parametrize("op", ALL_OPS, ids=lambda o: o.name)
 def test_every_opcode_matches_scapy_bytes_and_icrc(op, payload_len, ipv6):
     ctx = CTX6 if ipv6 else CTX
-    reth, aeth, payload = _packet_args(op, payload_len)
+    reth, aeth, imm, payload = _packet_args(op, payload_len)
     bth = Bth(op, se=payload_len % 2 == 1, p_key=0xFFFF, fecn=payload_len == 3,
               becn=op == Opcode.CNP, dest_qp=0x00ABCD + payload_len, ack_req=True,
               psn=(0xFFFFF0 + payload_len) & PSN_MASK)
     if op == Opcode.CNP:
         bth = bth._replace(ack_req=False, psn=0)
-    ours = encode_packet(ctx, bth, reth=reth, aeth=aeth, payload=payload)
-    theirs = scapy_datagram(bth, pack_reth(reth) if reth else (bytes(16) if op == Opcode.CNP
-                                                               else b""),
-                            payload, ipv6=ipv6, aeth=aeth)
+    ours = encode_packet(ctx, bth, reth=reth, aeth=aeth, payload=payload, imm=imm)
+    theirs = scapy_datagram(bth, _ext_bytes(op, reth, imm), payload, ipv6=ipv6, aeth=aeth)
     assert ours == udp_payload(theirs)          # every header byte, pad and the ICRC
 
     parsed = parse_packet(ours, ctx)
     assert parsed.bth == bth._replace(pad_count=-len(payload) & 3)
-    assert (parsed.reth, parsed.aeth, bytes(parsed.payload)) == (reth, aeth, payload)
+    assert (parsed.reth, parsed.aeth, parsed.imm, bytes(parsed.payload)) == (reth, aeth, imm,
+                                                                             payload)
     assert icrc_bytes(parsed.icrc) == ours[-4:]
 
 
 @pytest.mark.parametrize("op", ALL_OPS, ids=lambda o: o.name)
 def test_scapy_dissects_our_packets_field_by_field(op):
-    reth, aeth, payload = _packet_args(op, 37)
+    reth, aeth, imm, payload = _packet_args(op, 37)
     bth = Bth(op, se=True, m=True, p_key=0x7FFF, fecn=True, becn=True, dest_qp=0xFEDCBA,
               ack_req=True, psn=0x00000F)
-    ours = encode_packet(CTX, bth, reth=reth, aeth=aeth, payload=payload)
+    ours = encode_packet(CTX, bth, reth=reth, aeth=aeth, payload=payload, imm=imm)
     header = ipv4_header_for_icrc(SRC, DST, 28 + len(ours))
     udp = struct.pack("!HHHH", SPORT, ROCE_UDP_PORT, 8 + len(ours), 0)
     pkt = IP(header + udp + ours)
@@ -306,6 +329,55 @@ def test_scapy_dissects_our_packets_field_by_field(op):
     b.icrc = None
     assert raw(pkt)[-4:] == ours[-4:]
     assert icrc_of_ip_packet(header + udp + ours) == (CTX.icrc(ours[:-4]),) * 2
+
+
+def test_write_with_immediate_is_bth_reth_immdt_payload_pad_icrc_byte_by_byte():
+    # ONLY WITH IMMEDIATE: BTH, RETH, ImmDt, payload, pad, ICRC
+    reth = Reth(0x0102030405060708, 0x0A0B0C0D, 5)
+    bth = Bth(Opcode.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE, dest_qp=0x123456, ack_req=True,
+              psn=0xABCDEF)
+    only = encode_packet(CTX, bth, reth=reth, payload=b"hello", imm=0xDEADBEEF)
+    assert len(only) == 12 + 16 + 4 + 5 + 3 + 4
+    assert only[:12] == bytes([0x0B, 0x30, 0xFF, 0xFF, 0x00, 0x12, 0x34, 0x56,
+                               0x80, 0xAB, 0xCD, 0xEF])          # PadCnt 3, AckReq
+    assert only[12:28] == bytes(range(1, 9)) + bytes([0x0A, 0x0B, 0x0C, 0x0D, 0, 0, 0, 5])
+    assert only[28:32] == bytes([0xDE, 0xAD, 0xBE, 0xEF])           # ImmDt, big-endian
+    assert only[32:37] == b"hello" and only[37:40] == bytes(3)
+    assert only[40:] == icrc_bytes(CTX.icrc(only[:40]))
+    # LAST WITH IMMEDIATE: BTH, ImmDt, payload, ICRC (no RETH)
+    last = encode_packet(CTX, Bth(Opcode.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE, dest_qp=0x123456,
+                                  psn=1), payload=b"12345678", imm=0x00000102)
+    assert len(last) == 12 + 4 + 8 + 4
+    assert last[0] == 0x09 and last[1] == 0x00
+    assert last[12:16] == bytes([0, 0, 1, 2]) and last[16:24] == b"12345678"
+    # a zero-length WRITE with immediate: one ONLY packet, DMA length 0, no payload
+    empty = encode_packet(CTX, Bth(Opcode.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE, dest_qp=1),
+                          reth=Reth(0, 0, 0), imm=7)
+    assert len(empty) == 12 + 16 + 4 + 4 and empty[24:28] == bytes(4)
+    assert empty[28:32] == bytes([0, 0, 0, 7])
+    # scapy names the opcodes, dissects the BTH and recomputes the same ICRC
+    for pkt, name in ((only, "RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE"),
+                      (last, "RC_RDMA_WRITE_LAST_WITH_IMMEDIATE"),
+                      (empty, "RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE")):
+        header = ipv4_header_for_icrc(SRC, DST, 28 + len(pkt))
+        udp = struct.pack("!HHHH", SPORT, ROCE_UDP_PORT, 8 + len(pkt), 0)
+        sp = IP(header + udp + pkt)
+        b = sp[ScapyBTH]
+        assert scapy_opcode_names[b.opcode] == name
+        assert (b.dqpn, b.padcount) == (unpack_bth(pkt).dest_qp, unpack_bth(pkt).pad_count)
+        assert raw(b.payload) == pkt[12:-4]          # RETH / ImmDt / payload / pad, as is
+        b.icrc = None
+        assert raw(sp)[-4:] == pkt[-4:]
+    # and parse_packet takes each apart
+    p = parse_packet(only, CTX)
+    assert (p.reth, p.imm, bytes(p.payload)) == (reth, 0xDEADBEEF, b"hello")
+    p = parse_packet(last, CTX)
+    assert (p.reth, p.imm, bytes(p.payload)) == (None, 0x102, b"12345678")
+    p = parse_packet(empty, CTX)
+    assert (p.reth, p.imm, bytes(p.payload)) == (Reth(0, 0, 0), 7, b"")
+    assert parse_packet(example_packets()[0], CTX).imm is None
+    # one byte short of the ImmDt: too short for the opcode
+    assert reason_of(with_icrc(last[:15])) == MalformedReason.TOO_SHORT
 
 
 def test_cnp_layout_opcode_0x81_becn_and_16_zero_bytes():
@@ -425,6 +497,12 @@ def test_builder_writes_into_the_preallocated_buffer_and_pads():
     dict(bth=Bth(Opcode.RC_ACKNOWLEDGE), aeth=Aeth(0x100, 0)),
     dict(bth=Bth(Opcode.RC_RDMA_WRITE_ONLY), reth=Reth(-1, 0, 0)),
     dict(bth=Bth(Opcode.RC_SEND_ONLY), payload=bytes(300)),                     # buffer too small
+    dict(bth=Bth(Opcode.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE), reth=Reth(0, 0, 0)),  # no ImmDt
+    dict(bth=Bth(Opcode.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE)),
+    dict(bth=Bth(Opcode.RC_RDMA_WRITE_ONLY), reth=Reth(0, 0, 0), imm=1),       # ImmDt not allowed
+    dict(bth=Bth(Opcode.RC_RDMA_WRITE_LAST), imm=1),
+    dict(bth=Bth(Opcode.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE), imm=1 << 32),       # not 32 bits
+    dict(bth=Bth(Opcode.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE), imm=-1),
 ])
 def test_builder_rejects_inconsistent_headers_with_value_error(kwargs):
     with pytest.raises(ValueError):
