@@ -116,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=argtypes.positive_int, default=5,
                    help="timed iterations per size (default %(default)s)")
     p.add_argument("--chunk-bytes", type=argtypes.positive_int, default=65536,
-                   help="bytes per SEND, its 16-byte header included (default %(default)s); "
-                        "messages are split into chunks spread over the QPs")
+                   help="bytes per RDMA WRITE (one landing-ring slot), its 16-byte header "
+                        "included (default %(default)s); messages are split into chunks "
+                        "spread over the QPs")
     p.add_argument("--qps", type=int, choices=range(1, MAX_QPS + 1), default=1,
                    metavar=f"1..{MAX_QPS}", help="RC QPs per pair of ranks (default 1)")
     p.add_argument("--pipeline-chunks", type=argtypes.positive_int, default=1,
@@ -405,7 +406,7 @@ class ServicedPort(ina.UdpPort):
 
     def recv(self, timeout_wall_ns: int) -> tuple[BytesLike, ina.Addr] | None:
         # Step the engine (ACKs, timers) and reap: a message that lands is put in place
-        # and its receive buffer posted again, or the peer's next SEND meets RNR NAKs.
+        # and its ring slot's receive posted again, or the peer's next WRITE meets RNR NAKs.
         # At most every SERVICE_WALL_NS: a step visits every QP, which per result
         # datagram (8 per 64 KiB) would cost the aggregation more than the RoCE side,
         # idle here but for a peer's retransmission, needs.

@@ -18,10 +18,10 @@ compute split over the gradient buckets in proportion to their bytes, bucket 0 (
 last layers) ready first. Compute is a wait in fabric time that keeps serving the RoCE
 engine (ACKs, retransmissions, peers' data landing early): a rank that only slept would
 leave its peers' packets unacknowledged until their retry budget ran out. Each bucket is
-all-reduced (`algorithms.run`, SENDs on the same `RoceTransport` as the collective
-benchmark) in order: with --overlap at max(its ready time, the end of the bucket before),
-as DDP overlaps communication with the rest of backward; with --no-overlap all of them
-after backward. The step ends at max(compute end, last all-reduce end).
+all-reduced (`algorithms.run`, RDMA WRITEs with immediate on the same `RoceTransport`
+as the collective benchmark) in order: with --overlap at max(its ready time, the end of
+the bucket before), as DDP overlaps communication with the rest of backward; with
+--no-overlap all of them after backward. The step ends at max(compute end, last all-reduce end).
 
 Per timed iteration the rank reports, relative to its start: iteration_ns, compute_ns
 (forward + backward), comm_ns (its all-reduce times summed), exposed_ns = iteration -
@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=argtypes.positive_int, default=10,
                    help="timed steps (default %(default)s)")
     p.add_argument("--chunk-bytes", type=argtypes.positive_int, default=65536,
-                   help="bytes per SEND, its 16-byte header included (default %(default)s)")
+                   help="bytes per RDMA WRITE (one landing-ring slot), its 16-byte header "
+                        "included (default %(default)s)")
     p.add_argument("--qps", type=int, choices=range(1, MAX_QPS + 1), default=1,
                    metavar=f"1..{MAX_QPS}", help="RC QPs per pair of ranks (default 1)")
     p.add_argument("--seed", type=argtypes.nonneg_int, default=1, help="test data seed")

@@ -1,7 +1,7 @@
 """Collectives (`python -m agents.collectives`): all-reduce, reduce-scatter, all-gather,
 broadcast and all-to-all over a communicator of hosts, one rank per host, data moved as
-RDMA SENDs on the user-space RoCE transport (so DCQCN, ECN and PFC act on it as on any
-RoCE traffic), measured the way nccl-tests measures.
+RDMA WRITEs with immediate on the user-space RoCE transport (so DCQCN, ECN and PFC act
+on it as on any RoCE traffic), measured the way nccl-tests measures.
 
 An entry becomes one worker per rank, all started together at the common start t0; rank
 i runs on `ranks[i]`. Each worker listens for its peers' set-up on a TCP port and takes
@@ -136,8 +136,8 @@ class InaSettings(Strict):
 class CollectiveTraffic(TrafficEntry):
     """A collective over a communicator: one rank per host, swept over message sizes.
 
-    Data moves as RDMA SENDs on the user-space RoCE transport, chunked and spread over
-    `qps` queue pairs per pair of ranks, so DCQCN, ECN and PFC act on it.
+    Data moves as RDMA WRITEs with immediate on the user-space RoCE transport, chunked
+    and spread over `qps` queue pairs per pair of ranks, so DCQCN, ECN and PFC act on it.
     """
 
     name: str = Field(pattern=NAME_RE, description="the entry's name: lower-case letters, "
@@ -210,7 +210,7 @@ class CollectiveKind(WorkloadKind):
     agent_module: ClassVar = "agents.collectives"
     doc: ClassVar = ("Collectives (agents/collectives): one worker per rank, all-reduce "
                      "(ring, recursive halving-doubling, double binary tree), reduce-scatter,"
-                     " all-gather, broadcast and all-to-all as RDMA SENDs over the "
+                     " all-gather, broadcast and all-to-all as RDMA WRITEs with immediate over the "
                      "user-space RoCE transport, swept over sizes the way nccl-tests does; "
                      "one row per size, also written as results/<entry>.nccl.txt and "
                      "results/<entry>.nccl.json (nccl-tests' table and -J JSON).")

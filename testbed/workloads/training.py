@@ -146,11 +146,11 @@ class TrainingKind(WorkloadKind):
     doc: ClassVar = (
         "Training steps (agents/collectives/training.py): one worker per rank; each step "
         "is forward compute, backward compute over the gradient buckets, and each bucket "
-        "all-reduced in order (ring, rhd or tree, RDMA SENDs over the user-space RoCE "
-        "transport), overlapped with the rest of backward as DDP does unless `overlap: "
-        "false`. One row per entry: the slowest rank's step time per iteration, the "
-        "communication compute did not hide (exposed = step - compute), the same at line "
-        "rate, and the congestion counters of the timed steps.")
+        "all-reduced in order (ring, rhd or tree, RDMA WRITEs with immediate over the "
+        "user-space RoCE transport), overlapped with the rest of backward as DDP does "
+        "unless `overlap: false`. One row per entry: the slowest rank's step time per "
+        "iteration, the communication compute did not hide (exposed = step - compute), "
+        "the same at line rate, and the congestion counters of the timed steps.")
     ports: ClassVar = GROUP_PORTS
     port_owner: ClassVar = PORT_OWNER
     example: ClassVar = {"name": "step", "kind": "training", "ranks": ["h1", "h2", "h3", "h4"],
