@@ -292,7 +292,7 @@ def test_the_training_suite_runs_the_same_step_without_and_with_an_incast() -> N
     for path in runs:
         loaded = load_config_text(Path(path).read_text(), path)
         plan = compile_plan(loaded)
-        assert plan.timebase.factor == 2000 and len(plan.hosts()) == 8   # the default fabric
+        assert plan.timebase.factor == 4000 and len(plan.hosts()) == 8   # the default fabric
         step, *rest = loaded.fabric.workload.traffic
         assert step.kind == "training" and len(step.ranks) == 8
         steps.append(step.model_dump(exclude={"name"}))
