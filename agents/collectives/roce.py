@@ -457,6 +457,7 @@ class RoceTransport:
         # the set-up connections stay open: a peer that goes away is seen (see check_links)
         self._links: dict[int, socket.socket] = {}
         self._said: dict[int, str] = {}            # peer -> the reason it gave for leaving
+        self._left: str | None = None              # the reason we gave
         self._next_link_check = 0.0
 
     # -- the Transport protocol
@@ -639,13 +640,21 @@ class RoceTransport:
                                  f"({reason or 'connection lost'})")
 
     def leave(self, reason: str) -> None:
-        """Tell every peer why we go ('done' is the only reason that is no error to them)."""
+        """Tell every peer why we go ('done' is the only reason that is no error to them);
+        said once: a later call (the worker's last word) is a no-op."""
+        if self._left is not None:
+            return
+        self._left = reason
         msg = json.dumps({"bye": reason}).encode() + b"\n"
         for sock in self._links.values():
             try:
                 sock.send(msg)
             except OSError:
                 pass
+
+    def peers_done(self) -> bool:
+        """Every peer has said 'done': its sends, ours to it included, are acknowledged."""
+        return all(self._said.get(p) == "done" for p in range(self.size) if p != self._rank)
 
     def close(self) -> None:
         for sock in self._links.values():

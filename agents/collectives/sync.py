@@ -22,6 +22,9 @@ BARRIER_TAG = 0xFFFFFF00
 #: Wall seconds the rank keeps answering its peers after the last barrier (a duplicate
 #: whose ACK was lost still gets one), before it closes its socket.
 LINGER_S = 0.05
+#: Wall seconds a finished rank waits for every peer to say it is done too (a peer
+#: retransmitting its last message needs us there); a stuck peer does not hold us longer.
+LEAVE_TIMEOUT_S = 30.0
 
 
 def open_transport(args: Namespace, life: Lifecycle) -> RoceTransport:
@@ -53,9 +56,16 @@ def barrier(t: RoceTransport, token: tuple[int, int]) -> None:
 
 
 def finish(t: RoceTransport) -> None:
-    """Leave together: every send acknowledged, a last barrier, a short linger."""
+    """Leave together. Every send of ours acknowledged, a last barrier, and ours again;
+    then a peer's last message to us may still wait for an ACK of ours that was lost,
+    and only we can answer its retransmission. So we say 'done' over the set-up
+    connection (reliable: TCP), and keep answering until every peer has said so too
+    (its sends, ours included, acknowledged), or LEAVE_TIMEOUT_S; then a short linger."""
     t.wait_sends()
     barrier(t, (-1, -1))
     t.wait_sends()
+    t.leave("done")
+    deadline = time.monotonic() + LEAVE_TIMEOUT_S
+    t.drive(lambda: t.peers_done() or time.monotonic() >= deadline)
     end = time.monotonic() + LINGER_S
     t.drive(lambda: time.monotonic() >= end)

@@ -814,3 +814,35 @@ def test_a_rank_alone_gives_up_after_the_connect_timeout(tmp_path, rank, message
     o = json.loads(out.strip().splitlines()[-1])
     assert o["error"].startswith("SetupError") and message in o["error"]
     assert (tmp_path / f"ready{rank}").exists()      # it was listening all along
+
+
+def test_a_finished_rank_answers_until_every_peer_has_said_done():
+    """A peer's last message may wait for an ACK of ours that was lost, and only we can
+    answer its retransmission: `sync.finish` returns only once every peer has said
+    'done' over the set-up connection (its sends all acknowledged), not after a fixed
+    linger. Rank 1 says it 0.6 s late: rank 0 is still there then."""
+    from agents.collectives.sync import finish
+
+    args = _rdma_args("--line-rate-bps", "1e9", "--spin-ns", "0")
+    config = RoceConfig(args=args, qps=1, chunk_bytes=4096, connect_timeout_s=20)
+    said_at: dict[int, float] = {}
+    returned_at: dict[int, float] = {}
+
+    def body(r: int, t: RoceTransport):
+        leave = t.leave
+
+        def late_leave(reason: str) -> None:
+            if r == 1:
+                t.drive(lambda: False if time.monotonic() < said_at.get(-1, 0) else True)
+            said_at.setdefault(r, time.monotonic())
+            leave(reason)
+
+        t.leave = late_leave                     # type: ignore[method-assign]
+        said_at.setdefault(-1, time.monotonic() + 0.6)
+        finish(t)
+        returned_at[r] = time.monotonic()
+        assert t.peers_done()
+
+    _two_ranks(config, body)
+    assert returned_at[0] >= said_at[1]
+    assert said_at[1] - said_at[0] > 0.3          # rank 1 really was late
