@@ -241,7 +241,8 @@ class CollectiveKind(WorkloadKind):
         "busbw_gbps": "algbw x the operation's bus factor (bus_factor), fabric GB/s",
         "bus_factor": "2(n-1)/n for allreduce; (n-1)/n for reducescatter, allgather, "
                       "alltoall; 1 for broadcast",
-        "wrong": "elements outside the exact reference's bound, over every rank",
+        "wrong": "elements outside the exact reference's bound, over every rank (null: "
+                 "the size was stopped before its check)",
         "iterations_us": "per iteration, the slowest rank's time, fabric us",
         "min_us": "fastest iteration", "avg_us": "mean iteration", "p50_us": "median "
         "iteration", "p99_us": "99th-percentile iteration (nccl-tests' index rule)",
@@ -385,7 +386,23 @@ class CollectiveKind(WorkloadKind):
             for size in sorted(by_size):
                 rows.append(ResultRow(traffic, kind, _size_row(
                     kind, first, size, by_size[size], len(ranks), per_rank)))
-            if not by_size:       # no rank got as far as a result: one row says why
+            # A size stopped before its check (the run's bound, a signal): its timed
+            # iterations are a row too, with wrong null, not silently left out.
+            stopped: dict[int, list[dict]] = {}
+            for res in per_rank:
+                p = res.get("partial")
+                if p and int(p.get("bytes") or 0) and int(p["bytes"]) not in by_size:
+                    stopped.setdefault(int(p["bytes"]), []).append(p)
+            for size in sorted(stopped):
+                timed = [{**p, "wrong": 0} for p in stopped[size] if p.get("iterations_us")]
+                row = _size_row(kind, first, size, timed, len(ranks), per_rank)
+                done = max((len(p["iterations_us"]) for p in timed), default=0)
+                row["wrong"] = None
+                row["error"] = (f"stopped before its check: {len(stopped[size])} of "
+                                f"{len(ranks)} ranks were in it, the furthest after {done} "
+                                "timed iteration(s)")
+                rows.append(ResultRow(traffic, kind, row))
+            if not by_size and not stopped:  # no rank got as far as a result: one row says why
                 rows.append(ResultRow(traffic, kind, _size_row(kind, first, 0, [], len(ranks),
                                                                per_rank)))
         return rows

@@ -88,12 +88,20 @@ def table(entry: str, rows: Sequence[Mapping], header: Mapping[str, object]) -> 
             f"{r['bytes']:12d}  {r['count']:12d}  {NCCL_TYPE[r['dtype']]:>8}  "
             f"{r['redop']:>6}  {r['root']:6d}  {_float(r['time_us'], 7)}  "
             f"{_float(r['algbw_gbps'], 6)}  {_float(r['busbw_gbps'], 6)}  "
-            f"{r['wrong']:6g}  {'':>7}  {'':>6}  {'':>6}  {'':>6}")
-    wrong = sum(int(r["wrong"]) for r in rows)
+            f"{_wrong_cell(r['wrong'])}  {'':>7}  {'':>6}  {'':>6}  {'':>6}")
+    wrong = sum(int(r["wrong"]) for r in rows if r["wrong"] is not None)
+    unchecked = sum(1 for r in rows if r["wrong"] is None)
+    if unchecked:
+        lines.append(f"# {unchecked} size(s) stopped before their check: #wrong N/A")
     lines += [f"# {'Out of bounds values':<20} : {wrong} {'FAILED' if wrong else 'OK'}",
               f"# {'Avg bus bandwidth':<20} : {average_busbw(rows):g} ",
               "#"]
     return "\n".join(lines) + "\n"
+
+
+def _wrong_cell(wrong: object) -> str:
+    """#wrong as nccl-tests prints it: a count, or N/A where nothing was checked."""
+    return f"{'N/A':>6}" if wrong is None else f"{wrong:6g}"
 
 
 def average_busbw(rows: Sequence[Mapping]) -> float:
@@ -110,13 +118,14 @@ def json_report(entry: str, rows: Sequence[Mapping], header: Mapping[str, object
             "size": r["bytes"], "count": r["count"], "type": NCCL_TYPE[r["dtype"]],
             "redop": r["redop"], "root": f"{r['root']:6d}",
             "out_of_place": {"time": r["time_us"], "alg_bw": r["algbw_gbps"],
-                             "bus_bw": r["busbw_gbps"], "nwrong": float(r["wrong"])},
+                             "bus_bw": r["busbw_gbps"],
+                             "nwrong": None if r["wrong"] is None else float(r["wrong"])},
             "out_of_place_per_iter": iteration_stats(r["iterations_us"]),
             "in_place": None,
             "actual_iterations": len(r["iterations_us"]),
             "experiment_name": entry,
         })
-    wrong = sum(int(r["wrong"]) for r in rows)
+    wrong = sum(int(r["wrong"]) for r in rows if r["wrong"] is not None)
     return {
         "version": JSON_FILE_VERSION, "args": list(argv), "env": [], "nccl_version": None,
         "config": {"nthreads": 1, "ngpus": 1, "minimum_bytes": header["min_bytes"],

@@ -597,3 +597,30 @@ def test_expanding_an_unchecked_tree_says_what_is_wrong() -> None:
     with pytest.raises(ValueError, match=r"in-network all-reduce 'x': ina\.leaves\.sw9: "
                                          r"'sw9' is not a node of this fabric"):
         KIND.expand(entry, 0, expand_context(loaded.fabric, plan))
+
+
+def test_a_size_stopped_before_its_check_is_a_row_with_wrong_null(tmp_path: Path) -> None:
+    """The run's wait bound (or a signal) stopped every rank in its 65536 B size: the
+    iterations they timed are a row, its #wrong N/A, not a size silently missing."""
+    loaded, plan = _load(AR)
+    specs = expand_workload(loaded.fabric, plan)
+    results = {}
+    for i, s in enumerate(specs):
+        res = _rank_result(i, 1.0)
+        res["results"] = res["results"][:2]
+        res["partial"] = {"bytes": 65536, "count": 16384, "wrong": None,
+                          "iterations_us": [20.0, 21.0][:1 + (i > 0)], "avg_us": 20.5}
+        results[s.name] = res
+    view = run_view(plan, tmp_path, 0)
+    rows = KIND.result_rows(specs, results, view)
+    assert [r.fields["bytes"] for r in rows] == [4096, 16384, 65536]
+    last = rows[-1].fields
+    assert last["wrong"] is None and last["time_us"] == 20.5
+    assert last["error"] == ("stopped before its check: 3 of 3 ranks were in it, the "
+                             "furthest after 2 timed iteration(s)")
+    files = KIND.output_files(rows, specs, results, view)
+    table = files["ar.nccl.txt"]
+    assert "N/A" in table and "1 size(s) stopped before their check" in table
+    doc = json.loads(files["ar.nccl.json"])
+    assert doc["results"][-1]["out_of_place"]["nwrong"] is None
+    assert doc["out_of_bounds"]["count"] == 2                # ranks 2's 1 wrong per size
