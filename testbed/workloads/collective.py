@@ -28,13 +28,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from agents.collectives.ops import ALGORITHMS, BUS_FACTOR_FORMULA, ITEMSIZE, bus_factor, count_of
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.wire.ina import HEADER_BYTES as INA_HEADER_BYTES
 from agents.wire.ina import MAX_CONTRIBUTORS
-from testbed.fields import NAME_RE, DurationNs, SizeBytes, Strict
+from testbed.fields import NAME_RE, SizeBytes, Strict
 from testbed.workloads.base import (
     AgentFiles,
     AgentSpec,
@@ -51,18 +51,16 @@ from testbed.workloads.base import (
 )
 from testbed.workloads.collective_accounts import ina_accounts, roce_accounts
 from testbed.workloads.collective_nccl import iteration_stats, json_report, table
-from testbed.workloads.rdma import (
-    CC_PRESET_DESCRIPTION,
-    DEFAULT_CC_PRESETS,
-    MAX_ROCE_WINDOW_PACKETS,
-    ROCE_CONNECT_TIMEOUT_S,
-    ROCE_SPIN_NS,
-    CcPresetName,
-    parse_cc_preset,
-    preset_problem,
-    roce_window_packets,
+from testbed.workloads.rdma_group import (
+    GROUP_PORTS,
+    INA_WORKER_PORT,
+    PORT_OWNER,
+    GroupTransportEntry,
+    peers_arg,
+    rank_ports,
+    transport_argv,
+    transport_problems,
 )
-from testbed.workloads.rdma_group import GROUP_PORTS, INA_WORKER_PORT, PORT_OWNER, rank_ports
 
 CollectiveKindName = Literal["allreduce", "reducescatter", "allgather", "broadcast",
                              "alltoall"]
@@ -136,9 +134,10 @@ class InaSettings(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class CollectiveTraffic(TrafficEntry):
+class CollectiveTraffic(GroupTransportEntry):
     """A collective over a communicator: one rank per host, swept over message sizes.
 
+    Its RoCE transport fields are the training step's too (rdma_group.GroupTransportEntry).
     Data moves as RDMA WRITEs with immediate on the user-space RoCE transport, chunked
     and spread over `qps` queue pairs per pair of ranks, so DCQCN, ECN and PFC act on it.
     """
@@ -148,36 +147,17 @@ class CollectiveTraffic(TrafficEntry):
     kind: CollectiveKindName = Field(
         description="the collective operation: allreduce, reducescatter, allgather, "
                     "broadcast or alltoall (the MoE / expert-parallel exchange)")
-    ranks: list[str] = Field(description="the hosts of the communicator; rank i runs on "
-                                         "ranks[i], one rank per host")
     algorithm: str | None = Field(
         None, description="allreduce: ring (reduce-scatter + all-gather), rhd (recursive "
                           "halving-doubling), tree (double binary tree) or ina (in-network: "
                           "switch aggregators, a SHARP-like tree); the other operations "
                           "have one each (default: the operation's first)")
     sizes: Sizes = Field(default_factory=Sizes, description="the message sizes swept")
-    dtype: Literal["float32", "float16", "bfloat16", "int32"] = Field(
-        "float32", description="element type of the buffers")
     redop: Literal["sum", "max"] = Field("sum", description="reduction (allreduce, "
                                                             "reducescatter)")
     root: int = Field(0, ge=0, description="broadcast: the rank whose data is sent")
     warmup: int = Field(1, ge=0, le=1000, description="untimed runs per size first")
     iterations: int = Field(5, ge=1, le=10000, description="timed runs per size")
-    chunk_bytes: SizeBytes = Field(1 << 20, alias="chunk", description="pipelining unit: "
-                                   "a step's data is sent in pieces of at most this many "
-                                   "bytes, spread over the queue pairs")
-    qps: int = Field(2, ge=1, le=8, description="queue pairs per pair of ranks")
-    tclass: str | int = Field("roce", description="traffic class of the data and ACKs; with "
-                                                  "cc, a class that marks ECN")
-    start_ns: DurationNs = Field(0, alias="start", description="when the ranks start, fabric "
-                                 "time after the run's common start t0")
-    cc: Literal["dcqcn", "dctcp", "none"] = Field(
-        "dcqcn", description="congestion control of every rank's QPs")
-    cc_preset: CcPresetName | None = Field(None, description=CC_PRESET_DESCRIPTION)
-    window_packets: int | Literal["auto"] = Field(
-        "auto", alias="window", description="most unacknowledged packets per QP, or auto "
-                                            "(as RoCE entries: docs/roce.md)")
-    seed: int = Field(1, ge=0, description="seed of the ranks' input data")
     ina: InaSettings = Field(default_factory=InaSettings, description="algorithm ina: the "
                              "aggregators' slot pools and tree (an aggregator runs on each "
                              "rank's leaf switch, and on a switch joined to every leaf as the "
@@ -185,26 +165,9 @@ class CollectiveTraffic(TrafficEntry):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    @field_validator("cc_preset", mode="before")
-    @classmethod
-    def _cc_preset(cls, value: object) -> object:
-        return parse_cc_preset(value)
-
-    @field_validator("window_packets")
-    @classmethod
-    def _window(cls, value: object) -> object:
-        if value != "auto" and not (isinstance(value, int) and
-                                    1 <= value <= MAX_ROCE_WINDOW_PACKETS):
-            raise ValueError(f"expected 1..2^22 packets or auto, got {value!r}")
-        return value
-
     @property
     def op_algorithm(self) -> str:
         return self.algorithm or ALGORITHMS[self.kind][0]
-
-    @property
-    def preset(self) -> str | None:
-        return self.cc_preset or DEFAULT_CC_PRESETS.get(self.cc)
 
 
 class CollectiveKind(WorkloadKind):
@@ -282,13 +245,7 @@ class CollectiveKind(WorkloadKind):
             yield (loc + ("root",), f"root {t.root} is not a rank (ranks 0..{len(t.ranks) - 1})")
         if t.redop != "sum" and t.kind not in REDUCING:
             yield loc + ("redop",), f"{t.kind} reduces nothing; remove redop"
-        bad_preset = preset_problem(t.cc, t.cc_preset)
-        if bad_preset is not None:
-            yield loc + (bad_preset[0],), bad_preset[1]
-        tclass = ctx.classes.get(t.tclass)
-        if t.cc != "none" and tclass is not None and not tclass.ecn:
-            yield (loc + ("tclass",), f"class {tclass.name!r} (TC{tclass.tc}) does not mark "
-                   f"ECN, so {t.cc.upper()} never gets a CNP; use an ECN class or cc: none")
+        yield from transport_problems(t, loc, ctx)
         n, unit = len(t.ranks), ITEMSIZE[t.dtype]
         step = unit * (n if t.kind in ("reducescatter", "allgather", "alltoall") else 1)
         if t.sizes.min_bytes < step:
@@ -301,29 +258,15 @@ class CollectiveKind(WorkloadKind):
         ports = rank_ports(ctx, t.ranks)         # (TCP set-up, UDP RoCE, UDP INA) per rank
         aggregators = (ina_plan(t, index, ctx, [p[2] for p in ports])
                        if t.op_algorithm == "ina" else None)
-        peers = ",".join(f"{ctx.address(h)}:{tcp}:{udp}"
-                         for h, (tcp, udp, _ina) in zip(t.ranks, ports, strict=True))
-        mtu = ctx.roce_mtu_bytes
-        rtt = ctx.round_trip_ns(ctx.tc(t.tclass)) if t.window_packets == "auto" else None
-        cc = ["--cc", t.cc] + (["--cc-preset", t.preset] if t.preset else [])
+        peers = peers_arg(ctx, t.ranks, ports)
         specs = []
         for rank, host in enumerate(t.ranks):
-            line = ctx.line_rate_bps(host)
-            window = (roce_window_packets(line, rtt, mtu) if rtt is not None
-                      else int(t.window_packets))
             argv = ["--rank", str(rank), "--peers", peers, "--op", t.kind,
                     "--algorithm", t.op_algorithm, "--dtype", t.dtype, "--redop", t.redop,
                     "--root", str(t.root), "--min-bytes", str(t.sizes.min_bytes),
                     "--max-bytes", str(t.sizes.max_bytes), "--factor", str(t.sizes.factor),
                     "--warmup", str(t.warmup), "--iterations", str(t.iterations),
-                    "--chunk-bytes", str(t.chunk_bytes), "--qps", str(t.qps),
-                    "--seed", str(t.seed), "--mtu", str(mtu),
-                    "--dscp", str(ctx.dscp(t.tclass)), *cc,
-                    *(["--cnp-dscp", str(ctx.cnp_dscp)] if ctx.cnp_dscp is not None else []),
-                    "--line-rate-bps", str(line), "--window-packets", str(window),
-                    "--dilation", str(ctx.dilation),
-                    "--connect-timeout-s", str(ROCE_CONNECT_TIMEOUT_S),
-                    "--spin-ns", str(ROCE_SPIN_NS)]
+                    *transport_argv(t, ctx, host)]
             if aggregators is not None:
                 argv += aggregators.worker_argv(rank, host)
             specs.append(AgentSpec(name=f"{t.name}-r{rank}", node=host, role="sender",
