@@ -458,7 +458,8 @@ def verdict(run: RunData, marks: list[FaultMark] | None = None) -> dict | None:
     if not v:
         return None
     if not isinstance(v, dict):
-        return {"status": "verdict unreadable", "state": "unknown", "facts": [],
+        return {"title": "incident verdict", "variant": "", "status": "verdict unreadable",
+                "state": "unknown", "facts": [],
                 "description": str(v), "allowed": [], "predicates": None, "evidence": None,
                 "missing": ["summary.json verdict is not an object"]}
     missing = [k for k in VERDICT_KEYS if k not in v]
@@ -517,6 +518,13 @@ def _unit_of(counter: str) -> tuple[str, float]:
     if counter.endswith("_ns"):
         return "us", 1e3
     return counter.rsplit(".", 1)[-1], 1.0
+
+
+def _fmt_counter(counter: str, value: float) -> str:
+    """A counter's value in the unit its name ends in (bytes, rates, durations)."""
+    if counter.endswith("_bytes"):
+        return fmt_bytes(value)
+    return fmt_value(counter, value)
 
 
 def _value_at(points: list[tuple[int, float]], ts: float) -> float:
@@ -582,7 +590,7 @@ def evidence(run: RunData, spec: object, marks: list[FaultMark],
                                       f"{counter} starts rising at {fmt_duration(t_on)}"))
     else:
         t_peak, peak = max(top, key=lambda p: p[1])
-        annotations.append(Annotation(t_peak, peak, f"peak {fmt_value(counter, peak)}"
+        annotations.append(Annotation(t_peak, peak, f"peak {_fmt_counter(counter, peak)}"
                                       f" at {fmt_duration(t_peak)}"))
     x_max = _duration_ns(run, series.values())
     title = caption or f"{counter} at {where}"
@@ -596,9 +604,9 @@ def evidence(run: RunData, spec: object, marks: list[FaultMark],
     for k in shown:
         pts = series[k]
         t_peak, peak = max(pts, key=lambda p: p[1])
-        rows.append([idx.port_label(*k), fmt_value(counter, _value_at(pts, at))
-                     if at is not None else "-", fmt_value(counter, peak),
-                     fmt_duration(t_peak), fmt_value(counter, pts[-1][1])])
+        rows.append([idx.port_label(*k), _fmt_counter(counter, _value_at(pts, at))
+                     if at is not None else "-", _fmt_counter(counter, peak),
+                     fmt_duration(t_peak), _fmt_counter(counter, pts[-1][1])])
     out["table"] = Table(["series", f"at fault {applied[0].number}" if applied else "at fault",
                           "peak", "peak at (fabric)", "last"], rows,
                          [False, True, True, True, True])

@@ -206,14 +206,21 @@ def _short(text: str, limit: int = 44) -> str:
 
 def _draw_annotations(ax: Any, annotations: Sequence[Annotation], scale: float,
                       y_divisor: float) -> None:
-    """Arrows to the points the caller names (where a fault hit, where the failure shows),
-    their texts alternating above and below so two close ones do not overlap."""
+    """Arrows to the points the caller names (where a fault hit, where the failure shows).
+
+    The texts sit inside the axes, below the fault numbers and at two heights, beside
+    their point (to its left in the right part of the plot), so they cover neither the
+    tick labels nor each other."""
+    lo, hi = ax.get_xlim()
     for i, a in enumerate(annotations):
+        x = a.ts_fabric_ns / scale
+        where = (x - lo) / (hi - lo) if hi > lo else 0.0
+        right = where > 0.6
         note = ax.annotate(
-            plain(a.text), xy=(a.ts_fabric_ns / scale, a.value / y_divisor),
-            xytext=(18 if i % 2 == 0 else -18, 26 if i % 2 == 0 else -30),
-            textcoords="offset points", ha="left" if i % 2 == 0 else "right", fontsize=9,
-            color="#1b1f24", zorder=7,
+            plain(a.text), xy=(x, a.value / y_divisor),
+            xytext=(where - 0.03 if right else where + 0.03, 0.62 if i % 2 == 0 else 0.42),
+            textcoords="axes fraction", ha="right" if right else "left", va="center",
+            fontsize=9, color="#1b1f24", zorder=7,
             arrowprops={"arrowstyle": "->", "color": "#1b1f24", "lw": 1.0},
             bbox={"boxstyle": "round,pad=0.25", "fc": "#fff8c5", "ec": "#bf8700", "lw": 0.8})
         note.set_gid(f"evidence-annotation-{i + 1}")
