@@ -225,7 +225,8 @@ def test_fault_timeline_lists_each_fault_with_time_lateness_and_details(
     assert three[2] == "link_up"
     md = build_report(incident_run).md.read_text()
     section_md = _md_section(md, "Fault timeline")
-    assert re.search(r"\|\s+2 \|", section_md) and "link leaf2-spine1 down (both directions)" in section_md
+    assert re.search(r"\|\s+2 \|", section_md)
+    assert "link leaf2-spine1 down (both directions)" in section_md
 
 
 def test_a_link_down_counts_the_drops_until_its_link_up(run_dir: Path) -> None:
