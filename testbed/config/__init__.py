@@ -19,9 +19,12 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from testbed.config.checks import (
+    check_dscp_remap,
+    check_events,
     check_fabric,
     check_impairments,
     check_qos,
+    check_routes,
     check_topology,
     check_traffic_classes,
     check_workload,
@@ -264,7 +267,9 @@ def validate_data(data: object, lines: LineMap, file: str, text: str = "") -> Lo
     expanded = expand(fabric)
     found = [*check_fabric(fabric), *check_traffic_classes(fabric), *check_qos(fabric),
              *check_topology(fabric, expanded, sorted(PORT_TYPES)),
-             *check_workload(fabric, expanded), *check_impairments(fabric, expanded)]
+             *check_workload(fabric, expanded), *check_impairments(fabric, expanded),
+             *check_events(fabric, expanded), *check_routes(fabric, expanded),
+             *check_dscp_remap(fabric, expanded)]
     if found:
         raise ConfigError(file, [Problem(lines.line_for(loc), loc, msg) for loc, msg in found])
     return LoadedConfig(path=file, text=text, fabric=fabric, expanded=expanded, lines=lines)
