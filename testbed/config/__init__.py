@@ -155,7 +155,7 @@ _TEMPLATES: dict[str, str] = {
     "greater_than": "{got} is too small; use a value > {ctx[gt]}",
     "less_than_equal": "{got} is too large; use a value <= {ctx[le]}",
     "less_than": "{got} is too large; use a value < {ctx[lt]}",
-    "too_short": "give at least {ctx[min_length]}, got {got}",
+    "too_short": "give at least {ctx[min_length]} item(s), got {ctx[actual_length]}",
     "ip_v4_network": "{got} is not an IPv4 network; write it like 198.18.0.0/15, "
                      "with the host bits zero",
 }
