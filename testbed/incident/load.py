@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from testbed.config import ConfigError, LoadedConfig, Problem, validate_data
 from testbed.config.loader import LineMap, YamlProblem, parse_yaml_with_lines
-from testbed.incident.model import Evidence, Incident, Predicate
+from testbed.incident.model import Evidence, Incident, Metric, Predicate
 from testbed.incident.paths import (
     Lined,
     PathError,
@@ -127,7 +127,7 @@ def control_variant(incident: Incident, lines: LineMap) -> tuple[Any, list[Probl
                                 "the control changes nothing; give set: (path: value) or "
                                 "remove: (paths) to make it the fix or the fault's absence"))
     for key, value in control.set.items():
-        loc = ("control", "set", key)
+        loc: tuple = ("control", "set", key)
         node: Lined = to_lined(value, sub_lines(lines, loc))
         node.origin = key
         try:
@@ -162,8 +162,9 @@ def signature_problems(incident: Incident, lines: LineMap) -> list[Problem]:
         if pred.name in seen:
             loc = ("signature", i, "name")
             problems.append(Problem(lines.line_for(loc), loc,
-                                    f"{pred.name!r} is also the name of signature[{seen[pred.name]}]"
-                                    "; predicate names are unique"))
+                                    f"{pred.name!r} is also the name of "
+                                    f"signature[{seen[pred.name]}]; predicate names are "
+                                    "unique"))
         seen.setdefault(pred.name, i)
     return problems
 
@@ -184,8 +185,8 @@ def class_problems(incident: Incident, loaded: LoadedConfig, lines: LineMap) -> 
     for i, pred in enumerate(incident.signature):
         for where, metric in ((("signature", i), pred),
                               (("signature", i, "of"), pred.of)):
-            if isinstance(metric, BaseModel) and getattr(metric, "counter", None) is not None:
-                check(metric.counter.tclass, (*where, "counter", "tclass"))  # type: ignore[attr-defined]
+            if isinstance(metric, Metric) and metric.counter is not None:
+                check(metric.counter.tclass, (*where, "counter", "tclass"))
     if incident.evidence is not None:
         check(incident.evidence.tclass, ("evidence", "tclass"))
     return problems

@@ -155,7 +155,7 @@ def from_lined(root: Lined) -> Unlined:
 
 def _walk_to_parent(root: Lined, parts: list[str | int], name: str
                     ) -> tuple[Lined, list[str | int]]:
-    node, loc = root, []
+    node, loc = root, list[str | int]()
     for part in parts[:-1]:
         key = child_key(node, part, loc, name)
         node = node.value[key]
