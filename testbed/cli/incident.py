@@ -140,8 +140,9 @@ def print_verdicts(console, outcome) -> None:
             if verdict is None:
                 continue
             p = next(p for p in verdict["predicates"] if p["name"] == name)
-            table.add_row(p["text"] if variant == "incident" or "incident" not in verdicts
-                          else "", variant, _shown(p["value"], p["unit"]), p["op"],
+            first = variant == "incident" or "incident" not in verdicts
+            what = p["name"] if p["text"] == p["name"] else f"{p['name']}: {p['text']}"
+            table.add_row(what if first else "", variant, _shown(p["value"], p["unit"]), p["op"],
                           _shown(p["threshold"], p["unit"]), _mark(p["held"]), p["detail"])
     console.print(table)
     for variant, o in outcome.variants.items():

@@ -256,6 +256,10 @@ def measure_counter(m: CounterMetric, run: RunData) -> Measured:
     if m.across != "sum" or len(values) == 1:
         at = next(k for k, v in values.items() if v == value)
         detail += f"; at {at}"
+    elif value:
+        top = max(values, key=lambda k: abs(values[k]))
+        shown, shown_unit = show(values[top], out_unit)
+        detail += f"; largest {top}: {shown:g} {shown_unit}".rstrip()
     return Measured(out_unit, detail, value=value)
 
 
