@@ -102,7 +102,7 @@ def load_incident(path: str | Path) -> LoadedIncident:
                 control.data, control.lines, file, variant_text(file, "control", control.data))
         except ConfigError as exc:
             problems += [_control_problem(p, control.origins) for p in exc.problems]
-    if not problems and "incident" in variants:
+    if "incident" in variants:
         problems += class_problems(incident, variants["incident"], lines)
     if problems:
         raise ConfigError(file, problems)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from testbed.fields import Strict
 
@@ -124,6 +124,15 @@ class Predicate(Metric):
     of: Literal["control"] | Metric | None = Field(
         None, description="control: the threshold is value x this metric in the control "
                           "run; a metric: value x that metric in this run")
+
+    @field_validator("of", mode="before")
+    @classmethod
+    def _of(cls, value: object) -> object:
+        # One message instead of one per member of the 'control' | Metric union.
+        if isinstance(value, str) and value != "control":
+            raise ValueError(f"must be control (the same metric in the control run) or a "
+                             f"metric (counter:, result:, summary: or events:), got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _factor_is_a_number(self) -> Predicate:

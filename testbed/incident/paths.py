@@ -49,8 +49,7 @@ def show_path(parts: list[str | int] | tuple) -> str:
 
 
 def _names(items: list[Any]) -> list[str]:
-    return [str(_plain(i)["name"]) for i in items
-            if isinstance(_plain(i), dict) and "name" in _plain(i)]
+    return [str(n) for n in map(_item_name, items) if n is not None]
 
 
 def _plain(node: Any) -> Any:
