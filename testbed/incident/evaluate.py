@@ -424,7 +424,7 @@ def evaluate_predicate(pred: Predicate, run: RunData, control: RunData | None) -
     except Missing as exc:
         return _row(pred, None, f"missing data: {exc}")
     detail = m.detail
-    factor = float(pred.value) if pred.of is not None else None
+    scale = float(pred.value) if pred.of is not None else None
     base: Measured | None = None
     try:
         if pred.of == "control":
@@ -445,13 +445,13 @@ def evaluate_predicate(pred: Predicate, run: RunData, control: RunData | None) -
     except Missing as exc:
         return _row(pred, None, f"missing data: {exc}", m.unit, m.value)
     if m.per_series is not None:
-        return _per_series_row(pred, m, base, threshold, factor, detail)
+        return _per_series_row(pred, m, base, threshold, scale, detail)
     assert m.value is not None
     if base is not None:
         if base.value is None:
             return _row(pred, None, "missing data: the control's measure is per series but "
                                     "this one is not", m.unit, m.value)
-        threshold = factor * base.value  # type: ignore[operator]
+        threshold = scale * base.value  # type: ignore[operator]
         if pred.of == "control":
             bv, bu = show(base.value, base.unit)
             detail += f" = {bv:g} {bu}".rstrip()
@@ -460,7 +460,7 @@ def evaluate_predicate(pred: Predicate, run: RunData, control: RunData | None) -
 
 
 def _per_series_row(pred: Predicate, m: Measured, base: Measured | None,
-                    threshold: float | None, factor: float | None, detail: str) -> dict:
+                    threshold: float | None, scale: float | None, detail: str) -> dict:
     """across all / any: every series against its threshold (with of: control, the same
     series of the control run)."""
     assert m.per_series is not None
@@ -472,9 +472,9 @@ def _per_series_row(pred: Predicate, m: Measured, base: Measured | None,
             if key not in base.per_series:
                 return _row(pred, None, f"missing data: {key} has no value in the control "
                                         "run", m.unit, v)
-            thr = factor * base.per_series[key]  # type: ignore[operator]
+            thr = scale * base.per_series[key]  # type: ignore[operator]
         else:
-            thr = factor * base.value  # type: ignore[operator]
+            thr = scale * base.value  # type: ignore[operator]
         assert thr is not None
         rows.append((key, v, thr, OPS[pred.op](v, thr)))
     across = pred.counter.across if pred.counter else "all"
