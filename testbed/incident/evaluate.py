@@ -133,25 +133,34 @@ def _value_at(pts: Points, t: float) -> float | None:
 
 
 def _pieces(pts: Points, a: float, b: float) -> list[tuple[float, float, float]]:
-    """(from, to, value) of the step function within [a, b], from its first known value."""
-    out: list[tuple[float, float, float]] = []
+    """(from, to, value) of the step function within [a, b], from its first known value;
+    a window of one instant is the value holding then."""
+    out = []
     for j, (ts, v) in enumerate(pts):
         end = pts[j + 1][0] if j + 1 < len(pts) else b
         lo, hi = max(ts, a), min(end, b)
-        if hi > lo or (hi == lo and lo == b and ts <= b and not out and j + 1 == len(pts)):
+        if hi > lo:
             out.append((lo, hi, v))
+    if not out and a == b and (v_at := _value_at(pts, b)) is not None:
+        out.append((b, b, v_at))
     return out
 
 
-def series_stat(pts: Points, stat: str, a: float, b: float, unit: str) -> float | None:
-    """One series' stat over [a, b]; None if it has no value in the window."""
+def series_stat(pts: Points, stat: str, a: float, b: float, first_sample: float
+                ) -> float | None:
+    """One series' stat over [a, b]; None if it has no value in the window. A series first
+    read after the run's first sample (an agent started later) counted from 0 before."""
     pieces = _pieces(pts, a, b)
     if not pieces:
         return None
     if stat in ("delta", "rate", "rate_bps"):
         start = _value_at(pts, a)
-        t_start = a if start is not None else pieces[0][0]
-        start = start if start is not None else pieces[0][2]
+        t_start = a
+        if start is None:
+            if pts[0][0] > first_sample:
+                start = 0.0
+            else:
+                t_start, start = pieces[0][0], pieces[0][2]
         end = _value_at(pts, b)
         delta = (end if end is not None else start) - start
         if stat == "delta":
@@ -235,7 +244,7 @@ def measure_counter(m: CounterMetric, run: RunData) -> Measured:
         raise Missing(f"the window {m.window.from_}..{m.window.to} holds no sample "
                       f"(samples {times[0] / 1e3:,.0f}..{times[-1] / 1e3:,.0f} us)")
     values = {label(k): v for k, pts in sorted(found.items())
-              if (v := series_stat(pts, m.stat, a, b, unit)) is not None}
+              if (v := series_stat(pts, m.stat, a, b, times[0])) is not None}
     if not values:
         raise Missing(f"none of the {len(found)} series of {_where(m)} has a value in the "
                       "window")

@@ -120,6 +120,25 @@ def test_a_window_is_fabric_time_after_t0(run: RunData) -> None:
     assert row["value"] == pytest.approx(2 / 4.1, rel=1e-3)
 
 
+def test_a_series_that_appears_later_counts_from_zero(tmp_path: Path) -> None:
+    store = Store(tmp_path / "late.sqlite", create=True)
+    store.add_samples(-MS, 0, [Sample("h1", "eth0", -1, "rx_bytes", 0)])
+    store.add_samples(0, 1, [Sample("h1", "eth0", -1, "rx_bytes", 0)])
+    # the sender agent is first read 1 ms after t0, having already sent 1000 bytes
+    store.add_samples(MS, 2, [Sample("h1", "eth0", -1, "rx_bytes", 0),
+                              Sample("h1", "snd", -1, "send.bytes", 1000)])
+    store.add_samples(2 * MS, 3, [Sample("h1", "eth0", -1, "rx_bytes", 0),
+                                  Sample("h1", "snd", -1, "send.bytes", 3000)], final=True)
+    data = RunData(store, {}, CLASSES)
+    assert _counter(data, name="send.bytes")["value"] == 3000
+    assert _counter(data, name="send.bytes", stat="rate_bps", op=">", value=0)["value"] == (
+        3000 * 8 / 2e-3 / 1e9)
+    assert _counter(data, name="send.bytes", window={"from": "1500us"})["value"] == 2000
+    assert _counter(data, name="send.bytes", stat="last",
+                    window={"from": "2ms", "to": "2ms"})["value"] == 3000
+    store.close()
+
+
 def test_rate_bps_refuses_a_counter_not_in_bytes(run: RunData) -> None:
     row = _counter(run, name="pause_rx", stat="rate_bps")
     assert row["held"] is None and "not in bytes" in row["detail"]
