@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from agents.runtime.argtypes import nonneg_int
@@ -142,18 +143,19 @@ def print_verdicts(console, outcome) -> None:
             p = next(p for p in verdict["predicates"] if p["name"] == name)
             first = variant == "incident" or "incident" not in verdicts
             what = p["name"] if p["text"] == p["name"] else f"{p['name']}: {p['text']}"
-            table.add_row(what if first else "", variant, _shown(p["value"], p["unit"]), p["op"],
-                          _shown(p["threshold"], p["unit"]), _mark(p["held"]), p["detail"])
+            table.add_row(escape(what) if first else "", variant, _shown(p["value"], p["unit"]),
+                          p["op"], _shown(p["threshold"], p["unit"]), _mark(p["held"]),
+                          escape(str(p["detail"] or "")))
     console.print(table)
     for variant, o in outcome.variants.items():
         v = o.verdict
         if o.error:
-            console.print(f"[red]{variant}[/]: {o.error}")
+            console.print(f"[red]{variant}[/]: {escape(str(o.error))}")
         if v is None:
             continue
         word = "REPRODUCED" if v["reproduced"] else "not reproduced"
         expect = "as expected" if o.as_expected else "[red]NOT as expected[/]"
-        reason = f" ({v['reason']})" if v.get("reason") else ""
+        reason = f" ({escape(v['reason'])})" if v.get("reason") else ""
         console.print(f"{variant}: {word}, {expect}{reason}  {o.run_dir}/report.html")
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from agents.runtime.argtypes import nonneg_int
@@ -161,7 +162,7 @@ def _print_summary(console, summary: dict) -> None:
     console.print(f"drops {t['drops']:,}, ECN marks {t['ecn_marks']:,}, "
                   f"pause frames {t['pause_frames']:,}")
     for note in summary["fidelity"]:
-        console.print(f"[yellow]fidelity[/]: {note}")
+        console.print(f"[yellow]fidelity[/]: {escape(note)}")
 
 
 def run(args) -> int:
