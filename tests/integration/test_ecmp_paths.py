@@ -154,6 +154,9 @@ def _pinned_run(tmp_path, via_b: str) -> tuple[Plan, dict, dict, list[dict]]:
     finally:
         store.close()
     assert result.summary["interrupted"] is False, said
+    pinned_lines = [m for m in said if m.startswith("paths: ")]
+    print("", *pinned_lines, sep="\n")
+    assert len(pinned_lines) == 2 and all(" -> leaf1:" in m for m in pinned_lines), said
     return plan, rows, packets, events
 
 
