@@ -63,7 +63,9 @@ STRICT_SHARE = 0.01
 # lookup never sees (testbed/net/paths.py; docs/roce.md, "Pinning a QP to a path").
 MULTIPATH_SYSCTLS = {
     "net.ipv4.fib_multipath_hash_policy": "3",
-    "net.ipv4.fib_multipath_hash_fields": "0x0037",
+    # 0x37: source and destination address, protocol, source and destination port;
+    # written in decimal, as the kernel reads it back
+    "net.ipv4.fib_multipath_hash_fields": "55",
 }
 SWITCH_SYSCTLS = {
     "net.ipv4.ip_forward": "1",
