@@ -623,3 +623,41 @@ def test_result_rows_carry_each_qps_source_port_and_the_via(tmp_path):
                                                          run_view(plan, tmp_path, 0))}
     assert rows["a"]["sports"] == [49152, 49155] and rows["a"]["via"] == ["spine1"]
     assert rows["b"]["via"] is None
+
+
+def test_the_run_gives_pinned_clients_distinct_ports_per_host_and_says_which(monkeypatch):
+    from contextlib import nullcontext
+
+    from testbed.run import pinning
+    loaded, plan = _load(
+        "    - {name: a, kind: roce_pairs, pairs: [[h1, h5]], duration: 1ms, qps: 2, "
+        "via: [spine1]}\n"
+        "    - {name: b, kind: roce_pairs, pairs: [[h1, h6], [h2, h6]], duration: 1ms, "
+        "via: [spine2]}\n"
+        "    - {name: c, kind: roce_pairs, pairs: [[h3, h7]], duration: 1ms}")
+    specs = expand_workload(loaded.fabric, plan)
+    asked = []
+
+    def fake_pick(plan, src, dst, via, *, dport, count, exclude, entry, lookup):
+        asked.append((src, dst, tuple(via), dport, count, set(exclude), entry))
+        free = [p for p in range(49152, 49200) if p not in exclude]
+        return [(p, [(src, "eth0"), ("leaf1", "swp5"), (via[0], "swp3")])
+                for p in free[:count]]
+
+    monkeypatch.setattr(pinning, "pick_sports", fake_pick)
+    monkeypatch.setattr(pinning, "RouteLookup", lambda plan: nullcontext())
+    out, done = pinning.pin_paths(plan, specs)
+    assert [s.name for s in out] == [s.name for s in specs]
+    argv = {s.name: s.argv for s in out if s.role == "sender"}
+    sports = {n: roce_main.build_parser().parse_args(a).sport for n, a in argv.items()}
+    # h1's second client skips the ports its first took; h2 starts again at the bottom
+    assert sports == {"a-h1-h5": [49152, 49153], "b-h1-h6": [49154], "b-h2-h6": [49152],
+                      "c-h3-h7": None}
+    assert asked[0][:5] == ("h1", "h5", ("spine1",), ROCE_UDP_PORT, 2)
+    assert asked[0][6] == "workload traffic 'a'"
+    assert asked[1][5] == {49152, 49153}
+    assert [(p.sender, p.sports) for p in done] == [
+        ("a-h1-h5", (49152, 49153)), ("b-h1-h6", (49154,)), ("b-h2-h6", (49152,))]
+    assert done[1].paths == ("h1:eth0 -> leaf1:swp5 -> spine2:swp3",)
+    # the servers are untouched
+    assert [s for s in out if s.role == "receiver"] == [s for s in specs if s.role == "receiver"]
