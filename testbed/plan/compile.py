@@ -58,16 +58,27 @@ HTB_OVERHEAD_BYTES = 4 + 8 + 12
 # Floor of a strict class's guaranteed share; it borrows the rest first (prio 0).
 STRICT_SHARE = 0.01
 
+# ECMP's L4 hash over the 5-tuple (policy 3 with fields 0x37: addresses, protocol,
+# ports), so flows spread by port and a route lookup given the ports (`ip route get ...
+# ipproto udp sport S dport D`) predicts the path a forwarded packet takes. Policy 1
+# would reuse the skb hash RPS already computed at the first ingress, which a route
+# lookup never sees (testbed/net/paths.py; docs/roce.md, "Pinning a QP to a path").
+MULTIPATH_SYSCTLS = {
+    "net.ipv4.fib_multipath_hash_policy": "3",
+    # 0x37: source and destination address, protocol, source and destination port;
+    # written in decimal, as the kernel reads it back
+    "net.ipv4.fib_multipath_hash_fields": "55",
+}
 SWITCH_SYSCTLS = {
     "net.ipv4.ip_forward": "1",
-    "net.ipv4.fib_multipath_hash_policy": "1",   # L4 hash: ECMP spreads by ports
+    **MULTIPATH_SYSCTLS,
     "net.ipv4.conf.all.rp_filter": "0",            # ECMP paths are asymmetric
     "net.ipv4.conf.default.rp_filter": "0",
     "net.ipv6.conf.all.disable_ipv6": "1",        # no ND/MLD chatter in counters
     "net.ipv6.conf.default.disable_ipv6": "1",
 }
 HOST_SYSCTLS = {
-    "net.ipv4.fib_multipath_hash_policy": "1",
+    **MULTIPATH_SYSCTLS,
     "net.ipv4.conf.all.rp_filter": "0",
     "net.ipv4.conf.default.rp_filter": "0",
     "net.ipv6.conf.all.disable_ipv6": "1",
