@@ -20,8 +20,9 @@ all modes: mode, packets, bytes (UDP payload), wire_bytes (payload + the
 per-packet overhead), start_wall_ns, end_wall_ns (CLOCK_REALTIME ns of the
 first and last packet), wall_bps, fabric_bps (wire rate over first->last
 packet, see `interval_rate_bps`), goodput_wall_bps, goodput_fabric_bps (same
-on payload bytes), dilation, stopped_by ('count', 'duration', 'idle', 'done',
-'parent', 'signal:SIGTERM', ...), wire_overhead_bytes.
+on payload bytes), dilation, stopped_by ('count', 'duration', 'duration_blocked'
+(a datagram was still blocked behind a paused port at the scheduled end), 'idle',
+'done', 'parent', 'signal:SIGTERM', ...), wire_overhead_bytes.
 
 - send: set_fabric_bps, set_wall_bps, size, tos, dscp, ecn, flow_count, flows
   {flow id: {sport, packets, bytes}}, enobufs, eagain, icmp_errors,
@@ -182,10 +183,12 @@ def _make_tx_socket(bind_ip: str, sport: int, tos: int, sndbuf: int | None,
 
 
 def _send_one(sock: socket.socket, data: bytes | bytearray | memoryview, dest: tuple[str, int],
-              errs: SendErrors, life: Lifecycle) -> bool:
+              errs: SendErrors, life: Lifecycle, deadline_mono_ns: int | None = None) -> bool:
     """Send one datagram, retrying EAGAIN (send timeout), ENOBUFS and queued ICMP errors.
 
-    Returns False only if a stop was requested before it could go out.
+    Returns False if a stop was requested, or the sender's scheduled end passed, before
+    it could go out: a sender blocked behind a port that stays paused (a PFC deadlock)
+    ends at its scheduled time like any other, instead of waiting to be killed.
     """
     while True:
         try:
@@ -195,6 +198,9 @@ def _send_one(sock: socket.socket, data: bytes | bytearray | memoryview, dest: t
             if errs.absorb(e) == "icmp":
                 _drain_errqueue(sock)
         if life.should_stop():
+            return False
+        if deadline_mono_ns is not None and time.monotonic_ns() >= deadline_mono_ns:
+            life.stop("duration_blocked")
             return False
 
 
@@ -247,7 +253,7 @@ def run_send(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
             flow = packets % args.flows
             real = time.time_ns()
             pack_header_into(buf, flow, seqs[flow], real)
-            if not _send_one(socks[flow], buf, dest, errs, life):
+            if not _send_one(socks[flow], buf, dest, errs, life, end):
                 break
             mono = clock()
             if first_mono is None:
