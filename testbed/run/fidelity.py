@@ -37,8 +37,9 @@ class PortRecord:
     bits: float = 0.0
     seconds: float = 0.0
     worst_ratio: float = 1.0
-    prev: tuple[int, float, float, float, float | None] | None = None
-    # (mono_ns, tx_bytes, tx_packets, backlog, paused fabric ns or None: not reported)
+    prev: tuple[int, float, float, float, float | None, float] | None = None
+    # (mono_ns, tx_bytes, tx_packets, backlog, paused fabric ns or None: not reported,
+    #  paused now: 1 if any class of the port was paused when its agent answered)
     ratios: list[float] = field(default_factory=list)
 
     @property
@@ -64,7 +65,7 @@ class PortWatchdog:
             key = (s.node, s.port)
             if key not in self.ports:
                 continue
-            entry = now.setdefault(key, [0, 0, 0, None])
+            entry = now.setdefault(key, [0, 0, 0, None, 0.0])
             if s.counter == "tx_bytes":
                 entry[0] = s.value
             elif s.counter == "tx_packets":
@@ -75,13 +76,20 @@ class PortWatchdog:
                 # A paused class is meant to be silent (PFC): its paused time is
                 # not time the port failed to send.
                 entry[3] = s.value if entry[3] is None else max(entry[3], s.value)
-        for key, (tx_bytes, tx_packets, backlog, paused_ns) in now.items():
+            elif s.counter == "paused" and s.value is not None:
+                entry[4] = max(entry[4], s.value)
+        for key, (tx_bytes, tx_packets, backlog, paused_ns, paused_now) in now.items():
             rec = self.ports[key]
             rec.paused_seen = rec.paused_seen or paused_ns is not None
             if rec.prev is not None:
-                p_mono, p_bytes, p_packets, p_backlog, p_paused = rec.prev
+                p_mono, p_bytes, p_packets, p_backlog, p_paused, p_paused_now = rec.prev
                 dt = (mono_ns - p_mono) / 1e9
-                if paused_ns is None or p_paused is None:
+                if paused_now or p_paused_now:
+                    # Paused at either end: a PFC agent answers a little after the
+                    # collector's instant, so its paused time can lag the interval (a
+                    # port paused all through read as paused for 12 of 157 us).
+                    dt = 0.0
+                elif paused_ns is None or p_paused is None:
                     if rec.paused_seen:
                         dt = 0.0   # how long it was paused is unknown: not judged
                 else:
@@ -95,7 +103,7 @@ class PortWatchdog:
                     rec.seconds += dt
                     ratio = wire * 8 / dt / rec.wall_rate_bps
                     rec.worst_ratio = min(rec.worst_ratio, ratio)
-            rec.prev = (mono_ns, tx_bytes, tx_packets, backlog, paused_ns)
+            rec.prev = (mono_ns, tx_bytes, tx_packets, backlog, paused_ns, paused_now)
 
     def notes(self, dilation: Dilation) -> list[str]:
         out = []

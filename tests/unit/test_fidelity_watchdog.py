@@ -71,3 +71,19 @@ def test_a_port_whose_pause_time_went_unreported_is_not_judged():
         paused += Dilation(1000).to_fabric_ns(PERIOD_NS)
     assert wd.notes(Dilation(1000)) == []
     assert wd.ports[("sw1", port)].intervals == 0
+
+
+def test_a_port_paused_at_both_ends_is_not_judged_even_if_its_paused_time_lags():
+    """A PFC agent answers a little after the collector's instant: a port paused all
+    through an interval was once read as paused for 12 of its 157 us. The paused gauge
+    at either end of the interval is enough to leave it out."""
+    wd, port, egress = _watchdog()
+    for i in range(8):
+        wd.observe(i * PERIOD_NS, [Sample("sw1", port, -1, "tx_bytes", 0),
+                                   Sample("sw1", port, -1, "tx_packets", 0),
+                                   Sample("sw1", port, 3, "backlog_bytes",
+                                          10 * egress.burst_bytes),
+                                   Sample("sw1", port, 3, "paused_ns", 1000.0 * i),
+                                   Sample("sw1", port, 3, "paused", 1.0)])
+    assert wd.notes(Dilation(1000)) == []
+    assert wd.ports[("sw1", port)].intervals == 0
