@@ -537,6 +537,7 @@ class Agent:
                 return {"model": "off"}             # line rate and empty: nothing to model
             buf = self.rx_buffers[key] = RxBuffer.start(
                 arrived, now, xoff, xon, headroom, rate, port.rate_bps)
+            buf.empty_bytes = port.frame_bytes
             buf.overflow_bytes = self.overflow_bytes.get(key, 0.0)
         else:
             change = buf.set_rate(rate, arrived, now)

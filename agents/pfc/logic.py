@@ -162,6 +162,10 @@ class RxBuffer:
     peak_bytes: float = 0.0
     overflow_bytes: float = 0.0
     want_pause: bool = False
+    # "Empty" for `finished`: arrivals are added at the poll that sees them, so at line
+    # rate under a steady stream the sampled level is the last poll's frame or two,
+    # never 0. The agent sets one full frame.
+    empty_bytes: float = 0.0
 
     @classmethod
     def start(cls, arrived_bytes: int, now_ns: float, xoff_bytes: int, xon_bytes: int,
@@ -202,8 +206,9 @@ class RxBuffer:
 
     @property
     def finished(self) -> bool:
-        """Line rate again and empty: the model can stop."""
-        return self.rate_bps is None and self.level_bytes <= 0 and not self.want_pause
+        """Line rate again and empty (up to `empty_bytes`): the model can stop."""
+        return (self.rate_bps is None and self.level_bytes <= self.empty_bytes
+                and not self.want_pause)
 
     def next_poll_ns(self, now_ns: float, min_ns: float, max_ns: float) -> float:
         """When the next threshold crossing could happen at the earliest, clamped to

@@ -175,3 +175,11 @@ def test_rx_buffer_polls_no_later_than_the_earliest_crossing():
 def test_rx_buffer_counter_reset_adds_nothing():
     b = _buf()
     assert b.advance(10, 5.0) is None and b.level_bytes == 0
+
+
+def test_rx_buffer_at_line_rate_under_a_stream_counts_a_frame_as_empty():
+    b = _buf(rate_bps=None)
+    b.empty_bytes = 9038
+    for t in range(1, 10):                       # 1000 B per 1000 ns: 8 Gb/s < line rate
+        b.advance(1_000_000 + 1000 * t, 1000.0 * t)
+    assert b.level_bytes == pytest.approx(1000) and b.finished
