@@ -459,16 +459,8 @@ class Agent:
                    "drain": self._cmd_drain}.get(op)  # type: ignore[arg-type]
         if handler is None:
             raise ValueError(f"unknown op {op!r} (pfc, rate, drain)")
-        reply = handler(request)
+        reply = handler(request)          # each logs its agent_command event once applied
         self.commands += 1
-        port = request.get("port", "")
-        tc = request.get("tc", -1)
-        # The request as given, then what applying it found (the reply wins a clash);
-        # the event line's own keys are not the client's to set.
-        detail = {k: v for k, v in {**request, **reply}.items()
-                  if k not in ("op", "port", "tc", "kind", "node", "tclass", "mono_ns")}
-        self.log("agent_command", port if isinstance(port, str) else "",
-                 tc if isinstance(tc, int) else -1, op=op, **detail)
         self.flush_log()
         return reply
 
@@ -488,6 +480,7 @@ class Agent:
         if not enabled and self.timer.is_paused(port.ifname, tc, now):
             self.timer.on_frame(port.ifname, tc, 0, now)
             self._apply(port, tc, now)
+        self.log("agent_command", port.ifname, tc, op="pfc", enabled=enabled)
         return {"enabled": enabled, "paused_tx": self.requests.paused(port.ifname, tc)}
 
     def _cmd_rate(self, request: dict) -> dict:
@@ -512,6 +505,8 @@ class Agent:
         for (ifname, _tc), buf in self.rx_buffers.items():
             if ifname == port.ifname:
                 buf.line_rate_bps = rate
+        self.log("agent_command", port.ifname, -1, op="rate", rate_bps=rate,
+                 wall_rate_bps=wall, burst_bytes=port.burst_bytes, gates_set=reopened)
         return {"gates_set": reopened}
 
     def _cmd_drain(self, request: dict) -> dict:
@@ -532,9 +527,12 @@ class Agent:
         now = self.now_fabric_ns()
         arrived = self._arrived(port, tc)
         buf = self.rx_buffers.get(key)
+        if buf is None and rate is None:            # line rate and empty: nothing to model
+            self.log("agent_command", port.ifname, tc, op="drain", rate_bps=None,
+                     xoff_bytes=xoff, xon_bytes=xon, headroom_bytes=headroom, model="off",
+                     level_bytes=0)
+            return {"model": "off", "level_bytes": 0}
         if buf is None:
-            if rate is None:
-                return {"model": "off"}             # line rate and empty: nothing to model
             buf = self.rx_buffers[key] = RxBuffer.start(
                 arrived, now, xoff, xon, headroom, rate, port.rate_bps)
             buf.empty_bytes = port.frame_bytes
@@ -546,8 +544,11 @@ class Agent:
             if change is not None:
                 self._rx_buffer_pause(port, tc, buf, change, now, now, buf.level_bytes)
         self.poll_rx_buffers()
-        return {"model": "on" if key in self.rx_buffers else "off",
-                "level_bytes": round(buf.level_bytes)}
+        model = "on" if key in self.rx_buffers else "off"
+        self.log("agent_command", port.ifname, tc, op="drain", rate_bps=rate,
+                 xoff_bytes=xoff, xon_bytes=xon, headroom_bytes=headroom, model=model,
+                 level_bytes=round(buf.level_bytes))
+        return {"model": model, "level_bytes": round(buf.level_bytes)}
 
     def snapshot(self) -> dict:
         now = self.now_fabric_ns()
