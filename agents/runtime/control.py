@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 MAX_REQUEST_BYTES = 64 * 1024     # one command line; an agent's commands are a few hundred B
@@ -27,7 +28,7 @@ REQUEST_TIMEOUT_S = 2.0           # a client that connects and says nothing is d
 MAX_CLIENTS = 16                  # connections served at once; more are told to retry
 
 
-def _bind_private(path: str) -> socket.socket:
+def _bind_private(path: str, backlog: int = 8) -> socket.socket:
     """A listening UNIX stream socket at `path` (replacing a stale file), mode 0600."""
     try:
         os.unlink(path)
@@ -39,7 +40,7 @@ def _bind_private(path: str) -> socket.socket:
         sock.bind(path)
     finally:
         os.umask(old)
-    sock.listen(8)
+    sock.listen(backlog)
     return sock
 
 
@@ -105,7 +106,7 @@ class CommandServer:
         self.path = path
         self._handler = handler
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
-        self._sock = _bind_private(path)
+        self._sock = _bind_private(path, backlog=64)
         self._thread = threading.Thread(target=self._serve, name="commands", daemon=True)
         self._thread.start()
 
@@ -123,15 +124,18 @@ class CommandServer:
                              daemon=True).start()
 
     def _client(self, conn: socket.socket) -> None:
-        try:
-            with conn:
-                conn.settimeout(REQUEST_TIMEOUT_S)
+        with conn:
+            conn.settimeout(REQUEST_TIMEOUT_S)
+            try:
                 line = self._read_line(conn)
-                self._answer(conn, self._reply(line))
-                if isinstance(line, str) and "larger" in line:
-                    self._discard(conn)
-        finally:
-            self._slots.release()
+                reply = self._reply(line)
+            finally:
+                # Free the slot before answering: a client that has its answer may
+                # connect again at once, before this thread is done closing.
+                self._slots.release()
+            self._answer(conn, reply)
+            if isinstance(line, str) and "larger" in line:
+                self._discard(conn)
 
     @staticmethod
     def _discard(conn: socket.socket, limit_bytes: int = 16 * MAX_REQUEST_BYTES) -> None:
@@ -221,10 +225,20 @@ def send_command(path: str, request: dict, timeout_s: float = 2.0) -> dict:
         line = json.dumps(request).encode() + b"\n"
     except (TypeError, ValueError) as exc:
         return {"ok": False, "error": f"request not JSON-serialisable: {exc}"}
+    deadline = time.monotonic() + timeout_s
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
-            sock.connect(path)
+            while True:
+                try:
+                    sock.connect(path)
+                    break
+                except BlockingIOError:
+                    # The server's backlog is full (a burst of clients): a UNIX socket
+                    # with a timeout says EAGAIN instead of waiting. Retry until due.
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError("the agent's command backlog stayed full") from None
+                    time.sleep(0.002)
             sock.sendall(line)
             data = bytearray()
             while b"\n" not in data:
