@@ -87,6 +87,7 @@ class PortCounters:
     frames_rx: int = 0
     storms: int = 0
     send_errors: int = 0      # frames of this class the port could not send (link down)
+    gate_errors: int = 0      # gate changes the kernel refused
 
 
 @dataclass
@@ -263,7 +264,15 @@ class Agent:
         key = (port.ifname, prio)
         if self.paused_state.get(key, False) != paused:
             t0 = time.monotonic_ns()
-            self.gate.set(port, prio, paused)
+            try:
+                self.gate.set(port, prio, paused)
+            except OSError as exc:
+                # The kernel refused the change (the port is gone, or tc is busy): count
+                # it and keep the old state, so a later change of the pause state tries again.
+                port.counters[prio].gate_errors += 1
+                self.log("pfc_gate_error", port.ifname, prio, paused=paused,
+                         errno=exc.errno, error=str(exc))
+                return
             self.paused_state[key] = paused
             # gate_us: the netlink change (and the kick on reopening), wall time
             self.log("pfc_paused" if paused else "pfc_resumed", port.ifname, prio,
@@ -560,6 +569,7 @@ class Agent:
                        "paused_ns": round(self.timer.paused_ns(port.ifname, tc, now)),
                        "paused": int(self.timer.is_paused(port.ifname, tc, now)),
                        "storms": c.storms, "send_errors": c.send_errors,
+                       "gate_errors": c.gate_errors,
                        "pfc_enabled": int(self.requests.enabled(port.ifname, tc))}
                 if not self.is_switch:
                     buf = self.rx_buffers.get((port.ifname, tc))
