@@ -18,12 +18,22 @@ exec`, which remounts /sys and hides the pinned BPF maps). It
   or XON arrives;
 - with `--watchdog-ns`, declares a class paused longer than that stormed and
   forwards it regardless until the pauses stop (what switch OSes ship);
+- (hosts, once told by a `drain` command) models the NIC's receive buffer
+  of a class: it fills with what the switch port toward the host delivers
+  (that port's departure counter, read from its pinned maps) and drains at
+  the set rate; at XOFF the host pauses its switch, at XON it resumes;
+- takes commands on --command-sock (one JSON line each way,
+  agents.runtime.control): `pfc` (PFC off / on for a (port, class)), `rate`
+  (a port's new rate: pause times, gate rate) and `drain` (the receive-buffer
+  model), each logged as an `agent_command` event;
 - serves per-(port, priority) counters on --control-sock and appends every
   XOFF/XON/pause/storm as a JSON line to --events.
 
 All thresholds and times come from the plan in fabric units; the Dilation
 converts. Hosts run the agent too: they obey pauses (their NIC class stops
-and blocking sends push back on the application); they do not send PFC.
+and blocking sends push back on the application), and send PFC only from the
+receive-buffer model. A frame that cannot be sent (the link is down:
+ENETDOWN / ENXIO) is counted (`send_errors`) and the agent keeps going.
 """
 
 from __future__ import annotations
@@ -39,9 +49,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents.pfc import gate as gates
-from agents.pfc.logic import INGRESS, PauseRequests, PauseTimer, egress_reason
-from agents.portmaps import NODE_DIR, NodeMaps, PortMaps
-from agents.runtime.control import serve_snapshots
+from agents.pfc.logic import (
+    INGRESS,
+    RX_BUFFER,
+    Action,
+    PauseRequests,
+    PauseTimer,
+    RxBuffer,
+    egress_reason,
+)
+from agents.portmaps import NODE_DIR, STATE_FIELDS, NodeMaps, PortMaps
+from agents.runtime.control import CommandInbox, serve_commands, serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
 from agents.timebase import Dilation
@@ -52,6 +70,14 @@ PACKET_QDISC_BYPASS = 20      # a PFC frame is a MAC control frame: it skips the
 PIN_ROOT = Path("/sys/fs/bpf/tb")
 RESCAN_WALL_NS = 20_000_000   # full rescan of the node's flags (a lost event, new contributors)
 MAX_WAIT_WALL_NS = 20_000_000
+# The receive-buffer model polls its arrivals counter no later than the earliest moment
+# the level could cross a threshold (RxBuffer.next_poll_ns), and at least this often
+# close to one: 0.25 us of fabric time keeps the XOFF within ~1 us of the crossing with
+# room for the agent's own latency. The wall floor keeps a low dilation from spinning.
+DRAIN_POLL_MIN_FABRIC_NS = 250
+DRAIN_POLL_MIN_WALL_NS = 20_000
+DRAIN_POLL_MAX_WALL_NS = 5_000_000
+DEP_BYTES = STATE_FIELDS.index("dep_bytes")
 
 
 @dataclass
@@ -60,6 +86,8 @@ class PortCounters:
     xon_tx: int = 0
     frames_rx: int = 0
     storms: int = 0
+    send_errors: int = 0      # frames of this class the port could not send (link down)
+    gate_errors: int = 0      # gate changes the kernel refused
 
 
 @dataclass
@@ -79,6 +107,7 @@ class Port:
     kick: socket.socket                # same port, through its qdisc (see Gate.set)
     maps: PortMaps | None
     counters: dict[int, PortCounters] = field(default_factory=dict)
+    peer_maps: PortMaps | None = None  # hosts: the switch port toward this NIC (arrivals)
 
 
 class Gate:
@@ -93,15 +122,19 @@ class Gate:
     def __init__(self, ports: list[Port]) -> None:
         self.messages: dict[tuple[str, int, bool], bytes] = {}
         for port in ports:
-            for tc, cls in port.pfc_classes.items():
-                major, minor = cls["classid"].split(":")
-                leaf = int(cls["leaf_handle"].rstrip(":"), 16) << 16
-                opened, closed = gates.tbf_messages(
-                    port.ifindex, leaf, (int(major, 16) << 16) | int(minor, 16),
-                    port.wall_rate_bps, port.burst_bytes, port.frame_bytes, cls["limit_bytes"])
-                self.messages[(port.ifname, tc, False)] = opened
-                self.messages[(port.ifname, tc, True)] = closed
+            self.compile(port)
         self.netlink = gates.Requester()
+
+    def compile(self, port: Port) -> None:
+        """(Re)encode the port's gate messages from its rate and burst now."""
+        for tc, cls in port.pfc_classes.items():
+            major, minor = cls["classid"].split(":")
+            leaf = int(cls["leaf_handle"].rstrip(":"), 16) << 16
+            opened, closed = gates.tbf_messages(
+                port.ifindex, leaf, (int(major, 16) << 16) | int(minor, 16),
+                port.wall_rate_bps, port.burst_bytes, port.frame_bytes, cls["limit_bytes"])
+            self.messages[(port.ifname, tc, False)] = opened
+            self.messages[(port.ifname, tc, True)] = closed
 
     def set(self, port: Port, tc: int, paused: bool) -> None:
         self.netlink.request(self.messages[(port.ifname, tc, paused)])
@@ -111,7 +144,10 @@ class Gate:
             # the port, and a sender blocked on its full queue enqueues nothing that
             # would. One frame through the port's qdisc (a PFC frame that enables no
             # priority: receivers ignore it) makes it dequeue at once.
-            port.kick.send(pfcwire.encode(port.mac, {}))
+            try:
+                port.kick.send(pfcwire.encode(port.mac, {}))
+            except OSError:     # link down: nothing to dequeue for until it is back
+                port.counters[tc].send_errors += 1
 
     def close(self) -> None:
         self.netlink.close()
@@ -182,6 +218,11 @@ class Agent:
         self.next_rescan = 0
         self.rescans = 0
         self.wakeups = 0
+        self.commands = 0
+        self.rx_buffers: dict[tuple[str, int], RxBuffer] = {}     # hosts: (port, tc)
+        self.overflow_bytes: dict[tuple[str, int], float] = {}   # kept after a model ends
+        self.next_drain_poll: float | None = None                # fabric ns
+        self.inbox = CommandInbox()
 
     def now_fabric_ns(self) -> float:
         return self.dilation.to_fabric_ns(time.monotonic_ns() - self.t0)
@@ -212,6 +253,8 @@ class Agent:
             if prio not in port.pfc_classes:
                 continue              # priorities without PFC are never paused
             port.counters[prio].frames_rx += 1
+            if not self.requests.enabled(port.ifname, prio):
+                continue              # PFC off for this class here: counted, not obeyed
             pause_ns = quanta * pfcwire.quantum_ns(port.rate_bps)
             self.timer.on_frame(port.ifname, prio, pause_ns, now)
             self._apply(port, prio, now, quanta=quanta)
@@ -221,7 +264,15 @@ class Agent:
         key = (port.ifname, prio)
         if self.paused_state.get(key, False) != paused:
             t0 = time.monotonic_ns()
-            self.gate.set(port, prio, paused)
+            try:
+                self.gate.set(port, prio, paused)
+            except OSError as exc:
+                # The kernel refused the change (the port is gone, or tc is busy): count
+                # it and keep the old state, so a later change of the pause state tries again.
+                port.counters[prio].gate_errors += 1
+                self.log("pfc_gate_error", port.ifname, prio, paused=paused,
+                         errno=exc.errno, error=str(exc))
+                return
             self.paused_state[key] = paused
             # gate_us: the netlink change (and the kick on reopening), wall time
             self.log("pfc_paused" if paused else "pfc_resumed", port.ifname, prio,
@@ -231,7 +282,7 @@ class Agent:
                                 round((t0 - self.rx_mono) / 1e3, 1)))
 
     # -- sending pauses ---------------------------------------------------------------
-    def _send(self, action, occupancy: int | None = None,
+    def _send(self, action: Action, occupancy: float | None = None,
               crossed_mono_ns: int | None = None) -> None:
         port = self.by_name.get(action.ingress)
         if port is None or action.priority not in port.pfc_classes:
@@ -241,8 +292,17 @@ class Agent:
         frame = self.frames.get(key)
         if frame is None:
             frame = self.frames[key] = pfcwire.encode(port.mac, {action.priority: quanta})
-        port.sock.send(frame)
         c = port.counters[action.priority]
+        try:
+            port.sock.send(frame)
+        except OSError as exc:
+            # The link is down (ENETDOWN, ENXIO) or the socket has a pending error: the
+            # frame is lost as on a dead wire. The pause state stays what was decided, so
+            # the next refresh (or the peer's own pause timeout) settles it once it is up.
+            c.send_errors += 1
+            self.log("pfc_send_error", port.ifname, action.priority, xoff=action.xoff,
+                     errno=exc.errno, error=os.strerror(exc.errno) if exc.errno else str(exc))
+            return
         if action.xoff:
             c.xoff_tx += 1
         else:
@@ -253,7 +313,8 @@ class Agent:
                    self.dilation.to_fabric_ns(max(0, time.monotonic_ns() - crossed_mono_ns)))
         self.log("pfc_xoff" if action.xoff else "pfc_xon", port.ifname, action.priority,
                  peer_node=port.peer_node, peer_port=port.peer_port, quanta=quanta,
-                 occupancy_bytes=occupancy, reason=action.reason, crossed_ns_ago=crossed)
+                 occupancy_bytes=None if occupancy is None else round(occupancy),
+                 reason=action.reason, crossed_ns_ago=crossed)
 
     def _ingress_flag(self, tc: int, slot: int, now: float, crossed: int | None) -> None:
         """Make the "ingress" reason of (slot, tc) what the node's map says."""
@@ -324,22 +385,208 @@ class Agent:
         for action in self.requests.refresh(now):
             self._send(action)
 
+    # -- the host NIC's receive-buffer model ----------------------------------------
+    def _arrived(self, port: Port, tc: int) -> int:
+        """Bytes of class `tc` the switch port toward this NIC has delivered so far."""
+        if port.peer_maps is None:
+            pin = PIN_ROOT / self.lab / port.peer_node / port.peer_port
+            if not (pin / "maps").exists():
+                raise ValueError(f"no port program pinned at {pin}: arrivals cannot be "
+                                 "counted")
+            port.peer_maps = PortMaps(pin)
+        return int(port.peer_maps.row(tc)[DEP_BYTES])
+
+    def poll_rx_buffers(self) -> None:
+        """Advance every receive-buffer model to now; XOFF / XON where a level crossed."""
+        now = self.now_fabric_ns()
+        for key, buf in list(self.rx_buffers.items()):
+            port = self.by_name[key[0]]
+            before_ns, before_level = buf.last_ns, buf.level_bytes
+            change = buf.advance(self._arrived(port, key[1]), now)
+            self.overflow_bytes[key] = buf.overflow_bytes
+            if change is not None:
+                self._rx_buffer_pause(port, key[1], buf, change, now, before_ns, before_level)
+            if buf.finished:
+                del self.rx_buffers[key]
+                self.log("rx_buffer_off", port.ifname, key[1],
+                         peak_bytes=round(buf.peak_bytes),
+                         overflow_bytes=round(buf.overflow_bytes))
+        self._plan_drain_poll(now)
+
+    def _rx_buffer_pause(self, port: Port, tc: int, buf: RxBuffer, xoff: bool, now: float,
+                         before_ns: float, before_level: float) -> None:
+        crossed_mono = None
+        if xoff and buf.level_bytes > before_level:
+            # Where between the two polls the level passed XOFF (linear): the model's
+            # share of the reaction time, as crossed_ns_ago is for a switch.
+            frac = (buf.xoff_bytes - before_level) / (buf.level_bytes - before_level)
+            crossed = before_ns + min(1.0, max(0.0, frac)) * (now - before_ns)
+            crossed_mono = self.t0 + round(self.dilation.to_wall_ns(crossed))
+        action = self.requests.set(port.ifname, tc, RX_BUFFER, xoff, now)
+        if action:
+            self._send(action, buf.level_bytes, crossed_mono)
+
+    def _plan_drain_poll(self, now: float) -> None:
+        if not self.rx_buffers:
+            self.next_drain_poll = None
+            return
+        low = max(DRAIN_POLL_MIN_FABRIC_NS, self.dilation.to_fabric_ns(DRAIN_POLL_MIN_WALL_NS))
+        high = max(low, self.dilation.to_fabric_ns(DRAIN_POLL_MAX_WALL_NS))
+        self.next_drain_poll = min(buf.next_poll_ns(now, low, high)
+                                   for buf in self.rx_buffers.values())
+
+    # -- commands (--command-sock) ----------------------------------------------------
+    def _port_class(self, request: dict, need_tc: bool = True) -> tuple[Port, int]:
+        port = self.by_name.get(request.get("port"))  # type: ignore[arg-type]
+        if port is None:
+            raise ValueError(f"no port {request.get('port')!r} on {self.node} "
+                             f"(ports: {', '.join(self.by_name)})")
+        if not need_tc:
+            return port, -1
+        tc = request.get("tc")
+        if not isinstance(tc, int) or tc not in port.pfc_classes:
+            raise ValueError(f"{port.ifname} has no PFC class {tc!r} "
+                             f"(PFC classes: {sorted(port.pfc_classes)})")
+        return port, tc
+
+    @staticmethod
+    def _count(request: dict, key: str, *, optional: bool = False,
+               positive: bool = False) -> int | None:
+        value = request.get(key)
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (
+                positive and value <= 0):
+            raise ValueError(f"{key} must be a {'positive' if positive else 'non-negative'} "
+                             f"number, not {value!r}")
+        return int(value)
+
+    def command(self, request: dict) -> dict:
+        """Apply one request (in the main loop's thread); the reply's fields."""
+        op = request.get("op")
+        handler = {"pfc": self._cmd_pfc, "rate": self._cmd_rate,
+                   "drain": self._cmd_drain}.get(op)  # type: ignore[arg-type]
+        if handler is None:
+            raise ValueError(f"unknown op {op!r} (pfc, rate, drain)")
+        reply = handler(request)          # each logs its agent_command event once applied
+        self.commands += 1
+        self.flush_log()
+        return reply
+
+    def _cmd_pfc(self, request: dict) -> dict:
+        port, tc = self._port_class(request)
+        enabled = request.get("enabled")
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled must be true or false, not {enabled!r}")
+        now = self.now_fabric_ns()
+        # Sending side: reasons stay tracked while off; the mask releases or restores.
+        action = self.requests.set_enabled(port.ifname, tc, enabled, now)
+        if action:
+            self._send(action)
+        if enabled and self.node_maps is not None:
+            self.rescan(self.node_maps)       # re-read the maps: act on a pending decision
+        # Receiving side: a class held paused by the peer reopens at once.
+        if not enabled and self.timer.is_paused(port.ifname, tc, now):
+            self.timer.on_frame(port.ifname, tc, 0, now)
+            self._apply(port, tc, now)
+        self.log("agent_command", port.ifname, tc, op="pfc", enabled=enabled)
+        return {"enabled": enabled, "paused_tx": self.requests.paused(port.ifname, tc)}
+
+    def _cmd_rate(self, request: dict) -> dict:
+        port, _ = self._port_class(request, need_tc=False)
+        rate = self._count(request, "rate_bps", positive=True)
+        wall = self._count(request, "wall_rate_bps", positive=True)
+        burst = self._count(request, "burst_bytes", optional=True, positive=True)
+        assert rate is not None and wall is not None
+        port.rate_bps, port.wall_rate_bps = rate, wall
+        if burst is not None:
+            port.burst_bytes = burst
+        # Pause quanta convert at the new rate from now on (received frames and the
+        # refresh period); pauses already running keep the time they were given.
+        self.requests.refresh_ns[port.ifname] = (
+            0.5 * pfcwire.MAX_QUANTA * pfcwire.quantum_ns(port.rate_bps))
+        self.gate.compile(port)
+        reopened = []
+        for tc in port.pfc_classes:
+            if not self.paused_state.get((port.ifname, tc), False):
+                self.gate.set(port, tc, False)     # an open gate runs at the new rate now
+                reopened.append(tc)
+        for (ifname, _tc), buf in self.rx_buffers.items():
+            if ifname == port.ifname:
+                buf.line_rate_bps = rate
+        self.log("agent_command", port.ifname, -1, op="rate", rate_bps=rate,
+                 wall_rate_bps=wall, burst_bytes=port.burst_bytes, gates_set=reopened)
+        return {"gates_set": reopened}
+
+    def _cmd_drain(self, request: dict) -> dict:
+        port, tc = self._port_class(request)
+        if self.is_switch:
+            raise ValueError("drain models a host NIC's receive buffer; this is a switch")
+        rate = self._count(request, "rate_bps", optional=True)
+        pfc = port.pfc_classes[tc]["pfc"] or {}
+        xoff = self._count(request, "xoff_bytes", optional=True, positive=True)
+        xon = self._count(request, "xon_bytes", optional=True)
+        headroom = self._count(request, "headroom_bytes", optional=True)
+        xoff = pfc.get("xoff_bytes", 0) if xoff is None else xoff
+        xon = pfc.get("xon_bytes", 0) if xon is None else xon
+        headroom = pfc.get("headroom_bytes", 0) if headroom is None else headroom
+        if not xoff:
+            raise ValueError("xoff_bytes needed (the class plan has none)")
+        key = (port.ifname, tc)
+        now = self.now_fabric_ns()
+        arrived = self._arrived(port, tc)
+        buf = self.rx_buffers.get(key)
+        if buf is None and rate is None:            # line rate and empty: nothing to model
+            self.log("agent_command", port.ifname, tc, op="drain", rate_bps=None,
+                     xoff_bytes=xoff, xon_bytes=xon, headroom_bytes=headroom, model="off",
+                     level_bytes=0)
+            return {"model": "off", "level_bytes": 0}
+        if buf is None:
+            buf = self.rx_buffers[key] = RxBuffer.start(
+                arrived, now, xoff, xon, headroom, rate, port.rate_bps)
+            buf.empty_bytes = port.frame_bytes
+            buf.overflow_bytes = self.overflow_bytes.get(key, 0.0)
+        else:
+            change = buf.set_rate(rate, arrived, now)
+            buf.xoff_bytes, buf.xon_bytes = xoff, min(xon, xoff)
+            buf.capacity_bytes = xoff + headroom
+            if change is not None:
+                self._rx_buffer_pause(port, tc, buf, change, now, now, buf.level_bytes)
+        self.poll_rx_buffers()
+        model = "on" if key in self.rx_buffers else "off"
+        self.log("agent_command", port.ifname, tc, op="drain", rate_bps=rate,
+                 xoff_bytes=xoff, xon_bytes=xon, headroom_bytes=headroom, model=model,
+                 level_bytes=round(buf.level_bytes))
+        return {"model": model, "level_bytes": round(buf.level_bytes)}
+
     def snapshot(self) -> dict:
         now = self.now_fabric_ns()
         rows = []
         for port in self.ports:
             for tc, c in port.counters.items():
-                rows.append({"port": port.ifname, "tclass": tc, "pause_tx": c.xoff_tx,
-                             "xon_tx": c.xon_tx, "pause_rx": c.frames_rx,
-                             "paused_ns": round(self.timer.paused_ns(port.ifname, tc, now)),
-                             "paused": int(self.timer.is_paused(port.ifname, tc, now)),
-                             "storms": c.storms})
+                row = {"port": port.ifname, "tclass": tc, "pause_tx": c.xoff_tx,
+                       "xon_tx": c.xon_tx, "pause_rx": c.frames_rx,
+                       "paused_ns": round(self.timer.paused_ns(port.ifname, tc, now)),
+                       "paused": int(self.timer.is_paused(port.ifname, tc, now)),
+                       "storms": c.storms, "send_errors": c.send_errors,
+                       "gate_errors": c.gate_errors,
+                       "pfc_enabled": int(self.requests.enabled(port.ifname, tc))}
+                if not self.is_switch:
+                    buf = self.rx_buffers.get((port.ifname, tc))
+                    row["rx_buffer_bytes"] = round(buf.level_bytes) if buf else 0
+                    row["rx_buffer_overflow_bytes"] = round(
+                        self.overflow_bytes.get((port.ifname, tc), 0.0))
+                rows.append(row)
         return {"mode": "pfc", "node": self.node, "ports": rows, "wakeups": self.wakeups,
-                "rescans": self.rescans}
+                "rescans": self.rescans, "commands": self.commands,
+                "send_errors": sum(c.send_errors for p in self.ports
+                                   for c in p.counters.values())}
 
     def run(self, life: Lifecycle) -> None:
         ports: dict[int, Port] = {p.sock.fileno(): p for p in self.ports}
         fds = list(ports)
+        inbox_fd = self.inbox.fileno()
+        fds.append(inbox_fd)
         node_maps = self.node_maps           # switches with tracked classes only
         ring_fd = None
         if node_maps is not None:
@@ -353,7 +600,8 @@ class Agent:
                 self.next_rescan = now_wall + RESCAN_WALL_NS
                 self.rescan(node_maps)
             wait_wall = MAX_WAIT_WALL_NS
-            for deadline in (self.timer.next_deadline_ns(), self.requests.next_refresh_ns()):
+            for deadline in (self.timer.next_deadline_ns(), self.requests.next_refresh_ns(),
+                             self.next_drain_poll):
                 if deadline is not None:
                     wait_wall = min(wait_wall, self.dilation.to_wall_ns(
                         max(0.0, deadline - self.now_fabric_ns())))
@@ -364,15 +612,24 @@ class Agent:
                 if node_maps is not None and fd == ring_fd:
                     self.on_events(node_maps)
                     continue
+                if fd == inbox_fd:
+                    self.inbox.run(self.command)
+                    continue
                 port = ports[fd]
                 while True:
                     try:
                         data = port.sock.recv(2048)
                     except BlockingIOError:
                         break
+                    except OSError:
+                        # The link went down (the socket reports ENETDOWN once); the
+                        # binding stays and frames flow again once it is back up.
+                        break
                     self.rx_mono = time.monotonic_ns()
                     self.on_frame(port, data)
                 self.rx_mono = None
+            if self.next_drain_poll is not None and self.now_fabric_ns() >= self.next_drain_poll:
+                self.poll_rx_buffers()
             self.expire()
             self.flush_log()
 
@@ -384,12 +641,24 @@ class Agent:
                     self.gate.set(self.by_name[ifname], prio, False)
                 except Exception:   # best effort while stopping
                     pass
+        # A host that stops must not leave its switch paused either.
+        for (ifname, tc), buf in self.rx_buffers.items():
+            if buf.want_pause:
+                try:
+                    action = self.requests.set(ifname, tc, RX_BUFFER, False,
+                                               self.now_fabric_ns())
+                    if action:
+                        self._send(action)
+                except Exception:   # noqa: BLE001 - best effort while stopping
+                    pass
         self.gate.close()
+        self.inbox.close()
         for port in self.ports:
             port.sock.close()
             port.kick.close()
-            if port.maps is not None:
-                port.maps.close()
+            for maps in (port.maps, port.peer_maps):
+                if maps is not None:
+                    maps.close()
         if self.node_maps is not None:
             self.node_maps.close()
         if self.events is not None:
@@ -403,6 +672,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", required=True, help="the lab's plan.json")
     parser.add_argument("--node", required=True)
     parser.add_argument("--control-sock", help="serve counters (one JSON line) here")
+    parser.add_argument("--command-sock",
+                        help="take commands here (pfc, rate, drain; one JSON line each way)")
     parser.add_argument("--events", help="append events (JSON lines) to this file")
     parser.add_argument("--watchdog-ns", type=int, default=0,
                         help="fabric ns paused before a class is declared stormed (0: off)")
@@ -426,12 +697,14 @@ def main(argv: list[str] | None = None) -> int:
     life.install_signal_handlers()
     agent = Agent(args)
     server = serve_snapshots(args.control_sock, agent.snapshot)
+    commands = serve_commands(args.command_sock, agent.inbox.submit)
     mark_ready(args.ready_file)
     try:
         agent.run(life)
     finally:
-        if server is not None:
-            server.close()
+        for srv in (server, commands):
+            if srv is not None:
+                srv.close()
         agent.close()
     report_counters(agent.snapshot())
     return 0

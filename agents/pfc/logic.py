@@ -10,6 +10,13 @@ ingress must pause or may resume (docs/datapath.md, "Buffer accounting");
 - the first reason sends XOFF, the last one going sends XON, and while paused
   the XOFF is re-sent before it expires (refresh).
 
+A (port, priority) with PFC disabled (`PauseRequests.set_enabled`, the `pfc`
+command) keeps its reasons up to date but sends nothing: a held pause is
+released with XON, and enabling it again sends XOFF if a reason is still held.
+
+Host NIC (`RxBuffer`): a receive buffer that fills with what the switch
+delivers and drains at a set rate; above XOFF the host pauses its switch.
+
 Receiving side (a port told to stop): `PauseTimer` tracks, per (port,
 priority), until when the class is paused, from quanta at the port's rate,
 and the storm watchdog declares a queue stormed when paused too long.
@@ -21,6 +28,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 INGRESS = "ingress"
+RX_BUFFER = "rx_buffer"      # a host's NIC receive buffer above its XOFF
 
 
 def egress_reason(port: str) -> str:
@@ -37,6 +45,7 @@ class Request:
     xoff_sent: int = 0
     xon_sent: int = 0
     refreshes: int = 0
+    enabled: bool = True      # PFC on for this (port, priority): frames may be sent
 
 
 @dataclass(frozen=True)
@@ -80,13 +89,27 @@ class PauseRequests:
                 out.append(action)
         return out
 
+    def set_enabled(self, ingress: str, priority: int, enabled: bool,
+                    now_ns: float) -> Action | None:
+        """PFC on or off for (ingress, priority): off releases a held pause (XON), on
+        pauses again if a reason is still held (XOFF)."""
+        req = self.requests.setdefault((ingress, priority), Request())
+        req.enabled = enabled
+        return self._settle(ingress, priority, req, "enabled" if enabled else "disabled",
+                            now_ns)
+
+    def enabled(self, ingress: str, priority: int) -> bool:
+        req = self.requests.get((ingress, priority))
+        return req is None or req.enabled
+
     def _settle(self, ingress: str, priority: int, req: Request, reason: str,
                 now_ns: float) -> Action | None:
-        if req.reasons and not req.paused:
+        want = bool(req.reasons) and req.enabled
+        if want and not req.paused:
             req.paused, req.last_xoff_ns = True, now_ns
             req.xoff_sent += 1
             return Action(ingress, priority, True, reason)
-        if not req.reasons and req.paused:
+        if not want and req.paused:
             req.paused = False
             req.xon_sent += 1
             return Action(ingress, priority, False, reason)
@@ -113,6 +136,91 @@ class PauseRequests:
     def paused(self, ingress: str, priority: int) -> bool:
         req = self.requests.get((ingress, priority))
         return bool(req and req.paused)
+
+
+@dataclass
+class RxBuffer:
+    """A host NIC's receive buffer for one class, as a fluid queue on sampled arrivals.
+
+    `arrived_bytes` is a running counter (the switch port's departures toward this
+    host); between two polls the buffer gains what arrived and loses rate x elapsed
+    fabric time, floored at 0 (an empty buffer stores no drain credit). It holds
+    at most `capacity_bytes` (XOFF + headroom): arrivals beyond that are what a real
+    NIC would drop, counted in `overflow_bytes`. Above `xoff_bytes` the host must
+    pause its switch, until the level is back at `xon_bytes` (`want_pause`).
+    `rate_bps` None is line rate: the model is done once the buffer is empty.
+    """
+
+    xoff_bytes: int
+    xon_bytes: int
+    capacity_bytes: int
+    rate_bps: float | None          # fabric drain rate; None: line rate
+    line_rate_bps: float
+    last_arrived: int = 0
+    last_ns: float = 0.0
+    level_bytes: float = 0.0
+    peak_bytes: float = 0.0
+    overflow_bytes: float = 0.0
+    want_pause: bool = False
+    # "Empty" for `finished`: arrivals are added at the poll that sees them, so at line
+    # rate under a steady stream the sampled level is the last poll's frame or two,
+    # never 0. The agent sets one full frame.
+    empty_bytes: float = 0.0
+
+    @classmethod
+    def start(cls, arrived_bytes: int, now_ns: float, xoff_bytes: int, xon_bytes: int,
+              headroom_bytes: int, rate_bps: float | None, line_rate_bps: float) -> RxBuffer:
+        """An empty buffer counting arrivals from now on."""
+        return cls(xoff_bytes, min(xon_bytes, xoff_bytes), xoff_bytes + max(0, headroom_bytes),
+                   rate_bps, line_rate_bps, last_arrived=arrived_bytes, last_ns=now_ns)
+
+    @property
+    def drain_bps(self) -> float:
+        return self.line_rate_bps if self.rate_bps is None else max(0.0, self.rate_bps)
+
+    def advance(self, arrived_bytes: int, now_ns: float) -> bool | None:
+        """Account arrivals and drain up to now; True / False when the pause state
+        changes (send XOFF / XON), None when it does not."""
+        new = max(0, arrived_bytes - self.last_arrived)   # a counter reset adds nothing
+        dt = max(0.0, now_ns - self.last_ns)
+        self.last_arrived, self.last_ns = arrived_bytes, now_ns
+        level = max(0.0, self.level_bytes - self.drain_bps * dt / 8e9) + new
+        if level > self.capacity_bytes:
+            self.overflow_bytes += level - self.capacity_bytes
+            level = float(self.capacity_bytes)
+        self.level_bytes = level
+        self.peak_bytes = max(self.peak_bytes, level)
+        if not self.want_pause and level >= self.xoff_bytes:
+            self.want_pause = True
+            return True
+        if self.want_pause and level <= self.xon_bytes:
+            self.want_pause = False
+            return False
+        return None
+
+    def set_rate(self, rate_bps: float | None, arrived_bytes: int, now_ns: float) -> bool | None:
+        """A new drain rate from now on (the time so far drains at the old one)."""
+        change = self.advance(arrived_bytes, now_ns)
+        self.rate_bps = rate_bps
+        return change
+
+    @property
+    def finished(self) -> bool:
+        """Line rate again and empty (up to `empty_bytes`): the model can stop."""
+        return (self.rate_bps is None and self.level_bytes <= self.empty_bytes
+                and not self.want_pause)
+
+    def next_poll_ns(self, now_ns: float, min_ns: float, max_ns: float) -> float:
+        """When the next threshold crossing could happen at the earliest, clamped to
+        [min_ns, max_ns] from now: arrivals come at most at line rate, so the level
+        cannot reach XOFF sooner than (XOFF - level) / line rate; draining, it cannot
+        reach XON sooner than (level - XON) / drain rate."""
+        if self.want_pause:
+            gap_bytes, bps = self.level_bytes - self.xon_bytes, self.drain_bps
+        else:
+            gap_bytes, bps = self.xoff_bytes - self.level_bytes, self.line_rate_bps
+        wait = max_ns if bps <= 0 else gap_bytes * 8e9 / bps
+        return now_ns + min(max_ns, max(min_ns, wait))
 
 
 @dataclass

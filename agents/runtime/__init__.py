@@ -1,7 +1,8 @@
 """What every agent needs and no agent owns: the shared agent runtime.
 
 - `agents.runtime.control`: the live counter snapshot on a UNIX socket
-  (--control-sock), and the client that reads it;
+  (--control-sock) and the client that reads it; commands to an agent
+  (--command-sock: `serve_commands`, `send_command`, `CommandInbox`);
 - `agents.runtime.output`: the ready file (--ready-file) and the final counters
   (stdout and --out);
 - `agents.runtime.events`: the events file (--events), JSON lines written in
