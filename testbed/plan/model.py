@@ -157,6 +157,36 @@ class TrafficClassPlan(PlanModel):
     default: bool
 
 
+class EventPortPlan(PlanModel):
+    """One egress port an event changes (issue 12 contract, section 2)."""
+
+    node: str
+    ifname: str
+    up: bool | None = None                  # link_down/up
+    loss_probability: float | None = None   # loss: the port's new total drop probability
+    egress: EgressPlan | None = None        # rate: the port's whole new egress
+    tc: int | None = None                   # pfc / ecn / host_drain: the class
+    pfc_enabled: bool | None = None         # pfc
+    ecn: EcnPlan | None = None              # ecn: the class's new curve at this port
+    drain_rate_bps: int | None = None       # host_drain: fabric rate (None: line rate)
+    drain_wall_rate_bps: int | None = None
+    xoff_bytes: int | None = None           # host_drain: the NIC receive buffer's XOFF / XON
+    xon_bytes: int | None = None
+
+
+class EventPlan(PlanModel):
+    """One fault of the timeline, applied at t0 + at_ns (issue 12 contract, section 2)."""
+
+    index: int                  # position in config `events`
+    at_ns: int                  # fabric ns after t0
+    kind: str                   # link_down|link_up|loss|rate|pfc|ecn|host_drain
+    target: str                 # "leaf1-spine1", "h8", "leaf1:swp3"
+    description: str
+    ports: list[EventPortPlan]
+    converge_ns: int = 0
+    routes: dict[str, list[RoutePlan]] | None = None   # every node's whole table, converged
+
+
 class Plan(PlanModel):
     format_version: int = PLAN_FORMAT_VERSION
     lab: str
@@ -169,6 +199,7 @@ class Plan(PlanModel):
     nodes: list[NodePlan]
     links: list[LinkPlan]
     warnings: list[str]     # fidelity risks known before anything runs
+    events: list[EventPlan] = []    # the fault timeline, sorted by at_ns
 
     @cached_property
     def timebase(self) -> Dilation:
