@@ -41,6 +41,7 @@ from testbed.run.fidelity import base_rtt_shortfall_ns
 from testbed.run.procs import AgentProcess, socket_path, start_agent
 from testbed.run.rundir import create_run_dir, machine_metadata
 from testbed.run.summary import build_summary
+from testbed.run.timeline import FabricApplier, Timeline, start_timeline
 from testbed.run.workload import (
     DEFAULT_DRAIN_WALL_NS,
     DEFAULT_SAMPLE_PERIOD_WALL_NS,
@@ -134,6 +135,7 @@ class Run:
     agents: list[tuple[AgentSpec, AgentProcess]] = field(default_factory=list)
     results: dict[str, dict] = field(default_factory=dict)
     collector: Collector | None = None
+    timeline: tuple[Timeline, FabricApplier] | None = None   # the fault timeline, if any
     results_written: bool = False
     invariants: dict | None = None
     interrupted: bool = False
@@ -330,6 +332,8 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="workload",
                         agents=len(run.specs))
     collector.start()
+    run.timeline = start_timeline(run.plan, run.store, run.agents_dir, run.t0_mono_ns,
+                                  run.notes.add)
 
 
 def wait_ready(run: Run, stop: threading.Event) -> list[str]:
@@ -391,7 +395,10 @@ def stop_agents(run: Run) -> None:
     """Stop the workload's agents and keep their results, then the captures, the fabric
     agents and the collector (whose last sample is the final one). Every workload agent is
     asked first and then waited for, so each gets the whole grace period to wind down and
-    write its counters (one after the other, the last would have waited for all)."""
+    write its counters (one after the other, the last would have waited for all). The
+    fault timeline stops first: no event is applied to a fabric whose agents are going."""
+    if run.timeline is not None:
+        run.timeline[0].stop()
     for _spec, proc in run.agents:
         proc.request_stop()
     for spec, proc in run.agents:
