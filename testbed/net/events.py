@@ -300,22 +300,27 @@ def replace_routes(plan: Plan, node_name: str, routes: list[RoutePlan]) -> dict[
 
 
 def no_route_drops(plan: Plan) -> dict[str, int]:
-    """Per node, IPv4 InNoRoutes + OutNoRoutes so far (/proc/net/snmp of its namespace)."""
+    """Per node, IPv4 packets dropped so far for want of a route: forwarded ones
+    (IpExt InNoRoutes, /proc/net/netstat) and the node's own (Ip OutNoRoutes,
+    /proc/net/snmp), read in its namespace."""
     out = {}
     for node in plan.nodes:
         with namespaces.inside(node.netns):
             # thread-self: /proc/net is the main thread's namespace, not this thread's
-            text = Path("/proc/thread-self/net/snmp").read_text()
-        out[node.name] = _snmp_no_routes(text)
+            netstat = Path("/proc/thread-self/net/netstat").read_text()
+            snmp = Path("/proc/thread-self/net/snmp").read_text()
+        out[node.name] = (_proc_counter(netstat, "IpExt:", "InNoRoutes")
+                          + _proc_counter(snmp, "Ip:", "OutNoRoutes"))
     return out
 
 
-def _snmp_no_routes(text: str) -> int:
-    lines = [line.split() for line in text.splitlines() if line.startswith("Ip:")]
+def _proc_counter(text: str, prefix: str, name: str) -> int:
+    """One counter of a /proc/net/{snmp,netstat} table (a header line, then values)."""
+    lines = [line.split() for line in text.splitlines() if line.startswith(prefix)]
     if len(lines) < 2:
         return 0
     values = dict(zip(lines[0][1:], lines[1][1:], strict=False))
-    return int(values.get("InNoRoutes", 0)) + int(values.get("OutNoRoutes", 0))
+    return int(values.get(name, 0))
 
 
 # --- egress rate and port program parameters ---------------------------------------------

@@ -333,7 +333,7 @@ def start_workload(run: Run, stop: threading.Event) -> None:
                         agents=len(run.specs))
     collector.start()
     run.timeline = start_timeline(run.plan, run.store, run.agents_dir, run.t0_mono_ns,
-                                  run.notes.add)
+                                  run.notes.add, collector)
 
 
 def wait_ready(run: Run, stop: threading.Event) -> list[str]:
@@ -476,7 +476,8 @@ def check_invariants(run: Run, view: RunView) -> dict:
     streams = stream_accounts([s for s, _ in run.agents], run.results, flow_drops, view)
     last = {name: store.last_values(name) for name in
             ("class_drops", "class_packets", "backlog_packets", "tx_dropped")}
-    out = run.collector.invariants.finish(snapshot, last, streams, host_errors)
+    link_losses = run.timeline[1].link_losses() if run.timeline else None
+    out = run.collector.invariants.finish(snapshot, last, streams, host_errors, link_losses)
     out["streams"] = streams
     out["host_socket_drops"] = {h: n for h, n in host_errors.items() if n}
     return out

@@ -6,7 +6,8 @@ an "applied" step at t0 + at_ns, and (link events that carry the converged table
 a "converged" step at t0 + at_ns + converge_ns; steps run in time order (a tie in
 plan order, an event's applied step before its converged one). Each applied step is
 recorded as a store event of kind "fault" with the event's facts and how late it was
-(`late_ns`, fabric time after its due time); a failure is a fidelity note naming the
+(`late_ns`, fabric time after its due time; `took_ns`, fabric time applying it
+took); a failure is a fidelity note naming the
 event, and the timeline carries on with the next one.
 
 `FabricApplier` is what a run applies them with: the kernel side in
@@ -30,6 +31,7 @@ from agents.timebase import Dilation
 from testbed.net import events as kernel
 from testbed.plan.model import EgressPlan, EventPlan, Plan
 from testbed.results.store import Store
+from testbed.run.collector import Collector
 from testbed.run.fabric_agents import has_pfc, pfc_command_socket
 
 APPLIED, CONVERGED = "applied", "converged"
@@ -109,8 +111,9 @@ class Timeline:
                           f"{step.event.at_ns / 1e3:g} us) could not be "
                           f"{'applied' if step.phase == APPLIED else 'converged'}: {exc}")
                 continue
+            took = round(self.timebase.to_fabric_ns(self.clock() - mono))
             self.done.append(step)
-            self.record(step, ts, mono, late, facts)
+            self.record(step, ts, mono, late, {**facts, "took_ns": took})
 
 
 def store_recorder(store: Store) -> Recorder:
@@ -144,9 +147,15 @@ class FabricApplier:
     plan: Plan
     agents_dir: Path
     send: Callable[[str, dict], dict] | None = None
+    # (ports, from fabric ns, to fabric ns or None): the run's invariant monitor is told
+    # which ports are being taken down (InvariantMonitor.quiet_ports)
+    quiet: Callable[[list[tuple[str, str]], int, int | None], None] | None = None
+    fabric_now_ns: Callable[[], int] | None = None
+    quiet_margin_ns: int = 0
     ports: dict[tuple[str, str], _PortNow] = field(default_factory=dict)
-    lost: list[kernel.LostClass] = field(default_factory=list)
     _no_route_at_down: dict[int, dict[str, int]] = field(default_factory=dict)
+    # per link-down event: what its ports' queues lost, and the black hole until converged
+    _losses: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for node in self.plan.nodes:
@@ -169,8 +178,23 @@ class FabricApplier:
 
     def _link_down(self, event: EventPlan) -> dict:
         self._no_route_at_down[event.index] = kernel.no_route_drops(self.plan)
-        lost = kernel.set_links(self.plan, self._ends(event), up=False)
-        self.lost += lost
+        ends = self._ends(event)
+        # a sample that started one period before is judged with the ports' state after
+        began = self.fabric_now_ns() - self.quiet_margin_ns if self.fabric_now_ns else 0
+        if self.quiet is not None:
+            self.quiet(ends, began, None)
+        try:
+            lost = kernel.set_links(self.plan, ends, up=False)
+        finally:
+            if self.quiet is not None and self.fabric_now_ns is not None:
+                self.quiet(ends, began, self.fabric_now_ns())
+        ports: dict[tuple[str, str, int], int] = {}
+        for x in lost:
+            ports[(x.node, x.port, x.tclass)] = ports.get((x.node, x.port, x.tclass), 0) \
+                + x.packets
+        self._losses[event.index] = {
+            "where": f"{event.description} at {event.at_ns / 1e3:g} us",
+            "packets": sum(ports.values()), "ports": ports}
         facts: dict = {"ports": [f"{n}:{i}" for n, i in self._ends(event)],
                        "lost_packets": sum(x.packets for x in lost),
                        "lost_bytes": sum(x.bytes for x in lost),
@@ -199,7 +223,22 @@ class FabricApplier:
                        if after[n] > before.get(n, 0)}
             facts["no_route_drops"] = dropped
             facts["no_route_packets"] = sum(dropped.values())
+            if event.index in self._losses:
+                self._losses[event.index]["packets"] += facts["no_route_packets"]
         return facts
+
+    def link_losses(self) -> list[dict]:
+        """Per link-down so far: {"where", "packets", "ports"} (InvariantMonitor.finish).
+        A link-down whose routes have not converged (yet, or ever) counts its black
+        hole up to now (the lab must still be up)."""
+        if self._no_route_at_down:
+            now = kernel.no_route_drops(self.plan)
+            for index, before in self._no_route_at_down.items():
+                if index in self._losses:
+                    self._losses[index]["packets"] += sum(
+                        max(0, now[n] - before.get(n, 0)) for n in now)
+            self._no_route_at_down.clear()
+        return [self._losses[i] for i in sorted(self._losses)]
 
     # -- port events --------------------------------------------------------------------
     def _loss(self, event: EventPlan) -> dict:
@@ -287,11 +326,17 @@ def _reply_facts(reply: dict) -> dict:
 
 
 def start_timeline(plan: Plan, store: Store, agents_dir: Path, t0_mono_ns: int,
-                   note: Callable[[str], None]) -> tuple[Timeline, FabricApplier] | None:
-    """The run's timeline thread, started; None when the plan has no events."""
+                   note: Callable[[str], None], collector: Collector | None = None
+                   ) -> tuple[Timeline, FabricApplier] | None:
+    """The run's timeline thread, started; None when the plan has no events. With the
+    run's `collector`, its invariant monitor is told which ports a link-down empties."""
     if not plan.events:
         return None
     applier = FabricApplier(plan, agents_dir)
+    if collector is not None:
+        applier.quiet = collector.invariants.quiet_ports
+        applier.fabric_now_ns = collector.fabric_now_ns
+        applier.quiet_margin_ns = round(plan.timebase.to_fabric_ns(collector.period_wall_ns))
     timeline = Timeline(plan.events, t0_mono_ns, plan.timebase, applier,
                         store_recorder(store), note)
     timeline.start()

@@ -87,6 +87,7 @@ def test_a_late_event_records_how_late_in_fabric_time():
     assert records[1]["late"] == 1_500
     assert records[1]["ts"] == 3_500
     assert applied[1][2] == 3_500_000
+    assert records[0]["took_ns"] == 2_500
 
 
 def test_an_event_already_due_at_start_is_applied_at_once_and_late():
