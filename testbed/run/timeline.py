@@ -68,12 +68,14 @@ class Timeline:
     def __init__(self, events: list[EventPlan], t0_mono_ns: int, timebase: Dilation,
                  apply: Applier, record: Recorder, note: Callable[[str], None], *,
                  clock: Callable[[], int] = time.monotonic_ns,
-                 wait: Callable[[float], object] | None = None) -> None:
+                 wait: Callable[[float], object] | None = None,
+                 late_tolerance_ns: int | None = None) -> None:
         self.steps = steps_of(events)
         self.t0_mono_ns = t0_mono_ns
         self.timebase = timebase
         self.apply, self.record, self.note = apply, record, note
         self.clock = clock
+        self.late_tolerance_ns = late_tolerance_ns
         self._stop = threading.Event()
         self.wait = wait or self._stop.wait
         self._thread: threading.Thread | None = None
@@ -114,6 +116,12 @@ class Timeline:
             took = round(self.timebase.to_fabric_ns(self.clock() - mono))
             self.done.append(step)
             self.record(step, ts, mono, late, {**facts, "took_ns": took})
+            if self.late_tolerance_ns is not None and late > self.late_tolerance_ns:
+                self.note(f"event {step.event.index} ({step.event.description}) was "
+                          f"{'applied' if step.phase == APPLIED else 'converged'} "
+                          f"{late / 1e3:.1f} us fabric after its time, more than a sample "
+                          "period: the run's process did not wake in time (a loaded "
+                          "machine); its counters show the change from then")
 
 
 def store_recorder(store: Store) -> Recorder:
@@ -338,6 +346,7 @@ def start_timeline(plan: Plan, store: Store, agents_dir: Path, t0_mono_ns: int,
         applier.fabric_now_ns = collector.fabric_now_ns
         applier.quiet_margin_ns = round(plan.timebase.to_fabric_ns(collector.period_wall_ns))
     timeline = Timeline(plan.events, t0_mono_ns, plan.timebase, applier,
-                        store_recorder(store), note)
+                        store_recorder(store), note, late_tolerance_ns=applier.quiet_margin_ns
+                        or None)
     timeline.start()
     return timeline, applier

@@ -8,7 +8,7 @@ from testbed.net.namespaces import list_testbed_namespaces
 from testbed.results.store import Store
 
 PERIOD_NS = 100_000          # the runs' sample period (fabric): "within one sample"
-DOWN_NS = 2_000_000
+DOWN_NS = 3_000_000
 
 
 def assert_no_lab_left(lab: str) -> None:

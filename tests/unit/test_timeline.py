@@ -165,3 +165,16 @@ def test_stop_before_start_applies_nothing():
     tl.stop()
     tl.run()
     assert applied == []
+
+
+def test_an_event_later_than_the_tolerance_is_a_fidelity_note():
+    clock = FakeClock(T0 + 4_000_000)        # 3 us fabric late for an event at 1 us
+    notes: list[str] = []
+    tl = Timeline([_event(0, 1_000)], T0, D, lambda _e, _p: {}, lambda *_a: None,
+                  notes.append, clock=clock, wait=clock.wait, late_tolerance_ns=2_000)
+    tl.run()
+    assert len(notes) == 1 and "event 0 (event 0) was applied 3.0 us fabric after" in notes[0]
+    fresh = FakeClock()
+    Timeline([_event(0, 1_000)], T0, D, lambda _e, _p: {}, lambda *_a: None, notes.append,
+             clock=fresh, wait=fresh.wait, late_tolerance_ns=2_000).run()
+    assert len(notes) == 1           # on time: no note
