@@ -211,6 +211,9 @@ def test_a_flap_leaves_no_unexplained_loss(flap_run):
     violations = [v for v in summary["invariants"]["violations"]
                   if v["invariant"] == "conservation"]
     assert not violations, violations
+    # flows moved between spines may be overtaken by their own packets: reported beside
+    # the reordering invariant, not against it
+    assert not [v for v in summary["invariants"]["violations"] if v["invariant"] == "reorder"]
     faults = fault_events(store)
     lost = faults[0]["lost_packets"] + sum(f.get("no_route_packets", 0) for f in faults)
     assert lost > 0
