@@ -124,6 +124,7 @@ class InvariantMonitor:
         # (a) is not judged on a port while its link is being taken down: the kernel has
         # freed its queue and the port program is told a moment later (timeline.py)
         self.quiet: dict[tuple[str, str], list[list[float]]] = {}
+        self.pfc_off: dict[tuple[str, int], int] = {}
 
     def quiet_ports(self, ports: list[tuple[str, str]], from_ns: int,
                     to_ns: int | None = None) -> None:
@@ -187,7 +188,8 @@ class InvariantMonitor:
     # -- at the end ---------------------------------------------------------------------
     def finish(self, snapshot: dict | None, last: dict[str, dict[tuple[str, str, int], float]],
                streams: list[dict], host_udp_errors: dict[str, int],
-               link_losses: list[dict] | None = None) -> dict:
+               link_losses: list[dict] | None = None,
+               pfc_off: dict[tuple[str, int], int] | None = None) -> dict:
         """Every invariant's verdict: {"violations": [...], "checks": {...}}.
 
         `snapshot`: datapath_snapshot() at the end (None without port programs);
@@ -195,7 +197,11 @@ class InvariantMonitor:
         (testbed/run/accounts.py `stream_accounts`); `host_udp_errors`: per host,
         UDP RcvbufErrors during the run; `link_losses`: per link-down event of the
         fault timeline, {"where", "packets" (all it lost), "ports": {(node, port,
-        tclass): packets freed in that port class's queue}}."""
+        tclass): packets freed in that port class's queue}}; `pfc_off`: (node, class)
+        -> fabric time a timeline event turned PFC off on a port of it (from then on the
+        class is lossless in name only there: its drops and overfull ingresses are
+        reported, not violations)."""
+        self.pfc_off = dict(pfc_off or {})
         out: list[Violation] = []
         out += self._queue_violations()
         out += self._headroom_violations(snapshot)
@@ -235,6 +241,9 @@ class InvariantMonitor:
             checks["conservation"]["link_losses"] = [
                 {"where": x["where"], "packets": x["packets"]} for x in link_losses]
         checks["lossless_drop"]["unprotected_drops"] = unprotected
+        if self.pfc_off:
+            checks["lossless_drop"]["pfc_off_by_events"] = {
+                f"{node} TC{tc}": ts for (node, tc), ts in sorted(self.pfc_off.items())}
         return {"checks": checks, "violations": [asdict(v) for v in out],
                 "notes": notes}
 
@@ -250,11 +259,19 @@ class InvariantMonitor:
                 f"tolerance, in {w.count} of {self.samples} samples)", w.first_ts, w.count))
         return out
 
+    def _unguarded(self, key: tuple[str, str, int], first_ts: int | None) -> bool:
+        """PFC was off (a timeline event) at this node and class when this was first
+        seen (or its time is unknown)."""
+        off = self.pfc_off.get((key[0], key[2]))
+        return off is not None and (first_ts is None or first_ts >= off)
+
     def _headroom_violations(self, snapshot: dict | None) -> list[Violation]:
         out = []
         seen = set()
         for key, w in sorted(self.headroom_bad.items(), key=lambda kv: -kv[1].amount):
             seen.add(key)
+            if self._unguarded(key, w.first_ts):
+                continue
             out.append(Violation(
                 "headroom", f"{key[0]} ingress {key[1]} TC{key[2]}", w.amount, "B",
                 f"held {format_size(w.info['value'])}, {format_size(w.amount)} above its "
@@ -264,7 +281,7 @@ class InvariantMonitor:
             for a in node["ingress"]:
                 key = (node["node"], a["port"], a["tclass"])
                 bound = self.bound.get(key)
-                if bound is None or key in seen:
+                if bound is None or key in seen or self._unguarded(key, None):
                     continue
                 peak = a["max_hdrm_bytes"] if bound[1] == "headroom_used_bytes" \
                     else a["max_bytes"]
@@ -292,9 +309,11 @@ class InvariantMonitor:
             for name in ("tail_drops", "mmu_drops", "desc_drops"):
                 if row[name]:
                     drops.setdefault(key, {})[name.replace("_drops", "")] = row[name]
+        guarded = {key for key in drops if key in self.protected
+                   and not self._unguarded(key, self.drop_first.get(key))}
         unprotected = {_where(*key): sum(parts.values()) for key, parts in drops.items()
-                       if key not in self.protected}
-        drops = {key: parts for key, parts in drops.items() if key in self.protected}
+                       if key not in guarded}
+        drops = {key: parts for key, parts in drops.items() if key in guarded}
         for key, parts in sorted(drops.items(), key=lambda kv: -sum(kv[1].values())):
             total = sum(parts.values())
             how = ", ".join(f"{n} {k}" for k, n in sorted(parts.items()))

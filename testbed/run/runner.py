@@ -476,8 +476,11 @@ def check_invariants(run: Run, view: RunView) -> dict:
     streams = stream_accounts([s for s, _ in run.agents], run.results, flow_drops, view)
     last = {name: store.last_values(name) for name in
             ("class_drops", "class_packets", "backlog_packets", "tx_dropped")}
-    link_losses = run.timeline[1].link_losses() if run.timeline else None
-    out = run.collector.invariants.finish(snapshot, last, streams, host_errors, link_losses)
+    applier = run.timeline[1] if run.timeline else None
+    out = run.collector.invariants.finish(
+        snapshot, last, streams, host_errors,
+        link_losses=applier.link_losses() if applier else None,
+        pfc_off=applier.pfc_off if applier else None)
     out["streams"] = streams
     out["host_socket_drops"] = {h: n for h, n in host_errors.items() if n}
     return out

@@ -164,6 +164,8 @@ class FabricApplier:
     _no_route_at_down: dict[int, dict[str, int]] = field(default_factory=dict)
     # per link-down event: what its ports' queues lost, and the black hole until converged
     _losses: dict[int, dict] = field(default_factory=dict)
+    # (node, class) -> fabric ns a pfc event first turned PFC off at a port of it
+    pfc_off: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for node in self.plan.nodes:
@@ -300,6 +302,9 @@ class FabricApplier:
                                            "enabled": bool(p.pfc_enabled)})
             out.append({"port": f"{p.node}:{p.ifname}", "tclass": p.tc,
                         "enabled": bool(p.pfc_enabled), "agent": _reply_facts(reply)})
+            if not p.pfc_enabled and p.tc is not None:
+                now = self.fabric_now_ns() if self.fabric_now_ns else 0
+                self.pfc_off.setdefault((p.node, p.tc), now)
         return {"changes": out}
 
     def _host_drain(self, event: EventPlan) -> dict:

@@ -3,8 +3,10 @@ socket), so they need agents that take commands (skipped where they do not).
 
 One run on a 5-host switch, PFC on, traffic from 3 to 7 ms:
 - h1, h2 -> h3 on the lossless class (2 x 60 Gb/s into 100 Gb/s): sw1 keeps pausing
-  h1 and h2. At 4.5 ms PFC goes off on sw1's port to h1 for that class: sw1 sends h1
-  no more pauses, and what h1 sends beyond its share is dropped at sw1.
+  h1 and h2. At 4.5 ms PFC goes off on every port of sw1 for that class (the config's
+  `pfc` event without `port`): sw1 sends no more pauses, and the 20 % excess is
+  dropped at sw1. (Off on one sender's port only, the other sender is paused for both,
+  and one 60 Gb/s sender alone never overflows the 100 Gb/s port.)
 - h4 -> h5 on the lossless class at 30 Gb/s: at 4.5 ms h5 stops draining its receive
   buffer (host_drain, rate 0), so its NIC sends PFC to sw1 once the buffer passes XOFF.
 """
@@ -70,10 +72,11 @@ def pfc_run(tmp_path_factory) -> Iterator[tuple[Plan, Store, dict]]:
     pfc = next(c.pfc for c in nic.egress.classes if c.tc == ROCE_TC)
     assert pfc is not None
     events = [
-        EventPlan(index=0, at_ns=AT_NS, kind="pfc", target=f"sw1:{_switch_port_to(plan, 'h1')}",
-                  description="PFC off on sw1's port to h1 (class roce)",
-                  ports=[EventPortPlan(node="sw1", ifname=_switch_port_to(plan, "h1"),
-                                       tc=ROCE_TC, pfc_enabled=False)]),
+        EventPlan(index=0, at_ns=AT_NS, kind="pfc", target="sw1",
+                  description="PFC off on every port of sw1 (class roce)",
+                  ports=[EventPortPlan(node="sw1", ifname=i.ifname, tc=ROCE_TC,
+                                       pfc_enabled=False)
+                         for i in plan.node("sw1").interfaces]),
         EventPlan(index=1, at_ns=AT_NS, kind="host_drain", target="h5",
                   description="h5 stops draining its receive buffer",
                   ports=[EventPortPlan(node="h5", ifname=nic.ifname, tc=ROCE_TC,
@@ -100,11 +103,12 @@ def test_pfc_off_stops_the_pauses_and_drops_appear(pfc_run):
     plan, store, summary = pfc_run
     fault, t = _applied(store, 0)
     assert fault["changes"][0]["enabled"] is False
-    port = _switch_port_to(plan, "h1")
-    pauses = store.series("pause_tx", node="sw1", port=port, tclass=ROCE_TC)[
-        ("sw1", port, ROCE_TC)]
-    assert value_at(pauses, fault["ts_fabric_ns"]) > 0          # congested: pausing h1
-    assert value_at(pauses, t + PERIOD_NS) == value_at(pauses, END_NS)
+    for host in ("h1", "h2"):
+        port = _switch_port_to(plan, host)
+        pauses = store.series("pause_tx", node="sw1", port=port, tclass=ROCE_TC)[
+            ("sw1", port, ROCE_TC)]
+        assert value_at(pauses, fault["ts_fabric_ns"]) > 0      # congested: pausing it
+        assert value_at(pauses, t + PERIOD_NS) == value_at(pauses, END_NS)
     drops_before = drops_after = 0.0
     for counter in DROP_COUNTERS:
         for _key, points in store.series(counter, node="sw1", tclass=ROCE_TC).items():

@@ -64,3 +64,19 @@ def test_the_queue_check_skips_a_port_while_its_link_goes_down():
               {HOT: (90_000, 90_000)})
     [v] = m.finish(EMPTY, {}, [], {})["violations"]
     assert (v["invariant"], v["ts_fabric_ns"]) == ("queue", 2_500)
+
+
+def test_drops_after_a_pfc_off_event_at_the_node_are_unprotected_not_violations():
+    def run(off_at: int) -> dict:
+        m = InvariantMonitor(PLAN)
+        m.observe(4_000, [Sample(*HOT, "tail_drops", 0)], {})
+        m.observe(5_000, [Sample(*HOT, "tail_drops", 3)], {})
+        snap = {**EMPTY, "ports": [_port(*HOT, tail_drops=3)]}
+        return m.finish(snap, {}, [], {}, pfc_off={("leaf2", 3): off_at})
+
+    after = run(4_500)
+    assert not after["violations"]
+    assert after["checks"]["lossless_drop"]["unprotected_drops"] == {"leaf2:swp4 TC3": 3}
+    assert after["checks"]["lossless_drop"]["pfc_off_by_events"] == {"leaf2 TC3": 4_500}
+    [v] = run(6_000)["violations"]              # dropped while PFC was still on
+    assert v["invariant"] == "lossless_drop"
