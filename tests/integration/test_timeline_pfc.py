@@ -116,6 +116,10 @@ def test_pfc_off_stops_the_pauses_and_drops_appear(pfc_run):
             drops_after += value_at(points, END_NS)
     assert drops_before == 0
     assert drops_after > 0
+    # PFC was turned off on purpose: its drops are unprotected, not invariant violations
+    assert not [v for v in summary["invariants"]["violations"]
+                if v["invariant"] in ("lossless_drop", "headroom")]
+    assert summary["invariants"]["checks"]["lossless_drop"]["unprotected_drops"]
 
 
 def test_host_drain_makes_the_host_pause_its_switch_port(pfc_run):
