@@ -40,3 +40,12 @@ def rate_bps_between(store: Store, node: str, port: str, t0_ns: int, t1_ns: int,
     """Fabric bit rate of a byte counter between two fabric times."""
     return counter_between(store, counter, node, port, tclass, t0_ns, t1_ns) * 8 \
         / (t1_ns - t0_ns) * 1e9
+
+
+def within_one_sample(store: Store, t_ns: int) -> int:
+    """The time of the first sample whose whole interval follows fabric time t: the one
+    after the sample that follows t. A change at t shows in the counters by then (what
+    "within one sample" can mean for a counter read at sample times)."""
+    times = store.sample_times()
+    i = bisect.bisect_right(times, t_ns) + 1
+    return times[min(i, len(times) - 1)]
