@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ask the server to check the written data byte for byte")
     p.add_argument("--start-at-mono-ns", type=argtypes.nonneg_int, default=0, metavar="MONO_NS",
                    help="after set-up, wait until CLOCK_MONOTONIC reaches this (wall ns)")
+    p.add_argument("--sport", type=argtypes.port, action="append", default=None,
+                   metavar="PORT", help="the UDP source port of a QP, once per QP in order "
+                   "(default: rxe's 0xC000 | hash(QPN)); `testbed run` gives the ports that "
+                   "pin a QP to a path (docs/roce.md, 'Pinning a QP to a path')")
     p.add_argument("--qpn-base", type=int, default=None, help=argparse.SUPPRESS)
     # test-only loss injection at the client's sender (the kernel here has no netem)
     p.add_argument("--drop-every", type=argtypes.nonneg_int, default=0, help=argparse.SUPPRESS)
@@ -127,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--size must be below 2^31")
         if args.iters is None and args.duration_ns is None:
             args.iters = 1000
+        if args.sport is not None and len(args.sport) != args.qps:
+            parser.error(f"--sport is given {len(args.sport)} times for {args.qps} QP(s); give "
+                         "it once per QP, or not at all")
+        if args.sport is not None and len(set(args.sport)) != len(args.sport):
+            parser.error("--sport: every QP needs its own source port")
     try:
         options.check(args)
     except options.OptionError as e:

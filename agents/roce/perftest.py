@@ -303,10 +303,24 @@ def _connect(server: str, port: int, bind: str | None, timeout_s: float,
 
 
 def _client_qps(local_ip: str, args: Namespace, life: Lifecycle) -> list[tuple[int, Endpoint]]:
-    """(QPN, endpoint bound to rxe_sport(QPN)) for each QP; a taken port moves to the next QPN."""
+    """(QPN, endpoint bound to rxe_sport(QPN)) for each QP; a taken port moves to the next QPN.
+    With --sport, QP i's endpoint binds the i-th port given (a QP pinned to a path): a
+    taken one is an error, since another port would take another path."""
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     qpn = args.qpn_base if args.qpn_base is not None else rng.randrange(0x100, 0xF00000)
     out: list[tuple[int, Endpoint]] = []
+    if args.sport:
+        for i, sport in enumerate(args.sport):
+            try:
+                ep = Endpoint(local_ip, sport, dscp=args.dscp, cnp_dscp=args.cnp_dscp,
+                              should_stop=life.should_stop,
+                              sndbuf_bytes=args.sndbuf_bytes or None)
+            except OSError as e:
+                for _, taken in out:
+                    taken.close()
+                raise TestError(f"QP {i}'s source port {sport} (--sport): {e.strerror}") from e
+            out.append(((qpn + i) & 0xFFFFFF or 0x100, ep))
+        return out
     used: set[int] = set()
     tries = 0
     while len(out) < args.qps:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from testbed.cli.common import EXIT_OK, CliError, add_format, load_and_plan, wide_console
@@ -56,7 +57,7 @@ def print_plan_table(plan: Plan, console: Console) -> None:
     console.print("note: link propagation and FEC delays are not emulated (no netem stage is "
                   "built): a base RTT on the fabric is shorter than these delays make it")
     for warning in plan.warnings:
-        console.print(f"[yellow]warning[/]: {warning}")
+        console.print(f"[yellow]warning[/]: {escape(warning)}")
 
 
 def run(args) -> int:

@@ -1,4 +1,7 @@
-"""`testbed run [FILE]`: run a fabric's workload (or a suite of runs) and write a run directory."""
+"""`testbed run [FILE]`: run a fabric's workload (or a suite of runs) and write a run directory.
+
+A suite with `incidents:` (configs/suites/incidents.yaml) runs as `testbed incident run
+--suite FILE` does."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from pathlib import Path
 
 import yaml
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from agents.runtime.argtypes import nonneg_int
@@ -21,7 +25,8 @@ DEFAULT_CONFIG = "configs/default.yaml"
 def add_parser(sub):
     p = sub.add_parser("run", help="up, workload, sample, down, report; prints the run directory")
     p.add_argument("file", nargs="?", default=DEFAULT_CONFIG,
-                   help=f"fabric with a workload, or a suite (default {DEFAULT_CONFIG})")
+                   help=f"fabric with a workload, or a suite: runs: or incidents: (default "
+                        f"{DEFAULT_CONFIG})")
     p.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")
     p.add_argument("--capture", action="store_true", help="write pcap files of every host NIC")
     p.add_argument("--capture-snaplen", type=nonneg_int, default=0, metavar="BYTES",
@@ -157,7 +162,7 @@ def _print_summary(console, summary: dict) -> None:
     console.print(f"drops {t['drops']:,}, ECN marks {t['ecn_marks']:,}, "
                   f"pause frames {t['pause_frames']:,}")
     for note in summary["fidelity"]:
-        console.print(f"[yellow]fidelity[/]: {note}")
+        console.print(f"[yellow]fidelity[/]: {escape(note)}")
 
 
 def run(args) -> int:
@@ -166,6 +171,11 @@ def run(args) -> int:
     except CliError as exc:
         print(exc, file=sys.stderr)
         return exc.code
+    from testbed.cli.incident import run_incident_suite
+
+    code = run_incident_suite(args.file, args)     # None: not an incident suite
+    if code is not None:
+        return code
     runs = suite_runs(args.file)
     if runs is None:
         return run_one(args.file, args)

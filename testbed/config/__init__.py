@@ -19,9 +19,12 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from testbed.config.checks import (
+    check_dscp_remap,
+    check_events,
     check_fabric,
     check_impairments,
     check_qos,
+    check_routes,
     check_topology,
     check_traffic_classes,
     check_workload,
@@ -152,6 +155,7 @@ _TEMPLATES: dict[str, str] = {
     "greater_than": "{got} is too small; use a value > {ctx[gt]}",
     "less_than_equal": "{got} is too large; use a value <= {ctx[le]}",
     "less_than": "{got} is too large; use a value < {ctx[lt]}",
+    "too_short": "give at least {ctx[min_length]} item(s), got {ctx[actual_length]}",
     "ip_v4_network": "{got} is not an IPv4 network; write it like 198.18.0.0/15, "
                      "with the host bits zero",
 }
@@ -263,7 +267,9 @@ def validate_data(data: object, lines: LineMap, file: str, text: str = "") -> Lo
     expanded = expand(fabric)
     found = [*check_fabric(fabric), *check_traffic_classes(fabric), *check_qos(fabric),
              *check_topology(fabric, expanded, sorted(PORT_TYPES)),
-             *check_workload(fabric, expanded), *check_impairments(fabric, expanded)]
+             *check_workload(fabric, expanded), *check_impairments(fabric, expanded),
+             *check_events(fabric, expanded), *check_routes(fabric, expanded),
+             *check_dscp_remap(fabric, expanded)]
     if found:
         raise ConfigError(file, [Problem(lines.line_for(loc), loc, msg) for loc, msg in found])
     return LoadedConfig(path=file, text=text, fabric=fabric, expanded=expanded, lines=lines)

@@ -7,12 +7,23 @@ a line. All problems are collected, none stops the others.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Generator, Iterable, Iterator
+import ipaddress
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 
 from testbed.config.errors import format_loc
-from testbed.config.models import Fabric, TrafficClass
+from testbed.config.models import (
+    EcnConfig,
+    EcnEvent,
+    Fabric,
+    HostDrainEvent,
+    LinkStateEvent,
+    LossEvent,
+    PfcEvent,
+    RateEvent,
+    TrafficClass,
+)
 from testbed.config.topology import Expanded
-from testbed.units import format_size
+from testbed.units import format_duration, format_rate, format_size
 from testbed.workloads.base import (
     SHAPE_FIELD_NAMES,
     CheckContext,
@@ -70,6 +81,33 @@ def check_traffic_classes(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
                "the default class; exactly one class may have default: true")
 
 
+def ecn_curve_problems(ecn: EcnConfig, loc: tuple,
+                       required: bool = False) -> Iterator[tuple[tuple, str]]:
+    """One ECN curve's form: one of preset, kmin/kmax(/pmax) or k (`required`: one must be
+    given; a port class's ecn without any is the dcqcn-paper preset)."""
+    kmin, kmax = ecn.kmin_bytes, ecn.kmax_bytes
+    forms = [ecn.preset is not None, kmin is not None or kmax is not None,
+             ecn.k_bytes is not None]
+    if sum(forms) > 1:
+        given = " and ".join(form for form, on in zip(("preset", "kmin/kmax", "k"), forms,
+                                                      strict=True) if on)
+        yield (loc, f"{given} are given together; give only one of preset, "
+               "kmin/kmax/pmax, or k (step marking)")
+    elif forms[1] and (kmin is None or kmax is None):
+        missing = "kmax" if kmax is None else "kmin"
+        yield (loc, f"{missing} is missing: kmin and kmax go together "
+               "(write k: for step marking)")
+    elif kmin is not None and kmax is not None and kmin > kmax:
+        yield (loc + ("kmin",),
+               f"{format_size(kmin)} is above kmax {format_size(kmax)}; "
+               "kmin must be <= kmax (equal values mark as a step)")
+    elif ecn.pmax is not None and not forms[1]:
+        yield loc + ("pmax",), "pmax goes with kmin/kmax; add them or remove pmax"
+    elif required and not any(forms):
+        yield (loc, "no curve given: give preset:, kmin: and kmax: (and pmax:), or k: "
+               "(step marking)")
+
+
 def check_qos(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
     tcs = {t.tc: t for t in fabric.traffic_classes}
     for name, port_class in fabric.qos.items():
@@ -78,25 +116,7 @@ def check_qos(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
             if tc not in tcs:
                 yield (loc + ("buffer", tc), f"TC{tc} is not a defined traffic class "
                        f"(defined: {_tc_list(tcs)}); remove it or define the class")
-        ecn = port_class.ecn
-        kmin, kmax = ecn.kmin_bytes, ecn.kmax_bytes
-        forms = [ecn.preset is not None, kmin is not None or kmax is not None,
-                 ecn.k_bytes is not None]
-        if sum(forms) > 1:
-            given = " and ".join(form for form, on in zip(("preset", "kmin/kmax", "k"), forms,
-                                                          strict=True) if on)
-            yield (loc + ("ecn",), f"{given} are given together; give only one of preset, "
-                   "kmin/kmax/pmax, or k (step marking)")
-        elif forms[1] and (kmin is None or kmax is None):
-            missing = "kmax" if kmax is None else "kmin"
-            yield (loc + ("ecn",), f"{missing} is missing: kmin and kmax go together "
-                   "(write k: for step marking)")
-        elif kmin is not None and kmax is not None and kmin > kmax:
-            yield (loc + ("ecn", "kmin"),
-                   f"{format_size(kmin)} is above kmax {format_size(kmax)}; "
-                   "kmin must be <= kmax (equal values mark as a step)")
-        elif ecn.pmax is not None and not forms[1]:
-            yield loc + ("ecn", "pmax"), "pmax goes with kmin/kmax; add them or remove pmax"
+        yield from ecn_curve_problems(port_class.ecn, loc + ("ecn",))
         pfc = port_class.pfc
         for i, prio in enumerate(pfc.priorities or []):
             if prio not in tcs:
@@ -305,3 +325,254 @@ def check_impairments(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tupl
         if all(end in names for end in imp.link) and frozenset(imp.link) not in pairs:
             yield loc, (f"there is no link between {imp.link[0]!r} and {imp.link[1]!r}; "
                         "name the two ends of an existing link")
+
+
+# ---- events, static routes, DSCP remaps --------------------------------------------------
+
+class _FabricIndex:
+    """Names, roles, links and classes of the expanded fabric, for the checks below."""
+
+    def __init__(self, fabric: Fabric, expanded: Expanded) -> None:
+        self.roles = {n.name: n.role for n in expanded.nodes}
+        self.names = sorted(self.roles)
+        self.hosts = [n.name for n in expanded.nodes if n.role == "host"]
+        self.links: dict[frozenset, list] = {}
+        self.neighbours: dict[str, list[str]] = {}
+        for link in expanded.links:
+            self.links.setdefault(frozenset((link.a, link.b)), []).append(link)
+            self.neighbours.setdefault(link.a, []).append(link.b)
+            self.neighbours.setdefault(link.b, []).append(link.a)
+        self.classes: dict[str | int, TrafficClass] = {t.name: t for t in fabric.traffic_classes}
+        self.classes |= {t.tc: t for t in fabric.traffic_classes}
+        self.class_names = ", ".join(f"{c.name} ({c.tc})" for c in fabric.traffic_classes)
+        self.fabric = fabric
+
+    def node(self, loc: tuple, name: str) -> Iterator[tuple[tuple, str]]:
+        if name not in self.roles:
+            yield loc, f"unknown node {name!r}{_suggest(name, self.names)}"
+
+    def link(self, loc: tuple, ends: tuple[str, str]) -> Iterator[tuple[tuple, str]]:
+        found = False
+        for j, end in enumerate(ends):
+            if end not in self.roles:
+                found = True
+                yield loc + (j,), f"unknown node {end!r}{_suggest(end, self.names)}"
+        if not found and frozenset(ends) not in self.links:
+            yield loc, (f"there is no link between {ends[0]!r} and {ends[1]!r}; name the two "
+                        "ends of an existing link")
+
+    def tclass(self, tclass: str | int) -> TrafficClass | None:
+        return self.classes.get(tclass)
+
+    def unknown_tclass(self, tclass: str | int) -> str:
+        hint = _suggest(tclass, [str(k) for k in self.classes]) if isinstance(tclass, str) else ""
+        return f"unknown traffic class {tclass!r}" + (hint or (
+            f"; use a class name or number from traffic_classes: {self.class_names}"))
+
+    def port(self, loc: tuple, node: str, peer: str | None,
+             what: str = "port: names the node at the other end of the port's link",
+             ) -> Iterator[tuple[tuple, str]]:
+        if peer is None or node not in self.roles:
+            return
+        nbrs = list(dict.fromkeys(self.neighbours.get(node, [])))
+        if peer not in nbrs:
+            yield loc, (f"{peer!r} is not a neighbour of {node!r}" + (_suggest(peer, nbrs) or (
+                f"; {what} (neighbours: {', '.join(nbrs[:8])}"
+                f"{' ...' if len(nbrs) > 8 else ''})")))
+
+
+def _event_target(ev: object) -> tuple:
+    """What an event changes, for finding two events that change it at the same time:
+    (family, target); pfc/ecn ports None mean every port of the node."""
+    if isinstance(ev, LinkStateEvent):
+        return ("link", frozenset(ev.link))
+    if isinstance(ev, LossEvent):
+        return ("loss", frozenset(ev.link))
+    if isinstance(ev, RateEvent):
+        return ("rate", frozenset(ev.link))
+    if isinstance(ev, PfcEvent | EcnEvent):
+        return (ev.kind, ev.node, str(ev.tclass))
+    if isinstance(ev, HostDrainEvent):
+        return ("host_drain", ev.host)
+    raise TypeError(f"no target for {ev!r}")
+
+
+def _overlap(a: object, b: object) -> bool:
+    """Two events of the same family on the same target: do they touch the same port?"""
+    if isinstance(a, LossEvent) and isinstance(b, LossEvent):
+        def dirs(e: LossEvent) -> set[tuple[str, str]]:
+            fwd, rev = (e.link[0], e.link[1]), (e.link[1], e.link[0])
+            return {"both": {fwd, rev}, "forward": {fwd}, "reverse": {rev}}[e.direction]
+        return bool(dirs(a) & dirs(b))
+    if isinstance(a, PfcEvent | EcnEvent) and isinstance(b, PfcEvent | EcnEvent):
+        return a.port is None or b.port is None or a.port == b.port
+    return True
+
+
+def check_events(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:
+    """Every event names things that exist and fit its kind; link_up finds its link down
+    (and link_down up) at that time; no two events change one target at the same time."""
+    from testbed.phy import PORT_TYPES
+
+    idx = _FabricIndex(fabric, expanded)
+    for i, ev in enumerate(fabric.events):
+        loc = ("events", i)
+        if isinstance(ev, LinkStateEvent | LossEvent | RateEvent):
+            yield from idx.link(loc + ("link",), ev.link)
+        if isinstance(ev, RateEvent):
+            yield from _check_rate(ev, loc, idx, PORT_TYPES)
+        elif isinstance(ev, PfcEvent | EcnEvent):
+            yield from _check_port_class_event(ev, loc, idx)
+        elif isinstance(ev, HostDrainEvent):
+            yield from _check_host_drain(ev, loc, idx)
+    yield from _check_timeline(fabric, idx)
+
+
+def _check_rate(ev: RateEvent, loc: tuple, idx: _FabricIndex,
+                port_types: Mapping[str, object]) -> Iterator[tuple[tuple, str]]:
+    if (ev.rate_bps is None) == (ev.lanes is None):
+        yield loc, ("a rate event takes exactly one of rate: (the new rate) and lanes: "
+                    "(lanes still working)")
+        return
+    for link in idx.links.get(frozenset(ev.link), []):
+        port = port_types.get(link.port)
+        if port is None:
+            continue        # check_topology reports the port type
+        mac_bps = port.mac_rate_gbps * 10**9   # type: ignore[attr-defined]
+        lanes = port.lanes                      # type: ignore[attr-defined]
+        if ev.rate_bps is not None and ev.rate_bps > mac_bps:
+            yield (loc + ("rate",), f"{format_rate(ev.rate_bps)} is above the "
+                   f"{link.port} port's {format_rate(mac_bps)}; a link renegotiates down, "
+                   "never above its port type")
+        if ev.lanes is not None and ev.lanes > lanes:
+            yield (loc + ("lanes",), f"{ev.lanes} lanes, but a {link.port} port has "
+                   f"{lanes}; give the lanes still working, 1..{lanes}")
+        break
+
+
+def _check_port_class_event(ev: PfcEvent | EcnEvent, loc: tuple,
+                            idx: _FabricIndex) -> Iterator[tuple[tuple, str]]:
+    yield from idx.node(loc + ("node",), ev.node)
+    yield from idx.port(loc + ("port",), ev.node, ev.port)
+    tclass = idx.tclass(ev.tclass)
+    if tclass is None:
+        yield loc + ("tclass",), idx.unknown_tclass(ev.tclass)
+    elif isinstance(ev, PfcEvent) and not tclass.lossless:
+        yield (loc + ("tclass",), f"TC{tclass.tc} ({tclass.name}) is not lossless, so PFC "
+               "does not protect it; name a class with lossless: true")
+    elif isinstance(ev, EcnEvent) and not tclass.ecn:
+        yield (loc + ("tclass",), f"TC{tclass.tc} ({tclass.name}) has no ECN marking; name "
+               "a class with ecn: true")
+    if isinstance(ev, EcnEvent):
+        yield from ecn_curve_problems(ev, loc, required=True)
+        if idx.roles.get(ev.node) == "host":
+            yield (loc + ("node",), f"{ev.node!r} is a host; host NICs never mark ECN, name "
+                   "a switch")
+
+
+def _check_host_drain(ev: HostDrainEvent, loc: tuple,
+                      idx: _FabricIndex) -> Iterator[tuple[tuple, str]]:
+    if ev.host not in idx.roles:
+        yield loc + ("host",), (f"{ev.host!r} is not a host of this fabric"
+                                + (_suggest(ev.host, idx.hosts) or
+                                   f"; hosts are {', '.join(idx.hosts[:8])}"
+                                   + (" ..." if len(idx.hosts) > 8 else "")))
+        return
+    if idx.roles[ev.host] != "host":
+        yield loc + ("host",), f"{ev.host!r} is a switch; host_drain names a host"
+        return
+    if not any(t.lossless for t in idx.fabric.traffic_classes):
+        yield (loc + ("kind",), "host_drain needs a lossless class (the NIC sends PFC for "
+               "it); mark a class lossless: true")
+        return
+    switch_links = [link for peer in idx.neighbours.get(ev.host, [])
+                    if idx.roles.get(peer) == "switch"
+                    for link in idx.links.get(frozenset((ev.host, peer)), [])]
+    if switch_links and not any(idx.fabric.qos[link.qos].pfc.enabled
+                                for link in switch_links if link.qos in idx.fabric.qos):
+        yield (loc + ("host",), f"PFC is off on {ev.host}'s ports (qos pfc.enabled: false), "
+               "so its NIC could not send pauses; enable it on the host link's port class")
+
+
+def _check_timeline(fabric: Fabric, idx: _FabricIndex) -> Iterator[tuple[tuple, str]]:
+    """Events in time order: the links each link_down/up finds, and conflicts at one time."""
+    order = sorted(range(len(fabric.events)), key=lambda i: fabric.events[i].at_ns)
+    down: set[frozenset] = set()
+    seen: dict[tuple, list[int]] = {}
+    for i in order:
+        ev = fabric.events[i]
+        loc = ("events", i)
+        if isinstance(ev, LinkStateEvent) and frozenset(ev.link) in idx.links:
+            pair = frozenset(ev.link)
+            name = f"{ev.link[0]}-{ev.link[1]}"
+            if ev.kind == "link_up" and pair not in down:
+                yield (loc + ("kind",), f"link {name} is not down at {format_duration(ev.at_ns)}"
+                       "; a link_up needs an earlier link_down of the same link")
+            elif ev.kind == "link_down" and pair in down:
+                yield (loc + ("kind",), f"link {name} is already down at "
+                       f"{format_duration(ev.at_ns)}; bring it up first (link_up)")
+            (down.add if ev.kind == "link_down" else down.discard)(pair)
+        key = (ev.at_ns, *_event_target(ev))
+        for j in seen.get(key, []):
+            other = fabric.events[j]
+            if _overlap(ev, other) and ev != other:
+                yield (loc + ("at",), f"events[{j}] changes the same target at the same time "
+                       f"({format_duration(ev.at_ns)}); give them different at: values or "
+                       "remove one")
+                break
+        seen.setdefault(key, []).append(i)
+
+
+def check_routes(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:
+    """Static routes: the node exists, dst is a host or a prefix inside the address pool,
+    each via is a neighbour of the node; one route per (node, dst)."""
+    idx = _FabricIndex(fabric, expanded)
+    seen: dict[tuple[str, str], int] = {}
+    for i, route in enumerate(fabric.routes):
+        loc = ("routes", i)
+        yield from idx.node(loc + ("node",), route.node)
+        if route.dst in idx.roles:
+            if idx.roles[route.dst] != "host":
+                yield (loc + ("dst",), f"{route.dst!r} is a switch; dst is a host or an IPv4 "
+                       "prefix")
+            elif route.dst == route.node:
+                yield loc + ("dst",), f"a route on {route.node!r} to itself"
+        else:
+            try:
+                net = ipaddress.IPv4Network(route.dst)
+            except ValueError:
+                yield (loc + ("dst",), f"{route.dst!r} is neither a host nor an IPv4 prefix"
+                       + (_suggest(route.dst, idx.hosts) or "; write a host name or a prefix "
+                          "like 198.18.0.0/24 (host bits zero)"))
+            else:
+                if not net.subnet_of(fabric.address_pool):
+                    yield (loc + ("dst",), f"{net} is outside address_pool "
+                           f"{fabric.address_pool}; fabric addresses all come from it")
+        if route.node in idx.roles:
+            for j, via in enumerate(route.via):
+                yield from idx.port(loc + ("via", j), route.node, via,
+                                    "a next hop is a node linked to it")
+        key = (route.node, route.dst)
+        if key in seen:
+            yield (loc + ("dst",), f"routes[{seen[key]}] already routes {route.dst} on "
+                   f"{route.node}; one static route per destination and node")
+        seen.setdefault(key, i)
+
+
+def check_dscp_remap(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:
+    """DSCP remaps: on a switch, to a known class, one class per (switch, DSCP)."""
+    idx = _FabricIndex(fabric, expanded)
+    seen: dict[tuple[str, int], int] = {}
+    for i, remap in enumerate(fabric.dscp_remap):
+        loc = ("dscp_remap", i)
+        yield from idx.node(loc + ("node",), remap.node)
+        if idx.roles.get(remap.node) == "host":
+            yield (loc + ("node",), f"{remap.node!r} is a host; a DSCP map is a switch's "
+                   "classifier, name a switch")
+        if idx.tclass(remap.tclass) is None:
+            yield loc + ("tclass",), idx.unknown_tclass(remap.tclass)
+        key = (remap.node, remap.dscp)
+        if key in seen:
+            yield (loc + ("dscp",), f"dscp_remap[{seen[key]}] already maps DSCP {remap.dscp} "
+                   f"on {remap.node}; one class per DSCP")
+        seen.setdefault(key, i)

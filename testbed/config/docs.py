@@ -126,17 +126,20 @@ def _members(annotation: object) -> list[object]:
     return [annotation]
 
 
-def _parser(metadata: list[object]) -> tuple[Callable[..., object], bool] | None:
-    """The quantity parser a BeforeValidator applies, and whether it also takes `none`."""
+def _parser(metadata: list[object]) -> tuple[Callable[..., object], str | None] | None:
+    """The quantity parser a BeforeValidator applies, and the word it also takes (`none`,
+    `line`), if any."""
     for item in metadata:
         if not isinstance(item, BeforeValidator):
             continue
         func = item.func
         if func in _QUANTITIES:
-            return func, False
-        inner = inspect.getclosurevars(func).nonlocals.get("parse")   # models._none_or
+            return func, None
+        # rdma_params._none_or, models._rate_or_line: a parser and a word in a closure
+        closure = inspect.getclosurevars(func).nonlocals
+        inner = closure.get("parse")
         if inner in _QUANTITIES:
-            return inner, True
+            return inner, str(closure.get("word", "none"))
     return None
 
 
@@ -189,7 +192,7 @@ def _type(annotation: object, metadata: list[object], path: str, found: _Found) 
     if parser is not None:
         what, unit = _QUANTITIES[parser[0]]
         found.units.append(unit)
-        return what + (" or `none`" if parser[1] else "")
+        return what + (f" or `{parser[1]}`" if parser[1] else "")
     if _is_model(annotation):
         found.models.append((annotation, path))
         return f"mapping: `{path}`"
@@ -212,7 +215,7 @@ def _union(members: list[object], path: str, found: _Found) -> str:
         return " or ".join(_type(m, [], path, found) for m in members)
     found.models += [(m, path) for m in models]
     kinds = [k for m in models for k in _kind_values(m)]
-    if len(kinds) == len(models):
+    if all(_kind_values(m) for m in models):
         return f"mapping by `kind` ({', '.join(f'`{k}`' for k in kinds)}): `{path}`"
     return f"mapping, one of {len(models)} forms: `{path}`"
 

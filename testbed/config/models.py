@@ -12,18 +12,30 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
-from typing import Annotated, Literal
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
+    BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializeAsAny,
     ValidationError,
+    WithJsonSchema,
     field_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from testbed.fields import NAME_RE, DurationNs, LengthM, RateBps, SizeBytes, Strict
+from testbed.fields import (
+    NAME_RE,
+    DurationNs,
+    LengthM,
+    RateBps,
+    SizeBytes,
+    Strict,
+)
+from testbed.units import QUANTITY_PATTERN, parse_rate_bps
 from testbed.workloads.base import TrafficEntry
 from testbed.workloads.registry import REGISTRY
 
@@ -247,7 +259,8 @@ def _traffic_items(value: object) -> object:
     return out
 
 
-def _kind_error(i: int, item: dict, kinds: dict[str, type[TrafficEntry]]) -> InitErrorDetails:
+def _kind_error(i: int, item: dict, kinds: Mapping[str, type[BaseModel]],
+                what: str = "workload") -> InitErrorDetails:
     """An entry whose kind is missing or names no registered kind: one error at its
     `kind`, with the kinds there are (and the one meant, for a typo)."""
     known = ", ".join(kinds)
@@ -257,14 +270,15 @@ def _kind_error(i: int, item: dict, kinds: dict[str, type[TrafficEntry]]) -> Ini
                                 input=item)
     kind = item["kind"]
     close = difflib.get_close_matches(str(kind), list(kinds), n=1)
-    text = (f"unknown workload kind {kind!r}; did you mean {close[0]!r}?" if close
-            else f"unknown workload kind {kind!r}; use one of {known}")
+    text = (f"unknown {what} kind {kind!r}; did you mean {close[0]!r}?" if close
+            else f"unknown {what} kind {kind!r}; use one of {known}")
     return InitErrorDetails(type=PydanticCustomError("unknown_kind", text), loc=(i, "kind"),
                             input=kind)
 
 
-def _entry_errors(i: int, model: type[TrafficEntry], kinds: dict[str, type[TrafficEntry]],
-                  exc: ValidationError) -> list[InitErrorDetails]:
+def _entry_errors(i: int, model: type[BaseModel], kinds: Mapping[str, type[BaseModel]],
+                  exc: ValidationError, what: str = "traffic has it",
+                  ) -> list[InitErrorDetails]:
     """One traffic entry's errors, located under its index; unknown fields say which
     fields this kind has (the loader cannot tell which member of the union applies)."""
     fields = sorted(f.alias or n for n, f in model.model_fields.items())
@@ -283,7 +297,7 @@ def _entry_errors(i: int, model: type[TrafficEntry], kinds: dict[str, type[Traff
             close = difflib.get_close_matches(name, fields, n=1)
             if name in other_fields:
                 text = (f"unknown field {name!r}: only {', '.join(other_fields[name])} "
-                        f"traffic has it; fields here: {', '.join(fields)}")
+                        f"{what}; fields here: {', '.join(fields)}")
             elif close:
                 meant.add(close[0])
                 text = f"unknown field {name!r}; did you mean {close[0]!r}?"
@@ -357,6 +371,212 @@ class SwitchBuffer(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+# ---- the fault timeline (events:), static routes, DSCP remaps, allowances ---------------
+
+_AT = ("fabric time after the workload's t0 (the moment its traffic starts) at which the "
+       "event applies")
+_LINK = ("the two nodes at the ends of the link, [a, b]; every parallel link between them "
+         "is changed")
+_EVENT_NODE = "the node whose egress ports change"
+_EVENT_PORT = ("the neighbour node whose link's port on `node` changes (the port toward "
+               "it); unset: every port of `node`")
+_EVENT_TCLASS = "the traffic class, by name or tc number (traffic_classes)"
+
+
+def _at() -> Any:
+    """The `at:` field every event has (a field per model, not a base model: every model
+    here gets a table in docs/config.md)."""
+    return Field(alias="at", description=_AT)
+
+
+_EVENT_CONFIG = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class LinkStateEvent(Strict):
+    """A layer-1 flap: the link goes down (or comes back up) in both directions, and
+    routes reconverge around it the way the fabric's shortest-path ECMP would."""
+
+    model_config = _EVENT_CONFIG
+
+    at_ns: DurationNs = _at()
+    kind: Literal["link_down", "link_up"] = Field(description="link_down or link_up")
+    link: tuple[str, str] = Field(description=_LINK)
+    converge_ns: DurationNs = Field(
+        0, alias="converge",
+        description="fabric time after the event before every other node's routes change "
+                    "(the two ends' kernels drop or regain the link's next hops at once); "
+                    "0: all at once")
+
+
+class LossEvent(Strict):
+    """A new extra drop probability on a link (a degrading optic, a corrupting cable)."""
+
+    model_config = _EVENT_CONFIG
+
+    at_ns: DurationNs = _at()
+    kind: Literal["loss"] = Field(description="loss")
+    link: tuple[str, str] = Field(description=_LINK)
+    direction: Literal["both", "forward", "reverse"] = Field(
+        "both", description="forward: from link[0] to link[1]; reverse: the other way")
+    loss: float = Field(ge=0, le=1, description="the new extra drop probability per packet "
+                        "(0.01 = 1 %), replacing any impairment of the link in that "
+                        "direction; combined with the PHY's frame loss")
+    cause: Literal["loss", "corruption"] = Field(
+        "loss", description="what the drops stand for: loss, or corruption (a frame with a "
+                            "bad FCS, which the receiving MAC discards); emulated the same "
+                            "way (dropped at that egress), recorded as given")
+
+
+class RateEvent(Strict):
+    """A link renegotiates to a lower rate (auto-negotiated down, or lanes lost on a
+    multi-lane port), in both directions. Buffers and PFC/ECN thresholds stay as they were."""
+
+    model_config = _EVENT_CONFIG
+
+    at_ns: DurationNs = _at()
+    kind: Literal["rate"] = Field(description="rate")
+    link: tuple[str, str] = Field(description=_LINK)
+    rate_bps: RateBps | None = Field(
+        None, alias="rate", description="the link's new MAC rate, at most the port type's; "
+                                        "not with lanes")
+    lanes: int | None = Field(
+        None, ge=1, description="lanes still working, of the port type's lanes (PHY "
+                                "catalogue): the rate becomes that share of the port's; not "
+                                "with rate")
+
+
+class PfcEvent(Strict):
+    """PFC turned on or off for one lossless class on a switch's ports (or a host NIC's)."""
+
+    model_config = _EVENT_CONFIG
+
+    at_ns: DurationNs = _at()
+    kind: Literal["pfc"] = Field(description="pfc")
+    node: str = Field(description=_EVENT_NODE)
+    port: str | None = Field(None, description=_EVENT_PORT)
+    tclass: str | int = Field(description=_EVENT_TCLASS + "; a lossless class")
+    enabled: bool = Field(description="false: the port neither sends nor obeys pauses of the "
+                                      "class (a held pause is released); true: restored")
+
+
+class EcnEvent(EcnConfig):
+    """A new ECN marking curve for one ECN class on a node's ports: one of preset,
+    kmin/kmax/pmax or k, as in qos.<class>.ecn."""
+
+    model_config = _EVENT_CONFIG
+
+    at_ns: DurationNs = _at()
+    kind: Literal["ecn"] = Field(description="ecn")
+    node: str = Field(description=_EVENT_NODE)
+    port: str | None = Field(None, description=_EVENT_PORT)
+    tclass: str | int = Field(description=_EVENT_TCLASS + "; a class with ecn: true")
+
+
+LINE_RATE = "line"
+
+
+def _rate_or_line() -> Callable[[object], object]:
+    """parse_rate_bps, but the word `line` means the NIC's line rate (None). (docs.py
+    reads `parse` and `word` from the closure.)"""
+    parse, word = parse_rate_bps, LINE_RATE
+
+    def parse_or_word(value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() == word:
+            return None
+        return parse(value)  # type: ignore[arg-type]  # the parser reports bad values
+    return parse_or_word
+
+
+DrainRate = Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_rate_or_line()),
+                      WithJsonSchema({
+                          "anyOf": [{"type": "string", "pattern": QUANTITY_PATTERN},
+                                    {"type": "integer", "minimum": 0}, {"const": LINE_RATE}],
+                          "description": "a rate (bare number: bit/s), or line",
+                          "examples": ["0bps", "10Gbps", "line"]})]
+
+
+class HostDrainEvent(Strict):
+    """A receiver that drains its NIC's receive buffer slowly or not at all (a slow or
+    stuck receiver, a PCIe-stalled NIC). Its lossless classes' receive buffer fills from
+    the wire; above the port's XOFF the NIC sends PFC to its switch, as an RNIC does."""
+
+    model_config = _EVENT_CONFIG
+
+    at_ns: DurationNs = _at()
+    kind: Literal["host_drain"] = Field(description="host_drain")
+    host: str = Field(description="the host whose NIC (every port toward a switch) drains "
+                                  "slowly")
+    drain_rate_bps: DrainRate = Field(
+        alias="rate", description="the rate the NIC drains its receive buffer at (0bps: "
+                                  "stuck), or line: drains at line rate again (restores)")
+
+
+Event = Annotated[Union[LinkStateEvent, LossEvent, RateEvent, PfcEvent,  # noqa: UP007
+                        EcnEvent, HostDrainEvent], Field(discriminator="kind")]
+
+# kind -> its model; the one place an event kind is listed.
+EVENT_KINDS: dict[str, type[BaseModel]] = {
+    "link_down": LinkStateEvent, "link_up": LinkStateEvent, "loss": LossEvent,
+    "rate": RateEvent, "pfc": PfcEvent, "ecn": EcnEvent, "host_drain": HostDrainEvent,
+}
+
+
+def _event_items(value: object) -> object:
+    """Validate each event against the model its `kind` names, reporting problems at
+    `events[i].field` (as _traffic_items does for traffic entries)."""
+    if not isinstance(value, list):
+        return value
+    out: list[object] = []
+    errors: list[InitErrorDetails] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            text = ("expected a mapping (at:, kind: and the kind's fields), got "
+                    f"{item!r}")
+            errors.append(InitErrorDetails(type=PydanticCustomError("event_type", text),
+                                           loc=(i,), input=item))
+            continue
+        kind = item.get("kind")
+        model = EVENT_KINDS.get(kind) if isinstance(kind, str) else None
+        if model is None:
+            errors.append(_kind_error(i, item, EVENT_KINDS, "event"))
+            continue
+        try:
+            out.append(model.model_validate(item))
+        except ValidationError as exc:
+            errors += _entry_errors(i, model, EVENT_KINDS, exc, "events have it")
+    if errors:
+        raise ValidationError.from_exception_data("events", errors)
+    return out
+
+
+class StaticRoute(Strict):
+    """A route given by hand on one node. It is added to the node's computed routes, or
+    replaces the computed route of the same prefix; static routes never reconverge."""
+
+    node: str = Field(description="the node (host or switch) that holds the route")
+    dst: str = Field(description="a host name (a /32 for each of its addresses) or an IPv4 "
+                                 "prefix inside address_pool, e.g. 198.18.0.0/26")
+    via: list[str] = Field(min_length=1, description="next hops: neighbour nodes of `node` "
+                           "(several: ECMP over them, every link to each)")
+
+
+class DscpRemap(Strict):
+    """One DSCP value that a switch classifies into another class than the fabric's class
+    plan says (a trust or DSCP-map misconfiguration)."""
+
+    node: str = Field(description="the switch whose classifier differs")
+    dscp: int = Field(ge=0, le=63, description="the DSCP value (0..63)")
+    tclass: str | int = Field(description="the class it selects on every egress port of "
+                                          "`node`, by name or tc number")
+
+
+# Checks a config may turn into plan warnings on purpose (allow:), each with what it allows.
+ALLOWANCES = {
+    "ecn-above-xoff": "ecn.kmin at or above a static pfc.xoff, so PFC fires before ECN marks",
+}
+Allowance = Literal["ecn-above-xoff"]
+
+
 class Fabric(Strict):
     """A whole fabric: what `testbed validate/plan/up` read."""
 
@@ -396,6 +616,19 @@ class Fabric(Strict):
         None, description="a shared buffer per switch for the lossless classes (absent: every "
                           "port keeps its own buffer per class, qos.<class>.buffer)")
     workload: Workload | None = Field(None, description="what `testbed run` drives")
+    events: list[Event] = Field(
+        default_factory=list, description="the fault timeline: link flaps, loss, rate, PFC, "
+        "ECN and host-drain changes, each at a fabric time after the workload's t0; one per "
+        "`kind`")
+    routes: list[StaticRoute] = Field(
+        default_factory=list, description="static routes, added to the computed ones (or "
+                                          "replacing the same prefix); they do not reconverge")
+    dscp_remap: list[DscpRemap] = Field(
+        default_factory=list, description="DSCP values that one switch classifies into "
+                                          "another class than traffic_classes says")
+    allow: list[Allowance] = Field(
+        default_factory=list, description="checks turned into plan warnings on purpose (the "
+        "run's fidelity notes say so): " + "; ".join(f"{k}: {v}" for k, v in ALLOWANCES.items()))
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -408,6 +641,11 @@ class Fabric(Strict):
             return value
         raise ValueError(f"expected a whole number >= 1 (the fabric runs that many times "
                          f"slower than real time) or 'auto', got {value!r}")
+
+    @field_validator("events", mode="before")
+    @classmethod
+    def _events(cls, value: object) -> object:
+        return _event_items(value)
 
     @field_validator("qos")
     @classmethod

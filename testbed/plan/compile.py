@@ -20,6 +20,7 @@ from testbed.config import LoadedConfig
 from testbed.config.errors import ConfigError, Problem
 from testbed.config.models import Fabric, Link, Node, SwitchBuffer
 from testbed.phy import PhyResult, evaluate
+from testbed.plan.events import compile_events
 from testbed.plan.model import (
     ClassPlan,
     DilationPlan,
@@ -39,6 +40,7 @@ from testbed.plan.model import (
 )
 from testbed.plan.qos import (
     DEFAULT_BUFFER_BYTES,
+    ECN_ABOVE_XOFF,
     ETH_WIRE_OVERHEAD_BYTES,
     PFC_EMULATED_RESPONSE_WALL_NS,
     headroom_bytes,
@@ -56,16 +58,27 @@ HTB_OVERHEAD_BYTES = 4 + 8 + 12
 # Floor of a strict class's guaranteed share; it borrows the rest first (prio 0).
 STRICT_SHARE = 0.01
 
+# ECMP's L4 hash over the 5-tuple (policy 3 with fields 0x37: addresses, protocol,
+# ports), so flows spread by port and a route lookup given the ports (`ip route get ...
+# ipproto udp sport S dport D`) predicts the path a forwarded packet takes. Policy 1
+# would reuse the skb hash RPS already computed at the first ingress, which a route
+# lookup never sees (testbed/net/paths.py; docs/roce.md, "Pinning a QP to a path").
+MULTIPATH_SYSCTLS = {
+    "net.ipv4.fib_multipath_hash_policy": "3",
+    # 0x37: source and destination address, protocol, source and destination port;
+    # written in decimal, as the kernel reads it back
+    "net.ipv4.fib_multipath_hash_fields": "55",
+}
 SWITCH_SYSCTLS = {
     "net.ipv4.ip_forward": "1",
-    "net.ipv4.fib_multipath_hash_policy": "1",   # L4 hash: ECMP spreads by ports
+    **MULTIPATH_SYSCTLS,
     "net.ipv4.conf.all.rp_filter": "0",            # ECMP paths are asymmetric
     "net.ipv4.conf.default.rp_filter": "0",
     "net.ipv6.conf.all.disable_ipv6": "1",        # no ND/MLD chatter in counters
     "net.ipv6.conf.default.disable_ipv6": "1",
 }
 HOST_SYSCTLS = {
-    "net.ipv4.fib_multipath_hash_policy": "1",
+    **MULTIPATH_SYSCTLS,
     "net.ipv4.conf.all.rp_filter": "0",
     "net.ipv4.conf.default.rp_filter": "0",
     "net.ipv6.conf.all.disable_ipv6": "1",
@@ -142,11 +155,7 @@ def _egress(rate_bps: int, dilation: Dilation, classes_qos, tclasses, mtu_bytes:
             end: _EndRole) -> EgressPlan:
     wall = dilation.to_wall_bps(rate_bps)
     frame = mtu_bytes + ETH_WIRE_OVERHEAD_BYTES
-    strict = [t for t in tclasses if t.strict]
-    weighted = [t for t in tclasses if not t.strict]
-    strict_wall = max(8_000, int(wall * STRICT_SHARE))
-    left = max(8_000, wall - strict_wall * len(strict))
-    total_weight = sum(t.weight for t in weighted) or 1
+    shares = _class_shares(wall, tclasses)
     by_tc = {q.tc: q for q in classes_qos}
     classes = []
     default_classid = ""
@@ -155,7 +164,7 @@ def _egress(rate_bps: int, dilation: Dilation, classes_qos, tclasses, mtu_bytes:
         classid = f"1:{0x10 + tclass.tc:x}"
         if tclass.default:
             default_classid = classid
-        share = strict_wall if tclass.strict else max(8_000, left * tclass.weight // total_weight)
+        share = shares[tclass.tc]
         shared = bool(end.pool_bytes and q.pfc and not end.host)
         pfc = None
         if q.pfc:
@@ -180,11 +189,40 @@ def _egress(rate_bps: int, dilation: Dilation, classes_qos, tclasses, mtu_bytes:
             ecn=EcnPlan(**vars(q.ecn)) if q.ecn and not end.host else None,
             pfc=pfc,
         ))
-    # A burst of two frames, or 100 us of wall time at low rates' timer granularity.
-    burst = max(2 * frame, wall // 8 // 10_000)
     return EgressPlan(rate_bps=rate_bps, wall_rate_bps=wall, overhead_bytes=HTB_OVERHEAD_BYTES,
-                      burst_bytes=burst, quantum_bytes=frame, default_classid=default_classid,
-                      classes=classes)
+                      burst_bytes=_burst_bytes(wall, frame), quantum_bytes=frame,
+                      default_classid=default_classid, classes=classes)
+
+
+def _class_shares(wall_bps: int, tclasses) -> dict[int, int]:
+    """Each class's guaranteed wall rate at a port of `wall_bps`: strict classes a floor,
+    the weighted classes the rest by weight."""
+    strict = [t for t in tclasses if t.strict]
+    weighted = [t for t in tclasses if not t.strict]
+    strict_wall = max(8_000, int(wall_bps * STRICT_SHARE))
+    left = max(8_000, wall_bps - strict_wall * len(strict))
+    total_weight = sum(t.weight for t in weighted) or 1
+    return {t.tc: strict_wall if t.strict else max(8_000, left * t.weight // total_weight)
+            for t in tclasses}
+
+
+def _burst_bytes(wall_bps: int, frame_bytes: int) -> int:
+    # A burst of two frames, or 100 us of wall time at low rates' timer granularity.
+    return max(2 * frame_bytes, wall_bps // 8 // 10_000)
+
+
+def egress_at_rate(egress: EgressPlan, rate_bps: int, dilation: Dilation,
+                   tclasses) -> EgressPlan:
+    """`egress` renegotiated to `rate_bps` (fabric): wall rate, burst and class rates
+    recomputed as _egress computes them; buffers, ECN and PFC thresholds unchanged (a
+    switch keeps its port config when the port's speed changes)."""
+    wall = dilation.to_wall_bps(rate_bps)
+    shares = _class_shares(wall, tclasses)
+    classes = [c.model_copy(update={"wall_rate_bps": shares[c.tc], "wall_ceil_bps": wall})
+               for c in egress.classes]
+    return egress.model_copy(update={
+        "rate_bps": rate_bps, "wall_rate_bps": wall, "classes": classes,
+        "burst_bytes": _burst_bytes(wall, egress.quantum_bytes)})
 
 
 def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None) -> Plan:
@@ -214,20 +252,91 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
     if ports.problems:
         raise ConfigError(loaded.path, ports.problems)
 
-    routes = _routes(nodes, links, role, ends, subnets, blocks, aggregated, fabric.address_pool)
-    node_plans = [_node_plan(fabric, node, links, phys, ends, ports.egress, routes, pools)
+    static = _static_routes(fabric, links, ends)
+
+    def routes_with_down(down: frozenset[int]) -> dict[str, list[RoutePlan]]:
+        # Static routes stay as configured whatever is down: they do not reconverge.
+        return _with_static(_routes(nodes, links, role, ends, subnets, blocks, aggregated,
+                                    fabric.address_pool, down), static)
+
+    routes = routes_with_down(frozenset())
+    egress = _remap_dscp(fabric, ports.egress, ends)
+    node_plans = [_node_plan(fabric, node, links, phys, ends, egress, routes, pools)
                   for node in nodes]
     problems = _pool_problems(loaded, node_plans)
     if problems:
         raise ConfigError(loaded.path, problems)
     warnings += [f"link {link.index} {link.a.node}-{link.b.node}: {w}"
                  for link in ports.links for w in link.phy_warnings]
+    dilation = Dilation(dplan.factor)
+    timeline = compile_events(
+        fabric, node_plans, ports.links, dilation, routes_with_down,
+        lambda e, rate_bps: egress_at_rate(e, rate_bps, dilation, fabric.traffic_classes))
+    if timeline.problems:
+        raise ConfigError(loaded.path, [Problem(loaded.lines.line_for(loc), loc, msg)
+                                        for loc, msg in timeline.problems])
+    if timeline.allowed:
+        warnings.append(allowance_warning(ECN_ABOVE_XOFF, timeline.allowed))
     return Plan(
         lab=fabric.name, netns_prefix=netns_name(fabric.name, ""),
         address_pool=str(fabric.address_pool), mtu_bytes=fabric.mtu_bytes,
         roce_mtu_bytes=fabric.roce_mtu_bytes, dilation=dplan,
         traffic_classes=[TrafficClassPlan(**t.model_dump()) for t in fabric.traffic_classes],
-        nodes=node_plans, links=ports.links, warnings=warnings)
+        nodes=node_plans, links=ports.links, warnings=warnings, events=timeline.events)
+
+
+def _static_routes(fabric: Fabric, links: list[Link],
+                   ends: Mapping[tuple[int, str], _End]) -> dict[str, list[RoutePlan]]:
+    """The config's static routes, per node: a host dst is a /32 per address of the host,
+    a prefix dst itself; the next hops are every link from the node to each via."""
+    out: dict[str, list[RoutePlan]] = defaultdict(list)
+    for route in fabric.routes:
+        hops = [NextHopPlan(gateway=str(ends[(i, other)].address), ifname=ends[(i, end)].ifname)
+                for via in route.via for i, link in enumerate(links)
+                for end, other in (("a", "b"), ("b", "a"))
+                if getattr(link, end) == route.node and getattr(link, other) == via]
+        dsts = [f"{ends[(i, end)].address}/32" for i, link in enumerate(links)
+                for end in ("a", "b") if getattr(link, end) == route.dst]
+        if not dsts:
+            dsts = [str(ipaddress.IPv4Network(route.dst))]
+        out[route.node] += [RoutePlan(dst=dst, nexthops=hops) for dst in dsts]
+    return out
+
+
+def _with_static(routes: Mapping[str, list[RoutePlan]],
+                 static: Mapping[str, list[RoutePlan]]) -> dict[str, list[RoutePlan]]:
+    """`routes` with each node's static routes added, replacing a route of the same prefix;
+    sorted by destination as _routes sorts them."""
+    out = {name: list(table) for name, table in routes.items()}
+    for name, extra in static.items():
+        table = {r.dst: r for r in out.get(name, [])}
+        table |= {r.dst: r for r in extra}
+        out[name] = sorted(table.values(), key=lambda r: ipaddress.IPv4Network(r.dst))
+    return out
+
+
+def _remap_dscp(fabric: Fabric, egress: Mapping[tuple[int, str], EgressPlan],
+                ends: Mapping[tuple[int, str], _End]) -> dict[tuple[int, str], EgressPlan]:
+    """Each dscp_remap moves its DSCP into the named class's dscp list at every egress
+    port of its switch (and out of the class that had it), so the port's classifier
+    follows the switch's own map."""
+    tcs: dict[str | int, int] = {t.name: t.tc for t in fabric.traffic_classes}
+    tcs |= {t.tc: t.tc for t in fabric.traffic_classes}
+    remaps: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for remap in fabric.dscp_remap:
+        remaps[remap.node].append((remap.dscp, tcs[remap.tclass]))
+    out = dict(egress)
+    for key, plan in egress.items():
+        moves = remaps.get(ends[key].node)
+        if not moves:
+            continue
+        classes = list(plan.classes)
+        for dscp, tc in moves:
+            classes = [c.model_copy(update={"dscp": sorted(
+                (set(c.dscp) - {dscp}) | ({dscp} if c.tc == tc else set()))})
+                for c in classes]
+        out[key] = plan.model_copy(update={"classes": classes})
+    return out
 
 
 def _budget_warnings(dplan: DilationPlan, budget_bps: int) -> list[str]:
@@ -365,6 +474,7 @@ def _port_plans(loaded: LoadedConfig, phys: list[PhyResult], role: Mapping[str, 
     response_ns = round(dilation.to_fabric_ns(PFC_EMULATED_RESPONSE_WALL_NS))
     headroom_room = _pool_headroom_room(fabric, links, role, pools.of)
     headroom_seen: list[tuple] = []
+    allowed: dict[str, list[str]] = {}      # allow: name -> the problems it let through
     out = _Ports()
     for i, (link, phy) in enumerate(zip(links, phys, strict=True)):
         port_class = fabric.qos[link.qos]
@@ -377,6 +487,9 @@ def _port_plans(loaded: LoadedConfig, phys: list[PhyResult], role: Mapping[str, 
         for qp in qos_problems:
             loc = ("qos", link.qos, *qp.field.split("."))
             msg = f"{qp.message} (link {link.a}-{link.b}, {link.port})"
+            if qp.allowance and qp.allowance in fabric.allow:
+                allowed.setdefault(qp.allowance, []).append(f"qos.{link.qos}.{qp.field}: {msg}")
+                continue
             if not any(p.loc == loc for p in out.problems):
                 out.problems.append(Problem(loaded.lines.line_for(loc), loc, msg))
         for end in ("a", "b"):
@@ -398,7 +511,17 @@ def _port_plans(loaded: LoadedConfig, phys: list[PhyResult], role: Mapping[str, 
             frame_loss_ratio=phy.frame_loss_ratio, phy_warnings=list(phy.warnings)))
     out.warnings += _headroom_warnings(headroom_seen, fabric.mtu_bytes, response_ns,
                                        dilation.factor)
+    out.warnings += [allowance_warning(name, found) for name, found in allowed.items()]
     return out
+
+
+def allowance_warning(name: str, found: list[str]) -> str:
+    """The one plan warning of an `allow:` item that let problems through: the first, and
+    how many more (the run's fidelity notes and the report show it)."""
+    first = found[0].split("; lower ")[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return (f"allowed on purpose (allow: [{name}]): {first}{more}; the config asks for it, "
+            "so this is not an error")
 
 
 def _node_plan(fabric: Fabric, node: Node, links: list[Link], phys: list[PhyResult],
@@ -602,19 +725,22 @@ def _egress_loss(fabric, link, sender: str, phy_loss: float) -> float:
 def _routes(nodes: list[Node], links: list[Link], role: Mapping[str, str],
             ends: Mapping[tuple[int, str], _End], subnets: Mapping[int, ipaddress.IPv4Network],
             blocks: Mapping[str, ipaddress.IPv4Network], aggregated: Mapping[str, list[int]],
-            pool: ipaddress.IPv4Network) -> dict[str, list[RoutePlan]]:
+            pool: ipaddress.IPv4Network, down: frozenset[int] = frozenset(),
+            ) -> dict[str, list[RoutePlan]]:
     """Every node's routes, by destination: a switch reaches each host prefix over all of
-    its equal-cost next hops; a host sends the whole pool to the switches it is linked to."""
+    its equal-cost next hops; a host sends the whole pool to the switches it is linked to.
+    `down`: links that are down (a fault timeline's link_down), routed around."""
     switches = [n.name for n in nodes if n.role == "switch"]
-    adj = _switch_adjacency(links, role)
+    adj = _switch_adjacency(links, role, down)
     out: dict[str, list[RoutePlan]] = defaultdict(list)
-    for prefix, owner in _destinations(switches, links, role, subnets, blocks, aggregated):
+    for prefix, owner in _destinations(switches, links, role, subnets, blocks, aggregated,
+                                       down):
         for sw, hops in _ecmp_next_hops(owner, switches, adj, ends):
             out[sw].append(RoutePlan(dst=str(prefix), nexthops=hops))
     for node in nodes:
         if node.role != "host":
             continue
-        hops = _host_next_hops(node.name, links, role, ends)
+        hops = _host_next_hops(node.name, links, role, ends, down)
         if hops:
             out[node.name].append(RoutePlan(dst=str(pool), nexthops=hops))
     for name in out:
@@ -626,9 +752,12 @@ def _routes(nodes: list[Node], links: list[Link], role: Mapping[str, str],
 _Adjacency = dict[str, list[tuple[str, int, str]]]
 
 
-def _switch_adjacency(links: list[Link], role: Mapping[str, str]) -> _Adjacency:
+def _switch_adjacency(links: list[Link], role: Mapping[str, str],
+                      down: frozenset[int] = frozenset()) -> _Adjacency:
     adj: _Adjacency = defaultdict(list)
     for i, link in enumerate(links):
+        if i in down:
+            continue
         if role[link.a] == "switch" and role[link.b] == "switch":
             adj[link.a].append((link.b, i, "a"))
             adj[link.b].append((link.a, i, "b"))
@@ -651,14 +780,14 @@ def _hop_distances(adj: _Adjacency, target: str) -> dict[str, int]:
 def _destinations(switches: list[str], links: list[Link], role: Mapping[str, str],
                   subnets: Mapping[int, ipaddress.IPv4Network],
                   blocks: Mapping[str, ipaddress.IPv4Network],
-                  aggregated: Mapping[str, list[int]],
+                  aggregated: Mapping[str, list[int]], down: frozenset[int] = frozenset(),
                   ) -> list[tuple[ipaddress.IPv4Network, str]]:
     """(prefix, switch that owns it): each switch's host block, then the /31 of every
-    host link outside a block (multi-homed hosts)."""
+    host link outside a block (multi-homed hosts) that is up."""
     dests = [(blocks[s], s) for s in switches if s in blocks]
     aggregated_links = {i for idxs in aggregated.values() for i in idxs}
     for i, link in enumerate(links):
-        if i in aggregated_links:
+        if i in aggregated_links or i in down:
             continue
         is_host_link = (role[link.a] == "host") != (role[link.b] == "host")
         if is_host_link:
@@ -683,10 +812,13 @@ def _ecmp_next_hops(owner: str, switches: list[str], adj: _Adjacency,
 
 
 def _host_next_hops(host: str, links: list[Link], role: Mapping[str, str],
-                    ends: Mapping[tuple[int, str], _End]) -> list[NextHopPlan]:
-    """A host's gateways: the switch end of each of its links, in link order."""
+                    ends: Mapping[tuple[int, str], _End],
+                    down: frozenset[int] = frozenset()) -> list[NextHopPlan]:
+    """A host's gateways: the switch end of each of its links that is up, in link order."""
     hops = []
     for i, link in enumerate(links):
+        if i in down:
+            continue
         for end, other in (("a", "b"), ("b", "a")):
             if getattr(link, end) == host and role[getattr(link, other)] == "switch":
                 hops.append(NextHopPlan(gateway=str(ends[(i, other)].address),

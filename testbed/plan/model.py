@@ -8,8 +8,9 @@ fabric. The plan serialises to deterministic JSON and is golden-tested.
 from __future__ import annotations
 
 from functools import cached_property
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 from agents.timebase import Dilation
 
@@ -158,33 +159,37 @@ class TrafficClassPlan(PlanModel):
 
 
 class EventPortPlan(PlanModel):
-    """One egress port an event changes (issue 12 contract, section 2)."""
+    """One egress port an event changes, and what it becomes."""
 
     node: str
     ifname: str
-    up: bool | None = None                  # link_down/up
+    up: bool | None = None                  # link_down / link_up
     loss_probability: float | None = None   # loss: the port's new total drop probability
-    egress: EgressPlan | None = None        # rate: the port's whole new egress
+                                            #   (PHY frame loss + the event's loss)
+    egress: EgressPlan | None = None        # rate: the port's whole new egress (rates,
+                                            #   burst, class rates; thresholds unchanged)
     tc: int | None = None                   # pfc / ecn / host_drain: the class
     pfc_enabled: bool | None = None         # pfc
     ecn: EcnPlan | None = None              # ecn: the class's new curve at this port
-    drain_rate_bps: int | None = None       # host_drain: fabric rate (None: line rate)
-    drain_wall_rate_bps: int | None = None
-    xoff_bytes: int | None = None           # host_drain: the NIC receive buffer's XOFF / XON
-    xon_bytes: int | None = None
+    drain_rate_bps: int | None = None       # host_drain: fabric rate the NIC drains its
+    drain_wall_rate_bps: int | None = None  #   receive buffer at (None: line rate)
+    xoff_bytes: int | None = None           # host_drain: the receive buffer's XOFF / XON
+    xon_bytes: int | None = None            #   (the host port's lossless class pfc plan)
 
 
 class EventPlan(PlanModel):
-    """One fault of the timeline, applied at t0 + at_ns (issue 12 contract, section 2)."""
+    """One entry of the config's fault timeline, compiled: the ports it changes."""
 
-    index: int                  # position in config `events`
-    at_ns: int                  # fabric ns after t0
+    index: int                  # position in the config's `events`
+    at_ns: int                  # fabric ns after the workload's t0
     kind: str                   # link_down|link_up|loss|rate|pfc|ecn|host_drain
-    target: str                 # "leaf1-spine1", "h8", "leaf1:swp3"
-    description: str
+    target: str                 # "leaf1-spine1", "h8", "leaf1", "leaf1:swp3"
+    description: str            # "link leaf1-spine1 down (both directions)"
     ports: list[EventPortPlan]
-    converge_ns: int = 0
-    routes: dict[str, list[RoutePlan]] | None = None   # every node's whole table, converged
+    converge_ns: int = 0        # link_down / link_up: fabric ns until `routes` apply everywhere
+    # link_down / link_up: every node's whole route table once converged (the links down
+    # at that moment, cumulative over the timeline; static routes as configured)
+    routes: dict[str, list[RoutePlan]] | None = None
 
 
 class Plan(PlanModel):
@@ -199,7 +204,16 @@ class Plan(PlanModel):
     nodes: list[NodePlan]
     links: list[LinkPlan]
     warnings: list[str]     # fidelity risks known before anything runs
-    events: list[EventPlan] = []    # the fault timeline, sorted by at_ns
+    events: list[EventPlan] = []    # the fault timeline, by at_ns (config order at a tie)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_events(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # A plan without a timeline serialises as before events existed (same bytes,
+        # same hash), so format-2 readers keep reading it.
+        data = handler(self)
+        if not self.events and isinstance(data, dict):
+            data.pop("events", None)
+        return data
 
     @cached_property
     def timebase(self) -> Dilation:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from testbed.config.models import PortClass, TrafficClass
+from testbed.config.models import EcnConfig, PortClass, TrafficClass
 from testbed.units import format_size
 
 # Per traffic-class buffer when the port class does not say (bytes).
@@ -75,6 +75,11 @@ class ClassQos:
 class QosProblem:
     field: str      # dotted path below the port class, e.g. "pfc.xoff"
     message: str
+    allowance: str = ""     # the `allow:` name that turns it into a plan warning, if any
+
+
+# allow: name of the check that ECN's kmin is below PFC's XOFF.
+ECN_ABOVE_XOFF = "ecn-above-xoff"
 
 
 def headroom_bytes(rate_bps: int, one_way_delay_ns: int, mtu_bytes: int,
@@ -92,7 +97,11 @@ def headroom_bytes(rate_bps: int, one_way_delay_ns: int, mtu_bytes: int,
 
 
 def resolve_ecn(port_class: PortClass, rate_bps: int) -> EcnSettings:
-    ecn = port_class.ecn
+    return resolve_ecn_curve(port_class.ecn, rate_bps)
+
+
+def resolve_ecn_curve(ecn: EcnConfig, rate_bps: int) -> EcnSettings:
+    """A marking curve at a port of `rate_bps` (per-25G presets scale with it)."""
     if ecn.k_bytes is not None:
         return EcnSettings(ecn.k_bytes, ecn.k_bytes, 1.0)
     if ecn.kmin_bytes is not None and ecn.kmax_bytes is not None:
@@ -175,7 +184,8 @@ def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_b
                     "ecn.kmin",
                     f"{format_size(ecn_here.kmin_bytes)} is not below pfc.xoff "
                     f"{format_size(xoff)} on TC{tclass.tc} at {rate_bps / 1e9:g} Gb/s, so PFC "
-                    "will fire before ECN marks; lower ecn.kmin or raise pfc.xoff"))
+                    "will fire before ECN marks; lower ecn.kmin or raise pfc.xoff",
+                    allowance=ECN_ABOVE_XOFF))
             pfc_here = PfcSettings(tclass.tc, xoff, xon, headroom, pfc_cfg.watchdog_ns,
                                    mode, pfc_cfg.alpha)
         if ecn_here is not None and ecn_here.kmin_bytes > limit and not (

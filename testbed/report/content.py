@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from testbed.plan.model import InterfacePlan, Plan
 from testbed.report import plots
-from testbed.report.plots import Series, natural_key
+from testbed.report.plots import Annotation, FaultMark, Series, natural_key
 from testbed.report.rundir import RunData, metadata_dilation, run_name_and_time
+from testbed.results.tables import PHY_DROP_COUNTERS, QUEUE_DROP_COUNTERS
 
 SERIES_PER_PLOT = 8
 MAX_PLOTS = 3                 # per section; the tables below the plots list the rest
@@ -240,21 +241,376 @@ def totals(run: RunData) -> Table | None:
     return Table(["total", "value"], rows, [False, True])
 
 
-def verdict(run: RunData) -> dict | None:
+# --- faults and the verdict ---------------------------------------------------------------
+
+#: The store's event kind for the fault timeline (docs/run-format.md, Events).
+FAULT_EVENT = "fault"
+#: Keys of a fault event the fault table shows in its own columns (or leaves out).
+_FAULT_KEYS = {"ts_fabric_ns", "ts_wall_ns", "node", "port", "tclass", "kind", "event_kind",
+               "target", "description", "index", "late_ns", "converge_ns", "phase"}
+#: Counters whose growth is a packet the fabric lost (testbed/results/tables.py, plus the
+#: kernel's own link counters, where a packet sent into a link that is down is counted).
+_LOSS_COUNTERS = (*QUEUE_DROP_COUNTERS, *PHY_DROP_COUNTERS, "tx_dropped", "rx_dropped")
+
+
+@dataclass
+class Fault:
+    """One fault of the run's timeline as the report shows it: numbered in time order."""
+
+    number: int
+    event: dict                          # the applied event, as the store returned it
+    converged: dict | None = None        # its "converged" event, if routes changed later
+
+    @property
+    def ts_ns(self) -> int:
+        return int(self.event.get("ts_fabric_ns") or 0)
+
+    @property
+    def kind(self) -> str:
+        return str(self.event.get("event_kind") or "?")
+
+    @property
+    def target(self) -> str:
+        return str(self.event.get("target") or "")
+
+    @property
+    def description(self) -> str:
+        text = self.event.get("description")
+        return str(text) if text else f"{self.kind} {self.target}".strip()
+
+
+def fault_events(run: RunData) -> list[Fault]:
+    """The run's "fault" events, the applied ones numbered 1.. in time order, each with
+    the "converged" event that followed it (matched by `index`, else by kind and target)."""
+    if run.store is None:
+        return []
+    faults: list[Fault] = []
+    for e in run.store.events(FAULT_EVENT):
+        if str(e.get("phase") or "applied") != "converged":
+            faults.append(Fault(len(faults) + 1, e))
+            continue
+        match = [f for f in faults if f.converged is None and (
+            f.event.get("index") == e.get("index") if e.get("index") is not None
+            else (f.kind, f.target) == (e.get("event_kind"), e.get("target")))]
+        if match:
+            match[-1].converged = e
+    return faults
+
+
+def fault_marks(faults: list[Fault]) -> list[FaultMark]:
+    marks = [FaultMark(f.number, f.ts_ns, f.description) for f in faults]
+    marks += [FaultMark(f.number, int(f.converged.get("ts_fabric_ns") or 0), f.description,
+                        converged=True) for f in faults if f.converged is not None]
+    return marks
+
+
+def _plan_event(run: RunData, index: object):
+    """The plan's EventPlan at config position `index` (None: no plan, no such event)."""
+    events = getattr(run.plan, "events", None) or []
+    return next((e for e in events if getattr(e, "index", None) == index), None)
+
+
+def _port_names(ports) -> str:
+    return ", ".join(f"{p.node}:{p.ifname}" for p in ports)
+
+
+def _planned_details(ev) -> list[str]:
+    """What the plan says the event changes, in words (per kind)."""
+    ports = list(getattr(ev, "ports", None) or [])
+    if not ports:
+        return []
+    kind = getattr(ev, "kind", "")
+    first = ports[0]
+    if kind in ("link_down", "link_up"):
+        return [f"ports {'up' if kind == 'link_up' else 'down'}: {_port_names(ports)}"]
+    if kind == "loss" and first.loss_probability is not None:
+        return [f"drop probability {first.loss_probability:.3g} on {_port_names(ports)}"]
+    if kind == "rate" and first.egress is not None:
+        return [f"rate {fmt_rate(first.egress.rate_bps)} on {_port_names(ports)}"]
+    if kind == "pfc" and first.pfc_enabled is not None:
+        return [f"PFC {'on' if first.pfc_enabled else 'off'} for TC{first.tc} on "
+                f"{_port_names(ports)}"]
+    if kind == "ecn" and first.ecn is not None:
+        e = first.ecn
+        return [f"ECN Kmin {fmt_bytes(e.kmin_bytes)} Kmax {fmt_bytes(e.kmax_bytes)} Pmax "
+                f"{e.pmax:g} for TC{first.tc} on {_port_names(ports)}"]
+    if kind == "host_drain":
+        rate = ("line rate" if first.drain_rate_bps is None
+                else fmt_rate(first.drain_rate_bps))
+        return [f"NIC drains TC{first.tc} at {rate} on {_port_names(ports)}"
+                + (f", XOFF {fmt_bytes(first.xoff_bytes)}" if first.xoff_bytes else "")]
+    return []
+
+
+def _losses_between(run: RunData, t0_ns: int, t1_ns: int) -> int | None:
+    """Packets the fabric's counters say were dropped between two fabric times (every
+    port, every class), or None when there are no such counters."""
+    if run.store is None:
+        return None
+    names = set(run.store.counters())
+    total, seen = 0.0, False
+    for counter in _LOSS_COUNTERS:
+        if counter not in names:
+            continue
+        seen = True
+        for pts in run.store.aligned(counter, times=[t0_ns, t1_ns]).values():
+            values = dict(pts)
+            total += max(0.0, values.get(t1_ns, 0.0) - values.get(t0_ns, 0.0))
+    return int(total) if seen else None
+
+
+def _fault_details(run: RunData, fault: Fault, faults: list[Fault]) -> str:
+    details = _planned_details(_plan_event(run, fault.event.get("index")))
+    if fault.kind == "link_down":
+        up = next((f for f in faults if f.number > fault.number and f.kind == "link_up"
+                   and f.target == fault.target), None)
+        end = up.ts_ns if up else int(run.summary.get("duration_fabric_ns") or 0)
+        if up:
+            details.append(f"down for {fmt_duration(up.ts_ns - fault.ts_ns)} (fault {up.number})")
+        lost = _losses_between(run, fault.ts_ns, max(end, fault.ts_ns))
+        if lost is not None:
+            details.append(f"{fmt_int(lost)} packets dropped in the fabric while down")
+    converge = fault.event.get("converge_ns")
+    if _is_number(converge) and converge:
+        details.append(f"routes converge after {fmt_duration(converge)}")
+    for key, value in sorted(fault.event.items()):
+        if key not in _FAULT_KEYS:
+            details.append(f"{key} {fmt_value(key, value)}")
+    return "; ".join(details) or "-"
+
+
+def fault_timeline(run: RunData, faults: list[Fault]) -> dict | None:
+    """The fault timeline: one row per applied fault, in time order, numbered as its
+    markers on the time plots."""
+    if not faults:
+        return None
+    rows = []
+    for f in faults[:MAX_TABLE_ROWS]:
+        converged = f.converged.get("ts_fabric_ns") if f.converged else None
+        rows.append([str(f.number), fmt_duration(f.ts_ns), f.kind, f.target or "-",
+                     f.description, _fmt_ns(f.event.get("late_ns")), _fmt_ns(converged),
+                     _fault_details(run, f, faults)])
+    table = Table(["#", "at (fabric)", "kind", "target", "description", "late by",
+                   "routes converged at", "details"], rows,
+                  [True, True, False, False, False, True, True, False])
+    if len(faults) > MAX_TABLE_ROWS:
+        table.note = f"first {MAX_TABLE_ROWS} of {len(faults)} faults"
+    return {"table": table, "count": len(faults)}
+
+
+#: What a verdict holds (docs/incidents.md); `allowed` and `baseline_run` may be absent.
+VERDICT_KEYS = ("incident", "variant", "title", "source", "description", "reproduced",
+                "expected", "as_expected", "predicates", "evidence")
+PREDICATE_KEYS = ("name", "value", "op", "threshold", "held")
+
+
+def _yes_no(value: object) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _predicate_cell(p: dict, key: str) -> str:
+    value = p.get(key)
+    if key == "held":
+        held = _yes_no(value)
+        return "-" if held is None else "held" if held else "did not hold"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return fmt_int(value)
+    return "-" if value is None or value == "" else str(value)
+
+
+def _fmt_ns(value: object) -> str:
+    """A duration from an event's detail, '-' when it is absent or not a number."""
+    return fmt_duration(value) if isinstance(value, int | float) and not isinstance(
+        value, bool) else "-"
+
+
+def _predicates(raw: object, missing: list[str]) -> Table | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        missing.append("predicates (not a list)")
+        return None
+    rows, lacking = [], []
+    for i, p in enumerate(raw, 1):
+        if not isinstance(p, dict):
+            lacking.append(f"predicate {i} is not an object")
+            continue
+        gaps = [k for k in PREDICATE_KEYS if k not in p]
+        if gaps:
+            lacking.append(f"predicate {i} lacks {', '.join(gaps)}")
+        name = str(p.get("name") or f"predicate {i}")
+        text = str(p.get("text") or "")
+        rows.append([name, text or "-", *(_predicate_cell(p, k) for k in
+                                          ("value", "op", "threshold", "unit", "held",
+                                           "detail"))])
+    missing += lacking
+    return Table(["predicate", "says", "measured", "op", "threshold", "unit", "held",
+                  "detail"], rows, [False, False, True, False, True, False, False, False])
+
+
+def verdict(run: RunData, marks: list[FaultMark] | None = None) -> dict | None:
+    """The incident verdict banner (summary.json `verdict`): what was reproduced, whether
+    that was expected, each predicate's measured value beside its threshold, and the
+    evidence plot. A verdict missing keys shows what it has and says what is missing."""
     v = run.summary.get("verdict")
     if not v:
         return None
     if not isinstance(v, dict):
-        return {"text": str(v), "predicates": None}
-    predicates = v.get("predicates")
-    table = None
-    if isinstance(predicates, list) and all(isinstance(p, dict) for p in predicates):
-        table = generic_table(predicates)
-    elif isinstance(predicates, dict):
-        table = Table(["predicate", "value"],
-                      [[k, fmt_value(k, val)] for k, val in predicates.items()])
-    parts = [f"{k}: {fmt_value(k, val)}" for k, val in v.items() if k != "predicates"]
-    return {"text": "; ".join(parts), "predicates": table}
+        return {"title": "incident verdict", "variant": "", "status": "verdict unreadable",
+                "state": "unknown", "facts": [],
+                "description": str(v), "allowed": [], "predicates": None, "evidence": None,
+                "missing": ["summary.json verdict is not an object"]}
+    missing = [k for k in VERDICT_KEYS if k not in v]
+    reproduced, expected = _yes_no(v.get("reproduced")), _yes_no(v.get("expected"))
+    variant = str(v.get("variant") or "")
+    if expected is None and variant in ("incident", "control"):
+        expected = variant == "incident"          # an incident should happen, a control not
+    as_expected = _yes_no(v.get("as_expected"))
+    if as_expected is None and reproduced is not None and expected is not None:
+        as_expected = reproduced == expected
+    if reproduced is None:
+        status, state = "REPRODUCED? unknown", "unknown"
+    else:
+        status = "REPRODUCED" if reproduced else "NOT REPRODUCED"
+        if as_expected is None:
+            state = "unknown"
+        elif as_expected:
+            state = "ok"
+            status += ", as expected"
+        else:
+            state = "fail"
+            status += (": FAILURE, a control run must not reproduce the incident"
+                       if variant == "control" else
+                       ": FAILURE, the incident was expected to reproduce"
+                       if expected else ": FAILURE, not as expected")
+    facts = []
+    for key, label in (("incident", "incident"), ("variant", "variant"),
+                       ("source", "source"), ("baseline_run", "control run compared")):
+        value = v.get(key)
+        if value not in (None, ""):
+            facts.append((label, str(value)))
+    allowed = v.get("allowed") or []
+    if not isinstance(allowed, list):
+        allowed = [allowed]
+    return {
+        "title": str(v.get("title") or v.get("incident") or "incident verdict"),
+        "status": status, "state": state, "variant": variant, "facts": facts,
+        "description": str(v.get("description") or ""),
+        "allowed": [f"this fabric is misconfigured on purpose: {a}" for a in allowed],
+        "predicates": _predicates(v.get("predicates"), missing),
+        "evidence": evidence(run, v.get("evidence"), marks or [], missing),
+        "missing": missing,
+    }
+
+
+#: Series the evidence plot draws at most; a "*" that matches more keeps the ones that
+#: moved the most.
+EVIDENCE_SERIES = SERIES_PER_PLOT
+
+
+def _unit_of(counter: str) -> tuple[str, float]:
+    if counter.endswith("_bytes"):
+        return "KB", 1e3
+    if counter.endswith("_bps"):
+        return "Gb/s", 1e9
+    if counter.endswith("_ns"):
+        return "us", 1e3
+    return counter.rsplit(".", 1)[-1], 1.0
+
+
+def _fmt_counter(counter: str, value: float) -> str:
+    """A counter's value in the unit its name ends in (bytes, rates, durations)."""
+    if counter.endswith("_bytes"):
+        return fmt_bytes(value)
+    return fmt_value(counter, value)
+
+
+def _value_at(points: list[tuple[int, float]], ts: float) -> float:
+    before = [v for t, v in points if t <= ts]
+    return before[-1] if before else (points[0][1] if points else 0.0)
+
+
+def evidence(run: RunData, spec: object, marks: list[FaultMark],
+             missing: list[str] | None = None) -> dict | None:
+    """The counter series a verdict names as its evidence, plotted over fabric time with
+    the fault markers, an arrow at the first fault and one where the failure shows (the
+    peak; for a counter that only grows, where it starts to grow), and a table of the
+    same numbers for readers of the Markdown report."""
+    missing = missing if missing is not None else []
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or not spec.get("counter"):
+        missing.append("evidence.counter")
+        return None
+    counter = str(spec["counter"])
+    caption = str(spec.get("caption") or "")
+
+    def pick(key: str) -> str | None:
+        value = spec.get(key, "*")
+        return None if value in ("*", None) else str(value)
+
+    tc_raw = pick("tclass")
+    try:
+        tclass = None if tc_raw is None else int(tc_raw)
+    except ValueError:
+        missing.append(f"evidence.tclass {tc_raw!r} (not a class number)")
+        tclass = None
+    where = (f"{spec.get('node', '*')}:{spec.get('port', '*')} "
+             f"class {spec.get('tclass', '*')}")
+    out: dict[str, object] = {"counter": counter, "where": where, "caption": caption, "svg": None,
+           "table": None, "text": ""}
+    if run.store is None:
+        out["text"] = f"no counters database: {counter} at {where} cannot be drawn"
+        return out
+    series = run.store.series(counter, pick("node"), pick("port"), tclass)
+    if not series:
+        out["text"] = f"no series of {counter} at {where} in the counters database"
+        return out
+    moved = {k: max(v for _, v in pts) - min(v for _, v in pts) for k, pts in series.items()}
+    ranked = sorted(series, key=lambda k: (-moved[k], natural_key(f"{k[0]}:{k[1]}"), k[2]))
+    shown = ranked[:EVIDENCE_SERIES]
+    if len(ranked) > len(shown):
+        out["text"] = (f"{len(shown)} of the {len(ranked)} series of {counter} at {where}: "
+                       "the ones that changed the most")
+    unit, divisor = _unit_of(counter)
+    idx = PlanIndex(run.plan)
+    top = series[shown[0]]
+    annotations = []
+    applied = sorted((m for m in marks if not m.converged), key=lambda m: m.ts_fabric_ns)
+    if applied:
+        first = applied[0]
+        annotations.append(Annotation(first.ts_fabric_ns, _value_at(top, first.ts_fabric_ns),
+                                      f"fault {first.number}: {first.text}"[:60]))
+    monotone = all(b[1] >= a[1] for a, b in zip(top, top[1:], strict=False))
+    if monotone and top[-1][1] > top[0][1]:
+        t_on = next(t for t, val in top if val > top[0][1])
+        annotations.append(Annotation(t_on, _value_at(top, t_on),
+                                      f"{counter} starts rising at {fmt_duration(t_on)}"))
+    else:
+        t_peak, peak = max(top, key=lambda p: p[1])
+        annotations.append(Annotation(t_peak, peak, f"peak {_fmt_counter(counter, peak)}"
+                                      f" at {fmt_duration(t_peak)}"))
+    x_max = _duration_ns(run, series.values())
+    title = caption or f"{counter} at {where}"
+    out["svg"] = plots.line_plot(
+        [Series(idx.port_label(*k), series[k]) for k in shown], "evidence", title,
+        f"{counter} ({unit})" if divisor != 1.0 else counter, divisor, x_max,
+        ymin_zero=min(v for k in shown for _, v in series[k]) >= 0, faults=marks,
+        annotations=annotations)
+    at = applied[0].ts_fabric_ns if applied else None
+    rows = []
+    for k in shown:
+        pts = series[k]
+        t_peak, peak = max(pts, key=lambda p: p[1])
+        rows.append([idx.port_label(*k), _fmt_counter(counter, _value_at(pts, at))
+                     if at is not None else "-", _fmt_counter(counter, peak),
+                     fmt_duration(t_peak), _fmt_counter(counter, pts[-1][1])])
+    out["table"] = Table(["series", f"at fault {applied[0].number}" if applied else "at fault",
+                          "peak", "peak at (fabric)", "last"], rows,
+                         [False, True, True, True, True])
+    return out
 
 
 def fabric(run: RunData) -> dict | None:
@@ -308,7 +664,8 @@ def _thresholds(c) -> tuple[tuple[int, str], ...] | None:
     return tuple(marks)
 
 
-def queues(run: RunData, idx: PlanIndex) -> dict | None:
+def queues(run: RunData, idx: PlanIndex, faults: list[FaultMark] | None = None
+           ) -> dict | None:
     """Backlog over time of every port class that queued, worst first."""
     series, per_sample = {}, {}
     if run.store is not None:
@@ -337,7 +694,7 @@ def queues(run: RunData, idx: PlanIndex) -> dict | None:
                  else f"queue depth, port classes {_span(n, chunk)} by peak")
         svgs.append(plots.line_plot(
             [Series(idx.port_label(*k), series[k]) for k in chunk], f"queue{n}", title,
-            "backlog (KB)", 1e3, x_max, hlines))
+            "backlog (KB)", 1e3, x_max, hlines, faults=faults or ()))
     rows = []
     if series:
         for k in ranked[:TOP_PORTS]:
@@ -367,7 +724,7 @@ def queues(run: RunData, idx: PlanIndex) -> dict | None:
             "shown_in_plots": min(total, SERIES_PER_PLOT * MAX_PLOTS) if svgs else 0}
 
 
-def ecn(run: RunData, idx: PlanIndex) -> dict | None:
+def ecn(run: RunData, idx: PlanIndex, faults: list[FaultMark] | None = None) -> dict | None:
     series = {}
     if run.store is not None:
         series = {k: v for k, v in run.store.series("ecn_marks").items()
@@ -384,7 +741,7 @@ def ecn(run: RunData, idx: PlanIndex) -> dict | None:
                 [Series(idx.port_label(*k), series[k]) for k in chunk], f"ecn{n}",
                 "ECN marks (cumulative)" if n == 0 else
                 f"ECN marks (cumulative), port classes {_span(n, chunk)}",
-                "packets marked CE", 1.0, x_max))
+                "packets marked CE", 1.0, x_max, faults=faults or ()))
     ports.sort(key=lambda p: (-p["ecn_marks"], p["node"], p["port"]))
     rows = [[idx.port_label(p["node"], p["port"]), idx.tclass(p["tclass"]),
              fmt_int(p["ecn_marks"]), fmt_int(p.get("tx_packets") or 0),
@@ -444,7 +801,7 @@ def _pause_intervals_from_counters(run: RunData) -> dict[tuple, list[tuple[int, 
     return out
 
 
-def pfc(run: RunData, idx: PlanIndex) -> dict | None:
+def pfc(run: RunData, idx: PlanIndex, faults: list[FaultMark] | None = None) -> dict | None:
     intervals = _pause_intervals_from_events(run)
     source = "pfc_xoff / pfc_xon events"
     if not intervals:
@@ -471,7 +828,7 @@ def pfc(run: RunData, idx: PlanIndex) -> dict | None:
             label = f"{k[0]}:{k[1]} → {peer or '?'} {idx.tclass(k[2])}"
             rows.append((label, intervals[k]))
         svg = plots.timeline_plot(rows, "pfc", "PFC pauses: port that sent XOFF → paused peer",
-                                  x_max)
+                                  x_max, faults=faults or ())
         for k in ranked[:TOP_PORTS * 2]:
             spans = intervals[k]
             rows_out.append([idx.port_label(k[0], k[1]), idx.peer(k[0], k[1]) or "?",
@@ -495,7 +852,7 @@ def pfc(run: RunData, idx: PlanIndex) -> dict | None:
     return {"svg": svg, "source": source, "timeline": timeline, "totals": totals_table}
 
 
-def agent_rates(run: RunData) -> dict | None:
+def agent_rates(run: RunData, faults: list[FaultMark] | None = None) -> dict | None:
     """Receive rate of every agent over time, from its cumulative `recv.bytes`.
 
     Byte counts are the same in fabric and wall time and the samples carry
@@ -529,7 +886,7 @@ def agent_rates(run: RunData) -> dict | None:
         svgs.append(plots.line_plot(
             [Series(f"{k[1]} ({k[0]})", active[k]) for k in chunk], f"rate{n}",
             "receive rate per agent" if n == 0 else f"receive rate, agents {_span(n, chunk)}",
-            "fabric rate (Gb/s)", 1e9, x_max))
+            "fabric rate (Gb/s)", 1e9, x_max, faults=faults or ()))
     rows = []
     for k in ordered:
         pts = series[k]
@@ -550,7 +907,7 @@ def agent_rates(run: RunData) -> dict | None:
 QP_RATE = re.compile(r"^send\.qp(\d+)\.rc_bps$")
 
 
-def dcqcn_rates(run: RunData) -> dict | None:
+def dcqcn_rates(run: RunData, faults: list[FaultMark] | None = None) -> dict | None:
     """DCQCN's current rate Rc of every QP over time (RoCE clients' `send.qp<i>.rc_bps`)."""
     if run.store is None:
         return None
@@ -571,7 +928,7 @@ def dcqcn_rates(run: RunData) -> dict | None:
         svgs.append(plots.line_plot(
             [Series(f"{k[0]} QP{k[2]}", series[k]) for k in chunk], f"dcqcn{n}",
             "DCQCN rate Rc per QP" if n == 0 else f"DCQCN rate Rc, QPs {_span(n, chunk)}",
-            "fabric rate (Gb/s)", 1e9, x_max))
+            "fabric rate (Gb/s)", 1e9, x_max, faults=faults or ()))
     cnps = {}
     for counter in run.store.counters():
         m = re.match(r"^send\.qp(\d+)\.cnps$", counter)
@@ -615,7 +972,8 @@ def _last_sizes_timed(by_rank: dict[tuple[str, str], list[dict]]
     return out
 
 
-def _phase_timeline(run: RunData, events: list[dict]) -> dict | None:
+def _phase_timeline(run: RunData, events: list[dict], faults: list[FaultMark]
+                    ) -> dict | None:
     """One row per rank, a bar per phase of each iteration, coloured by phase."""
     by_rank: dict[tuple[str, str], list[dict]] = {}
     for e in sorted(events, key=lambda e: e["ts_fabric_ns"]):
@@ -651,7 +1009,7 @@ def _phase_timeline(run: RunData, events: list[dict]) -> dict | None:
     x_max = max(b[0] + b[1] for _, bars in rows for b in bars)
     phases = _phase_names(b[2] for _, bars in rows for b in bars)
     svg = plots.timeline_plot(rows, "phases", "collective phases per rank", x_max,
-                              x_min_ns=x_min, categories=phases)
+                              x_min_ns=x_min, categories=phases, faults=faults)
     caption = (f"{shown} of {total} phase bars: {what}." if shown < total
                else f"{total} phase bars: {what}.")
     if len(ranks) > len(shown_ranks):
@@ -664,7 +1022,7 @@ def _phase_timeline(run: RunData, events: list[dict]) -> dict | None:
     return {"svg": svg, "caption": caption}
 
 
-def _slot_occupancy(run: RunData) -> dict | None:
+def _slot_occupancy(run: RunData, faults: list[FaultMark]) -> dict | None:
     """Slots in use per aggregator over time, the configured pool as a dashed line."""
     assert run.store is not None
     series = run.store.series(AGGREGATOR_SLOTS)
@@ -681,7 +1039,7 @@ def _slot_occupancy(run: RunData) -> dict | None:
             [Series(f"{k[1]} ({k[0]})", series[k]) for k in chunk], f"slots{n}",
             "aggregator slot occupancy" if n == 0
             else f"aggregator slot occupancy, aggregators {_span(n, chunk)}",
-            "slots in use", 1.0, x_max, hlines))
+            "slots in use", 1.0, x_max, hlines, faults=faults))
     # The samples can miss a peak between them; the aggregator counts its own exactly
     # (per job: with several jobs, the sum of their peaks bounds the total's).
     exact = run.store.last_values("aggregator.slots_in_use_max")
@@ -742,14 +1100,14 @@ def _rank_table(run: RunData, events: list[dict]) -> Table | None:
     return Table(head, rows, [False, False, True] + [True] * (len(head) - 3))
 
 
-def collectives(run: RunData) -> dict | None:
+def collectives(run: RunData, faults: list[FaultMark] | None = None) -> dict | None:
     """The collective ranks' phases over time and the aggregators' slot occupancy; None
     when the run had neither (or no counters database)."""
     if run.store is None:
         return None
     events = run.store.events(PHASE_EVENT)
-    timeline = _phase_timeline(run, events)
-    occupancy = _slot_occupancy(run)
+    timeline = _phase_timeline(run, events, faults or [])
+    occupancy = _slot_occupancy(run, faults or [])
     table = _rank_table(run, events)
     if timeline is None and occupancy is None and table is None:
         return None
@@ -847,17 +1205,20 @@ def fidelity(run: RunData) -> dict:
 
 def build_context(run: RunData) -> dict:
     idx = PlanIndex(run.plan)
+    faults = fault_events(run)
+    marks = fault_marks(faults)
     return {
         "run": header(run),
         "totals": totals(run),
-        "verdict": verdict(run),
+        "verdict": verdict(run, marks),
+        "faults": fault_timeline(run, faults),
         "fabric": fabric(run),
-        "queues": queues(run, idx),
-        "ecn": ecn(run, idx),
-        "pfc": pfc(run, idx),
-        "rates": agent_rates(run),
-        "dcqcn": dcqcn_rates(run),
-        "collectives": collectives(run),
+        "queues": queues(run, idx, marks),
+        "ecn": ecn(run, idx, marks),
+        "pfc": pfc(run, idx, marks),
+        "rates": agent_rates(run, marks),
+        "dcqcn": dcqcn_rates(run, marks),
+        "collectives": collectives(run, marks),
         "workloads": workloads(run),
         "ports": port_totals(run, idx),
         "fidelity": fidelity(run),

@@ -56,6 +56,33 @@ class Series:
     points: Sequence[tuple[int, float]]     # (ts_fabric_ns, value)
 
 
+@dataclass(frozen=True)
+class FaultMark:
+    """A fault of the run's timeline drawn on a time plot: a vertical line at the time
+    it was applied (or, `converged`, at the time routes reconverged after it), labelled
+    with `number`, the fault's row in the report's fault timeline."""
+
+    number: int
+    ts_fabric_ns: int
+    text: str = ""              # short description, for the key under a plot
+    converged: bool = False
+
+
+@dataclass(frozen=True)
+class Annotation:
+    """An arrow to (ts_fabric_ns, value before y_divisor) with a text beside it."""
+
+    ts_fabric_ns: float
+    value: float
+    text: str
+
+
+FAULT_COLOR = "#7a0177"
+MAX_FAULT_KEY = 8             # faults named under a plot; beyond, the key points to the table
+_LABEL_ROWS = 3               # label heights, so close faults do not print on each other
+_LABEL_GAP = 0.028            # axes fraction between two labels at one height
+
+
 def time_unit(max_ns: float) -> tuple[float, str]:
     """Divisor and name of the unit a fabric-time axis is drawn in."""
     if max_ns < 20e6:
@@ -112,17 +139,102 @@ def _svg(fig: Figure, prefix: str, label: str) -> str:
     text = re.sub(r'\bid="([^"]+)"', rf'id="{prefix}-\1"', text)
     text = re.sub(r"url\(#([^)]+)\)", rf"url(#{prefix}-\1)", text)
     text = re.sub(r'xlink:href="#([^"]+)"', rf'xlink:href="#{prefix}-\1"', text)
+    # Fault markers get a class and their number, so a page's CSS and a test can find
+    # them whatever figure they are in (matplotlib writes a gid as a bare id).
+    text = re.sub(r'<g id="([\w-]+-)?fault-(marker|converged|label)-(\d+)"',
+                  r'<g id="\1fault-\2-\3" class="fault-\2" data-fault="\3"', text)
     label = label.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;")
     return text.replace("<svg", f'<svg role="img" aria-label="{label}"', 1)
 
 
+def draw_faults(ax: Any, faults: Sequence[FaultMark], scale: float, lo_ns: float,
+                hi_ns: float) -> None:
+    """Vertical lines at the faults inside [lo_ns, hi_ns] (the axes' span, fabric ns),
+    numbered at the top of the axes, and a key under the axes naming them.
+
+    Applied faults are solid, their reconvergence dashed and lighter. Labels take
+    one of three heights so close faults stay readable; a fault with no free height
+    keeps its line and its number in the key. Lines carry the gids
+    `fault-marker-N` / `fault-converged-N` (`fault-label-N` for the number)."""
+    if not faults:
+        return
+    span = max(hi_ns - lo_ns, 1e-9)
+    inside = [f for f in faults if lo_ns <= f.ts_fabric_ns <= hi_ns]
+    last_at = [-1.0] * _LABEL_ROWS
+    for f in sorted(inside, key=lambda f: (f.ts_fabric_ns, f.converged, f.number)):
+        x = f.ts_fabric_ns / scale
+        line = ax.axvline(x, color=FAULT_COLOR, zorder=4,
+                          linewidth=1.0 if f.converged else 1.4,
+                          alpha=0.45 if f.converged else 0.9,
+                          linestyle=(0, (3, 2)) if f.converged else "-")
+        line.set_gid(f"fault-{'converged' if f.converged else 'marker'}-{f.number}")
+        if f.converged:
+            continue
+        where = (f.ts_fabric_ns - lo_ns) / span
+        row = next((r for r in range(_LABEL_ROWS) if where - last_at[r] >= _LABEL_GAP), None)
+        if row is None:
+            continue
+        last_at[row] = where
+        label = ax.text(x, 0.985 - 0.085 * row, str(f.number), ha="center", va="top",
+                        transform=ax.get_xaxis_transform(), fontsize=8, color=FAULT_COLOR,
+                        zorder=6, fontweight="bold",
+                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": FAULT_COLOR,
+                              "lw": 0.8, "alpha": 0.9})
+        label.set_gid(f"fault-label-{f.number}")
+    applied = sorted({(f.number, f.text) for f in inside if not f.converged})
+    outside = {f.number for f in faults if not f.converged} - {n for n, _ in applied}
+    if applied and len(applied) <= MAX_FAULT_KEY:
+        parts = [f"{n} {plain(_short(t))}" if t else str(n) for n, t in applied]
+        lines = ["   ".join(parts[i:i + 3]) for i in range(0, len(parts), 3)]
+        key = "faults: " + "\n".join(lines)
+    elif applied:
+        key = (f"faults {applied[0][0]}-{applied[-1][0]} ({len(applied)}): "
+               "see the fault timeline")
+    else:
+        key = ""
+    if outside:
+        key += ("; " if key else "") + f"{len(outside)} outside this plot's time span"
+    if key:
+        ax.annotate(key, xy=(0.0, 0.0), xycoords="axes fraction", xytext=(0, -36),
+                    textcoords="offset points", ha="left", va="top", fontsize=8.5,
+                    color=FAULT_COLOR)
+
+
+def _short(text: str, limit: int = 44) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _draw_annotations(ax: Any, annotations: Sequence[Annotation], scale: float,
+                      y_divisor: float) -> None:
+    """Arrows to the points the caller names (where a fault hit, where the failure shows).
+
+    The texts sit inside the axes, below the fault numbers and at two heights, beside
+    their point (to its left in the right part of the plot), so they cover neither the
+    tick labels nor each other."""
+    lo, hi = ax.get_xlim()
+    for i, a in enumerate(annotations):
+        x = a.ts_fabric_ns / scale
+        where = (x - lo) / (hi - lo) if hi > lo else 0.0
+        right = where > 0.6
+        note = ax.annotate(
+            plain(a.text), xy=(x, a.value / y_divisor),
+            xytext=(where - 0.03 if right else where + 0.03, 0.62 if i % 2 == 0 else 0.42),
+            textcoords="axes fraction", ha="right" if right else "left", va="center",
+            fontsize=9, color="#1b1f24", zorder=7,
+            arrowprops={"arrowstyle": "->", "color": "#1b1f24", "lw": 1.0},
+            bbox={"boxstyle": "round,pad=0.25", "fc": "#fff8c5", "ec": "#bf8700", "lw": 0.8})
+        note.set_gid(f"evidence-annotation-{i + 1}")
+
+
 def line_plot(series: Sequence[Series], prefix: str, title: str, ylabel: str, y_divisor: float,
               x_max_ns: float, hlines: Sequence[tuple[float, str]] = (),
-              ymin_zero: bool = True) -> str:
+              ymin_zero: bool = True, faults: Sequence[FaultMark] = (),
+              annotations: Sequence[Annotation] = ()) -> str:
     """One axes, up to 8 series over fabric time; hlines = (value before y_divisor, label).
 
     Every series is a step function (docs/run-format.md): a value holds from its point
     until the next one, so it is drawn as steps, never as a line between two points.
+    `faults` are drawn as numbered vertical lines (draw_faults), `annotations` as arrows.
     """
     with matplotlib.rc_context(_RC):
         fig = Figure(figsize=(10.5, 3.8))
@@ -148,6 +260,8 @@ def line_plot(series: Sequence[Series], prefix: str, title: str, ylabel: str, y_
         ax.set_xlim(x_min_ns / scale, max(x_max_ns / scale, 1e-9))
         if ymin_zero:
             ax.set_ylim(bottom=0)
+        draw_faults(ax, faults, scale, x_min_ns, max(x_max_ns, 1e-9 * scale))
+        _draw_annotations(ax, annotations, scale, y_divisor)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         return _svg(fig, prefix, title)
 
@@ -158,12 +272,13 @@ Bar = tuple[int, int] | tuple[int, int, str]
 
 def timeline_plot(rows: Sequence[tuple[str, Sequence[Bar]]], prefix: str,
                   title: str, x_max_ns: float, x_min_ns: float = 0.0,
-                  categories: Sequence[str] = ()) -> str:
+                  categories: Sequence[str] = (), faults: Sequence[FaultMark] = ()) -> str:
     """Broken-bar timeline: one row per label, bars = (start_ns, duration_ns[, category]).
 
     Bars without a category are drawn in one colour. Bars with one are coloured by it,
     with a legend: the categories in the order of `categories`, then any other in the
-    order first met. The x axis runs from `x_min_ns` to `x_max_ns` (fabric time)."""
+    order first met. The x axis runs from `x_min_ns` to `x_max_ns` (fabric time);
+    `faults` are drawn on it as numbered vertical lines (draw_faults)."""
     order = list(dict.fromkeys([*categories, *(b[2] for _, bars in rows for b in bars
                                                if len(b) > 2)]))
     color_of = {c: SERIES_COLORS[i % len(SERIES_COLORS)] for i, c in enumerate(order)}
@@ -184,6 +299,7 @@ def timeline_plot(rows: Sequence[tuple[str, Sequence[Bar]]], prefix: str,
         ax.set_xlabel(f"fabric time ({unit})")
         ax.set_title(plain(title), loc="left")
         ax.grid(axis="y", visible=False)
+        draw_faults(ax, faults, scale, x_min_ns, max(x_max_ns, x_min_ns + 1e-9 * scale))
         used = [c for c in order if any(len(b) > 2 and b[2] == c for _, bs in rows for b in bs)]
         if used:
             handles = [Patch(facecolor=color_of[c], alpha=0.85, label=plain(c)) for c in used]

@@ -57,6 +57,10 @@ def _mark_svgs(ctx: dict) -> dict:
     for key in ("queues", "ecn", "rates", "dcqcn"):
         if out.get(key):
             out[key] = {**out[key], "svgs": [Markup(s) for s in out[key]["svgs"]]}
+    verdict = out.get("verdict")
+    if verdict and verdict.get("evidence") and verdict["evidence"].get("svg"):
+        out["verdict"] = {**verdict, "evidence": {**verdict["evidence"],
+                                                  "svg": Markup(verdict["evidence"]["svg"])}}
     if out.get("pfc") and out["pfc"].get("svg"):
         out["pfc"] = {**out["pfc"], "svg": Markup(out["pfc"]["svg"])}
     if out.get("collectives"):

@@ -29,12 +29,16 @@ class PortRecord:
     wall_rate_bps: int
     overhead_bytes: int
     burst_bytes: int = 0
+    # Once a PFC agent has reported the port's paused time, the port is judged only where
+    # it did: a sample the agent did not answer (or after it stopped) says nothing about
+    # a port that may have been paused all along (a deadlocked cycle is not a slow VM).
+    paused_seen: bool = False
     intervals: int = 0
     bits: float = 0.0
     seconds: float = 0.0
     worst_ratio: float = 1.0
-    prev: tuple[int, float, float, float, float] | None = None
-    # (mono_ns, tx_bytes, tx_packets, backlog, paused fabric ns)
+    prev: tuple[int, float, float, float, float | None] | None = None
+    # (mono_ns, tx_bytes, tx_packets, backlog, paused fabric ns or None: not reported)
     ratios: list[float] = field(default_factory=list)
 
     @property
@@ -55,12 +59,12 @@ class PortWatchdog:
                     iface.egress.overhead_bytes, iface.egress.burst_bytes)
 
     def observe(self, mono_ns: int, samples: list[Sample]) -> None:
-        now: dict[tuple[str, str], list[float]] = {}
+        now: dict[tuple[str, str], list] = {}
         for s in samples:
             key = (s.node, s.port)
             if key not in self.ports:
                 continue
-            entry = now.setdefault(key, [0, 0, 0, 0.0])
+            entry = now.setdefault(key, [0, 0, 0, None])
             if s.counter == "tx_bytes":
                 entry[0] = s.value
             elif s.counter == "tx_packets":
@@ -70,15 +74,20 @@ class PortWatchdog:
             elif s.counter == "paused_ns":
                 # A paused class is meant to be silent (PFC): its paused time is
                 # not time the port failed to send.
-                entry[3] = max(entry[3], s.value)
+                entry[3] = s.value if entry[3] is None else max(entry[3], s.value)
         for key, (tx_bytes, tx_packets, backlog, paused_ns) in now.items():
             rec = self.ports[key]
+            rec.paused_seen = rec.paused_seen or paused_ns is not None
             if rec.prev is not None:
                 p_mono, p_bytes, p_packets, p_backlog, p_paused = rec.prev
                 dt = (mono_ns - p_mono) / 1e9
-                paused_wall_s = self.dilation.to_wall_s(max(0.0, paused_ns - p_paused))
-                if paused_wall_s > 0.1 * dt:
-                    dt = 0.0   # paused for a real part of the interval: not judged
+                if paused_ns is None or p_paused is None:
+                    if rec.paused_seen:
+                        dt = 0.0   # how long it was paused is unknown: not judged
+                else:
+                    paused_wall_s = self.dilation.to_wall_s(max(0.0, paused_ns - p_paused))
+                    if paused_wall_s > 0.1 * dt:
+                        dt = 0.0   # paused for a real part of the interval: not judged
                 if min(p_backlog, backlog) > rec.burst_bytes and dt > 0:
                     wire = (tx_bytes - p_bytes) + rec.overhead_bytes * (tx_packets - p_packets)
                     rec.intervals += 1

@@ -38,6 +38,7 @@ from testbed.run.capture import start_captures, stop_captures
 from testbed.run.collector import AgentEndpoint, Collector, LiveTotals, agent_read_notes
 from testbed.run.fabric_agents import has_pfc, start_pfc_agents
 from testbed.run.fidelity import base_rtt_shortfall_ns
+from testbed.run.pinning import pin_paths
 from testbed.run.procs import AgentProcess, socket_path, start_agent
 from testbed.run.rundir import create_run_dir, machine_metadata
 from testbed.run.summary import build_summary
@@ -180,6 +181,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
         try:
             bring_up(run)
             start_fabric_agents(run)
+            pin_sender_paths(run)
             if options.on_up is not None:
                 options.on_up(plan)
             start_workload(run, stop.event)
@@ -289,6 +291,19 @@ def start_fabric_agents(run: Run) -> None:
     run.fabric_procs = [p for p, _ in started]
     run.endpoints = [e for _, e in started]
     run.options.say(f"pfc: agents on {len(started)} nodes")
+
+
+def pin_sender_paths(run: Run) -> None:
+    """Source ports for senders pinned to a path (a RoCE entry's via:), asked of the
+    kernel now that the fabric is up (testbed/run/pinning.py); a path_pinned event each."""
+    run.specs, pinned = pin_paths(run.plan, run.specs)
+    for p in pinned:
+        run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "path_pinned",
+                            node=p.src, traffic=p.traffic, sender=p.sender, dst=p.dst,
+                            dport=p.dport, via=list(p.via), sports=list(p.sports),
+                            paths=list(p.paths))
+        run.options.say(f"paths: {p.sender} via {','.join(p.via)}: sport "
+                        f"{', '.join(map(str, p.sports))}: {p.paths[0]}")
 
 
 def start_agent_of(run: Run, spec: AgentSpec, t0_mono_ns: int | None = None) -> None:

@@ -102,6 +102,23 @@ class AgentSpec:
     duration_ns: int = 0
     src: str = ""
     dst: str = ""
+    via: tuple[str, ...] = ()   # a sender: switches its flows must cross (see PathPin)
+
+
+@dataclass(frozen=True)
+class PathPin:
+    """A sender whose flows must cross given switches: `count` UDP source ports from
+    host `src` to host `dst`'s port `dport`, each on a path through every node of `via`.
+    The run resolves them once the fabric is up (testbed/net/paths.py) and gives them
+    back to the kind (`WorkloadKind.pinned`)."""
+
+    sender: str          # the AgentSpec's name
+    traffic: str
+    src: str
+    dst: str
+    dport: int
+    count: int
+    via: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -252,6 +269,14 @@ class WorkloadKind(ABC):
         (a collective builds and checks its buffers between timed runs): the run waits
         this much longer for its senders before it stops them."""
         return 0.0
+
+    def path_pins(self, specs: Sequence[AgentSpec]) -> list[PathPin]:
+        """Senders among this kind's agents whose flows must take a given path."""
+        return []
+
+    def pinned(self, spec: AgentSpec, sports: Sequence[int]) -> AgentSpec:
+        """The sender `spec` with the source ports its PathPin was given."""
+        raise NotImplementedError(f"{self.family} pins no paths")
 
     def waits_ready(self, spec: AgentSpec) -> bool:
         """Whether the run waits for this agent's ready file before starting senders."""

@@ -16,8 +16,11 @@ a worked example. argv is in fabric units (agents convert with the dilation they
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
@@ -31,6 +34,7 @@ from testbed.workloads.base import (
     CheckContext,
     ClassView,
     ExpandContext,
+    PathPin,
     Problem,
     ResultRow,
     Results,
@@ -130,6 +134,11 @@ class RoceTraffic(TrafficEntry):
         "roce", description="traffic class name or number of the data and ACKs (CNPs go in the "
                             "class named cnp, if there is one); with cc, a class that marks ECN")
     verify: bool = Field(True, description="the receiver checks every byte written or sent")
+    via: list[str] | None = Field(
+        None, description="switches every QP of every stream must cross: the run picks each "
+                          "QP's UDP source port, once the fabric is up, as the lowest in "
+                          "49152..65535 whose ECMP path crosses them all (docs/roce.md, "
+                          "'Pinning a QP to a path')")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -222,6 +231,9 @@ class RoceKind(WorkloadKind):
         "timeouts": "ACK timeouts at the requester",
         "cnps_sent": "CNPs the responder sent", "cnps_received": "CNPs the requester got",
         "ce_received": "CE-marked packets the responder received",
+        "sports": "each QP's UDP source port, in QP order",
+        "via": "the switches the entry pinned its QPs to (null: not pinned; the paths are "
+               "in the run's path_pinned events)",
         "verified": "the responder checked every byte (null: not checked)",
         "error": "the first error either side reported (null: none)",
     }
@@ -232,8 +244,9 @@ class RoceKind(WorkloadKind):
     def check(self, entry: TrafficEntry, loc: tuple, ctx: CheckContext) -> Iterator[Problem]:
         assert isinstance(entry, RoceTraffic)
         yield from _check_schedule_and_cc(entry, loc, ctx.classes.get(entry.tclass))
-        yield from _check_cc_params(entry, loc, [s for s, _ in streams(
-            entry, self.shape(entry), ctx.hosts)], ctx.nic_bps)
+        pairs = streams(entry, self.shape(entry), ctx.hosts)
+        yield from _check_cc_params(entry, loc, [s for s, _ in pairs], ctx.nic_bps)
+        yield from _check_via(entry, loc, pairs, ctx)
 
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         """A server (receiver) and a client (sender) per stream; servers come first."""
@@ -288,7 +301,7 @@ class RoceKind(WorkloadKind):
                       "--qps", str(t.qps), *stop,
                       "--tx-depth", str(depth), "--buffer-bytes", str(buffer_bytes),
                       "--seed", str(1 + 16 * j), *verify, "--line-rate-bps", str(line_bps),
-                      "--window-packets", str(window), *common]))
+                      "--window-packets", str(window), *common], via=tuple(t.via or ())))
         return servers + clients
 
     def span_ns(self, entry: TrafficEntry, ctx: ExpandContext | None) -> int:
@@ -311,6 +324,25 @@ class RoceKind(WorkloadKind):
         return entry.start_ns + max((-(-n * 8 * 10**9 // ctx.line_rate_bps(h))
                                      for h, n in load.items()), default=0)
 
+    def path_pins(self, specs: Sequence[AgentSpec]) -> list[PathPin]:
+        """A pin per client of an entry with `via`: one source port per QP (each QP has
+        a UDP socket of its own), to its own server's RoCE port."""
+        servers = {(s.traffic, s.src, s.dst): s for s in specs if s.role == "receiver"}
+        pins = []
+        for spec in specs:
+            if spec.role != "sender" or not spec.via:
+                continue
+            srv = servers.get((spec.traffic, spec.src, spec.dst))
+            dport = arg_of(srv.argv, "--roce-port") if srv else None
+            pins.append(PathPin(sender=spec.name, traffic=spec.traffic, src=spec.src,
+                                dst=spec.dst, dport=int(dport or ROCE_UDP_PORT),
+                                count=int(arg_of(spec.argv, "--qps") or 1), via=spec.via))
+        return pins
+
+    def pinned(self, spec: AgentSpec, sports: Sequence[int]) -> AgentSpec:
+        return dataclasses.replace(spec, argv=[*spec.argv, *(a for p in sports
+                                                             for a in ("--sport", str(p)))])
+
     def startup_wall_s(self, spec: AgentSpec) -> float:
         return ROCE_STARTUP_PER_CLIENT_S if spec.role == "sender" else super().startup_wall_s(
             spec)
@@ -326,6 +358,7 @@ class RoceKind(WorkloadKind):
         """One row per stream (client + its server), in fabric units (result_fields)."""
         servers = {(s.traffic, s.src, s.dst): results.get(s.name) for s in specs
                    if s.role == "receiver"}
+        via_of = {p.traffic: list(p.via) for p in self.path_pins(specs)}
         rows = []
         for spec in specs:
             if spec.role != "sender":
@@ -365,6 +398,9 @@ class RoceKind(WorkloadKind):
                 "cnps_sent": _qp_sum(srv, "responder", "cnps_sent"),
                 "cnps_received": _qp_sum(c, "requester", "cnps_received"),
                 "ce_received": _qp_sum(srv, "responder", "ce_packets_received"),
+                "sports": [int(q["sport"]) for q in (c.get("qps") or {}).values()
+                           if "sport" in q],
+                "via": via_of.get(spec.traffic),
                 "verified": verified,
                 "error": c.get("error") or srv.get("error"),
             }))
@@ -466,6 +502,72 @@ def _check_cc_params(t: RoceTraffic, loc: tuple, senders: list[str],
         yield (loc + ("cc_params", "min_rate"), f"{format_rate(min_rate)} is above the line "
                f"rate of sender {slow[0][1]} ({format_rate(slow[0][0])}); the minimum rate "
                "must not exceed any sender's NIC rate")
+
+
+def _check_via(t: RoceTraffic, loc: tuple, pairs: Sequence[tuple[str, str]],
+               ctx: CheckContext) -> Iterator[Problem]:
+    """via names switches, and each stream has an equal-cost path through all of them."""
+    if t.via is None:
+        return
+    if not t.via:
+        yield loc + ("via",), "via is empty; list switches, or leave via out"
+        return
+    bad = False
+    for i, node in enumerate(t.via):
+        role = ctx.roles.get(node)
+        if role is None:
+            guess = difflib.get_close_matches(node, sorted(ctx.roles), n=1)
+            hint = f"; did you mean {guess[0]!r}?" if guess else ""
+            yield loc + ("via", i), f"unknown node {node!r}{hint}"
+            bad = True
+        elif role != "switch":
+            yield loc + ("via", i), (f"{node!r} is a {role}; via lists the switches a QP "
+                                     "must cross")
+            bad = True
+        elif node in t.via[:i]:
+            yield loc + ("via", i), f"{node!r} is listed twice"
+            bad = True
+    if bad or not ctx.roles:
+        return
+    for src, dst in pairs:
+        on_path = switches_between(ctx.roles, ctx.neighbours, src, dst)
+        missing = [v for v in t.via if v not in on_path]
+        if missing:
+            yield loc + ("via",), (
+                f"no equal-cost path from {src} to {dst} crosses {', '.join(missing)}: its "
+                f"paths cross {', '.join(sorted(on_path)) or 'no switch'}")
+
+
+def switches_between(roles: Mapping[str, str], neighbours: Callable[[str], list[str]],
+                     src: str, dst: str) -> set[str]:
+    """The switches on some equal-cost path from host `src` to host `dst`, as the plan
+    routes (testbed/plan/compile.py): the host sends to every switch it is linked to;
+    switches forward along shortest paths over switches to the switch on `dst`'s first
+    link (hosts never forward)."""
+    def is_switch(n: str) -> bool:
+        return roles.get(n) == "switch"
+
+    owner = next((n for n in neighbours(dst) if is_switch(n)), None)
+    if owner is None:
+        return set()
+
+    def distances(start: str) -> dict[str, int]:
+        dist, queue = {start: 0}, deque([start])
+        while queue:
+            cur = queue.popleft()
+            for nbr in neighbours(cur):
+                if is_switch(nbr) and nbr not in dist:
+                    dist[nbr] = dist[cur] + 1
+                    queue.append(nbr)
+        return dist
+
+    to_owner = distances(owner)
+    out: set[str] = set()
+    for first in (n for n in neighbours(src) if is_switch(n) and n in to_owner):
+        from_first = distances(first)
+        out |= {v for v, d in from_first.items()
+                if v in to_owner and d + to_owner[v] == to_owner[first]}
+    return out
 
 
 KIND = RoceKind()

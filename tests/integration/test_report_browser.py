@@ -17,12 +17,10 @@ import pytest
 from matplotlib import image as mpimg
 
 from testbed.report import build_report
+from testbed.report.screenshot import CHROMIUM, run_chromium
+from testbed.report.screenshot import main as screenshot_main
 from tests.unit.test_report import HOT_BYTES_PER_SAMPLE, N_SAMPLES, make_run_dir
-
-CHROMIUM = Path("/usr/bin/chromium")
-COMMON_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--hide-scrollbars"]
+from tests.unit.test_report_incident import VERDICT, add_faults, set_verdict
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +38,18 @@ def report(tmp_path_factory) -> Path:
     return build_report(run_dir).html
 
 
+@pytest.fixture(scope="module")
+def incident_run(tmp_path_factory) -> Path:
+    """An incident run: three faults in its store, a verdict in its summary."""
+    run_dir = make_run_dir(tmp_path_factory.mktemp("runs"), name="incast-hol")
+    add_faults(run_dir)
+    set_verdict(run_dir, VERDICT)
+    return run_dir
+
+
 def _chromium(chromium: Path, profile: Path, extra: list[str], page: Path
               ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(chromium), *COMMON_FLAGS, f"--user-data-dir={profile}", *extra,
-         page.as_uri()],
-        capture_output=True, text=True, timeout=120, check=False)
+    return run_chromium(page, extra, profile, chromium)
 
 
 def test_report_renders_in_chromium_without_errors(chromium: Path, report: Path,
@@ -82,3 +86,47 @@ def test_key_numbers_read_back_from_the_rendered_page(chromium: Path, report: Pa
     results = re.findall(r"<tr><td>(h\d)</td><td>h8</td>", dom)
     assert results == [f"h{i}" for i in range(1, 8)]
     assert 'id="queues"' in dom and 'id="pfc"' in dom and 'id="fabric"' in dom
+
+
+def test_incident_report_shows_the_verdict_banner_and_fault_markers(
+        chromium: Path, incident_run: Path, tmp_path: Path) -> None:
+    page = build_report(incident_run).html
+    dom = _chromium(chromium, tmp_path / "profile", ["--dump-dom"], page).stdout
+    assert "<svg" in dom, "no DOM dumped"
+    banner = re.search(r'<section id="verdict" class="verdict-banner ok"[^>]*>(.*?)</section>',
+                       dom, re.S)
+    assert banner, "verdict banner missing from the rendered page"
+    assert dom.index('id="verdict"') < dom.index("<nav>")      # at the very top
+    assert re.search(r'id="verdict-status"[^>]*>REPRODUCED, as expected<', banner.group(1))
+    assert 'id="verdict-predicates"' in banner.group(1) and "victim starved" in banner.group(1)
+    evidence = re.search(r'<div id="evidence">.*?<svg[^>]*aria-label="pauses spread to the '
+                         r'spine".*?</svg>', banner.group(1), re.S)
+    assert evidence, "evidence plot missing from the banner"
+    assert len(re.findall(r'class="fault-marker"', evidence.group(0))) == 3
+    # every time plot of the page carries the three faults
+    svgs = re.findall(r"<svg[^>]*>.*?</svg>", dom, re.S)
+    timed = [svg for svg in svgs if "fabric time" in svg]
+    assert len(timed) >= 5
+    for svg in timed:
+        assert sorted(set(re.findall(r'class="fault-marker" data-fault="(\d+)"', svg))) == \
+            ["1", "2", "3"]
+    faults = re.search(r'<section id="faults">.*?</section>', dom, re.S)
+    assert faults and "link leaf2-spine1 down (both directions)" in faults.group(0)
+
+
+def test_screenshot_command_writes_a_png_of_the_incident_report(
+        chromium: Path, incident_run: Path, tmp_path: Path) -> None:
+    shot = tmp_path / "incident.png"
+    assert screenshot_main([str(incident_run), str(shot), "--height", "1400", "--rebuild",
+                            "--chromium", str(chromium)]) == 0
+    pixels = mpimg.imread(shot)
+    assert pixels.shape[:2] == (1400, 1280)
+    rgb = (pixels[..., :3] * 255).astype(np.uint8)
+    # the banner of a verdict that held as expected is green (#dafbe1) near the top
+    top = rgb[:700].reshape(-1, 3)
+    green = np.mean(np.all(np.abs(top.astype(int) - [0xda, 0xfb, 0xe1]) <= 3, axis=1))
+    assert green > 0.05, f"no green verdict banner in the screenshot ({green:.1%})"
+    # and the fault markers' colour is drawn (the evidence plot is in the top 1400 px)
+    marker = np.mean(np.all(np.abs(rgb.reshape(-1, 3).astype(int) - [0x7a, 0x01, 0x77]) <= 40,
+                            axis=1))
+    assert marker > 0.0002, f"no fault marker pixels ({marker:.3%})"

@@ -124,8 +124,13 @@ def test_problem_lines_point_at_the_offending_key(name: str) -> None:
         assert 1 <= number <= len(source), f"{line!r}: line {number} is outside the file"
         text = source[number - 1]
         keys = _keys_to_find(m["loc"], m["msg"])
-        # a problem with a whole list entry (workload.traffic[0]) is on the entry's first line
-        entry = isinstance(_loc_parts(m["loc"])[-1], int) and text.lstrip().startswith("- ")
+        # a problem with a whole list entry (workload.traffic[0]), or a field missing from
+        # one (events[3].at), is on the entry's first line
+        parts = _loc_parts(m["loc"])
+        of_entry = isinstance(parts[-1], int) or (
+            m["msg"].startswith("required field is missing") and len(parts) > 1
+            and isinstance(parts[-2], int))
+        entry = of_entry and text.lstrip().startswith("- ")
         assert entry or any(_line_has_key(text, key) for key in keys), (
             f"{line!r}: line {number} is {text!r}, which holds none of {keys}")
 

@@ -54,3 +54,20 @@ def test_a_deep_queue_at_line_rate_passes():
     _feed(wd, port, 1.0, 10 * egress.burst_bytes)
     assert wd.notes(Dilation(1000)) == []
     assert wd.ports[("sw1", port)].intervals == 5
+
+
+def test_a_port_whose_pause_time_went_unreported_is_not_judged():
+    """A deadlocked port is paused and silent; when its PFC agent misses a sample (or has
+    stopped) the interval says nothing about the machine, so it must not be blamed."""
+    wd, port, egress = _watchdog()
+    paused = 0.0
+    for i in range(8):
+        samples = [Sample("sw1", port, -1, "tx_bytes", 0),
+                   Sample("sw1", port, -1, "tx_packets", 0),
+                   Sample("sw1", port, 3, "backlog_bytes", 10 * egress.burst_bytes)]
+        if i % 2 == 0:      # the agent answers every other sample: paused the whole time
+            samples.append(Sample("sw1", port, 3, "paused_ns", paused))
+        wd.observe(i * PERIOD_NS, samples)
+        paused += Dilation(1000).to_fabric_ns(PERIOD_NS)
+    assert wd.notes(Dilation(1000)) == []
+    assert wd.ports[("sw1", port)].intervals == 0

@@ -1,13 +1,14 @@
 """The control plane's imports run one way:
 
-    cli -> run -> report | net -> results -> plan -> config -> workloads -> phy -> fields
-    -> units
+    cli -> incident -> run -> report | net -> results -> plan -> config -> workloads -> phy
+    -> fields -> units
 
 `report` and `net` are siblings that do not import each other. `results` holds the run
 directory's formats, which the run writes and the report reads. The config validates
 traffic entries with the workload kinds' models, so the kinds sit below it and see the
-plan and the run only through the views they are handed. The data plane (`agents`)
-never imports the control plane.
+plan and the run only through the views they are handed. `incident` drives whole
+runs (a control and an incident) and judges them, so it sits above `run`. The data plane
+(`agents`) never imports the control plane.
 
 Read from the source with `ast` (imports inside functions count: a lazy import that
 runs back up is still a cycle waiting to happen), so a new module is checked the day it
@@ -23,8 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # Higher imports lower; equal ranks are siblings, which may not import each other.
-LAYERS = {"cli": 9, "run": 8, "report": 7, "net": 7, "results": 6, "plan": 5, "config": 4,
-          "workloads": 3, "phy": 2, "fields": 1, "units": 0}
+LAYERS = {"cli": 10, "incident": 9, "run": 8, "report": 7, "net": 7, "results": 6, "plan": 5,
+          "config": 4, "workloads": 3, "phy": 2, "fields": 1, "units": 0}
 # The package root and `python -m testbed` only wire the CLI together.
 ENTRY_POINTS = {"testbed/__init__.py", "testbed/__main__.py"}
 

@@ -86,10 +86,11 @@ def captured(monkeypatch) -> list[dict]:
     calls: list[dict] = []
     real = plots.timeline_plot
 
-    def spy(rows, prefix, title, x_max_ns, x_min_ns=0.0, categories=()):
+    def spy(rows, prefix, title, x_max_ns, x_min_ns=0.0, categories=(), faults=()):
         calls.append({"rows": rows, "x_min": x_min_ns, "x_max": x_max_ns,
-                      "categories": list(categories)})
-        return real(rows, prefix, title, x_max_ns, x_min_ns=x_min_ns, categories=categories)
+                      "categories": list(categories), "faults": list(faults)})
+        return real(rows, prefix, title, x_max_ns, x_min_ns=x_min_ns, categories=categories,
+                    faults=faults)
     monkeypatch.setattr(plots, "timeline_plot", spy)
     return calls
 

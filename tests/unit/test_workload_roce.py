@@ -525,3 +525,139 @@ def test_fidelity_names_late_clients_bad_data_and_timeouts(tmp_path):
     notes = ROCE.fidelity_notes(specs, results, run_view(plan, tmp_path / "agents", t0,
                                                          lossless_drops=1))
     assert not any("ACK timeouts" in n for n in notes)
+
+
+# --- pinning QPs to a path (via) ------------------------------------------------------
+
+PINNED = ("    - {name: a, kind: roce_pairs, pairs: [[h1, h5]], duration: 1ms, qps: 2, "
+          "via: [spine1]}\n"
+          "    - {name: b, kind: roce_pairs, pairs: [[h2, h6]], duration: 1ms}")
+
+
+def test_via_is_carried_by_the_pinned_entrys_clients_only():
+    loaded, plan = _load(PINNED)
+    specs = expand_workload(loaded.fabric, plan)
+    clients = {s.traffic: s for s in specs if s.role == "sender"}
+    assert clients["a"].via == ("spine1",) and clients["b"].via == ()
+    assert all(s.via == () for s in specs if s.role == "receiver")
+    (pin,) = ROCE.path_pins(specs)
+    # one source port per QP, to the pinned stream's own server's RoCE port
+    assert (pin.sender, pin.src, pin.dst, pin.count, pin.via) == (
+        clients["a"].name, "h1", "h5", 2, ("spine1",))
+    server = next(s for s in specs if s.role == "receiver" and s.traffic == "a")
+    assert pin.dport == int(_opt(server.argv, "--roce-port"))
+
+
+def test_pinned_client_argv_gives_each_qp_its_port_and_parses():
+    loaded, plan = _load(PINNED)
+    specs = expand_workload(loaded.fabric, plan)
+    client = next(s for s in specs if s.traffic == "a" and s.role == "sender")
+    pinned = ROCE.pinned(client, [49152, 49155])
+    assert pinned.name == client.name and pinned.via == client.via
+    args = roce_main.build_parser().parse_args(pinned.argv)
+    assert args.sport == [49152, 49155] and args.qps == 2
+    assert roce_main.build_parser().parse_args(client.argv).sport is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--qps", "2", "--sport", "50000"], "--sport is given 1 times for 2 QP(s)"),
+    (["--qps", "2", "--sport", "50000", "--sport", "50000"], "its own source port"),
+])
+def test_the_agent_refuses_sports_that_do_not_give_one_per_qp(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        roce_main.main(["client", "write_bw", "--server", "127.0.0.1", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("via, expected", [
+    ("[spin1]", "workload.traffic[0].via[0]: unknown node 'spin1'; did you mean 'spine1'?"),
+    ("[h3]", "workload.traffic[0].via[0]: 'h3' is a host; via lists the switches"),
+    ("[spine1, spine1]", "workload.traffic[0].via[1]: 'spine1' is listed twice"),
+    ("[]", "workload.traffic[0].via: via is empty"),
+    # h1 and h2 share leaf1: no path between them leaves it
+    ("[spine2]", "workload.traffic[0].via: no equal-cost path from h1 to h2 crosses spine2: "
+                 "its paths cross leaf1"),
+])
+def test_a_via_the_fabric_cannot_honour_is_refused_at_load(via, expected):
+    problems = _problems("    - {name: x, kind: roce_pairs, pairs: [[h1, h5], [h1, h2]], "
+                         f"duration: 1ms, via: {via}}}")
+    assert any(expected in p for p in problems), problems
+
+
+def test_via_through_either_spine_or_a_leaf_on_the_way_is_accepted():
+    for via in ("[spine1]", "[spine2]", "[leaf1, spine2, leaf2]"):
+        loaded, _ = _load("    - {name: x, kind: roce_incast, senders: [h1, h2], receiver: h8, "
+                          f"duration: 1ms, via: {via}}}")
+        assert loaded.fabric.workload.traffic[0].via
+
+
+def test_switches_between_matches_the_plans_routes_on_every_pair():
+    from testbed.net.paths import switches_between as by_plan
+    from testbed.workloads.roce import switches_between as by_topology
+    for name in ("default", "ring", "explicit", "shared", "single"):
+        loaded = load_config_text((REPO / "tests" / "golden" / f"{name}.yaml").read_text(),
+                                  f"{name}.yaml")
+        plan = compile_plan(loaded)
+        roles = {n.name: n.role for n in plan.nodes}
+
+        def neighbours(node: str, plan=plan) -> list[str]:
+            return list(dict.fromkeys(i.peer.node for i in plan.node(node).interfaces))
+
+        hosts = [h.name for h in plan.hosts()]
+        for src in hosts:
+            for dst in hosts:
+                if src != dst:
+                    assert by_topology(roles, neighbours, src, dst) == by_plan(
+                        plan, src, dst), (name, src, dst)
+
+
+def test_result_rows_carry_each_qps_source_port_and_the_via(tmp_path):
+    loaded, plan = _load(PINNED)
+    specs = expand_workload(loaded.fabric, plan)
+    qps = {"770": {**_qp(770), "sport": 49152}, "771": {**_qp(771), "sport": 49155}}
+    client = {"role": "client", "qp_count": 2, "bytes": 1, "messages": 1,
+              "elapsed_fabric_ns": 1000, "qps": qps}
+    results = {s.name: (client if s.role == "sender" else {"qps": {}}) for s in specs}
+    rows = {r.traffic: r.fields for r in ROCE.result_rows(specs, results,
+                                                         run_view(plan, tmp_path, 0))}
+    assert rows["a"]["sports"] == [49152, 49155] and rows["a"]["via"] == ["spine1"]
+    assert rows["b"]["via"] is None
+
+
+def test_the_run_gives_pinned_clients_distinct_ports_per_host_and_says_which(monkeypatch):
+    from contextlib import nullcontext
+
+    from testbed.run import pinning
+    loaded, plan = _load(
+        "    - {name: a, kind: roce_pairs, pairs: [[h1, h5]], duration: 1ms, qps: 2, "
+        "via: [spine1]}\n"
+        "    - {name: b, kind: roce_pairs, pairs: [[h1, h6], [h2, h6]], duration: 1ms, "
+        "via: [spine2]}\n"
+        "    - {name: c, kind: roce_pairs, pairs: [[h3, h7]], duration: 1ms}")
+    specs = expand_workload(loaded.fabric, plan)
+    asked = []
+
+    def fake_pick(plan, src, dst, via, *, dport, count, exclude, entry, lookup):
+        asked.append((src, dst, tuple(via), dport, count, set(exclude), entry))
+        free = [p for p in range(49152, 49200) if p not in exclude]
+        return [(p, [(src, "eth0"), ("leaf1", "swp5"), (via[0], "swp3")])
+                for p in free[:count]]
+
+    monkeypatch.setattr(pinning, "pick_sports", fake_pick)
+    monkeypatch.setattr(pinning, "RouteLookup", lambda plan: nullcontext())
+    out, done = pinning.pin_paths(plan, specs)
+    assert [s.name for s in out] == [s.name for s in specs]
+    argv = {s.name: s.argv for s in out if s.role == "sender"}
+    sports = {n: roce_main.build_parser().parse_args(a).sport for n, a in argv.items()}
+    # h1's second client skips the ports its first took; h2 starts again at the bottom
+    assert sports == {"a-h1-h5": [49152, 49153], "b-h1-h6": [49154], "b-h2-h6": [49152],
+                      "c-h3-h7": None}
+    assert asked[0][:5] == ("h1", "h5", ("spine1",), ROCE_UDP_PORT, 2)
+    assert asked[0][6] == "workload traffic 'a'"
+    assert asked[1][5] == {49152, 49153}
+    assert [(p.sender, p.sports) for p in done] == [
+        ("a-h1-h5", (49152, 49153)), ("b-h1-h6", (49154,)), ("b-h2-h6", (49152,))]
+    assert done[1].paths == ("h1:eth0 -> leaf1:swp5 -> spine2:swp3",)
+    # the servers are untouched
+    assert [s for s in out if s.role == "receiver"] == [s for s in specs if s.role == "receiver"]
