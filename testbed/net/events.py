@@ -28,8 +28,9 @@ testbed/run/timeline.py decides when; this module does it, from plan objects:
   do it: the agent owns them, and is told by command otherwise).
 - `set_port_params(plan, node, ifname, egress, loss)`: the port program's drop
   probability and ECN curves (`portprog.update_params`); queues and counters stay.
-- `no_route_drops(plan)`: per node, IPv4 packets dropped for want of a route (the
-  black hole before routes converge).
+- `ip_drops(plan)`: per node, IPv4 packets its stack dropped (no route: the black
+  hole before routes converge; a discard: a frame in the backlog of a port that went
+  down).
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ def set_links(plan: Plan, ends: Iterable[tuple[str, str]], up: bool) -> list[Los
     if up:
         for node_name, ifname in ends:
             _restore_neighbour(plan, node_name, ifname)
+        time.sleep(SETTLE_WALL_S)       # carrier on at both ends (linkwatch)
         return []
     time.sleep(SETTLE_WALL_S)
     lost: list[LostClass] = []
@@ -205,7 +207,7 @@ def flush_port_queues(plan: Plan, node_name: str, ifname: str) -> list[LostClass
     maps = portprog.open_port(pin_dir)
     lost: list[LostClass] = []
     try:
-        state = maps._state
+        state = maps._state      # the mmap'd class states (a PortMaps internal)
         prog_fd: int | None = None
         try:
             for tc in range(NUM_TC):
@@ -236,10 +238,9 @@ def flush_port_queues(plan: Plan, node_name: str, ifname: str) -> list[LostClass
 
 
 def _write_field(state, tc: int, field_index: int, value: int) -> None:
+    """One u64 of a class's state row (agents/portmaps.STATE: every field is a u64)."""
+    assert STATE.size >= (field_index + 1) * 8
     struct.pack_into("=Q", state.view, tc * state.stride + field_index * 8, value)
-
-
-assert STATE.size >= (_DEP_MISMATCH + 1) * 8
 
 
 # --- routes ------------------------------------------------------------------------------
@@ -299,18 +300,25 @@ def replace_routes(plan: Plan, node_name: str, routes: list[RoutePlan]) -> dict[
     return {"deleted": len(present - wanted), "replaced": len(routes)}
 
 
-def no_route_drops(plan: Plan) -> dict[str, int]:
-    """Per node, IPv4 packets dropped so far for want of a route: forwarded ones
-    (IpExt InNoRoutes, /proc/net/netstat) and the node's own (Ip OutNoRoutes,
-    /proc/net/snmp), read in its namespace."""
+# IPv4 drop counters of a node's stack (/proc/net/snmp "Ip:", netstat "IpExt:"): no
+# route (forwarded / own), a discard (an input port gone down under a packet in its
+# backlog), a bad destination. The fabric's own drops are the port programs' and qdiscs';
+# these move only around a link event.
+IP_DROP_COUNTERS = (("IpExt:", "InNoRoutes"), ("Ip:", "OutNoRoutes"), ("Ip:", "InDiscards"),
+                    ("Ip:", "OutDiscards"), ("Ip:", "InAddrErrors"))
+
+
+def ip_drops(plan: Plan) -> dict[str, int]:
+    """Per node, IPv4 packets its stack has dropped so far (IP_DROP_COUNTERS), read in
+    its namespace."""
     out = {}
     for node in plan.nodes:
         with namespaces.inside(node.netns):
             # thread-self: /proc/net is the main thread's namespace, not this thread's
-            netstat = Path("/proc/thread-self/net/netstat").read_text()
-            snmp = Path("/proc/thread-self/net/snmp").read_text()
-        out[node.name] = (_proc_counter(netstat, "IpExt:", "InNoRoutes")
-                          + _proc_counter(snmp, "Ip:", "OutNoRoutes"))
+            tables = {"Ip:": Path("/proc/thread-self/net/snmp").read_text(),
+                      "IpExt:": Path("/proc/thread-self/net/netstat").read_text()}
+        out[node.name] = sum(_proc_counter(tables[prefix], prefix, name)
+                             for prefix, name in IP_DROP_COUNTERS)
     return out
 
 
@@ -350,6 +358,11 @@ def set_port_rate(plan: Plan, node_name: str, ifname: str, egress: EgressPlan,
                 requests += 1
         batch.flush()
     return requests
+
+
+def has_port_program(plan: Plan, node_name: str, ifname: str) -> bool:
+    """Whether the port has its program attached (a BPF datapath)."""
+    return (portprog.pin_dir_of(plan.lab, node_name, ifname) / "progs" / "port_egress").exists()
 
 
 def set_port_params(plan: Plan, node_name: str, ifname: str, egress: EgressPlan,

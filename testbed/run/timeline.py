@@ -125,17 +125,37 @@ class Timeline:
 
 
 def store_recorder(store: Store) -> Recorder:
-    """Each step as a "fault" event in the run's store (issue 12 contract, section 4)."""
+    """Each step as a "fault" event in the run's store (issue 12 contract, section 4;
+    the fields are docs/run-format.md's, spelled out per shape so they can be read)."""
 
     def record(step: Step, ts: int, mono: int, late: int, facts: dict) -> None:
         ev = step.event
         first = ev.ports[0] if ev.ports else None
-        store.add_event(ts, mono, "fault", node=first.node if first else "",
-                        port=first.ifname if first else "",
-                        tclass=first.tc if first and first.tc is not None else -1,
-                        event_kind=ev.kind, target=ev.target, description=ev.description,
-                        index=ev.index, at_ns=ev.at_ns, late_ns=late,
-                        converge_ns=ev.converge_ns, phase=step.phase, **facts)
+        node = first.node if first else ""
+        port = first.ifname if first else ""
+        tclass = first.tc if first and first.tc is not None else -1
+        if step.phase == CONVERGED:
+            store.add_event(ts, mono, "fault", node=node, port=port, tclass=tclass,
+                            event_kind=ev.kind, target=ev.target, description=ev.description,
+                            index=ev.index, at_ns=ev.at_ns, late_ns=late, took_ns=facts["took_ns"],
+                            converge_ns=ev.converge_ns, phase=step.phase,
+                            nodes=facts["nodes"], routes_deleted=facts["routes_deleted"],
+                            routes_replaced=facts["routes_replaced"],
+                            ip_drops=facts["ip_drops"],
+                            ip_drop_packets=facts["ip_drop_packets"])
+        elif ev.kind == "link_down":
+            store.add_event(ts, mono, "fault", node=node, port=port, tclass=tclass,
+                            event_kind=ev.kind, target=ev.target, description=ev.description,
+                            index=ev.index, at_ns=ev.at_ns, late_ns=late, took_ns=facts["took_ns"],
+                            converge_ns=ev.converge_ns, phase=step.phase,
+                            changes=facts["changes"], lost=facts["lost"],
+                            lost_packets=facts["lost_packets"], lost_bytes=facts["lost_bytes"])
+        else:
+            store.add_event(ts, mono, "fault", node=node, port=port, tclass=tclass,
+                            event_kind=ev.kind, target=ev.target, description=ev.description,
+                            index=ev.index, at_ns=ev.at_ns, late_ns=late, took_ns=facts["took_ns"],
+                            converge_ns=ev.converge_ns, phase=step.phase,
+                            changes=facts["changes"])
     return record
 
 
@@ -161,7 +181,7 @@ class FabricApplier:
     fabric_now_ns: Callable[[], int] | None = None
     quiet_margin_ns: int = 0
     ports: dict[tuple[str, str], _PortNow] = field(default_factory=dict)
-    _no_route_at_down: dict[int, dict[str, int]] = field(default_factory=dict)
+    _ip_drops_at: dict[int, dict[str, int]] = field(default_factory=dict)
     # per link-down event: what its ports' queues lost, and the black hole until converged
     _losses: dict[int, dict] = field(default_factory=dict)
     # (node, class) -> fabric ns a pfc event first turned PFC off at a port of it
@@ -187,7 +207,8 @@ class FabricApplier:
         return [(p.node, p.ifname) for p in event.ports]
 
     def _link_down(self, event: EventPlan) -> dict:
-        self._no_route_at_down[event.index] = kernel.no_route_drops(self.plan)
+        if event.routes is not None:
+            self._ip_drops_at[event.index] = kernel.ip_drops(self.plan)
         ends = self._ends(event)
         # a sample that started one period before is judged with the ports' state after
         began = self.fabric_now_ns() - self.quiet_margin_ns if self.fabric_now_ns else 0
@@ -205,17 +226,34 @@ class FabricApplier:
         self._losses[event.index] = {
             "where": f"{event.description} at {event.at_ns / 1e3:g} us",
             "packets": sum(ports.values()), "ports": ports}
-        facts: dict = {"ports": [f"{n}:{i}" for n, i in self._ends(event)],
+        facts: dict = {"changes": [{"port": f"{n}:{i}", "up": False} for n, i in ends],
                        "lost_packets": sum(x.packets for x in lost),
                        "lost_bytes": sum(x.bytes for x in lost),
                        "lost": [x.as_dict() for x in lost]}
-        if event.routes is not None and event.converge_ns == 0:
-            facts["routes_pending"] = True
         return facts
 
     def _link_up(self, event: EventPlan) -> dict:
-        kernel.set_links(self.plan, self._ends(event), up=True)
-        return {"ports": [f"{n}:{i}" for n, i in self._ends(event)]}
+        if event.routes is not None:
+            # until the routes come back, a node whose route the down deleted is a hole
+            self._ip_drops_at[event.index] = kernel.ip_drops(self.plan)
+        ends = self._ends(event)
+        # Until both ends are up (and their carrier is), a port whose own end is up has
+        # no working qdisc: what it admits would be freed uncounted. So while the link
+        # comes up its ports drop everything, counted per flow (drop probability 1),
+        # as a link still training carries nothing; then their drop probability is back.
+        training = [(n, i) for n, i in ends if self._has_program(n, i)]
+        for n, i in training:
+            kernel.set_port_params(self.plan, n, i, self.ports[(n, i)].egress, 1.0)
+        try:
+            kernel.set_links(self.plan, ends, up=True)
+        finally:
+            for n, i in training:
+                now = self.ports[(n, i)]
+                kernel.set_port_params(self.plan, n, i, now.egress, now.loss_probability)
+        return {"changes": [{"port": f"{n}:{i}", "up": True} for n, i in ends]}
+
+    def _has_program(self, node: str, ifname: str) -> bool:
+        return kernel.has_port_program(self.plan, node, ifname)
 
     def _converge(self, event: EventPlan) -> dict:
         assert event.routes is not None
@@ -224,30 +262,31 @@ class FabricApplier:
             done = kernel.replace_routes(self.plan, node, routes)
             deleted += done["deleted"]
             replaced += done["replaced"]
-        facts: dict = {"nodes": len(event.routes), "routes_deleted": deleted,
-                       "routes_replaced": replaced}
-        before = self._no_route_at_down.pop(event.index, None)
-        if before is not None:
-            after = kernel.no_route_drops(self.plan)
-            dropped = {n: after[n] - before.get(n, 0) for n in after
-                       if after[n] > before.get(n, 0)}
-            facts["no_route_drops"] = dropped
-            facts["no_route_packets"] = sum(dropped.values())
-            if event.index in self._losses:
-                self._losses[event.index]["packets"] += facts["no_route_packets"]
-        return facts
+        before = self._ip_drops_at.pop(event.index, {})
+        after = kernel.ip_drops(self.plan)
+        dropped = {n: after[n] - before.get(n, 0) for n in after if after[n] > before.get(n, 0)}
+        if event.index in self._losses:
+            self._losses[event.index]["packets"] += sum(dropped.values())
+        elif dropped:
+            # a link_up's hole: packets lost until its routes came back
+            self._losses[event.index] = {"where": f"{event.description} at "
+                                                  f"{event.at_ns / 1e3:g} us",
+                                         "packets": sum(dropped.values()), "ports": {}}
+        return {"nodes": len(event.routes), "routes_deleted": deleted,
+                "routes_replaced": replaced, "ip_drops": dropped,
+                "ip_drop_packets": sum(dropped.values())}
 
     def link_losses(self) -> list[dict]:
         """Per link-down so far: {"where", "packets", "ports"} (InvariantMonitor.finish).
         A link-down whose routes have not converged (yet, or ever) counts its black
         hole up to now (the lab must still be up)."""
-        if self._no_route_at_down:
-            now = kernel.no_route_drops(self.plan)
-            for index, before in self._no_route_at_down.items():
+        if self._ip_drops_at:
+            now = kernel.ip_drops(self.plan)
+            for index, before in self._ip_drops_at.items():
                 if index in self._losses:
                     self._losses[index]["packets"] += sum(
                         max(0, now[n] - before.get(n, 0)) for n in now)
-            self._no_route_at_down.clear()
+            self._ip_drops_at.clear()
         return [self._losses[i] for i in sorted(self._losses)]
 
     # -- port events --------------------------------------------------------------------

@@ -216,7 +216,7 @@ def test_a_flap_leaves_no_unexplained_loss(flap_run):
     # the reordering invariant, not against it
     assert not [v for v in summary["invariants"]["violations"] if v["invariant"] == "reorder"]
     faults = fault_events(store)
-    lost = faults[0]["lost_packets"] + sum(f.get("no_route_packets", 0) for f in faults)
+    lost = faults[0]["lost_packets"] + sum(f.get("ip_drop_packets", 0) for f in faults)
     assert lost > 0
     conservation = summary["invariants"]["checks"]["conservation"]
     assert conservation["link_losses"] == [
