@@ -3,7 +3,8 @@
 They start right after the fabric is built and before any traffic, and stop
 after the workload; their control sockets and event files live in the
 directory given (a run directory's agents/, or the lab's state directory
-for `testbed up`).
+for `testbed up`). Each PFC agent also takes commands (the fault timeline's pfc,
+rate and drain: testbed/run/timeline.py) on `pfc_command_socket(directory, node)`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from agents.runtime import control
 from testbed.plan.model import Plan
 from testbed.run.collector import AgentEndpoint
 from testbed.run.procs import AgentProcess, socket_path, start_process
@@ -29,6 +31,17 @@ def watchdog_ns(plan: Plan) -> int:
     return min(values) if values else 0
 
 
+def pfc_command_socket(directory: Path, node: str, lab: str) -> str:
+    """Where the PFC agent of `node` takes commands: `<directory>/<node>-pfc.cmd.sock`
+    (in the lab's state directory when that path is too long for a UNIX socket)."""
+    return socket_path(directory, f"{node}-pfc.cmd", lab)
+
+
+# Agents of a tree without the command socket (agents.runtime.control.serve_commands)
+# would refuse the argument; it is passed where they take it.
+AGENTS_TAKE_COMMANDS = hasattr(control, "serve_commands")
+
+
 def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
                      parent_watch: bool = True) -> list[tuple[AgentProcess, AgentEndpoint]]:
     """One PFC agent per node; returns once every agent is listening."""
@@ -42,6 +55,8 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
         argv = [sys.executable, "-m", "agents.pfc", "--plan", str(plan_path), "--node",
                 node.name, "--control-sock", str(sock), "--events", str(events),
                 "--ready-file", str(ready), "--watchdog-ns", str(watchdog_ns(plan))]
+        if AGENTS_TAKE_COMMANDS:
+            argv += ["--command-sock", pfc_command_socket(directory, node.name, plan.lab)]
         if not parent_watch:
             argv.append("--no-parent-watch")
         proc = start_process(plan.lab, node.netns, argv, f"pfc-{node.name}", keep_mounts=True)

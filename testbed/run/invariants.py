@@ -27,7 +27,13 @@ fabric time where a sample shows it, and its size:
   receiving host's socket (SO_RXQ_OVFL / the namespace's UDP RcvbufErrors) +
   still queued at the end; and per port and class, the program's admitted
   packets = what the qdisc sent + holds + dropped, and what it sent = what the
-  peer's ingress saw + the veth's own drops.
+  peer's ingress saw + the veth's own drops. A link taken down by the fault
+  timeline loses what its ports held (the kernel frees it uncounted) and, until
+  routes converge, what other nodes send into the black hole; the timeline counts
+  both (testbed/net/events.py), and they are the counted place of that many
+  otherwise missing packets (`link_losses`, named in the check's details). In such
+  a run, reordering is reported beside (d), not against it: flows whose path changed
+  are overtaken by their own packets on the new path.
 
 `InvariantMonitor.observe` runs on every sample (the collector calls it);
 `InvariantMonitor.finish` runs once after the run with the port programs' final
@@ -115,6 +121,25 @@ class InvariantMonitor:
         # (c): first time a lossless queue counter moved
         self.drop_prev: dict[tuple[str, str, int, str], float] = {}
         self.drop_first: dict[tuple[str, str, int], int] = {}
+        # (a) is not judged on a port while its link is being taken down: the kernel has
+        # freed its queue and the port program is told a moment later (timeline.py)
+        self.quiet: dict[tuple[str, str], list[list[float]]] = {}
+        self.pfc_off: dict[tuple[str, int], int] = {}
+
+    def quiet_ports(self, ports: list[tuple[str, str]], from_ns: int,
+                    to_ns: int | None = None) -> None:
+        """Skip (a) on these (node, port)s for samples taken from `from_ns` (fabric) on,
+        until `to_ns`; a later call with `to_ns` closes the window opened at `from_ns`."""
+        for port in ports:
+            windows = self.quiet.setdefault(port, [])
+            open_at = next((w for w in windows if w[0] == from_ns), None)
+            if open_at is None:
+                windows.append([from_ns, float("inf") if to_ns is None else to_ns])
+            else:
+                open_at[1] = float("inf") if to_ns is None else to_ns
+
+    def _quiet(self, node: str, port: str, ts_fabric_ns: int) -> bool:
+        return any(a <= ts_fabric_ns <= b for a, b in self.quiet.get((node, port), ()))
 
     # -- live ---------------------------------------------------------------------------
     def observe(self, ts_fabric_ns: int, samples: list[Sample],
@@ -144,7 +169,7 @@ class InvariantMonitor:
                     self.drop_first[key] = ts_fabric_ns
                 self.drop_prev[dkey] = s.value
         for key, b in backlog.items():
-            if key not in vq:
+            if key not in vq or self._quiet(key[0], key[1], ts_fabric_ns):
                 continue
             diff = abs(vq[key] - b)
             w = self.queue_diff.setdefault(key, _Worst())
@@ -162,21 +187,34 @@ class InvariantMonitor:
 
     # -- at the end ---------------------------------------------------------------------
     def finish(self, snapshot: dict | None, last: dict[str, dict[tuple[str, str, int], float]],
-               streams: list[dict], host_udp_errors: dict[str, int]) -> dict:
+               streams: list[dict], host_udp_errors: dict[str, int],
+               link_losses: list[dict] | None = None,
+               pfc_off: dict[tuple[str, int], int] | None = None) -> dict:
         """Every invariant's verdict: {"violations": [...], "checks": {...}}.
 
         `snapshot`: datapath_snapshot() at the end (None without port programs);
         `last`: the store's last value per counter; `streams`: one dict per stream
         (testbed/run/accounts.py `stream_accounts`); `host_udp_errors`: per host,
-        UDP RcvbufErrors during the run."""
+        UDP RcvbufErrors during the run; `link_losses`: per link-down event of the
+        fault timeline, {"where", "packets" (all it lost), "ports": {(node, port,
+        tclass): packets freed in that port class's queue}}; `pfc_off`: (node, class)
+        -> fabric time a timeline event turned PFC off on a port of it (from then on the
+        class is lossless in name only there: its drops and overfull ingresses are
+        reported, not violations)."""
+        self.pfc_off = dict(pfc_off or {})
         out: list[Violation] = []
         out += self._queue_violations()
         out += self._headroom_violations(snapshot)
         drop_violations, unprotected = self._drop_violations(snapshot, last)
         out += drop_violations
-        out += _reorder_violations(streams)
+        reorders = _reorder_violations(streams)
+        # A flow moved to another path by a link event's route change can be overtaken
+        # by its own packets on the new path: the network's doing, not the emulator's.
+        moved = bool(link_losses) and bool(reorders)
+        if not moved:
+            out += reorders
         out += _conservation_violations(streams, host_udp_errors, snapshot, last,
-                                        self.plan)
+                                        self.plan, link_losses or [])
         checks = {name: {"label": label, "held": not any(v.invariant == name for v in out)}
                   for name, label in INVARIANTS.items()}
         worst = max(self.queue_diff.items(), key=lambda kv: kv[1].amount, default=None)
@@ -190,9 +228,24 @@ class InvariantMonitor:
             checks["queue"]["held"] = None
             checks["queue"]["note"] = "no port programs: nothing to compare"
         checks["conservation"]["streams"] = len(streams)
+        notes = _notes(out)
+        if moved:
+            checks["reorder"]["after_route_changes"] = {v.where: int(v.amount)
+                                                        for v in reorders}
+            notes.append(f"{sum(int(v.amount) for v in reorders)} packets of "
+                         f"{len(reorders)} streams arrived out of order in a run whose "
+                         "routes changed at link events (flows moved to another path are "
+                         "overtaken by their own packets): not counted against invariant "
+                         f"{INVARIANTS['reorder']}")
+        if link_losses:
+            checks["conservation"]["link_losses"] = [
+                {"where": x["where"], "packets": x["packets"]} for x in link_losses]
         checks["lossless_drop"]["unprotected_drops"] = unprotected
+        if self.pfc_off:
+            checks["lossless_drop"]["pfc_off_by_events"] = {
+                f"{node} TC{tc}": ts for (node, tc), ts in sorted(self.pfc_off.items())}
         return {"checks": checks, "violations": [asdict(v) for v in out],
-                "notes": _notes(out)}
+                "notes": notes}
 
     def _queue_violations(self) -> list[Violation]:
         out = []
@@ -206,11 +259,19 @@ class InvariantMonitor:
                 f"tolerance, in {w.count} of {self.samples} samples)", w.first_ts, w.count))
         return out
 
+    def _unguarded(self, key: tuple[str, str, int], first_ts: int | None) -> bool:
+        """PFC was off (a timeline event) at this node and class when this was first
+        seen (or its time is unknown)."""
+        off = self.pfc_off.get((key[0], key[2]))
+        return off is not None and (first_ts is None or first_ts >= off)
+
     def _headroom_violations(self, snapshot: dict | None) -> list[Violation]:
         out = []
         seen = set()
         for key, w in sorted(self.headroom_bad.items(), key=lambda kv: -kv[1].amount):
             seen.add(key)
+            if self._unguarded(key, w.first_ts):
+                continue
             out.append(Violation(
                 "headroom", f"{key[0]} ingress {key[1]} TC{key[2]}", w.amount, "B",
                 f"held {format_size(w.info['value'])}, {format_size(w.amount)} above its "
@@ -220,7 +281,7 @@ class InvariantMonitor:
             for a in node["ingress"]:
                 key = (node["node"], a["port"], a["tclass"])
                 bound = self.bound.get(key)
-                if bound is None or key in seen:
+                if bound is None or key in seen or self._unguarded(key, None):
                     continue
                 peak = a["max_hdrm_bytes"] if bound[1] == "headroom_used_bytes" \
                     else a["max_bytes"]
@@ -248,9 +309,11 @@ class InvariantMonitor:
             for name in ("tail_drops", "mmu_drops", "desc_drops"):
                 if row[name]:
                     drops.setdefault(key, {})[name.replace("_drops", "")] = row[name]
+        guarded = {key for key in drops if key in self.protected
+                   and not self._unguarded(key, self.drop_first.get(key))}
         unprotected = {_where(*key): sum(parts.values()) for key, parts in drops.items()
-                       if key not in self.protected}
-        drops = {key: parts for key, parts in drops.items() if key in self.protected}
+                       if key not in guarded}
+        drops = {key: parts for key, parts in drops.items() if key in guarded}
         for key, parts in sorted(drops.items(), key=lambda kv: -sum(kv[1].values())):
             total = sum(parts.values())
             how = ", ".join(f"{n} {k}" for k, n in sorted(parts.items()))
@@ -272,8 +335,17 @@ def _reorder_violations(streams: list[dict]) -> list[Violation]:
 
 
 def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int],
-                             snapshot: dict | None, last: dict, plan: Plan) -> list[Violation]:
+                             snapshot: dict | None, last: dict, plan: Plan,
+                             link_losses: list[dict]) -> list[Violation]:
     out = []
+    # packets a link-down lost are not known by flow: they explain missing packets of
+    # any stream, up to their number
+    link_budget = sum(x["packets"] for x in link_losses)
+    link_where = "; ".join(x["where"] for x in link_losses)
+    flushed: dict[tuple[str, str, int], int] = {}
+    for x in link_losses:
+        for key, n in x["ports"].items():
+            flushed[key] = flushed.get(key, 0) + n
     # per stream, then per receiving host (a host's socket drops are not per stream)
     unexplained: dict[str, list[tuple[dict, int]]] = {}
     for s in streams:
@@ -290,13 +362,18 @@ def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int
         for s, missing in sorted(items, key=lambda x: -x[1]):
             covered = min(budget, missing)
             budget -= covered
-            if missing > covered:
+            by_link = min(link_budget, missing - covered)
+            link_budget -= by_link
+            if missing > covered + by_link:
+                at_link = (f", {by_link} lost where a link went down ({link_where})"
+                           if link_losses else "")
                 out.append(Violation(
-                    "conservation", f"stream {s['name']}", missing - covered, "packets",
+                    "conservation", f"stream {s['name']}", missing - covered - by_link,
+                    "packets",
                     f"sent {s['sent']}, received {s['received']}, {s['fabric_drops']} dropped in "
                     f"the fabric, {s.get('socket_drops', 0) + covered} in {host}'s sockets (a "
-                    f"full receive buffer, or no receiver): {missing - covered} packets have "
-                    "no counted place"))
+                    f"full receive buffer, or no receiver){at_link}: "
+                    f"{missing - covered - by_link} packets have no counted place"))
     if snapshot is None:
         return out
     default_tcs = {c.tc for n in plan.nodes for i in n.interfaces for c in i.egress.classes
@@ -309,11 +386,19 @@ def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int
         if key not in sent or key[2] in default_tcs:
             continue          # the default class also carries ARP and the PFC agents' kicks
         qdisc = int(sent[key] + held.get(key, 0) + qdrops.get(key, 0))
-        if row["enq_packets"] != qdisc:
+        # What a link-down freed: admitted, and either still in the qdisc (not counted
+        # by it) or sent into the veth as it went down (counted as sent, never seen by
+        # the peer): the qdisc's count lies between enq - lost and enq.
+        lost = flushed.get(key, 0)
+        if not qdisc <= row["enq_packets"] <= qdisc + lost:
+            off = (row["enq_packets"] - qdisc - lost if row["enq_packets"] > qdisc + lost
+                   else qdisc - row["enq_packets"])
             out.append(Violation(
-                "conservation", _where(*key), abs(row["enq_packets"] - qdisc), "packets",
+                "conservation", _where(*key), off,
+                "packets",
                 f"the port program admitted {row['enq_packets']} packets, the qdisc sent, "
-                f"holds or dropped {qdisc}"))
+                f"holds or dropped {qdisc}"
+                + (f", and {lost} were freed when its link went down" if lost else "")))
         transit = int(sent[key]) - row["dep_packets"]
         if transit > 0 and not held.get(key, 0):
             out.append(Violation(

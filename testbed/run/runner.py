@@ -42,6 +42,7 @@ from testbed.run.pinning import pin_paths
 from testbed.run.procs import AgentProcess, socket_path, start_agent
 from testbed.run.rundir import create_run_dir, machine_metadata
 from testbed.run.summary import build_summary
+from testbed.run.timeline import FabricApplier, Timeline, start_timeline
 from testbed.run.workload import (
     DEFAULT_DRAIN_WALL_NS,
     DEFAULT_SAMPLE_PERIOD_WALL_NS,
@@ -135,6 +136,7 @@ class Run:
     agents: list[tuple[AgentSpec, AgentProcess]] = field(default_factory=list)
     results: dict[str, dict] = field(default_factory=dict)
     collector: Collector | None = None
+    timeline: tuple[Timeline, FabricApplier] | None = None   # the fault timeline, if any
     results_written: bool = False
     invariants: dict | None = None
     interrupted: bool = False
@@ -345,6 +347,8 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="workload",
                         agents=len(run.specs))
     collector.start()
+    run.timeline = start_timeline(run.plan, run.store, run.agents_dir, run.t0_mono_ns,
+                                  run.notes.add, collector)
 
 
 def wait_ready(run: Run, stop: threading.Event) -> list[str]:
@@ -406,7 +410,10 @@ def stop_agents(run: Run) -> None:
     """Stop the workload's agents and keep their results, then the captures, the fabric
     agents and the collector (whose last sample is the final one). Every workload agent is
     asked first and then waited for, so each gets the whole grace period to wind down and
-    write its counters (one after the other, the last would have waited for all)."""
+    write its counters (one after the other, the last would have waited for all). The
+    fault timeline stops first: no event is applied to a fabric whose agents are going."""
+    if run.timeline is not None:
+        run.timeline[0].stop()
     for _spec, proc in run.agents:
         proc.request_stop()
     for spec, proc in run.agents:
@@ -484,7 +491,11 @@ def check_invariants(run: Run, view: RunView) -> dict:
     streams = stream_accounts([s for s, _ in run.agents], run.results, flow_drops, view)
     last = {name: store.last_values(name) for name in
             ("class_drops", "class_packets", "backlog_packets", "tx_dropped")}
-    out = run.collector.invariants.finish(snapshot, last, streams, host_errors)
+    applier = run.timeline[1] if run.timeline else None
+    out = run.collector.invariants.finish(
+        snapshot, last, streams, host_errors,
+        link_losses=applier.link_losses() if applier else None,
+        pfc_off=applier.pfc_off if applier else None)
     out["streams"] = streams
     out["host_socket_drops"] = {h: n for h, n in host_errors.items() if n}
     return out
