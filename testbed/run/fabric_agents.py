@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-from agents.runtime import control
 from testbed.plan.model import Plan
 from testbed.run.collector import AgentEndpoint
 from testbed.run.procs import AgentProcess, socket_path, start_process
@@ -37,11 +36,6 @@ def pfc_command_socket(directory: Path, node: str, lab: str) -> str:
     return socket_path(directory, f"{node}-pfc.cmd", lab)
 
 
-# Agents of a tree without the command socket (agents.runtime.control.serve_commands)
-# would refuse the argument; it is passed where they take it.
-AGENTS_TAKE_COMMANDS = hasattr(control, "serve_commands")
-
-
 def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
                      parent_watch: bool = True) -> list[tuple[AgentProcess, AgentEndpoint]]:
     """One PFC agent per node; returns once every agent is listening."""
@@ -54,9 +48,8 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
         ready.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "agents.pfc", "--plan", str(plan_path), "--node",
                 node.name, "--control-sock", str(sock), "--events", str(events),
-                "--ready-file", str(ready), "--watchdog-ns", str(watchdog_ns(plan))]
-        if AGENTS_TAKE_COMMANDS:
-            argv += ["--command-sock", pfc_command_socket(directory, node.name, plan.lab)]
+                "--ready-file", str(ready), "--watchdog-ns", str(watchdog_ns(plan)),
+                "--command-sock", pfc_command_socket(directory, node.name, plan.lab)]
         if not parent_watch:
             argv.append("--no-parent-watch")
         proc = start_process(plan.lab, node.netns, argv, f"pfc-{node.name}", keep_mounts=True)

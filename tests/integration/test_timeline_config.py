@@ -12,9 +12,7 @@ import json
 
 import pytest
 
-from agents.runtime import control
 from testbed.config import load_config_text
-from testbed.config.models import Fabric
 from testbed.plan import compile_plan
 from testbed.results.store import Store
 from testbed.run.runner import RunOptions, run_config
@@ -26,15 +24,7 @@ from tests.integration.timeline_helpers import (
     rate_bps_between,
 )
 
-pytestmark = [
-    pytest.mark.root, pytest.mark.slow,
-    pytest.mark.skipif("events" not in Fabric.model_fields,
-                       reason="the config has no `events:` in this tree (issue 12 contract, "
-                              "section 1)"),
-    pytest.mark.skipif(not hasattr(control, "send_command"),
-                       reason="the rate event on PFC-gated ports needs the PFC agent's "
-                              "command socket, not in this tree"),
-]
+pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 CONFIG = """\
 name: {lab}

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from agents.runtime import control
 from testbed.config import load_config_text
 from testbed.plan import compile_plan
 from testbed.plan.model import EventPlan, EventPortPlan, Plan
@@ -33,12 +32,7 @@ from tests.integration.timeline_helpers import (
     within_one_sample,
 )
 
-pytestmark = [
-    pytest.mark.root, pytest.mark.slow,
-    pytest.mark.skipif(not hasattr(control, "send_command"),
-                       reason="needs the PFC agent's command socket (agents.runtime.control."
-                              "send_command, issue 12 contract section 3), not in this tree"),
-]
+pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 CONFIG = """\
 name: {lab}
