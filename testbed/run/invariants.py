@@ -125,6 +125,14 @@ class InvariantMonitor:
         # freed its queue and the port program is told a moment later (timeline.py)
         self.quiet: dict[tuple[str, str], list[list[float]]] = {}
         self.pfc_off: dict[tuple[str, int], int] = {}
+        # Set when the fabric's PFC agents begin to stop: each opens its gates as it goes,
+        # so a queue its upstream still held paused floods a neighbour whose agent has
+        # gone. That is the emulator coming down, not the fabric; it is not judged.
+        self.frozen = False
+
+    def freeze(self) -> None:
+        """Stop judging samples: the fabric agents are about to stop."""
+        self.frozen = True
 
     def quiet_ports(self, ports: list[tuple[str, str]], from_ns: int,
                     to_ns: int | None = None) -> None:
@@ -144,6 +152,8 @@ class InvariantMonitor:
     # -- live ---------------------------------------------------------------------------
     def observe(self, ts_fabric_ns: int, samples: list[Sample],
                 brackets: dict[tuple[str, str, int], tuple[int, int]]) -> None:
+        if self.frozen:
+            return
         self.samples += 1
         backlog: dict[tuple[str, str, int], float] = {}
         vq: dict[tuple[str, str, int], float] = {}
@@ -189,7 +199,8 @@ class InvariantMonitor:
     def finish(self, snapshot: dict | None, last: dict[str, dict[tuple[str, str, int], float]],
                streams: list[dict], host_udp_errors: dict[str, int],
                link_losses: list[dict] | None = None,
-               pfc_off: dict[tuple[str, int], int] | None = None) -> dict:
+               pfc_off: dict[tuple[str, int], int] | None = None,
+               peaks_snapshot: dict | None = None) -> dict:
         """Every invariant's verdict: {"violations": [...], "checks": {...}}.
 
         `snapshot`: datapath_snapshot() at the end (None without port programs);
@@ -200,11 +211,13 @@ class InvariantMonitor:
         tclass): packets freed in that port class's queue}}; `pfc_off`: (node, class)
         -> fabric time a timeline event turned PFC off on a port of it (from then on the
         class is lossless in name only there: its drops and overfull ingresses are
-        reported, not violations)."""
+        reported, not violations); `peaks_snapshot`: datapath_snapshot() taken just before
+        the fabric agents stopped, whose per-ingress peaks the headroom check reads
+        (default: `snapshot`), so a teardown flood is not a headroom violation."""
         self.pfc_off = dict(pfc_off or {})
         out: list[Violation] = []
         out += self._queue_violations()
-        out += self._headroom_violations(snapshot)
+        out += self._headroom_violations(peaks_snapshot or snapshot)
         drop_violations, unprotected = self._drop_violations(snapshot, last)
         out += drop_violations
         reorders = _reorder_violations(streams)

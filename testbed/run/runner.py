@@ -139,6 +139,7 @@ class Run:
     timeline: tuple[Timeline, FabricApplier] | None = None   # the fault timeline, if any
     results_written: bool = False
     invariants: dict | None = None
+    peaks_snapshot: dict | None = None   # the port programs just before the fabric agents stop
     interrupted: bool = False
 
     @property
@@ -423,6 +424,18 @@ def stop_agents(run: Run) -> None:
         except RuntimeError as exc:
             run.notes.add(f"agent {spec.name} on {spec.node}: {exc}")
     run.notes.extend(stop_captures(run.captures, run.run_dir))
+    if run.fabric_procs:
+        # The fabric agents open their gates as they stop, one after another: what a
+        # paused upstream then floods into a neighbour is the emulator coming down.
+        # The invariants are judged on the fabric as it was before that.
+        if run.collector is not None:
+            run.collector.invariants.freeze()
+        try:
+            run.peaks_snapshot = (datapath_snapshot(run.plan) if has_port_programs(run.plan)
+                                  else None)
+        except Exception as exc:   # the final snapshot still gives the peaks
+            run.notes.add("could not read the port programs before the fabric agents "
+                          f"stopped: {exc!r}")
     for proc in run.fabric_procs:
         proc.stop()
     if run.collector is not None:
@@ -495,7 +508,7 @@ def check_invariants(run: Run, view: RunView) -> dict:
     out = run.collector.invariants.finish(
         snapshot, last, streams, host_errors,
         link_losses=applier.link_losses() if applier else None,
-        pfc_off=applier.pfc_off if applier else None)
+        pfc_off=applier.pfc_off if applier else None, peaks_snapshot=run.peaks_snapshot)
     out["streams"] = streams
     out["host_socket_drops"] = {h: n for h, n in host_errors.items() if n}
     return out

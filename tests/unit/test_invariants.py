@@ -231,3 +231,24 @@ def test_roce_out_of_order_arrivals_are_reordering_only_with_nothing_lost():
     streams = stream_accounts(PLAN, _roce_agents(), _roce_results(103, 100, ooo=12), drop)
     assert streams[0]["fabric_drops"] == 3 and streams[0]["reordered"] == 0
     assert not _finish(_monitor(), streams=streams)["violations"]
+
+
+def test_what_the_fabric_agents_do_as_they_stop_is_not_judged():
+    """Each PFC agent opens its gates as it stops: a paused upstream then floods a
+    neighbour whose agent has gone (seen after a PFC storm). The runner freezes the
+    monitor before that and hands over the peaks read before it."""
+    iface = PLAN.node("leaf2").interfaces[0]
+    pfc = next(c.pfc for c in iface.egress.classes if c.tc == 3)
+    bound = pfc.xoff_bytes + pfc.headroom_bytes
+    key = ("leaf2", iface.ifname, 3)
+    m = _monitor()
+    m.observe(500, [Sample(*key, "ingress_bytes", bound)], {})
+    m.freeze()
+    m.observe(700, [Sample(*key, "ingress_bytes", bound + 625_000)], {})
+    before = {"ports": [], "flow_drops": [], "nodes": [{"node": "leaf2", "ingress": [
+        {"port": iface.ifname, "tclass": 3, "max_bytes": bound, "max_hdrm_bytes": 0}]}]}
+    after = {"ports": [], "flow_drops": [], "nodes": [{"node": "leaf2", "ingress": [
+        {"port": iface.ifname, "tclass": 3, "max_bytes": bound + 625_000,
+         "max_hdrm_bytes": 0}]}]}
+    verdict = m.finish(after, {}, [], {}, peaks_snapshot=before)
+    assert "headroom" not in _names(verdict)
