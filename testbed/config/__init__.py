@@ -34,8 +34,8 @@ from testbed.config.loader import LineMap, YamlProblem, parse_yaml_with_lines
 from testbed.config.models import FORMAT_VERSION, LAB_NAME_RE, NAME_RE, Fabric
 from testbed.config.topology import Expanded, expand
 
-__all__ = ["ConfigError", "Fabric", "LoadedConfig", "Problem", "format_loc", "load_config",
-           "load_config_text", "FORMAT_VERSION"]
+__all__ = ["ConfigError", "Fabric", "LoadedConfig", "Problem", "describe_input", "format_loc",
+           "load_config", "load_config_text", "FORMAT_VERSION"]
 
 _TOPOLOGY_KINDS = ("leaf_spine", "single_switch", "ring")
 
@@ -123,7 +123,8 @@ def _unknown_field(loc: tuple, data: object) -> tuple[str, str | None]:
     return f"unknown field {field!r}; remove it", None
 
 
-def _fmt_input(value: object) -> str:
+def describe_input(value: object) -> str:
+    """What a user wrote where something else was expected, in words: 'a mapping'."""
     if value is None:
         return "nothing"
     if isinstance(value, dict):
@@ -204,7 +205,7 @@ def _message(err: ErrorDetails) -> str:
     msg = err["msg"]
     if msg.startswith("Value error, "):     # our validators' messages are already worded
         return msg[len("Value error, "):]
-    got = _fmt_input(err.get("input"))
+    got = describe_input(err.get("input"))
     ctx = err.get("ctx", {})
     if "[key]" in err["loc"] and "buffer" in err["loc"]:
         return f"buffer keys are traffic classes 0..7, got {got}"
@@ -257,7 +258,8 @@ def validate_data(data: object, lines: LineMap, file: str, text: str = "") -> Lo
         raise ConfigError(file, [Problem(1, (), "the file is empty; a fabric config needs at "
                                                 "least name: and topology: (see configs/)")])
     if not isinstance(data, dict):
-        raise ConfigError(file, [Problem(1, (), f"the file holds {_fmt_input(data)}, but a fabric "
+        what = describe_input(data)
+        raise ConfigError(file, [Problem(1, (), f"the file holds {what}, but a fabric "
                                                 "config is a mapping of fields (name:, "
                                                 "topology: ...)")])
     try:

@@ -19,7 +19,7 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from testbed.config import ConfigError, LoadedConfig, Problem, validate_data
+from testbed.config import ConfigError, LoadedConfig, Problem, describe_input, validate_data
 from testbed.config.loader import LineMap, YamlProblem, parse_yaml_with_lines
 from testbed.incident.model import Evidence, Incident, Metric, Predicate
 from testbed.incident.paths import (
@@ -238,16 +238,6 @@ def _clean_loc(loc: tuple, data: object, kind: str) -> tuple:
     return tuple(out)
 
 
-def _got(value: object) -> str:
-    if value is None:
-        return "nothing"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    return repr(value)
-
-
 def _message(err: Any, loc: tuple) -> str:
     kind, msg = err["type"], err["msg"]
     if msg.startswith("Value error, "):
@@ -261,16 +251,17 @@ def _message(err: Any, loc: tuple) -> str:
             return f"unknown field {loc[-1]!r}; did you mean {close[0]!r}?"
         return f"unknown field {loc[-1]!r}; fields here: {', '.join(allowed) or 'none'}"
     if kind == "literal_error":
-        return f"must be {err.get('ctx', {}).get('expected', '?')}, got {_got(err.get('input'))}"
+        expected = err.get("ctx", {}).get("expected", "?")
+        return f"must be {expected}, got {describe_input(err.get('input'))}"
     if kind in ("dict_type", "model_type", "model_attributes_type"):
-        return f"expected a mapping (key: value lines), got {_got(err.get('input'))}"
+        return f"expected a mapping (key: value lines), got {describe_input(err.get('input'))}"
     if kind == "list_type":
-        return f"expected a list (lines starting with '- '), got {_got(err.get('input'))}"
+        return f"expected a list (lines starting with '- '), got {describe_input(err.get('input'))}"
     if kind == "string_type":
-        return f"expected a text value, got {_got(err.get('input'))}"
+        return f"expected a text value, got {describe_input(err.get('input'))}"
     if kind == "too_short":
         return "needs at least one entry"
-    return f"{msg}, got {_got(err.get('input'))}"
+    return f"{msg}, got {describe_input(err.get('input'))}"
 
 
 def model_problems(exc: ValidationError, data: object, lines: LineMap) -> list[Problem]:
