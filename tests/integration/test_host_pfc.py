@@ -173,7 +173,10 @@ def test_a_host_that_stops_draining_pauses_its_switch(tmp_path):
             _wait(lambda: agents.events("h2", "pfc_xon"), 3, "h2's XON")
             time.sleep(0.2)
             resumed = _rate_bps(maps, 0.4)
-            off_events = agents.events("h2", "rx_buffer_off")
+            # the model turns itself off once the buffer has drained (within a few polls;
+            # a loaded machine can take longer than the 0.6 s above)
+            off_events = _wait(lambda: agents.events("h2", "rx_buffer_off"), 3,
+                               "h2's receive-buffer model to turn off")
 
             # 5. The link to h2 down while h2 holds a pause: sends fail, the agent lives.
             agents.send("h2", {"op": "drain", "port": "eth0", "tc": TC, "rate_bps": 0,
