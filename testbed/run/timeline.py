@@ -35,7 +35,6 @@ from testbed.run.collector import Collector
 from testbed.run.fabric_agents import has_pfc, pfc_command_socket
 
 APPLIED, CONVERGED = "applied", "converged"
-KINDS = ("link_down", "link_up", "loss", "rate", "pfc", "ecn", "host_drain")
 
 
 @dataclass(frozen=True)
