@@ -11,7 +11,6 @@ from testbed.config import load_config_text
 from testbed.net import events as kernel
 from testbed.plan import compile_plan
 from testbed.plan.model import EcnPlan, EventPlan, EventPortPlan
-from testbed.run import timeline
 from testbed.run.timeline import APPLIED, FabricApplier
 
 CONFIG = """\
@@ -125,4 +124,3 @@ def test_the_command_socket_is_where_the_pfc_agents_are_told_to_serve(tmp_path):
     assert pfc_command_socket(tmp_path, "leaf1", "lab") == str(tmp_path / "leaf1-pfc.cmd.sock")
     long_dir = Path("/tmp") / ("x" * 120)
     assert len(pfc_command_socket(long_dir, "leaf1", "lab")) <= 108
-    assert timeline.KINDS == ("link_down", "link_up", "loss", "rate", "pfc", "ecn", "host_drain")
