@@ -27,6 +27,7 @@ from testbed.run.runner import RunOptions, run_config
 from tests.conftest import unique_lab
 from tests.integration.timeline_helpers import (
     assert_no_lab_left,
+    before_one_sample,
     fault_events,
     value_at,
     within_one_sample,
@@ -122,7 +123,8 @@ def test_host_drain_makes_the_host_pause_its_switch_port(pfc_run):
     port = _switch_port_to(plan, "h5")
     rx = store.series("pause_rx", node="sw1", port=port, tclass=ROCE_TC).get(
         ("sw1", port, ROCE_TC), [])
-    assert value_at(rx, fault["ts_fabric_ns"]) == 0               # hosts never paused before
+    # hosts never paused before
+    assert value_at(rx, before_one_sample(store, fault["ts_fabric_ns"])) == 0
     # the NIC's buffer fills to XOFF at 30 Gb/s, then h5 pauses sw1 within a sample
     xoff = plan.events[1].ports[0].xoff_bytes
     assert xoff is not None

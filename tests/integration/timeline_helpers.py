@@ -49,3 +49,13 @@ def within_one_sample(store: Store, t_ns: int) -> int:
     times = store.sample_times()
     i = bisect.bisect_right(times, t_ns) + 1
     return times[min(i, len(times) - 1)]
+
+
+def before_one_sample(store: Store, t_ns: int) -> int:
+    """The time of the last sample whose whole interval precedes fabric time t: the one
+    before the last sample at or before t. Counters read there cannot show a change made
+    at t yet, even when the sample stamped just before t was read a little after it (a
+    busy collector reads a sample's counters over part of its period)."""
+    times = store.sample_times()
+    i = bisect.bisect_right(times, t_ns) - 2
+    return times[max(i, 0)]
