@@ -247,10 +247,12 @@ def kernel_notes(plan: Plan, probe: dict) -> list[str]:
     short_ns = base_rtt_shortfall_ns(plan)
     if short_ns <= 0:
         return []
-    # No netem stage is installed on any kernel yet (docs/datapath.md): where the kernel
-    # has sch_netem it is the builder, not the kernel, that leaves the delay out.
-    why = ("sch_netem is missing in kernel " + str(probe.get("kernel"))
-           if "netem" in set(probe.get("missing", [])) else "no netem stage is installed")
+    # The builder installs no netem stage on any kernel yet (docs/datapath.md), so that is
+    # the cause everywhere; a kernel without sch_netem is a second one, which a netem
+    # stage alone would not get past.
+    why = "no netem stage is installed"
+    if "netem" in set(probe.get("missing", [])):
+        why += f", and kernel {probe.get('kernel')} has no sch_netem either"
     return [f"link propagation and FEC delay are not emulated ({why}), so the longest "
             f"host-to-host base RTT is short by {short_ns / 1e3:.2f} us fabric; PHY frame loss "
             "is applied by the BPF port program"]
