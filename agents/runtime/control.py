@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 MAX_REQUEST_BYTES = 64 * 1024     # one command line; an agent's commands are a few hundred B
 REQUEST_TIMEOUT_S = 2.0           # a client that connects and says nothing is dropped
@@ -44,12 +45,14 @@ def _bind_private(path: str, backlog: int = 8) -> socket.socket:
     return sock
 
 
-class SnapshotServer:
-    def __init__(self, path: str, snapshot: Callable[[], dict]) -> None:
+class _UnixServer:
+    """A private listening socket at `path` and a daemon thread accepting on it; each
+    connection goes to `_accepted`. `close()` stops it and removes the socket file."""
+
+    def __init__(self, path: str, name: str, backlog: int = 8) -> None:
         self.path = path
-        self._snapshot = snapshot
-        self._sock = _bind_private(path)
-        self._thread = threading.Thread(target=self._serve, name="snapshot", daemon=True)
+        self._sock = _bind_private(path, backlog)
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
@@ -58,11 +61,10 @@ class SnapshotServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            with conn:
-                try:
-                    conn.sendall(json.dumps(self._snapshot(), sort_keys=True).encode() + b"\n")
-                except OSError:
-                    pass
+            self._accepted(conn)
+
+    def _accepted(self, conn: socket.socket) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         try:
@@ -71,6 +73,19 @@ class SnapshotServer:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
+                pass
+
+
+class SnapshotServer(_UnixServer):
+    def __init__(self, path: str, snapshot: Callable[[], dict]) -> None:
+        self._snapshot = snapshot
+        super().__init__(path, "snapshot")
+
+    def _accepted(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.sendall(json.dumps(self._snapshot(), sort_keys=True).encode() + b"\n")
+            except OSError:
                 pass
 
 
@@ -93,7 +108,15 @@ def read_snapshot(path: str, timeout_s: float = 0.5) -> dict:
     return json.loads(b"".join(chunks))
 
 
-class CommandServer:
+@dataclass(frozen=True)
+class _NoRequest:
+    """Why a connection gave no request line; `unread`: the client is still sending."""
+
+    error: str
+    unread: bool = False
+
+
+class CommandServer(_UnixServer):
     """Answers one JSON request line per connection with `handler(request)`.
 
     The handler runs in a server thread (one per connection, at most MAX_CLIENTS
@@ -103,25 +126,17 @@ class CommandServer:
     """
 
     def __init__(self, path: str, handler: Callable[[dict], dict]) -> None:
-        self.path = path
         self._handler = handler
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
-        self._sock = _bind_private(path, backlog=64)
-        self._thread = threading.Thread(target=self._serve, name="commands", daemon=True)
-        self._thread.start()
+        super().__init__(path, "commands", backlog=64)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            if not self._slots.acquire(blocking=False):
-                self._answer(conn, {"ok": False, "error": "busy: too many clients"})
-                conn.close()
-                continue
-            threading.Thread(target=self._client, args=(conn,), name="command",
-                             daemon=True).start()
+    def _accepted(self, conn: socket.socket) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._answer(conn, {"ok": False, "error": "busy: too many clients"})
+            conn.close()
+            return
+        threading.Thread(target=self._client, args=(conn,), name="command",
+                         daemon=True).start()
 
     def _client(self, conn: socket.socket) -> None:
         with conn:
@@ -134,7 +149,7 @@ class CommandServer:
                 # connect again at once, before this thread is done closing.
                 self._slots.release()
             self._answer(conn, reply)
-            if isinstance(line, str) and "larger" in line:
+            if isinstance(line, _NoRequest) and line.unread:
                 self._discard(conn)
 
     @staticmethod
@@ -153,8 +168,8 @@ class CommandServer:
             pass
 
     @staticmethod
-    def _read_line(conn: socket.socket) -> bytes | str:
-        """The request line, or a str saying why there is none."""
+    def _read_line(conn: socket.socket) -> bytes | _NoRequest:
+        """The request line, or why there is none."""
         data = bytearray()
         try:
             while b"\n" not in data:
@@ -163,19 +178,20 @@ class CommandServer:
                     break
                 data += chunk
                 if len(data) > MAX_REQUEST_BYTES:
-                    return f"request larger than {MAX_REQUEST_BYTES} bytes"
+                    return _NoRequest(f"request larger than {MAX_REQUEST_BYTES} bytes",
+                                      unread=True)
         except TimeoutError:
-            return f"no request line within {REQUEST_TIMEOUT_S:g} s"
+            return _NoRequest(f"no request line within {REQUEST_TIMEOUT_S:g} s")
         except OSError as exc:
-            return f"reading the request: {exc}"
+            return _NoRequest(f"reading the request: {exc}")
         line = bytes(data).split(b"\n", 1)[0]
         if len(line) > MAX_REQUEST_BYTES:
-            return f"request larger than {MAX_REQUEST_BYTES} bytes"
+            return _NoRequest(f"request larger than {MAX_REQUEST_BYTES} bytes", unread=True)
         return line
 
-    def _reply(self, line: bytes | str) -> dict:
-        if isinstance(line, str):
-            return {"ok": False, "error": line}
+    def _reply(self, line: bytes | _NoRequest) -> dict:
+        if isinstance(line, _NoRequest):
+            return {"ok": False, "error": line.error}
         try:
             request = json.loads(line)
         except ValueError as exc:      # UnicodeDecodeError included
@@ -198,15 +214,6 @@ class CommandServer:
             conn.sendall(json.dumps(reply, sort_keys=True, default=str).encode() + b"\n")
         except OSError:
             pass           # the client left; nothing to tell
-
-    def close(self) -> None:
-        try:
-            self._sock.close()
-        finally:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
 def serve_commands(path: str | None, handler: Callable[[dict], dict]) -> CommandServer | None:

@@ -13,7 +13,6 @@ One run on a 5-host switch, PFC on, traffic from 3 to 7 ms:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
@@ -23,12 +22,11 @@ from testbed.plan import compile_plan
 from testbed.plan.model import EventPlan, EventPortPlan, Plan
 from testbed.results.store import Store
 from testbed.results.tables import DROP_COUNTERS
-from testbed.run.runner import RunOptions, run_config
 from tests.conftest import unique_lab
 from tests.integration.timeline_helpers import (
-    assert_no_lab_left,
     before_one_sample,
     fault_events,
+    timeline_run,
     value_at,
     within_one_sample,
 )
@@ -79,14 +77,8 @@ def pfc_run(tmp_path_factory) -> Iterator[tuple[Plan, Store, dict]]:
                                        xoff_bytes=pfc.xoff_bytes, xon_bytes=pfc.xon_bytes)]),
     ]
     plan = plan.model_copy(update={"events": events})
-    try:
-        result = run_config(loaded, plan, RunOptions(runs_root=tmp_path_factory.mktemp("pfc"),
-                                                     say=lambda _m: None))
-    finally:
-        assert_no_lab_left(plan.lab)
-    store = Store(result.run_dir / "counters.sqlite")
-    yield plan, store, json.loads((result.run_dir / "summary.json").read_text())
-    store.close()
+    with timeline_run(loaded, plan, tmp_path_factory.mktemp("pfc")) as (store, summary):
+        yield plan, store, summary
 
 
 def _applied(store: Store, index: int) -> tuple[dict, int]:

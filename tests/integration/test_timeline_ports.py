@@ -11,7 +11,6 @@ event kind:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
@@ -20,15 +19,14 @@ from testbed.config import load_config_text
 from testbed.plan import compile_plan
 from testbed.plan.model import EcnPlan, EgressPlan, EventPlan, EventPortPlan, Plan
 from testbed.results.store import Store
-from testbed.run.runner import RunOptions, run_config
 from tests.conftest import unique_lab
 from tests.integration.timeline_helpers import (
     PERIOD_NS,
-    assert_no_lab_left,
     before_one_sample,
     counter_between,
     fault_events,
     rate_bps_between,
+    timeline_run,
     value_at,
     within_one_sample,
 )
@@ -113,14 +111,8 @@ def ports_run(tmp_path_factory) -> Iterator[tuple[Plan, Store, dict]]:
                   ports=[to_h7.model_copy(update={"tc": ROCE_TC, "ecn": near})]),
     ]
     plan = plan.model_copy(update={"events": events})
-    try:
-        result = run_config(loaded, plan, RunOptions(runs_root=tmp_path_factory.mktemp("ports"),
-                                                     say=lambda _m: None))
-    finally:
-        assert_no_lab_left(plan.lab)
-    store = Store(result.run_dir / "counters.sqlite")
-    yield plan, store, json.loads((result.run_dir / "summary.json").read_text())
-    store.close()
+    with timeline_run(loaded, plan, tmp_path_factory.mktemp("ports")) as (store, summary):
+        yield plan, store, summary
 
 
 def _started_ns(store: Store, node: str, port: str) -> int:

@@ -1,11 +1,19 @@
-"""Shared by the fault-timeline integration tests: reading a run's counters at times."""
+"""Shared by the fault-timeline integration tests: running a plan with its events, and
+reading the run's counters at times."""
 
 from __future__ import annotations
 
 import bisect
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
+from testbed.config import LoadedConfig
 from testbed.net.namespaces import list_testbed_namespaces
+from testbed.plan.model import Plan
 from testbed.results.store import Store
+from testbed.run.runner import RunOptions, run_config
 
 PERIOD_NS = 100_000          # the runs' sample period (fabric): "within one sample"
 DOWN_NS = 3_000_000
@@ -14,6 +22,21 @@ DOWN_NS = 3_000_000
 def assert_no_lab_left(lab: str) -> None:
     left = [ns for ns in list_testbed_namespaces() if ns.startswith(f"tb-{lab}-")]
     assert not left, f"namespaces left behind: {left}"
+
+
+@contextmanager
+def timeline_run(loaded: LoadedConfig, plan: Plan, root: Path) -> Iterator[tuple[Store, dict]]:
+    """Run `plan` (with the events a test gave it) under `root`, check nothing of its lab
+    is left even if the run failed, and give its store (closed after) and summary."""
+    try:
+        result = run_config(loaded, plan, RunOptions(runs_root=root, say=lambda _m: None))
+    finally:
+        assert_no_lab_left(plan.lab)
+    store = Store(result.run_dir / "counters.sqlite")
+    try:
+        yield store, json.loads((result.run_dir / "summary.json").read_text())
+    finally:
+        store.close()
 
 
 def fault_events(store: Store) -> list[dict]:
