@@ -10,14 +10,13 @@ the last two steps for a run directory that already exists (`testbed incident ju
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from testbed.config import LoadedConfig
 from testbed.incident.evaluate import build_verdict, evaluate_signature, open_run
 from testbed.incident.load import LoadedIncident
 from testbed.plan import compile_plan
-from testbed.report import build_report
 from testbed.results.files import write_json
 from testbed.run.runner import RunOptions, run_config
 
@@ -64,9 +63,9 @@ def allowed_of(loaded: LoadedConfig) -> list[str]:
 
 def judge_run(incident: LoadedIncident, variant: str, run_dir: Path,
               baseline_dir: Path | None) -> dict:
-    """Evaluate the signature on a finished run directory, write its verdict into
-    summary.json and rebuild the report. The baseline of `of: control` is `baseline_dir`,
-    or for the control variant the run itself."""
+    """Evaluate the signature on a finished run directory and write its verdict into
+    summary.json (the report is the caller's to build). The baseline of `of: control` is
+    `baseline_dir`, or for the control variant the run itself."""
     config = incident.variants[variant]
     classes = classes_of(config)
     baseline = baseline_dir if baseline_dir is not None else (
@@ -95,23 +94,21 @@ def run_variant(incident: LoadedIncident, variant: str, options: RunOptions,
     started = time.monotonic()
     config = incident.variants[variant]
     options.say(f"incident {incident.name}: running the {variant} variant")
+    def judge(run_dir: Path) -> None:
+        # between summary.json and the report, so the report is built once, with the verdict
+        try:
+            out.verdict = judge_run(incident, variant, run_dir, baseline_dir)
+        except Exception as exc:   # the report is still written; say why it has no verdict
+            out.error = f"the {variant} run could not be judged: {exc}"
+
     try:
         plan = compile_plan(config, max_wall_port_rate_bps=options.budget_bps)
-        result = run_config(config, plan, options)
+        result = run_config(config, plan, replace(options, before_report=judge))
     except Exception as exc:   # the next incident of a suite still runs; say why not this
         out.error = f"the {variant} run failed: {exc}"
         out.wall_s = time.monotonic() - started
         return out
     out.run_dir, out.interrupted = result.run_dir, result.interrupted
-    try:
-        out.verdict = judge_run(incident, variant, result.run_dir, baseline_dir)
-    except Exception as exc:
-        out.error = f"the {variant} run could not be judged: {exc}"
-    try:
-        build_report(result.run_dir)
-    except Exception as exc:   # the verdict is in summary.json; say why the report is not
-        options.say(f"report: could not be rebuilt ({exc}); rebuild with "
-                    f"`testbed report {result.run_dir}`")
     out.wall_s = time.monotonic() - started
     return out
 

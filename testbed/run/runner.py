@@ -82,6 +82,9 @@ class RunOptions:
     # called with the plan once the fabric and its PFC agents are up, before any traffic
     # (tests use it to break something on purpose and see the run say so)
     on_up: Callable[[Plan], None] | None = None
+    # called with the run directory once summary.json is written, before the report is
+    # built: an incident run writes its verdict there, so the report is built once, with it
+    before_report: Callable[[Path], None] | None = None
 
 
 @dataclass
@@ -203,6 +206,8 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
             write_results(run)
             take_down(run)
     summary = write_summary(run)
+    if options.before_report is not None:
+        options.before_report(run.run_dir)
     write_report(run.run_dir, options.say)
     overhead = run.collector.overhead_fraction() if run.collector else 0.0
     return RunResult(run.run_dir, summary, run.interrupted, overhead)
