@@ -195,9 +195,55 @@ class RunView:
     ready_mtime_ns: Callable[[AgentSpec], int | None]   # when its ready file appeared
     paused_nodes: frozenset[str] = frozenset()   # nodes whose ports received a pause
     lossless_drops: int = 0                      # drops in lossless classes, all ports
+    base_rtt_ns: Callable[[str, str], int] = lambda src, dst: 0   # host to host, queues
+    #                                              empty (testbed/plan/paths.py)
+    roce_mtu_bytes: int = 4096
 
 
 Results = Mapping[str, dict]                     # agent name -> its final JSON
+
+
+@dataclass(frozen=True)
+class FlowSpec:
+    """One planned flow, as the flow generators give them (testbed/workloads/flowgen.py):
+    one message of `size_bytes` from host `src` to host `dst` at fabric time `start_ns`
+    after the workload's t0, in class `tclass` (None: its entry's)."""
+
+    src: str
+    dst: str
+    size_bytes: int
+    start_ns: int
+    tclass: str | int | None = None
+
+
+@dataclass(frozen=True)
+class FlowRecord:
+    """One flow's result, as a kind gives it to the run (`WorkloadKind.flow_records`);
+    the run writes them to the database's `flows` table, results/flows.csv and HPCC's
+    results/fct.txt (testbed/results/flows.py)."""
+
+    workload: str            # the traffic entry's name
+    flow_id: int             # unique in the run
+    src: str
+    dst: str
+    src_ip: str
+    dst_ip: str
+    sport: int
+    dport: int
+    size_bytes: int
+    start_ns: int            # its scheduled start, fabric ns after t0
+    fct_ns: int | None       # start to the sender's completion (the last ACK); None: unfinished
+    ideal_fct_ns: int        # standalone: the base RTT plus its wire bytes at line rate
+    tc: int                  # its traffic class number
+    time_offset_ns: int = 0  # added to start_ns in fct.txt (an imported flow file's clock)
+    extra: Mapping[str, int | float | str | None] = field(default_factory=dict)
+
+    @property
+    def slowdown(self) -> float | None:
+        """fct / ideal, floored at 1 (HPCC's fct_analysis floors it too); None unfinished."""
+        if self.fct_ns is None:
+            return None
+        return max(1.0, self.fct_ns / self.ideal_fct_ns) if self.ideal_fct_ns > 0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -300,6 +346,12 @@ class WorkloadKind(ABC):
     def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
                        view: RunView) -> list[str]:
         """Where this kind's agents did not run as configured."""
+        return []
+
+    def flow_records(self, specs: Sequence[AgentSpec], results: Results,
+                     view: RunView) -> list[FlowRecord]:
+        """One record per flow, for kinds whose traffic is sized flows (kind: flows):
+        the run keeps them in the database and writes flows.csv and fct.txt."""
         return []
 
     def output_files(self, rows: Sequence[ResultRow], specs: Sequence[AgentSpec],
