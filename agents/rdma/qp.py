@@ -345,6 +345,30 @@ class MemoryRegion:
     def __repr__(self) -> str:
         return f"MemoryRegion(va={self.va:#x}, length={self.length}, rkey={self.rkey:#x})"
 
+    @classmethod
+    def sink(cls, length: int, va: int, rkey: int) -> MemoryRegion:
+        """A region of `length` bytes that takes remote writes and keeps none of them:
+        a flow's receiver checks each WRITE against the region as an RNIC does, but a
+        1 GB flow must not need 1 GB of memory (agents.flows measures time, not bytes)."""
+        mr = cls(bytearray(0), va, rkey)
+        mr.view = _Sink(length)            # type: ignore[assignment]
+        mr.length = length
+        if va + length > 1 << 64:
+            raise ValueError(f"VA range {va:#x}+{length} does not fit 64 bits")
+        return mr
+
+
+class _Sink:
+    """Slice assignment that discards: the memory of a `MemoryRegion.sink`."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __setitem__(self, key: slice, value: object) -> None:
+        pass
+
 
 class RatePacer:
     """When the next packet may go, at a rate that may change from packet to packet.

@@ -197,6 +197,10 @@ class Endpoint:
         self.rx_errors = 0
         self.datagrams_received = 0
         self.send_errors = SendErrors()
+        # Called with a packet for a QPN no QP here has, and its source address: a QP it
+        # attaches (a receiver that makes a flow's responder when the flow's first packet
+        # comes, agents.flows) is returned and takes the packet; None counts it unknown.
+        self.on_unknown_qp: Callable[[int, tuple[str, int]], Binding | None] | None = None
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -218,6 +222,10 @@ class Endpoint:
         qp.tx = b.send_ctl
         self._qps[qp.qpn] = b
         return b
+
+    def detach(self, qpn: int) -> Binding | None:
+        """Stop serving QP `qpn` here (its packets then count as unknown); its binding."""
+        return self._qps.pop(qpn, None)
 
     # -- send
 
@@ -281,6 +289,8 @@ class Endpoint:
                 self.malformed[e.reason.name] += 1
                 continue
             b = qps.get(p.bth.dest_qp)
+            if b is None and self.on_unknown_qp is not None:
+                b = self.on_unknown_qp(p.bth.dest_qp, addr)
             if b is None:
                 self.unknown_qp += 1
                 continue
@@ -330,6 +340,15 @@ class Engine:
             self._readable.register(endpoint.fileno(), select.POLLIN)
         self.refresh()
         return endpoint
+
+    def remove(self, endpoint: Endpoint) -> None:
+        """Stop driving `endpoint` (call before closing it)."""
+        if endpoint in self.endpoints:
+            self.endpoints.remove(endpoint)
+            fd = endpoint.fileno()
+            self._by_fd.pop(fd, None)
+            self._readable.unregister(fd)
+        self.refresh()
 
     def refresh(self) -> None:
         """Pick up QPs attached to the endpoints since the last call."""

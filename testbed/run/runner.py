@@ -319,8 +319,12 @@ def start_agent_of(run: Run, spec: AgentSpec, t0_mono_ns: int | None = None) -> 
     for and (a sender) the common start time."""
     plan = run.plan
     sock = socket_path(run.agents_dir, spec.name, plan.lab)
+    inputs = {}
+    for name, text in spec.inputs:
+        inputs[name] = run.agents_dir / f"{spec.name}.{name}"
+        write_private(inputs[name], text)
     files = AgentFiles(ready=ready_file(run.agents_dir, spec), out=out_file(run.agents_dir, spec),
-                       events=events_file(run.agents_dir, spec))
+                       events=events_file(run.agents_dir, spec), inputs=inputs)
     argv = [*spec.argv, "--control-sock", sock, *REGISTRY.of(spec.kind).files_argv(spec, files)]
     if t0_mono_ns is not None:
         argv += ["--start-at-mono-ns", str(t0_mono_ns + plan.timebase.to_wall_ns(spec.start_ns))]

@@ -103,6 +103,8 @@ class AgentSpec:
     src: str = ""
     dst: str = ""
     via: tuple[str, ...] = ()   # a sender: switches its flows must cross (see PathPin)
+    inputs: tuple[tuple[str, str], ...] = ()   # (file name, text): files the run writes
+    #                             for it before it starts (AgentFiles.inputs has their paths)
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class AgentFiles:
     ready: Path          # the agent creates it once it can serve (a server listening)
     out: Path            # its final JSON counters, kept in the run directory
     events: Path         # JSON lines of events it appends; the collector imports them
+    inputs: Mapping[str, Path] = field(default_factory=dict)   # AgentSpec.inputs, written
 
 
 class ClassView(Protocol):

@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from testbed.workloads import collective, roce, training, udp
+from testbed.workloads import collective, flows, roce, training, udp
 from testbed.workloads.base import TrafficEntry, WorkloadKind
 
 
@@ -93,3 +93,4 @@ REGISTRY.add(udp.KIND)
 REGISTRY.add(roce.KIND)
 REGISTRY.add(collective.KIND)
 REGISTRY.add(training.KIND)
+REGISTRY.add(flows.KIND)

@@ -1,0 +1,567 @@
+"""Sized flows (`kind: flows`, `python -m agents.flows`): explicit flows, flows generated
+from a published flow-size distribution at a target load with Poisson arrivals, and
+incast bursts, each flow one RDMA WRITE on a QP of its own, timed from start to the
+sender's completion, as HPCC's ns-3 times its flows (fct.txt).
+
+An entry becomes one agent per host that sends or receives any of its flows; each agent
+reads its host's part of the entry's schedule from a file the run writes
+(`AgentSpec.inputs`). Flow ids are numbered over every flows entry of the workload in
+config order, and a flow's QPN is its id + 1 at both ends, so the agents need no set-up
+exchange (agents/flows/host.py). The agents of the n-th flows entry take flows on UDP
+port FLOWS_UDP_PORT + n. The flow results go to the run through `flow_records`: the run
+writes them to the database's `flows` table, results/flows.csv and results/fct.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+
+from agents.runtime.framing import WIRE_OVERHEAD_BYTES
+from testbed.fields import NAME_RE, DurationNs, SizeBytes, Strict
+from testbed.workloads.base import (
+    AgentFiles,
+    AgentSpec,
+    CheckContext,
+    ExpandContext,
+    FlowRecord,
+    FlowSpec,
+    Problem,
+    ResultRow,
+    Results,
+    RunView,
+    Shape,
+    TrafficEntry,
+    WorkloadKind,
+    account,
+    flow_drops_of,
+)
+from testbed.workloads.rdma import (
+    CC_PRESET_DESCRIPTION,
+    DEFAULT_CC_PRESETS,
+    MAX_ROCE_WINDOW_PACKETS,
+    ROCE_SPIN_NS,
+    CcPresetName,
+    parse_cc_preset,
+    preset_problem,
+    roce_window_packets,
+)
+from testbed.workloads.rdma_params import DcqcnCcParams, DctcpCcParams, validate_cc_params
+
+FLOWS_UDP_PORT = 6400           # the first flows entry's; the n-th takes 6400 + n
+FLOWS_MAX_ENTRIES = 64
+FLOWS_MAX_FLOWS = 0xFFFFFD      # QPN = id + 1 in 24 bits (agents.flows.host.MAX_FLOW_ID + 1)
+# An agent loads its schedule and binds its port before the common start.
+FLOWS_STARTUP_S = 0.3
+# A flow posted later than this after its start (fabric ns) is counted in the notes.
+FLOWS_LATE_NS = 5_000
+RETH_BYTES, BTH_ICRC_BYTES = 16, 12 + 4
+
+
+class ExplicitFlow(Strict):
+    """One flow: `size` bytes from `src` to `dst` at `start`."""
+
+    src: str = Field(description="sending host")
+    dst: str = Field(description="receiving host")
+    size_bytes: SizeBytes = Field(alias="size", description="message bytes, 1 B .. 2 GiB - 1")
+    start_ns: DurationNs = Field(0, alias="start",
+                                 description="fabric time after the run's common start t0")
+    tclass: str | int | None = Field(None, description="its traffic class (default: the "
+                                                       "entry's)")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class GeneratedFlows(Strict):
+    """Flows drawn from a flow-size distribution at a target load (docs/flows.md)."""
+
+    distribution: str = Field(description="web_search, hadoop, alibaba_storage, google_rpc "
+                              "(configs/distributions/), or a CDF file: two columns, size "
+                              "bytes and cumulative probability (fraction or percent), a "
+                              "relative path from the directory testbed runs in")
+    load: float = Field(gt=0, le=1, description="each host sends this fraction of its line "
+                        "rate (payload bytes), 0 < load <= 1")
+    duration_ns: DurationNs = Field(alias="duration", description="flows start within this "
+                                    "fabric time")
+    start_ns: DurationNs = Field(0, alias="start", description="when the first may start, "
+                                 "fabric time after t0")
+    seed: int = Field(1, ge=0, description="the generator's seed: the same seed, the same "
+                      "flows")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("distribution")
+    @classmethod
+    def _distribution(cls, value: str) -> str:
+        from testbed.workloads.flows_gen import CdfError, load_cdf
+        try:
+            load_cdf(value)
+        except CdfError as e:
+            raise ValueError(str(e)) from None
+        return value
+
+
+class IncastBursts(Strict):
+    """Every `period`, one flow of `size` from each sender to the receiver at once."""
+
+    senders: list[str] = Field(description="sending hosts")
+    receiver: str = Field(description="the receiving host")
+    size_bytes: SizeBytes = Field(alias="size", description="each sender's flow, bytes")
+    period_ns: DurationNs = Field(alias="period", description="fabric time between bursts")
+    bursts: int = Field(1, ge=1, le=1_000_000, description="how many bursts")
+    start_ns: DurationNs = Field(0, alias="start", description="the first burst, fabric time "
+                                 "after t0")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class FlowsTraffic(TrafficEntry):
+    """Sized flows over the user-space RoCEv2 RC transport (agents/flows): explicit
+    `flows:`, `generate:`d from a flow-size distribution with Poisson arrivals at a
+    target load, and `incast:` bursts, in any mix. Each flow is one RDMA WRITE on a QP
+    of its own (its own UDP source port, its congestion control starting at line rate,
+    as HPCC's ns-3 makes a QP per flow), timed from its start to the sender's completion.
+    """
+
+    name: str = Field(pattern=NAME_RE, description="the entry's name: lower-case letters, "
+                      "digits and _, unique in the workload; agents and results carry it")
+    kind: Literal["flows"] = Field(description="flows: sized flows, each one RDMA WRITE")
+    hosts: list[str] | None = Field(None, description="the hosts `generate` draws sources "
+                                    "and destinations from (default all)")
+    flows: list[ExplicitFlow] = Field(default_factory=list, description="explicit flows")
+    generate: GeneratedFlows | None = Field(None, description="generated flows")
+    incast: list[IncastBursts] = Field(default_factory=list, description="incast bursts")
+    time_offset_ns: DurationNs = Field(
+        0, alias="time_offset", description="added to every start in fct.txt, so a flow file "
+        "imported from HPCC keeps its absolute times there")
+    window_packets: Annotated[int, Field(ge=1, le=MAX_ROCE_WINDOW_PACKETS)] | Literal[
+        "auto"] = Field("auto", alias="window", description="most unacknowledged packets per "
+                        "QP, or auto (as roce entries: docs/roce.md, 'In-flight window')")
+    cc: Literal["dcqcn", "dctcp", "none"] = Field(
+        "dcqcn", description="congestion control: sender rate control and receiver CNPs")
+    cc_preset: CcPresetName | None = Field(None, description=CC_PRESET_DESCRIPTION)
+    cnp_interval_ns: DurationNs | None = Field(
+        None, alias="cnp_interval", description="receiver: at most one CNP per QP per this "
+        "fabric time (default: the preset's)")
+    cc_params: DcqcnCcParams | DctcpCcParams | None = Field(
+        None, description="DCQCN or DCTCP parameters (as `cc`) in place of the preset's")
+    tclass: str | int = Field("roce", description="traffic class of its flows (a flow may "
+                              "name its own); with cc, a class that marks ECN")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("cc_preset", mode="before")
+    @classmethod
+    def _cc_preset(cls, value: object) -> object:
+        return parse_cc_preset(value)
+
+    @field_validator("cc_params", mode="before")
+    @classmethod
+    def _cc_params(cls, value: object, info: ValidationInfo) -> object:
+        cc = info.data.get("cc")
+        if value is None or cc is None:
+            return None
+        return validate_cc_params(value, cc)
+
+    @property
+    def preset(self) -> str | None:
+        return self.cc_preset or DEFAULT_CC_PRESETS.get(self.cc)
+
+    def cc_overrides(self) -> dict[str, object]:
+        if self.cc_params is None:
+            return {}
+        return self.cc_params.model_dump(include=self.cc_params.model_fields_set)
+
+
+def planned_flows(t: FlowsTraffic, hosts: Sequence[str],
+                  line_rate_bps: dict[str, int]) -> list[FlowSpec]:
+    """Every flow of the entry, in start order (explicit, generated and incast merged)."""
+    out = [FlowSpec(f.src, f.dst, f.size_bytes, f.start_ns, f.tclass) for f in t.flows]
+    if t.generate is None and not t.incast:
+        return out
+    from testbed.workloads.flows_gen import incast_flows, load_cdf, poisson_flows
+
+    if t.generate is not None:
+        g = t.generate
+        out += poisson_flows(t.hosts or list(hosts), line_rate_bps, load_cdf(g.distribution),
+                             g.load, g.duration_ns, g.start_ns, g.seed)
+    for b in t.incast:
+        out += incast_flows(b.senders, b.receiver, b.size_bytes, b.period_ns, b.bursts,
+                            b.start_ns)
+    return sorted(out, key=lambda f: f.start_ns)     # stable: config order within a time
+
+
+def message_wire_bytes(size_bytes: int, mtu_bytes: int) -> int:
+    """Bytes a message of `size_bytes` puts on the wire as RoCEv2 WRITE packets: the
+    payload, per packet BTH + ICRC and the UDP/IPv4/Ethernet framing (66 B with FCS,
+    preamble and inter-frame gap), and the RETH once."""
+    packets = max(1, -(-size_bytes // mtu_bytes))
+    return size_bytes + RETH_BYTES + packets * (BTH_ICRC_BYTES + WIRE_OVERHEAD_BYTES)
+
+
+def ideal_fct_ns(size_bytes: int, mtu_bytes: int, line_rate_bps: int, base_rtt_ns: int) -> int:
+    """A flow's standalone FCT: the base RTT of its path plus its message's wire bytes
+    at the sender's line rate (HPCC's third.cc: base RTT + bytes with headers at the
+    pair's bandwidth)."""
+    return base_rtt_ns + math.ceil(message_wire_bytes(size_bytes, mtu_bytes) * 8 * 10**9
+                                   / line_rate_bps)
+
+
+def _schedule_rows(doc: dict) -> list[list]:
+    return doc.get("out", [])
+
+
+class FlowsKind(WorkloadKind):
+    shapes: ClassVar = {"flows": Shape.ALL_TO_ALL}
+    model: ClassVar = FlowsTraffic
+    agent_module: ClassVar = "agents.flows"
+    doc: ClassVar = ("sized flows (explicit, generated from a flow-size distribution at a "
+                     "target load, incast bursts), each one RDMA WRITE on a QP of its own, "
+                     "timed to completion like HPCC's fct.txt (agents/flows): one agent per "
+                     "host that sends or receives a flow.")
+    ports: ClassVar = {"udp": range(FLOWS_UDP_PORT, FLOWS_UDP_PORT + FLOWS_MAX_ENTRIES)}
+    example: ClassVar = {"name": "fct", "kind": "flows", "flows": [
+        {"src": "h1", "dst": "h4", "size": "1MB", "start": "10us"},
+        {"src": "h2", "dst": "h4", "size": "64KB", "start": "20us"}]}
+    console_columns: ClassVar = (
+        ("flows", "flows"), ("finished", "finished"), ("p50 slowdown", "slowdown_p50"),
+        ("p99 slowdown", "slowdown_p99"), ("max FCT us", "fct_max_us"),
+        ("retrans", "retransmissions"))
+    result_fields: ClassVar = {
+        "flows": "flows the entry planned",
+        "finished": "flows that completed (the sender got the last ACK)",
+        "unfinished": "flows that did not (still running when the run stopped, or failed)",
+        "failed": "flows whose QP went to the error state",
+        "bytes": "message bytes of the finished flows",
+        "cc": "congestion control and preset, e.g. dcqcn/hpcc-ns3-paper",
+        "slowdown_p50": "median FCT slowdown (fct / ideal, floored at 1) of finished flows",
+        "slowdown_p99": "99th percentile slowdown",
+        "fct_p50_us": "median FCT, fabric us", "fct_max_us": "longest FCT, fabric us",
+        "posted_late_max_us": "the latest a flow was posted after its start (the agent was "
+                              "busy), fabric us; FCTs count from the post",
+        "retransmissions": "packets sent again, all flows",
+        "timeouts": "ACK timeouts, all flows",
+        "cnps_received": "CNPs the senders got",
+        "ce_received": "CE-marked packets the receivers got",
+    }
+
+    def describe(self, spec: AgentSpec) -> str:
+        return f"flows agent {spec.name}"
+
+    def check(self, entry: TrafficEntry, loc: tuple, ctx: CheckContext) -> Iterator[Problem]:
+        assert isinstance(entry, FlowsTraffic)
+        t = entry
+        if not (t.flows or t.generate or t.incast):
+            yield loc, ("a flows entry needs flows: (explicit), generate: (from a "
+                        "distribution) or incast: (bursts), or a mix")
+        yield from _check_class(t, loc + ("tclass",), t.tclass, ctx)
+        for i, f in enumerate(t.flows):
+            yield from _check_flow(t, loc + ("flows", i), f, ctx)
+        for i, b in enumerate(t.incast):
+            yield from _check_incast(loc + ("incast", i), b, ctx)
+        if t.generate is not None and len(t.hosts or ctx.hosts) < 2:
+            yield loc + ("hosts",), "generated flows need at least two hosts"
+        bad = preset_problem(t.cc, t.cc_preset)
+        if bad is not None:
+            yield loc + (bad[0],), bad[1]
+
+    # -- expansion
+
+    def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
+        """One agent per host that sends or receives any of the entry's flows."""
+        assert isinstance(entry, FlowsTraffic)
+        t = entry
+        state = ctx.state("flows")
+        n = state.get("entries", 0)
+        state["entries"] = n + 1
+        if n >= FLOWS_MAX_ENTRIES:
+            raise ValueError(f"at most {FLOWS_MAX_ENTRIES} flows entries in one workload")
+        first_id = state.get("next_id", 0)
+        port = FLOWS_UDP_PORT + n
+        rates = {h: ctx.line_rate_bps(h) for h in ctx.hosts}
+        flows = planned_flows(t, ctx.hosts, rates)
+        if first_id + len(flows) > FLOWS_MAX_FLOWS:
+            raise ValueError(f"more than {FLOWS_MAX_FLOWS} flows in one run")
+        state["next_id"] = first_id + len(flows)
+        mtu = ctx.roce_mtu_bytes
+        tc_of = {c: ctx.tc(c) for c in {f.tclass or t.tclass for f in flows} | {t.tclass}}
+        dscp_of = {c: ctx.dscp(c) for c in tc_of}
+        out: dict[str, list] = {}
+        inc: dict[str, list] = {}
+        for k, f in enumerate(flows):
+            fid = first_id + k
+            c = f.tclass or t.tclass
+            out.setdefault(f.src, []).append(
+                [fid, ctx.address(f.dst), port, f.size_bytes, f.start_ns, dscp_of[c], f.dst,
+                 tc_of[c]])
+            inc.setdefault(f.dst, []).append([fid, ctx.address(f.src), f.size_bytes])
+        cc = ["--cc", t.cc] + (["--cc-preset", t.preset] if t.preset else [])
+        overrides = t.cc_overrides()
+        if overrides:
+            cc += ["--cc-params", json.dumps(overrides, sort_keys=True, separators=(",", ":"))]
+        cnp = ctx.cnp_dscp
+        cnp_interval = ([] if t.cnp_interval_ns is None or t.cc == "none"
+                        else ["--cnp-interval-ns", str(t.cnp_interval_ns)])
+        rtt_ns = ctx.round_trip_ns(ctx.tc(t.tclass)) if t.window_packets == "auto" else None
+        specs = []
+        for h in [h for h in ctx.hosts if h in out or h in inc]:
+            line_bps = ctx.line_rate_bps(h)
+            window = (roce_window_packets(line_bps, rtt_ns, mtu) if rtt_ns is not None
+                      else int(t.window_packets))
+            doc = {"out": out.get(h, []), "in": inc.get(h, []),
+                   "time_offset_ns": t.time_offset_ns}
+            specs.append(AgentSpec(
+                name=f"{t.name}-{h}", node=h, role="sender", traffic=t.name, kind=t.kind,
+                module=self.agent_module, src=h, dst="",
+                duration_ns=self.span_ns(t, ctx),
+                argv=["--bind", ctx.address(h), "--port", str(port), "--mtu", str(mtu),
+                      "--dscp", str(ctx.dscp(t.tclass)), *cc,
+                      *(["--cnp-dscp", str(cnp)] if cnp is not None else []), *cnp_interval,
+                      "--line-rate-bps", str(line_bps), "--window-packets", str(window),
+                      "--dilation", str(ctx.dilation), "--spin-ns", str(ROCE_SPIN_NS)],
+                inputs=(("schedule.json", json.dumps(doc, separators=(",", ":"))),)))
+        return specs
+
+    def span_ns(self, entry: TrafficEntry, ctx: ExpandContext | None) -> int:
+        """The last flow's start plus the time the busiest host takes to move all of its
+        bytes at line rate (a bound on when an uncongested fabric would be done)."""
+        assert isinstance(entry, FlowsTraffic)
+        if ctx is None:
+            starts = [f.start_ns for f in entry.flows] + [
+                b.start_ns + (b.bursts - 1) * b.period_ns for b in entry.incast]
+            if entry.generate is not None:
+                starts.append(entry.generate.start_ns + entry.generate.duration_ns)
+            return max(starts, default=0)
+        rates = {h: ctx.line_rate_bps(h) for h in ctx.hosts}
+        flows = planned_flows(entry, ctx.hosts, rates)
+        load: dict[str, int] = {}
+        for f in flows:
+            w = message_wire_bytes(f.size_bytes, ctx.roce_mtu_bytes)
+            load[f.src] = load.get(f.src, 0) + w
+            load[f.dst] = load.get(f.dst, 0) + w
+        busiest = max((math.ceil(n * 8 * 10**9 / rates[h]) for h, n in load.items()),
+                      default=0)
+        return max((f.start_ns for f in flows), default=0) + busiest
+
+    def startup_wall_s(self, spec: AgentSpec) -> float:
+        return FLOWS_STARTUP_S
+
+    def files_argv(self, spec: AgentSpec, files: AgentFiles) -> list[str]:
+        return ["--schedule", str(files.inputs["schedule.json"]),
+                "--ready-file", str(files.ready), "--out", str(files.out)]
+
+    # -- results
+
+    @staticmethod
+    def _schedule(spec: AgentSpec) -> dict:
+        text = dict(spec.inputs).get("schedule.json", "{}")
+        return json.loads(text)
+
+    def _finished(self, specs: Sequence[AgentSpec], results: Results
+                  ) -> tuple[dict[int, dict], dict[int, dict]]:
+        """Per flow id: the sender's columns and the receiver's, as dicts."""
+        sent: dict[int, dict] = {}
+        received: dict[int, dict] = {}
+        for spec in specs:
+            res = results.get(spec.name) or {}
+            for side, into in (("sent", sent), ("received", received)):
+                cols = res.get(side) or {}
+                ids = cols.get("flow_id") or []
+                for i, fid in enumerate(ids):
+                    into[int(fid)] = {k: v[i] for k, v in cols.items() if i < len(v)}
+        return sent, received
+
+    def flow_records(self, specs: Sequence[AgentSpec], results: Results,
+                     view: RunView) -> list[FlowRecord]:
+        sent, received = self._finished(specs, results)
+        records = []
+        for spec in specs:
+            doc = self._schedule(spec)
+            offset = int(doc.get("time_offset_ns", 0))
+            src_ip = view.address(spec.node)
+            rate = view.line_rate_bps(spec.node)
+            for fid, dst_ip, dport, size, start, _dscp, dst, tc in _schedule_rows(doc):
+                s = sent.get(fid, {})
+                done, posted = s.get("done_ns"), s.get("posted_ns")
+                fct = (int(done) - int(posted)) if done is not None and posted is not None \
+                    else None
+                r = received.get(fid, {})
+                records.append(FlowRecord(
+                    workload=spec.traffic, flow_id=fid, src=spec.node, dst=dst,
+                    src_ip=src_ip, dst_ip=dst_ip, sport=int(s.get("sport") or 0),
+                    dport=dport, size_bytes=size, start_ns=start, fct_ns=fct,
+                    ideal_fct_ns=ideal_fct_ns(size, view.roce_mtu_bytes, rate,
+                                              view.base_rtt_ns(spec.node, dst)),
+                    tc=tc, time_offset_ns=offset,
+                    extra={"posted_late_ns": (int(posted) - start) if posted is not None
+                           else None,
+                           "retransmissions": s.get("retransmissions"),
+                           "timeouts": s.get("timeouts"),
+                           "cnps_received": s.get("cnps_received"),
+                           "ce_received": r.get("ce_packets"),
+                           "rx_done_ns": r.get("done_ns"),
+                           "error": s.get("error")}))
+        records.sort(key=lambda r: r.flow_id)
+        return records
+
+    def result_rows(self, specs: Sequence[AgentSpec], results: Results,
+                    view: RunView) -> list[ResultRow]:
+        """One row per entry: its flows and their FCT slowdowns."""
+        by_entry: dict[str, list[FlowRecord]] = {}
+        for rec in self.flow_records(specs, results, view):
+            by_entry.setdefault(rec.workload, []).append(rec)
+        rows: list[ResultRow] = []
+        for spec in specs:
+            if spec.traffic in {r.traffic for r in rows}:
+                continue
+            recs = by_entry.get(spec.traffic, [])
+            done = [r for r in recs if r.fct_ns is not None]
+            slow = sorted(float(r.slowdown or 1.0) for r in done)
+            fcts = sorted(int(r.fct_ns or 0) for r in done)
+            late = [int(r.extra.get("posted_late_ns") or 0) for r in recs
+                    if r.extra.get("posted_late_ns") is not None]
+            res = next((results.get(s.name) for s in specs if s.traffic == spec.traffic
+                        and results.get(s.name)), None) or {}
+
+            def total(key: str, recs: list[FlowRecord] = recs) -> int:
+                return sum(int(r.extra.get(key) or 0) for r in recs)
+            rows.append(ResultRow(spec.traffic, spec.kind, {
+                "flows": len(recs), "finished": len(done), "unfinished": len(recs) - len(done),
+                "failed": sum(1 for r in recs if r.extra.get("error") not in (None,
+                                                                              "unfinished")),
+                "bytes": sum(r.size_bytes for r in done),
+                "cc": "/".join(str(x) for x in (res.get("cc"), res.get("cc_preset")) if x),
+                "slowdown_p50": _pct(slow, 0.5), "slowdown_p99": _pct(slow, 0.99),
+                "fct_p50_us": _us(_pct(fcts, 0.5)), "fct_max_us": _us(fcts[-1] if fcts
+                                                                      else None),
+                "posted_late_max_us": _us(max(late, default=None)),
+                "retransmissions": total("retransmissions"), "timeouts": total("timeouts"),
+                "cnps_received": total("cnps_received"), "ce_received": total("ce_received"),
+            }))
+        return rows
+
+    def stream_accounts(self, specs: Sequence[AgentSpec], results: Results,
+                        flow_drops: Sequence[dict], view: RunView) -> list[dict]:
+        """One account per (entry, source, destination) pair of hosts: the data packets
+        its flows sent and the receiver took, and the fabric's drops of them."""
+        sent, received = self._finished(specs, results)
+        pairs: dict[tuple[str, str, str], dict] = {}
+        for spec in specs:
+            doc = self._schedule(spec)
+            for fid, _dst_ip, dport, _size, _start, _dscp, dst, _tc in _schedule_rows(doc):
+                key = (spec.traffic, spec.node, dst)
+                p = pairs.setdefault(key, {"sent": 0, "received": 0, "ooo": 0,
+                                           "sports": set(), "dport": dport,
+                                           "complete": True})
+                s, r = sent.get(fid), received.get(fid)
+                p["sent"] += int((s or {}).get("packets") or 0)
+                p["received"] += int((r or {}).get("packets") or 0)
+                p["ooo"] += int((r or {}).get("ooo_drops") or 0)
+                if s and s.get("sport"):
+                    p["sports"].add(int(s["sport"]))
+        have = {s.node for s in specs if results.get(s.name)}
+        out = []
+        for (traffic, src, dst), p in pairs.items():
+            drops = flow_drops_of(flow_drops, view.addresses(src), view.address(dst),
+                                  p["dport"], p["sports"] or None)
+            reordered = 0 if any(drops.values()) else p["ooo"]
+            out.append(account(f"{traffic}-{src}-{dst}", "flows", src, dst, sent=p["sent"],
+                               received=p["received"], drops=drops, reordered=reordered,
+                               complete=src in have and dst in have))
+        return out
+
+    def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
+                       view: RunView) -> list[str]:
+        notes = []
+        for spec in specs:
+            res = results.get(spec.name) or {}
+            who = self.describe(spec)
+            if not res:
+                notes.append(f"{who} on {spec.node} left no results")
+                continue
+            if res.get("error"):
+                notes.append(f"{who} on {spec.node}: {res['error']}")
+            ready = view.ready_mtime_ns(spec)
+            if ready is not None and ready > view.t0_realtime_ns:
+                notes.append(f"{who} on {spec.node} bound its port "
+                             f"{(ready - view.t0_realtime_ns) / 1e6:.0f} ms (wall) after the "
+                             "common start: flows to it before then were resent after an "
+                             "ACK timeout")
+            cols = res.get("sent") or {}
+            errors = [e for e in cols.get("error") or [] if e not in (None, "unfinished")]
+            if errors:
+                notes.append(f"{who}: {len(errors)} flows failed ({errors[0]})")
+            unfinished = sum(1 for e in cols.get("error") or [] if e == "unfinished")
+            unfinished += int(res.get("flows_out", 0)) - len(cols.get("flow_id") or [])
+            if unfinished:
+                notes.append(f"{who}: {unfinished} flows had not finished when the run "
+                             "stopped them (fct_ns empty in flows.csv)")
+            doc = self._schedule(spec)
+            starts = {row[0]: row[4] for row in _schedule_rows(doc)}
+            late = [p - starts.get(f, p) for f, p in zip(cols.get("flow_id") or [],
+                                                          cols.get("posted_ns") or [],
+                                                          strict=False)]
+            n_late = sum(1 for x in late if x > FLOWS_LATE_NS)
+            if n_late:
+                notes.append(f"{who}: {n_late} of {len(late)} flows were posted more than "
+                             f"{FLOWS_LATE_NS / 1e3:g} us (fabric) after their start, at most "
+                             f"{max(late) / 1e3:.1f} us: the agent was short of CPU; their "
+                             "FCTs count from the post")
+        return notes
+
+
+def _check_host(where: tuple, name: str, ctx: CheckContext) -> Iterator[Problem]:
+    if name not in ctx.hosts:
+        yield where, f"unknown host {name!r}; hosts are {', '.join(ctx.hosts)}"
+
+
+def _check_class(t: FlowsTraffic, where: tuple, name: str | int,
+                 ctx: CheckContext) -> Iterator[Problem]:
+    c = ctx.classes.get(name)
+    if c is None:
+        yield where, f"unknown traffic class {name!r}"
+    elif t.cc != "none" and not c.ecn:
+        yield where, (f"class {c.name!r} (TC{c.tc}) does not mark ECN, so {t.cc.upper()} "
+                      "never gets a CNP; use an ECN class (roce) or cc: none")
+
+
+def _check_flow(t: FlowsTraffic, at: tuple, f: ExplicitFlow,
+                ctx: CheckContext) -> Iterator[Problem]:
+    yield from _check_host(at + ("src",), f.src, ctx)
+    yield from _check_host(at + ("dst",), f.dst, ctx)
+    if f.src == f.dst:
+        yield at, f"a flow from {f.src!r} to itself"
+    if f.tclass is not None and f.tclass != t.tclass:
+        yield from _check_class(t, at + ("tclass",), f.tclass, ctx)
+    if f.size_bytes >= 1 << 31:
+        yield at + ("size",), "a flow is one RDMA message: at most 2 GiB - 1"
+
+
+def _check_incast(at: tuple, b: IncastBursts, ctx: CheckContext) -> Iterator[Problem]:
+    yield from _check_host(at + ("receiver",), b.receiver, ctx)
+    if not b.senders:
+        yield at + ("senders",), "an incast burst needs senders"
+    for j, s in enumerate(b.senders):
+        yield from _check_host(at + ("senders", j), s, ctx)
+        if s == b.receiver:
+            yield at + ("senders", j), f"{s!r} is the burst's receiver too"
+    if b.size_bytes >= 1 << 31:
+        yield at + ("size",), "a flow is one RDMA message: at most 2 GiB - 1"
+
+
+def _pct(values: Sequence[float], p: float) -> float | None:
+    """HPCC's get_pctl: the element at int(len * p) of the sorted values."""
+    if not values:
+        return None
+    return round(float(values[min(len(values) - 1, int(len(values) * p))]), 4)
+
+
+def _us(ns: float | None) -> float | None:
+    return None if ns is None else round(ns / 1e3, 3)
+
+
+KIND = FlowsKind()
