@@ -208,7 +208,7 @@ Results = Mapping[str, dict]                     # agent name -> its final JSON
 
 @dataclass(frozen=True)
 class FlowSpec:
-    """One planned flow, as the flow generators give them (testbed/workloads/flowgen.py):
+    """One planned flow, as the flow generators give them (testbed/workloads/flows_gen.py):
     one message of `size_bytes` from host `src` to host `dst` at fabric time `start_ns`
     after the workload's t0, in class `tclass` (None: its entry's)."""
 

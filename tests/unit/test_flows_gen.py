@@ -1,4 +1,4 @@
-"""The flow generators (testbed/workloads/flowgen.py): the built-in size distributions
+"""The flow generators (testbed/workloads/flows_gen.py): the built-in size distributions
 sample what their CDFs say, generated hosts offer their target load, generation is
 reproducible, and bad CDF files are refused with messages a user can act on."""
 
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from testbed.workloads.base import FlowSpec
-from testbed.workloads.flowgen import (
+from testbed.workloads.flows_gen import (
     BUILTIN_DISTRIBUTIONS,
     LOAD_TOLERANCE,
     Cdf,
