@@ -32,6 +32,7 @@ from testbed.net.state import LabState
 from testbed.plan.model import Plan
 from testbed.report import build_report
 from testbed.results.files import write_json, write_private
+from testbed.results.flows import write_flow_files
 from testbed.results.store import Store
 from testbed.results.tables import DROP_COUNTERS
 from testbed.run.capture import start_captures, stop_captures
@@ -57,7 +58,7 @@ from testbed.run.workload import (
     workload_work_wall_s,
 )
 from testbed.units import format_size
-from testbed.workloads.base import AgentFiles, AgentSpec, RunView, WorkloadKind
+from testbed.workloads.base import AgentFiles, AgentSpec, FlowRecord, RunView, WorkloadKind
 from testbed.workloads.registry import REGISTRY
 
 # Wall time allowed for agents to start before the common start time t0, besides what
@@ -459,11 +460,16 @@ def write_results(run: Run) -> None:
     try:
         view = _run_view(run)
         kinds = run.by_kind()
+        flows: list[FlowRecord] = []
         for kind, specs in kinds.items():
             rows = kind.result_rows(specs, run.results, view)
             for row in rows:
                 run.store.add_result(row.traffic, row.kind, row.fields)
             write_output_files(run.run_dir, kind.output_files(rows, specs, run.results, view))
+            flows += kind.flow_records(specs, run.results, view)
+        if flows:
+            run.store.add_flows(flows)
+            write_flow_files(run.run_dir, flows)
         run.results_written = True
         for kind, specs in kinds.items():
             run.notes.extend(kind.fidelity_notes(specs, run.results, view))

@@ -15,6 +15,7 @@ from pathlib import Path
 from testbed.config.models import Fabric, TrafficClass
 from testbed.plan.model import Plan
 from testbed.plan.paths import (
+    base_round_trip_ns,
     host_address,
     host_addresses,
     line_rate_bps,
@@ -117,13 +118,21 @@ def run_view(plan: Plan, agents_dir: Path, t0_realtime_ns: int,
         except FileNotFoundError:
             return None
 
+    rtts: dict[tuple[str, str], int] = {}
+
+    def base_rtt_ns(src: str, dst: str) -> int:
+        if (src, dst) not in rtts:
+            rtts[src, dst] = base_round_trip_ns(plan, src, dst)
+        return rtts[src, dst]
+
     return RunView(
         dilation=plan.timebase, t0_realtime_ns=t0_realtime_ns,
         address=lambda host: host_address(plan, host),
         addresses=lambda host: host_addresses(plan, host),
         line_rate_bps=lambda host: line_rate_bps(plan, host),
         ready_mtime_ns=ready_mtime_ns, paused_nodes=paused_nodes,
-        lossless_drops=lossless_drops)
+        lossless_drops=lossless_drops, base_rtt_ns=base_rtt_ns,
+        roce_mtu_bytes=plan.roce_mtu_bytes)
 
 
 def by_kind(specs: Iterable[AgentSpec]) -> dict[WorkloadKind, list[AgentSpec]]:
