@@ -54,7 +54,7 @@ def _mark_svgs(ctx: dict) -> dict:
     out = dict(ctx)
     if out.get("fabric"):
         out["fabric"] = {**out["fabric"], "svg": Markup(out["fabric"]["svg"])}
-    for key in ("queues", "ecn", "rates", "dcqcn"):
+    for key in ("queues", "ecn", "rates", "dcqcn", "fct"):
         if out.get(key):
             out[key] = {**out[key], "svgs": [Markup(s) for s in out[key]["svgs"]]}
     verdict = out.get("verdict")
