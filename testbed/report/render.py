@@ -84,3 +84,13 @@ def render_md(ctx: dict) -> str:
     while "\n\n\n" in text:
         text = text.replace("\n\n\n", "\n\n")
     return text.lstrip("\n")
+
+
+def render_template(name: str, ctx: dict, html: bool) -> str:
+    """Another page of templates/ (testbed compare's), HTML (escaped) or Markdown."""
+    if html:
+        return _html_env().get_template(name).render(**ctx, version=testbed.__version__)
+    text = _md_env().get_template(name).render(**ctx, version=testbed.__version__)
+    while "\n\n\n" in text:
+        text = text.replace("\n\n\n", "\n\n")
+    return text.lstrip("\n")

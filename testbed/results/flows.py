@@ -252,6 +252,34 @@ def slowdown_buckets(records: Iterable[FlowRecord], scheme: str = "hpcc") -> lis
     raise ValueError(f"slowdown_buckets: scheme {scheme!r} is not 'hpcc' or 'sizes'")
 
 
+def hpcc_upper_bytes(records: Iterable[FlowRecord]) -> list[int]:
+    """The largest size of each of HPCC's 5 % slices of every flow, finished or not
+    (increasing, each once): bucket edges two runs of the same flows share even when
+    different flows of them finished (testbed compare)."""
+    sizes = sorted(r.size_bytes for r in records)
+    n = len(sizes)
+    out: list[int] = []
+    for i in range(0, 100, HPCC_STEP_PERCENT):
+        part = sizes[i * n // 100:(i + HPCC_STEP_PERCENT) * n // 100]
+        if part and (not out or part[-1] > out[-1]):
+            out.append(part[-1])
+    return out
+
+
+def edge_buckets(records: Iterable[FlowRecord], upper_bytes: Sequence[int]) -> list[Bucket]:
+    """Slowdown percentiles (get_pctl) of the finished flows with sizes in
+    (previous edge, edge], per edge of `upper_bytes` (increasing), labelled with the edge;
+    flows above the last edge are left out, and so are empty buckets."""
+    done = sorted((r.size_bytes, r.slowdown or 1.0) for r in finished(records))
+    out, lo = [], 0
+    for hi in upper_bytes:
+        inside = [s for size, s in done if lo < size <= hi]
+        if inside:
+            out.append(_bucket(_size_label(hi), lo + 1, hi, inside))
+        lo = hi
+    return out
+
+
 def _cdf(values: list[float]) -> list[tuple[float, float]]:
     values.sort()
     n = len(values)

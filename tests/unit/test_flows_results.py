@@ -11,8 +11,10 @@ import pytest
 
 from testbed.results.flows import (
     FLOWS_CSV_HEADER,
+    edge_buckets,
     fct_cdf,
     flow_summary,
+    hpcc_upper_bytes,
     ideal_fct_ns,
     read_flows_csv,
     slowdown_buckets,
@@ -149,3 +151,12 @@ def test_a_database_from_before_the_flows_table_reads_as_no_flows(tmp_path: Path
         assert store.flows() == []
         store.add_flows([flow(0, 1, 10)])          # reopened: the table is made first
         assert len(store.flows()) == 1
+
+
+def test_hpcc_edges_slice_every_flow_so_runs_of_the_same_flows_share_buckets() -> None:
+    records = [flow(k, 100 * k, 1000 * k if k <= 30 else None) for k in range(1, 41)]
+    edges = hpcc_upper_bytes(records)
+    assert edges == [200 * k for k in range(1, 21)]            # 2 flows a slice, finished or not
+    buckets = edge_buckets(records, edges)
+    assert len(buckets) == 15                                  # flows 31..40 never finished
+    assert (buckets[0].size_min_bytes, buckets[0].size_max_bytes, buckets[0].p50) == (1, 200, 2.0)
