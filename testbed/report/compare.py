@@ -121,9 +121,14 @@ class Comparison:
                     fmt_slowdown(found.p50), fmt_slowdown(found.p95), fmt_slowdown(found.p99)]
             rows.append(row)
         columns = ["sizes" if self.scheme == "sizes" else "size up to"]
-        for r in self.runs:
-            columns += [f"{r.label} p50", f"{r.label} p95", f"{r.label} p99"]
+        for i in range(len(self.runs)):      # runs by letter: labels are long
+            columns += [f"{run_key(i)} p50", f"{run_key(i)} p95", f"{run_key(i)} p99"]
         return Table(columns, rows, [False] + [True] * (len(columns) - 1))
+
+
+def run_key(i: int) -> str:
+    """A, B, ..., Z, then R27, R28, ...: a run's short name in the bucket table."""
+    return chr(ord("A") + i) if i < 26 else f"R{i + 1}"
 
 
 def _flows_cc(run_dir: Path) -> str:
@@ -245,8 +250,8 @@ def context(comparison: Comparison) -> dict:
                                   "fraction of finished flows", log_x=True, steps=True,
                                   x_divisor=1e3))
     scheme_text = SCHEME_TEXT[comparison.scheme]
-    return {"runs": [{"label": r.label, "dir": str(r.run_dir), "cc": r.cc or "unknown"}
-                     for r in runs],
+    return {"runs": [{"key": run_key(i), "label": r.label, "dir": str(r.run_dir),
+                      "cc": r.cc or "unknown"} for i, r in enumerate(runs)],
             "side_by_side": comparison.table(), "buckets": comparison.bucket_table(),
             "scheme_text": scheme_text, "svgs": svgs}
 
