@@ -13,7 +13,7 @@ import importlib
 import sys
 
 VERBS = ["validate", "phy", "plan", "probe", "up", "down", "status", "smoke", "run", "report",
-         "calibrate", "incident"]
+         "calibrate", "incident", "compare"]
 
 
 def build_parser() -> argparse.ArgumentParser:

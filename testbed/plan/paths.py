@@ -130,3 +130,55 @@ def longest_round_trip_ns(plan: Plan, tc: int) -> Fraction:
                 found = _longest_to(plan, routes, dst, address, src, tc, memo, port_ns)
                 worst = max(worst, found or Fraction(0))
     return worst
+
+
+# What one RoCEv2 packet costs on the wire beyond its payload: BTH 12 + ICRC 4, plus
+# UDP 8 + IPv4 20 + Ethernet 14 + FCS 4 + preamble/SFD 8 + IFG 12 (the agents'
+# WIRE_OVERHEAD_BYTES, agents/runtime/framing.py). An ACK adds its AETH 4 to no payload.
+ROCE_PACKET_OVERHEAD_BYTES = 12 + 4 + 8 + 20 + 14 + 4 + 8 + 12
+ROCE_ACK_WIRE_BYTES = ROCE_PACKET_OVERHEAD_BYTES + 4
+
+
+def routed_path(plan: Plan, src: str, dst: str, routes: Routes | None = None
+                ) -> list[InterfacePlan]:
+    """The egress interfaces a packet from host `src` to host `dst` leaves through, in
+    order: at each node the first of its equal-cost next hops (the routes are shortest
+    paths, so this is one of the shortest). ValueError if the routes do not get there."""
+    routes = routes or Routes(plan)
+    address = host_address(plan, dst)
+    path: list[InterfacePlan] = []
+    node, seen = src, {src}
+    while node != dst:
+        hops = routes.egress_toward(node, address)
+        if not hops:
+            raise ValueError(f"no route from {node} toward {dst} ({address})")
+        iface = hops[0]
+        path.append(iface)
+        node = iface.peer.node
+        if node in seen:
+            raise ValueError(f"routing loop from {src} to {dst} at {node}")
+        seen.add(node)
+    return path
+
+
+def base_round_trip_ns(plan: Plan, src: str, dst: str, *,
+                       payload_bytes: int | None = None) -> int:
+    """Host `src` to host `dst` and back through empty queues, fabric ns: along the
+    routed path there (routed_path) each egress port's link delay plus the serialisation
+    of one full data packet (`payload_bytes`, default the plan's RoCE MTU, plus
+    ROCE_PACKET_OVERHEAD_BYTES) at that port's rate, and along the routed path back each
+    port's link delay plus one ACK's (ROCE_ACK_WIRE_BYTES). On a symmetric path that is
+    per hop 2 x delay + data + ACK serialisation. HPCC's third.cc (pairRtt) takes
+    2 x delay plus each hop's serialisation of one payload (packet_payload_size, no
+    headers) and none for the ACK, so ours is a little longer: by the headers and the
+    ACK's time on every hop. Rounded to the nearest ns."""
+    routes = Routes(plan)
+    data_bytes = (plan.roce_mtu_bytes if payload_bytes is None else payload_bytes) \
+        + ROCE_PACKET_OVERHEAD_BYTES
+    total = Fraction(0)
+    for path, wire_bytes in ((routed_path(plan, src, dst, routes), data_bytes),
+                             (routed_path(plan, dst, src, routes), ROCE_ACK_WIRE_BYTES)):
+        for iface in path:
+            total += plan.links[iface.link].delay_ns + Fraction(
+                wire_bytes * 8 * 10**9, iface.egress.rate_bps)
+    return round(total)

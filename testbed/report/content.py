@@ -1204,6 +1204,8 @@ def fidelity(run: RunData) -> dict:
 
 
 def build_context(run: RunData) -> dict:
+    from testbed.report.fct import fct_section  # it builds on this module's tables
+
     idx = PlanIndex(run.plan)
     faults = fault_events(run)
     marks = fault_marks(faults)
@@ -1213,6 +1215,7 @@ def build_context(run: RunData) -> dict:
         "verdict": verdict(run, marks),
         "faults": fault_timeline(run, faults),
         "fabric": fabric(run),
+        "fct": fct_section(run),
         "queues": queues(run, idx, marks),
         "ecn": ecn(run, idx, marks),
         "pfc": pfc(run, idx, marks),

@@ -521,3 +521,43 @@ def fabric_plot(plan: Plan, prefix: str = "fabric") -> str:
         ax.set_title(f"fabric {plan.lab}: {_count(n_hosts, 'host')}, {_count(n_sw, 'switch')}, "
                      f"{_count(len(plan.links), 'link')}", loc="left")
         return _svg(fig, prefix, f"fabric drawing of lab {plan.lab}")
+
+
+@dataclass(frozen=True)
+class XYLine:
+    """One line of xy_plot: points (x, y), its colour (SERIES_COLORS index), its dash."""
+
+    label: str
+    points: Sequence[tuple[float, float]]
+    color: int = 0
+    linestyle: str = "-"
+    marker: str | None = None
+
+
+def xy_plot(lines: Sequence[XYLine], prefix: str, title: str, xlabel: str, ylabel: str, *,
+            log_x: bool = False, log_y: bool = False, steps: bool = False,
+            x_divisor: float = 1.0) -> str:
+    """One axes of lines over anything but time (FCT CDFs, slowdown by flow size); `steps`
+    draws a CDF as the step function it is (each value holds up to the next)."""
+    with matplotlib.rc_context(_RC):
+        fig = Figure(figsize=(10.5, 3.8))
+        ax = fig.add_subplot()
+        for line in lines:
+            xs = [x / x_divisor for x, _ in line.points]
+            ys = [y for _, y in line.points]
+            color = SERIES_COLORS[line.color % len(SERIES_COLORS)]
+            if steps:
+                ax.step(xs, ys, where="post", label=plain(line.label), color=color,
+                        linestyle=line.linestyle)
+            else:
+                ax.plot(xs, ys, label=plain(line.label), color=color, linestyle=line.linestyle,
+                        marker=line.marker, markersize=4)
+        if log_x:
+            ax.set_xscale("log")
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_title(plain(title), loc="left")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        return _svg(fig, prefix, title)

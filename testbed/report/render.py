@@ -54,7 +54,7 @@ def _mark_svgs(ctx: dict) -> dict:
     out = dict(ctx)
     if out.get("fabric"):
         out["fabric"] = {**out["fabric"], "svg": Markup(out["fabric"]["svg"])}
-    for key in ("queues", "ecn", "rates", "dcqcn"):
+    for key in ("queues", "ecn", "rates", "dcqcn", "fct"):
         if out.get(key):
             out[key] = {**out[key], "svgs": [Markup(s) for s in out[key]["svgs"]]}
     verdict = out.get("verdict")
@@ -81,6 +81,16 @@ def render_html(ctx: dict) -> str:
 
 def render_md(ctx: dict) -> str:
     text = _md_env().get_template("report.md.j2").render(**ctx, version=testbed.__version__)
+    while "\n\n\n" in text:
+        text = text.replace("\n\n\n", "\n\n")
+    return text.lstrip("\n")
+
+
+def render_template(name: str, ctx: dict, html: bool) -> str:
+    """Another page of templates/ (testbed compare's), HTML (escaped) or Markdown."""
+    if html:
+        return _html_env().get_template(name).render(**ctx, version=testbed.__version__)
+    text = _md_env().get_template(name).render(**ctx, version=testbed.__version__)
     while "\n\n\n" in text:
         text = text.replace("\n\n\n", "\n\n")
     return text.lstrip("\n")

@@ -28,6 +28,11 @@ next row of its series.
 - events(ts_fabric_ns, ts_wall_ns, node, port, tclass, kind, detail): phase
   marks, pauses, faults, fidelity problems; `detail` is JSON.
 - results(workload, kind, row): one JSON row per workload result.
+- flows(workload, flow_id, src, dst, src_ip, dst_ip, sport, dport, size_bytes, start_ns,
+  fct_ns, ideal_fct_ns, slowdown, tc, extra): one row per sized flow (kind: flows),
+  testbed/workloads/base.FlowRecord; fct_ns and slowdown NULL for a flow that did not
+  finish, `extra` JSON (with time_offset_ns when it is not 0). Databases written before
+  the table existed read as no flows; the table needs no new format version.
 
 Format 1 had one `samples` table row per counter per sample (and an index
 on it); it is read as the same step functions.
@@ -44,11 +49,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from testbed.workloads.base import FlowRecord
+
 STORE_FORMAT_VERSION = 2
 
 Key = tuple[str, str, int]                 # (node, port, tclass): a group
 Points = list[tuple[int, float]]           # [(ts_fabric_ns, value), ...]
 
+_FLOWS = """
+CREATE TABLE IF NOT EXISTS flows (
+    workload TEXT NOT NULL, flow_id INTEGER NOT NULL, src TEXT NOT NULL, dst TEXT NOT NULL,
+    src_ip TEXT NOT NULL, dst_ip TEXT NOT NULL, sport INTEGER NOT NULL, dport INTEGER NOT NULL,
+    size_bytes INTEGER NOT NULL, start_ns INTEGER NOT NULL, fct_ns INTEGER NULL,
+    ideal_fct_ns INTEGER NOT NULL, slowdown REAL NULL, tc INTEGER NOT NULL, extra TEXT NOT NULL);
+"""
 _COMMON = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
@@ -56,7 +70,7 @@ CREATE TABLE IF NOT EXISTS events (
     node TEXT NOT NULL, port TEXT NOT NULL, tclass INTEGER NOT NULL,
     kind TEXT NOT NULL, detail TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS results (workload TEXT NOT NULL, kind TEXT NOT NULL, row TEXT NOT NULL);
-"""
+""" + _FLOWS
 # As the collector writes it: in time order, no index. Kept in series order while
 # writing (an index, or this table clustered), each commit touches a page per series:
 # 6-7x the CPU and ~80x the bytes written per sample in a 7:1 incast (bench/store.py).
@@ -344,7 +358,58 @@ class Store:
             self.db.execute("INSERT INTO results VALUES (?, ?, ?)",
                             (workload, kind, json.dumps(row, sort_keys=True)))
 
+    def add_flows(self, records: Iterable[FlowRecord]) -> int:
+        """Sized flows' records, in one transaction (streamed from the iterable); returns
+        how many. A database opened from before the table existed gets it first."""
+        count = 0
+
+        def rows():
+            nonlocal count
+            for r in records:
+                count += 1
+                extra = dict(r.extra)
+                if r.time_offset_ns:
+                    extra["time_offset_ns"] = r.time_offset_ns
+                yield (r.workload, r.flow_id, r.src, r.dst, r.src_ip, r.dst_ip, r.sport,
+                       r.dport, r.size_bytes, r.start_ns, r.fct_ns, r.ideal_fct_ns,
+                       r.slowdown, r.tc, json.dumps(extra, sort_keys=True))
+
+        with self.lock:
+            if not self._has_table("flows"):
+                self.db.executescript(_FLOWS)
+        with self.lock, self.db:
+            self.db.executemany("INSERT INTO flows VALUES "
+                                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows())
+        return count
+
     # reading
+    def _has_table(self, name: str) -> bool:
+        with self.lock:
+            return self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
+                                   "name = ?", (name,)).fetchone() is not None
+
+    def flows(self, workload: str | None = None) -> list[FlowRecord]:
+        """The sized flows' records (of one traffic entry, if given), by flow_id; [] for
+        a database without the table."""
+        if not self._has_table("flows"):
+            return []
+        query = ("SELECT workload, flow_id, src, dst, src_ip, dst_ip, sport, dport, "
+                 "size_bytes, start_ns, fct_ns, ideal_fct_ns, tc, extra FROM flows")
+        args: list[str] = []
+        if workload is not None:
+            query += " WHERE workload = ?"
+            args.append(workload)
+        with self.lock:
+            rows = self.db.execute(query + " ORDER BY flow_id, rowid", args).fetchall()
+        out = []
+        for (name, flow_id, src, dst, src_ip, dst_ip, sport, dport, size, start, fct, ideal,
+             tc, extra_text) in rows:
+            extra = json.loads(extra_text)
+            offset = int(extra.pop("time_offset_ns", 0) or 0)
+            out.append(FlowRecord(name, flow_id, src, dst, src_ip, dst_ip, sport, dport, size,
+                                  start, fct, ideal, tc, time_offset_ns=offset, extra=extra))
+        return out
+
     def meta(self) -> dict[str, str]:
         with self.lock:
             return dict(self.db.execute("SELECT key, value FROM meta"))

@@ -233,7 +233,8 @@ def test_points_are_clustered_by_series_once_closed_with_no_other_index(tmp_path
         views = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'view'")]
     assert "WITHOUT ROWID" in schema["points"] and "PRIMARY KEY (series_id, ts_fabric_ns)" \
         in schema["points"]
-    assert set(schema) == {"meta", "events", "results", "series", "sample_times", "points"}
+    assert set(schema) == {"meta", "events", "results", "flows", "series", "sample_times",
+                           "points"}
     assert indexes == [] and views == ["samples"]
 
 
