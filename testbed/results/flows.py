@@ -15,55 +15,26 @@ from __future__ import annotations
 
 import csv
 import ipaddress
-import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.workloads.base import FlowRecord
+
+# the kind's formula, here too for the readers of results (one definition, the kind's)
+from testbed.workloads.flows import ideal_fct_ns, message_wire_bytes  # noqa: F401
 
 FLOWS_CSV = "flows.csv"
 FCT_TXT = "fct.txt"
 FLOWS_CSV_HEADER = ("src", "dst", "sport", "dport", "size_bytes", "start_ns", "fct_ns",
                     "ideal_fct_ns", "slowdown")
 
-#: RoCEv2 bytes per packet beyond the payload: BTH 12 + ICRC 4, plus UDP, IPv4, Ethernet,
-#: FCS, preamble/SFD and IFG (WIRE_OVERHEAD_BYTES, 66): 82.
-PACKET_OVERHEAD_BYTES = 12 + 4 + WIRE_OVERHEAD_BYTES
-#: The RETH the first packet of an RDMA WRITE carries (once per message).
-RETH_BYTES = 16
-
 #: HPCC's fct_analysis.py default step: 20 buckets of 5 % of the flows each.
 HPCC_STEP_PERCENT = 5
 #: scheme="sizes": upper edges (exclusive) of the size ranges, bytes; the last is open.
 SIZE_EDGES_BYTES = (10_000, 100_000, 1_000_000, 10_000_000)
 PERCENTILES = (0.5, 0.95, 0.99)
-
-
-def wire_bytes(size_bytes: int, mtu_bytes: int) -> int:
-    """What a message of `size_bytes` costs on the wire as one RDMA WRITE of
-    ceil(size / mtu) packets: payload, every packet's headers and framing, one RETH."""
-    packets = max(1, math.ceil(size_bytes / mtu_bytes))
-    return size_bytes + packets * PACKET_OVERHEAD_BYTES + RETH_BYTES
-
-
-def ideal_fct_ns(size_bytes: int, mtu_bytes: int, line_rate_bps: int, base_rtt_ns: int) -> int:
-    """The flow's completion time alone in an idle fabric, fabric ns: the base round
-    trip (testbed/plan/paths.base_round_trip_ns) plus its wire bytes (wire_bytes) at the
-    sender's line rate, rounded up to a whole ns.
-
-    HPCC's third.cc (qp_finish) does the same: base_rtt (pairRtt) + total_bytes x 8 / the
-    path's bottleneck rate, total_bytes = size + packets x its header size (ppp + IPv4 +
-    UDP + its sequence header, the INT header left out); it counts no Ethernet framing,
-    preamble or inter-frame gap and no RETH, and rounds down. The ImmDt (4 B) of our
-    WRITE with immediate and the last packet's pad (< 4 B) are left out here too."""
-    if size_bytes < 1 or mtu_bytes < 1 or line_rate_bps < 1:
-        raise ValueError(f"ideal_fct_ns: size {size_bytes}, mtu {mtu_bytes} and rate "
-                         f"{line_rate_bps} must be positive")
-    bits_ns = wire_bytes(size_bytes, mtu_bytes) * 8 * 10**9
-    return base_rtt_ns + -(-bits_ns // line_rate_bps)
 
 
 # --- files --------------------------------------------------------------------------------

@@ -196,19 +196,28 @@ def planned_flows(t: FlowsTraffic, hosts: Sequence[str],
 
 
 def message_wire_bytes(size_bytes: int, mtu_bytes: int) -> int:
-    """Bytes a message of `size_bytes` puts on the wire as RoCEv2 WRITE packets: the
-    payload, per packet BTH + ICRC and the UDP/IPv4/Ethernet framing (66 B with FCS,
-    preamble and inter-frame gap), and the RETH once."""
+    """What a message of `size_bytes` costs on the wire as one RDMA WRITE of
+    ceil(size / mtu) packets: the payload, per packet BTH + ICRC and the UDP/IPv4/Ethernet
+    framing (66 B with FCS, preamble and inter-frame gap), and the RETH once."""
     packets = max(1, -(-size_bytes // mtu_bytes))
-    return size_bytes + RETH_BYTES + packets * (BTH_ICRC_BYTES + WIRE_OVERHEAD_BYTES)
+    return size_bytes + packets * (BTH_ICRC_BYTES + WIRE_OVERHEAD_BYTES) + RETH_BYTES
 
 
 def ideal_fct_ns(size_bytes: int, mtu_bytes: int, line_rate_bps: int, base_rtt_ns: int) -> int:
-    """A flow's standalone FCT: the base RTT of its path plus its message's wire bytes
-    at the sender's line rate (HPCC's third.cc: base RTT + bytes with headers at the
-    pair's bandwidth)."""
-    return base_rtt_ns + math.ceil(message_wire_bytes(size_bytes, mtu_bytes) * 8 * 10**9
-                                   / line_rate_bps)
+    """A flow's completion time alone on an idle fabric, fabric ns: the base round trip
+    of its path (testbed/plan/paths.base_round_trip_ns) plus its wire bytes
+    (message_wire_bytes) at the sender's line rate, rounded up to a whole ns.
+
+    HPCC's third.cc (qp_finish) does the same: base_rtt (pairRtt) + total_bytes x 8 / the
+    path's bottleneck rate, total_bytes = size + packets x its header size (ppp + IPv4 +
+    UDP + its sequence header, the INT header left out); it counts no Ethernet framing,
+    preamble or inter-frame gap and no RETH, and rounds down. The ImmDt (4 B) of our
+    WRITE with immediate and the last packet's pad (< 4 B) are left out here too."""
+    if size_bytes < 1 or mtu_bytes < 1 or line_rate_bps < 1:
+        raise ValueError(f"ideal_fct_ns: size {size_bytes}, mtu {mtu_bytes} and rate "
+                         f"{line_rate_bps} must be positive")
+    bits_ns = message_wire_bytes(size_bytes, mtu_bytes) * 8 * 10**9
+    return base_rtt_ns + -(-bits_ns // line_rate_bps)
 
 
 def _schedule_rows(doc: dict) -> list[list]:

@@ -101,7 +101,7 @@ def test_generated_web_search_flows_write_every_result_form(tmp_path) -> None:
       generate: {distribution: web_search, load: 0.3, duration: 1ms, seed: 3}""", hosts=4)
     run_dir = result.run_dir
     header = (run_dir / "results" / "flows.csv").read_text().splitlines()[0]
-    assert header == FLOWS_CSV_HEADER
+    assert header == ",".join(FLOWS_CSV_HEADER)
     rows = _rows(run_dir)
     assert len(rows) >= 20
     finished = [r for r in rows if r["fct_ns"]]
