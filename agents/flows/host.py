@@ -38,6 +38,7 @@ MAX_FLOW_ID = 0xFFFFFE - 1        # QPN = flow id + 1 must fit 24 bits (and not 
 # A finished flow's responder stays attached this many QP timeouts, so a retransmission
 # that crossed the last ACK is answered as a duplicate instead of counted unknown.
 LINGER_TIMEOUTS = 4
+RX_BUFFER_BYTES = 32 << 20        # SO_RCVBUF of the receive socket (the kernel doubles it)
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,12 @@ class FlowHost:
         self.expect = dict(inc)
         self.in_total = len(inc)
         self.engine = Engine(self.clock, self.dilation, spin_ns=args.spin_ns)
+        # One socket takes every flow into this host. Its buffer is large: a receiving
+        # agent short of CPU must delay ACKs, not drop datagrams a real NIC would have
+        # taken (what it still drops, SO_RXQ_OVFL counts).
         self.rx = Endpoint(self.local_ip, args.port, dscp=args.dscp, cnp_dscp=args.cnp_dscp,
-                           should_stop=life.should_stop)
+                           should_stop=life.should_stop, rcvbuf_bytes=RX_BUFFER_BYTES,
+                           count_overflow=True)
         self.rx.on_unknown_qp = self._first_packet
         self.engine.add(self.rx)
         self.sink = MemoryRegion.sink(1 << 31, 0, SINK_RKEY)
@@ -223,16 +228,18 @@ class FlowHost:
                         sndbuf_bytes=self.args.sndbuf_bytes or None)
 
     def _start(self, flow: OutFlow) -> None:
-        now = self.clock.now_ns()
         ep = self._endpoint_for(flow)
         qpn = flow.flow_id + 1
         ctx = icrc_context(self.local_ip, flow.dst_ip, ep.port, flow.dport)
-        qp = RcQp(qpn, qpn, ctx, self.attrs, make_rate_controller(self.args, self.cc, now),
+        qp = RcQp(qpn, qpn, ctx, self.attrs,
+                  make_rate_controller(self.args, self.cc, self.clock.now_ns()),
                   clock=self.clock)
         b = ep.attach(qp, (flow.dst_ip, flow.dport))
+        self.engine.add(ep)
+        # the post is the flow's start as the fabric sees it: its QP and socket exist
+        now = self.clock.now_ns()
         qp.requester.post_write_imm(flow.flow_id, self.source_view[:flow.size_bytes], 0,
                                     SINK_RKEY, flow.flow_id & 0xFFFFFFFF)
-        self.engine.add(ep)
         self.sending[flow.flow_id] = _Sending(flow, ep, b, now - self.t0_ns)
         self.totals.started += 1
 
@@ -389,6 +396,7 @@ class FlowHost:
                 "flows_failed": t.failed, "bytes_completed": t.bytes_completed,
                 "rx_flows_started": t.rx_started, "rx_flows_completed": t.rx_completed,
                 "rx_flows_never_seen": len(self.expect),
+                "rx_socket_drops": self.rx.overflow_drops,
                 "unexpected_packets": t.unexpected_packets, "sport_retries": t.sport_retries,
                 "duplicates": t.duplicates, "ooo_drops": t.ooo_drops,
                 **self._live_sums(),

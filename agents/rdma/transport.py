@@ -99,7 +99,10 @@ SEND_BATCH = 16            # packets per QP per step, at most
 SPIN_NS = 150_000          # wall: closer than this to the next event, spin instead of select
 MAX_SLEEP_NS = 20_000_000  # wall: longest single select, so stop requests stay prompt
 MAX_RX_CONTEXTS = 4096
-_ANC = socket.CMSG_SPACE(4) * 2
+_ANC = socket.CMSG_SPACE(4) * 3
+_SOL_SOCKET = socket.SOL_SOCKET
+SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
+_U32 = struct.Struct("=I")
 _IPPROTO_IP = socket.IPPROTO_IP
 _IP_TOS = socket.IP_TOS
 _INT = struct.Struct("@i")
@@ -167,7 +170,8 @@ class Endpoint:
     def __init__(self, local_ip: str, port: int = ROCE_UDP_PORT, *, dscp: int = DEFAULT_DSCP,
                  cnp_dscp: int = CNP_DSCP, ecn: bool = True, rcvbuf_bytes: int | None = 4 << 20,
                  sndbuf_bytes: int | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> None:
+                 should_stop: Callable[[], bool] | None = None,
+                 count_overflow: bool = False) -> None:
         self.local_ip = local_ip
         self.data_tos = tos_byte(dscp, ECT0 if ecn else 0)
         self.cnp_tos = tos_byte(cnp_dscp, 0)
@@ -181,6 +185,8 @@ class Endpoint:
             set_send_timeout(sock, SEND_TIMEOUT_NS)
             set_recv_buffer(sock, rcvbuf_bytes)
             set_send_buffer(sock, sndbuf_bytes)
+            if count_overflow:     # the datagrams this socket dropped, full (SO_RXQ_OVFL)
+                sock.setsockopt(_SOL_SOCKET, SO_RXQ_OVFL, 1)
             sock.bind((local_ip, port))
         except BaseException:
             sock.close()
@@ -196,6 +202,7 @@ class Endpoint:
         self.wrong_peer = 0
         self.rx_errors = 0
         self.datagrams_received = 0
+        self.overflow_drops = 0      # count_overflow: dropped here before they were read
         self.send_errors = SendErrors()
         # Called with a packet for a QPN no QP here has, and its source address: a QP it
         # attaches (a receiver that makes a flow's responder when the flow's first packet
@@ -278,6 +285,8 @@ class Endpoint:
             for level, ctype, data in anc:
                 if ctype == _IP_TOS and level == _IPPROTO_IP and data:
                     ce = (data[0] & 3) == CE
+                elif ctype == SO_RXQ_OVFL and level == _SOL_SOCKET and len(data) >= 4:
+                    self.overflow_drops = _U32.unpack_from(data)[0]
             ctx = ctxs.get(addr)
             if ctx is None:
                 ctx = icrc_context(addr[0], self.local_ip, addr[1], self.port)
@@ -307,6 +316,7 @@ class Endpoint:
                 "unknown_qp": self.unknown_qp, "wrong_peer": self.wrong_peer,
                 # an ICMP error reported on a send is the socket's receive side at work
                 "rx_errors": self.rx_errors + self.send_errors.icmp_errors,
+                "overflow_drops": self.overflow_drops,
                 "send_eagain": self.send_errors.eagain,
                 "send_enobufs": self.send_errors.enobufs}
 

@@ -86,10 +86,13 @@ def _ip_hex(address: str) -> str:
 
 def fct_txt_line(r: FlowRecord) -> str:
     """One finished flow as HPCC's qp_finish prints it: sip dip sport dport size start fct
-    standalone_fct, addresses as 8 hex digits, times in ns."""
+    standalone_fct, addresses as 8 hex digits, times in ns. The dport column is the
+    entry's `fct_dport` where it sets one (extra["fct_dport"]): HPCC's analysis selects
+    flows by it (100 normal, 200 incast), where our flows have ports of their own."""
     if r.fct_ns is None:
         raise ValueError(f"flow {r.flow_id} did not finish: fct.txt holds finished flows only")
-    return (f"{_ip_hex(r.src_ip)} {_ip_hex(r.dst_ip)} {r.sport} {r.dport} {r.size_bytes} "
+    dport = r.extra.get("fct_dport") or r.dport
+    return (f"{_ip_hex(r.src_ip)} {_ip_hex(r.dst_ip)} {r.sport} {dport} {r.size_bytes} "
             f"{r.start_ns + r.time_offset_ns} {r.fct_ns} {r.ideal_fct_ns}\n")
 
 

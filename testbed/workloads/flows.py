@@ -111,7 +111,8 @@ class IncastBursts(Strict):
     senders: list[str] = Field(description="sending hosts")
     receiver: str = Field(description="the receiving host")
     size_bytes: SizeBytes = Field(alias="size", description="each sender's flow, bytes")
-    period_ns: DurationNs = Field(alias="period", description="fabric time between bursts")
+    period_ns: DurationNs | None = Field(None, alias="period", description="fabric time "
+                                         "between bursts (needed with more than one)")
     bursts: int = Field(1, ge=1, le=1_000_000, description="how many bursts")
     start_ns: DurationNs = Field(0, alias="start", description="the first burst, fabric time "
                                  "after t0")
@@ -138,6 +139,10 @@ class FlowsTraffic(TrafficEntry):
     time_offset_ns: DurationNs = Field(
         0, alias="time_offset", description="added to every start in fct.txt, so a flow file "
         "imported from HPCC keeps its absolute times there")
+    fct_dport: int | None = Field(
+        None, ge=0, le=65535, description="the destination port fct.txt shows for these "
+        "flows in place of their real one: HPCC's analysis/fct_analysis.py picks flows by it "
+        "(100 normal, 200 incast)")
     window_packets: Annotated[int, Field(ge=1, le=MAX_ROCE_WINDOW_PACKETS)] | Literal[
         "auto"] = Field("auto", alias="window", description="most unacknowledged packets per "
                         "QP, or auto (as roce entries: docs/roce.md, 'In-flight window')")
@@ -190,7 +195,7 @@ def planned_flows(t: FlowsTraffic, hosts: Sequence[str],
         out += poisson_flows(t.hosts or list(hosts), line_rate_bps, load_cdf(g.distribution),
                              g.load, g.duration_ns, g.start_ns, g.seed)
     for b in t.incast:
-        out += incast_flows(b.senders, b.receiver, b.size_bytes, b.period_ns, b.bursts,
+        out += incast_flows(b.senders, b.receiver, b.size_bytes, b.period_ns or 0, b.bursts,
                             b.start_ns)
     return sorted(out, key=lambda f: f.start_ns)     # stable: config order within a time
 
@@ -322,7 +327,7 @@ class FlowsKind(WorkloadKind):
             window = (roce_window_packets(line_bps, rtt_ns, mtu) if rtt_ns is not None
                       else int(t.window_packets))
             doc = {"out": out.get(h, []), "in": inc.get(h, []),
-                   "time_offset_ns": t.time_offset_ns}
+                   "time_offset_ns": t.time_offset_ns, "fct_dport": t.fct_dport}
             specs.append(AgentSpec(
                 name=f"{t.name}-{h}", node=h, role="sender", traffic=t.name, kind=t.kind,
                 module=self.agent_module, src=h, dst="",
@@ -341,7 +346,7 @@ class FlowsKind(WorkloadKind):
         assert isinstance(entry, FlowsTraffic)
         if ctx is None:
             starts = [f.start_ns for f in entry.flows] + [
-                b.start_ns + (b.bursts - 1) * b.period_ns for b in entry.incast]
+                b.start_ns + (b.bursts - 1) * (b.period_ns or 0) for b in entry.incast]
             if entry.generate is not None:
                 starts.append(entry.generate.start_ns + entry.generate.duration_ns)
             return max(starts, default=0)
@@ -413,7 +418,9 @@ class FlowsKind(WorkloadKind):
                            "cnps_received": s.get("cnps_received"),
                            "ce_received": r.get("ce_packets"),
                            "rx_done_ns": r.get("done_ns"),
-                           "error": s.get("error")}))
+                           "error": s.get("error"),
+                           **({"fct_dport": doc["fct_dport"]} if doc.get("fct_dport")
+                              is not None else {})}))
         records.sort(key=lambda r: r.flow_id)
         return records
 
@@ -473,14 +480,24 @@ class FlowsKind(WorkloadKind):
                 if s and s.get("sport"):
                     p["sports"].add(int(s["sport"]))
         have = {s.node for s in specs if results.get(s.name)}
+        # what each receiving agent's socket dropped (SO_RXQ_OVFL), shared out over the
+        # streams into it that miss packets: one socket takes every flow into a host
+        budget = {(s.traffic, s.node): int((results.get(s.name) or {}).get(
+            "rx_socket_drops") or 0) for s in specs}
         out = []
         for (traffic, src, dst), p in pairs.items():
             drops = flow_drops_of(flow_drops, view.addresses(src), view.address(dst),
                                   p["dport"], p["sports"] or None)
-            reordered = 0 if any(drops.values()) else p["ooo"]
-            out.append(account(f"{traffic}-{src}-{dst}", "flows", src, dst, sent=p["sent"],
-                               received=p["received"], drops=drops, reordered=reordered,
-                               complete=src in have and dst in have))
+            a = account(f"{traffic}-{src}-{dst}", "flows", src, dst, sent=p["sent"],
+                        received=p["received"], drops=drops, reordered=0,
+                        complete=src in have and dst in have)
+            short = max(0, p["sent"] - p["received"] - a["fabric_drops"])
+            a["socket_drops"] = min(budget.get((traffic, dst), 0), short)
+            budget[traffic, dst] = budget.get((traffic, dst), 0) - a["socket_drops"]
+            # out-of-order arrivals follow every loss until go-back-N resends
+            a["lost_counted"] = a["lost_counted"] or a["socket_drops"] > 0
+            a["reordered"] = 0 if a["lost_counted"] else p["ooo"]
+            out.append(a)
         return out
 
     def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
@@ -500,6 +517,11 @@ class FlowsKind(WorkloadKind):
                              f"{(ready - view.t0_realtime_ns) / 1e6:.0f} ms (wall) after the "
                              "common start: flows to it before then were resent after an "
                              "ACK timeout")
+            if res.get("rx_socket_drops"):
+                notes.append(f"{who}: its receive socket dropped {res['rx_socket_drops']} "
+                             "datagrams (the agent fell behind, not the fabric: a NIC would "
+                             "have taken them); go-back-N resent them, so the FCTs of flows "
+                             f"into {spec.node} include those resends")
             cols = res.get("sent") or {}
             errors = [e for e in cols.get("error") or [] if e not in (None, "unfinished")]
             if errors:
@@ -560,6 +582,9 @@ def _check_incast(at: tuple, b: IncastBursts, ctx: CheckContext) -> Iterator[Pro
             yield at + ("senders", j), f"{s!r} is the burst's receiver too"
     if b.size_bytes >= 1 << 31:
         yield at + ("size",), "a flow is one RDMA message: at most 2 GiB - 1"
+    if b.bursts > 1 and not b.period_ns:
+        yield at + ("period",), (f"{b.bursts} bursts need a period: the fabric time from "
+                                 "one burst to the next")
 
 
 def _pct(values: Sequence[float], p: float) -> float | None:
