@@ -161,7 +161,8 @@ class Translation:
                 header.append("#")
                 continue
             indent = len(note) - len(note.lstrip(" "))
-            for i, line in enumerate(textwrap.wrap(note.strip(), 96 - indent)):
+            for i, line in enumerate(textwrap.wrap(note.strip(), 96 - indent,
+                                                   break_on_hyphens=False)):
                 pad = " " * (indent + (2 if i and note.lstrip().startswith("-") else 0))
                 header.append(f"# {pad}{line}".rstrip())
         body = yaml.safe_dump(self.config, sort_keys=False, default_flow_style=None,
@@ -460,8 +461,8 @@ def _ecn_classes(conf: _Config, rates: list[int], nic_rate_bps: int,
         name = _class_name(rate)
         qos[name] = {"ecn": ecn, "pfc": {"mode": "dynamic", "alpha": 1 / (1 << shift)}}
         mapped.append(f"KMIN_MAP/KMAX_MAP/PMAX_MAP at {fmt_rate(rate)} -> qos.{name}.ecn "
-                      f"({shape}); PFC alpha 1/{1 << shift} (third.cc's pfc_a_shift {shift} at this rate "
-                      f"with a {fmt_rate(nic_rate_bps)} NIC) -> qos.{name}.pfc.alpha")
+                      f"({shape}); PFC alpha 1/{1 << shift} (third.cc's pfc_a_shift {shift} at "
+                      f"this rate with a {fmt_rate(nic_rate_bps)} NIC) -> qos.{name}.pfc.alpha")
     for key, entries in maps.items():
         extra = sorted(r for r in entries if r not in rates)
         if extra:
