@@ -220,14 +220,14 @@ def ns3_rate_bps(text: str, where: str) -> int:
     if not m:
         raise HpccImportError(f"{where}: {text!r} is not an ns-3 data rate (e.g. 100Gbps)")
     unit = m.group(2)
-    factor = 1
+    bits_per_unit = 1
     if "B" in unit:                   # ns-3: upper-case B is bytes
-        factor, unit = 8, unit.replace("B", "b")
+        bits_per_unit, unit = 8, unit.replace("B", "b")
     mult = _RATE_BITS.get(unit.lower())
     if mult is None:
         raise HpccImportError(f"{where}: unknown rate unit in {text!r} (e.g. 100Gbps, 50Mb/s)")
     try:
-        return int(Decimal(m.group(1)) * mult * factor)
+        return int(Decimal(m.group(1)) * mult * bits_per_unit)
     except InvalidOperation:
         raise HpccImportError(f"{where}: {text!r} is not an ns-3 data rate") from None
 
