@@ -13,7 +13,9 @@ import importlib
 import sys
 
 VERBS = ["validate", "phy", "plan", "probe", "up", "down", "status", "smoke", "run", "report",
-         "calibrate", "incident", "compare"]
+         "calibrate", "incident", "compare", "import"]
+# A verb whose module name differs: `import` is a Python keyword.
+MODULES = {"import": "import_"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     for name in VERBS:
-        module = importlib.import_module(f"testbed.cli.{name}")
+        module = importlib.import_module(f"testbed.cli.{MODULES.get(name, name)}")
         p = module.add_parser(sub)
         p.set_defaults(_run=module.run)
     return parser
