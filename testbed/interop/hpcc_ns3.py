@@ -701,10 +701,18 @@ def _flows(conf: _Config, flows: list[_Flow], left: int, topo: _Topology, flow_n
             "waits for every flow" + (f"; {dropped} flow(s) starting at or after it dropped, as "
                                       "HPCC never starts them" if dropped else ""))
     dports = sorted({f.dport for f in kept})
-    notes.unmapped.append(f"flow dport(s) {', '.join(map(str, dports))}: not mapped; our agents "
-                          "pick the ports (each flow a QP of its own with its own UDP source "
-                          "port; HPCC's sport is 10000 + a per-pair count), and fct.txt carries "
-                          "ours")
+    if len(dports) == 1:
+        # HPCC's analysis/fct_analysis.py picks flows by fct.txt's dport (100, 200)
+        entry["fct_dport"] = dports[0]
+        notes.mapped.append(f"flow dport {dports[0]} -> workload.traffic[0].fct_dport: fct.txt "
+                            "shows it, so HPCC's analysis script selects these flows as it "
+                            "does ns-3's (the agents' own UDP ports carry the packets)")
+    else:
+        notes.unmapped.append(f"flow dports {', '.join(map(str, dports))}: not mapped; one "
+                              "entry has one fct_dport, so fct.txt carries the agents' own "
+                              "port for these flows")
+    notes.unmapped.append("flow sport: our agents pick it (each flow a QP of its own with its "
+                          "own UDP source port; HPCC's sport is 10000 + a per-pair count)")
     return t0
 
 
