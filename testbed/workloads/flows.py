@@ -503,6 +503,15 @@ class FlowsKind(WorkloadKind):
     def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
                        view: RunView) -> list[str]:
         notes = []
+        fast = [r for r in self.flow_records(specs, results, view)
+                if r.fct_ns is not None and r.fct_ns < FAST_SHARE * r.ideal_fct_ns]
+        if fast:
+            worst = min(fast, key=lambda r: (r.fct_ns or 0) / r.ideal_fct_ns)
+            notes.append(f"{len(fast)} flows finished faster than their ideal FCT, at most "
+                         f"{1 - (worst.fct_ns or 0) / worst.ideal_fct_ns:.0%} faster (flow "
+                         f"{worst.flow_id}, {worst.size_bytes} B): the ideal counts the plan's "
+                         "link delay, which this fabric does not emulate (the propagation "
+                         "note), so their slowdown reads 1")
         for spec in specs:
             res = results.get(spec.name) or {}
             who = self.describe(spec)
@@ -532,6 +541,12 @@ class FlowsKind(WorkloadKind):
                 notes.append(f"{who}: {unfinished} flows had not finished when the run "
                              "stopped them (fct_ns empty in flows.csv)")
             doc = self._schedule(spec)
+            slow = _cpu_bound(spec, doc, cols, view)
+            if slow is not None:
+                notes.append(f"{who}: while it had flows running it sent at {slow:.0%} of its "
+                             "line rate with no CNP and no pause to slow it: the agent was "
+                             "short of CPU for this packet rate (MTU and dilation), so its "
+                             "FCTs measure the emulator; raise the dilation")
             starts = {row[0]: row[4] for row in _schedule_rows(doc)}
             late = [p - starts.get(f, p) for f, p in zip(cols.get("flow_id") or [],
                                                           cols.get("posted_ns") or [],
@@ -585,6 +600,41 @@ def _check_incast(at: tuple, b: IncastBursts, ctx: CheckContext) -> Iterator[Pro
     if b.bursts > 1 and not b.period_ns:
         yield at + ("period",), (f"{b.bursts} bursts need a period: the fabric time from "
                                  "one burst to the next")
+
+
+# An agent that kept below this share of its line rate while it had flows to send, with
+# nothing in the fabric telling it to slow down, was held back by its CPU.
+CPU_BOUND_SHARE = 0.8
+# A flow done in less than this share of its ideal FCT is named (the ideal's delay).
+FAST_SHARE = 0.95
+LONG_FLOW_NS = 50_000
+
+
+def _cpu_bound(spec: AgentSpec, doc: dict, cols: dict, view: RunView) -> float | None:
+    """The share of line rate an agent's flows went out at while any was running, if it
+    is below CPU_BOUND_SHARE and no CNP reached it and no pause its host (else None)."""
+    if spec.node in view.paused_nodes or any(cols.get("cnps_received") or []):
+        return None
+    rate = view.line_rate_bps(spec.node)
+    # only flows long enough for the rate, not the round trip, to set their time
+    size = {row[0]: row[3] for row in _schedule_rows(doc)
+            if message_wire_bytes(row[3], view.roce_mtu_bytes) * 8e9 / rate
+            >= max(LONG_FLOW_NS, 10 * view.base_rtt_ns(spec.node, row[6]))}
+    spans = sorted((p, d, f) for f, p, d in zip(cols.get("flow_id") or [],
+                                                 cols.get("posted_ns") or [],
+                                                 cols.get("done_ns") or [], strict=False)
+                   if p is not None and d is not None and f in size)
+    if not spans:
+        return None
+    busy_ns, end = 0, None
+    for p, d, _f in spans:
+        start = p if end is None else max(p, end)
+        if d > start:
+            busy_ns += d - start
+        end = d if end is None else max(end, d)
+    wire = sum(message_wire_bytes(size[f], view.roce_mtu_bytes) for _p, _d, f in spans)
+    share = wire * 8 * 1e9 / busy_ns / rate
+    return share if share < CPU_BOUND_SHARE else None
 
 
 def _pct(values: Sequence[float], p: float) -> float | None:
