@@ -511,7 +511,8 @@ class FlowsKind(WorkloadKind):
                          f"{1 - (worst.fct_ns or 0) / worst.ideal_fct_ns:.0%} faster (flow "
                          f"{worst.flow_id}, {worst.size_bytes} B): the ideal counts the plan's "
                          "link delay, which this fabric does not emulate (the propagation "
-                         "note), so their slowdown reads 1")
+                         "note), and each port's token bucket lets a burst of two frames out "
+                         "back to back after an idle spell; their slowdown reads 1")
         for spec in specs:
             res = results.get(spec.name) or {}
             who = self.describe(spec)
