@@ -187,7 +187,7 @@ def planned_flows(t: FlowsTraffic, hosts: Sequence[str],
     """Every flow of the entry, in start order (explicit, generated and incast merged)."""
     out = [FlowSpec(f.src, f.dst, f.size_bytes, f.start_ns, f.tclass) for f in t.flows]
     if t.generate is None and not t.incast:
-        return out
+        return sorted(out, key=lambda f: f.start_ns)
     from testbed.workloads.flows_gen import incast_flows, load_cdf, poisson_flows
 
     if t.generate is not None:
