@@ -88,8 +88,8 @@ class Comparison:
         for name in ("p50", "p95", "p99"):
             rows.append([f"slowdown {name}",
                          *(fmt_slowdown(getattr(r.summary, name)) for r in self.runs)])
-        rows += [["PFC pause frames sent", *(fmt_int(r.pause_tx) for r in self.runs)],
-                 ["PFC pause frames received", *(fmt_int(r.pause_rx) for r in self.runs)],
+        rows += [["PFC XOFF frames sent", *(fmt_int(r.pause_tx) for r in self.runs)],
+                 ["PFC frames received (XOFF + XON)", *(fmt_int(r.pause_rx) for r in self.runs)],
                  ["ECN marks", *(fmt_int(r.ecn_marks) for r in self.runs)]]
         for name in ("p50", "p99", "max"):
             rows.append([f"switch queue {name}",

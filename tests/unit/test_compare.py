@@ -49,8 +49,8 @@ def test_runs_of_the_same_flows_compare_by_hpcc_bucket(runs: list[Path]) -> None
     assert _row(table, "slowdown p50") == ["21.00", "40.00"]
     assert _row(table, "slowdown p95") == ["39.00", "74.00"]
     assert _row(table, "slowdown p99") == ["40.00", "76.00"]
-    assert _row(table, "PFC pause frames sent") == ["12", "900"]
-    assert _row(table, "PFC pause frames received") == ["3", "800"]
+    assert _row(table, "PFC XOFF frames sent") == ["12", "900"]
+    assert _row(table, "PFC frames received (XOFF + XON)") == ["3", "800"]
     assert _row(table, "ECN marks") == ["40", "0"]
     # sw1:swp4 at every sample (h4's NIC queue is not a switch's): run 1 held 0, 0, 10 KB,
     # 50 KB, 0 (a[2] = 0), run 2 0, 100 KB, 200 KB (a[1] = 100 KB)
@@ -90,7 +90,7 @@ def test_compare_writes_both_reports_and_prints_the_table(runs: list[Path], tmp_
     out = tmp_path / "cmp"
     assert main(["compare", *map(str, runs), "-o", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "slowdown p99" in printed and "PFC pause frames sent" in printed
+    assert "slowdown p99" in printed and "PFC XOFF frames sent" in printed
     html, md = (out / "compare.html").read_text(), (out / "compare.md").read_text()
     assert "20261129T120501Z-none (none)" in md and "| slowdown p50" in md
     assert 'aria-label="FCT CDF"' in html and "http" not in html
