@@ -208,6 +208,25 @@ def message_wire_bytes(size_bytes: int, mtu_bytes: int) -> int:
     return size_bytes + packets * (BTH_ICRC_BYTES + WIRE_OVERHEAD_BYTES) + RETH_BYTES
 
 
+def _generated_stats(t: FlowsTraffic, hosts: Sequence[str],
+                     rates: dict[str, int]) -> dict | None:
+    """How the generated flows came out: their count against what the load and the
+    distribution's mean make, and the KS distance of their sizes from its CDF."""
+    if t.generate is None:
+        return None
+    from testbed.workloads.flows_gen import ks_bound, ks_distance, load_cdf, poisson_flows
+
+    g = t.generate
+    cdf = load_cdf(g.distribution)
+    members = t.hosts or list(hosts)
+    flows = poisson_flows(members, rates, cdf, g.load, g.duration_ns, g.start_ns, g.seed)
+    expected = sum(g.load * rates[h] * g.duration_ns / 8e9 for h in members) / cdf.mean_bytes
+    return {"distribution": g.distribution, "flows": len(flows),
+            "expected_flows": round(expected, 1),
+            "ks": round(ks_distance(cdf, [f.size_bytes for f in flows]), 4),
+            "ks_bound": round(ks_bound(len(flows)), 4)}
+
+
 def ideal_fct_ns(size_bytes: int, mtu_bytes: int, line_rate_bps: int, base_rtt_ns: int) -> int:
     """A flow's completion time alone on an idle fabric, fabric ns: the base round trip
     of its path (testbed/plan/paths.base_round_trip_ns) plus its wire bytes
@@ -321,13 +340,16 @@ class FlowsKind(WorkloadKind):
         cnp_interval = ([] if t.cnp_interval_ns is None or t.cc == "none"
                         else ["--cnp-interval-ns", str(t.cnp_interval_ns)])
         rtt_ns = ctx.round_trip_ns(ctx.tc(t.tclass)) if t.window_packets == "auto" else None
-        specs = []
+        generated = _generated_stats(t, ctx.hosts, rates)
+        specs: list[AgentSpec] = []
         for h in [h for h in ctx.hosts if h in out or h in inc]:
             line_bps = ctx.line_rate_bps(h)
             window = (roce_window_packets(line_bps, rtt_ns, mtu) if rtt_ns is not None
                       else int(t.window_packets))
             doc = {"out": out.get(h, []), "in": inc.get(h, []),
                    "time_offset_ns": t.time_offset_ns, "fct_dport": t.fct_dport}
+            if generated and not specs:          # the entry's first agent carries them
+                doc["generated"] = generated
             specs.append(AgentSpec(
                 name=f"{t.name}-{h}", node=h, role="sender", traffic=t.name, kind=t.kind,
                 module=self.agent_module, src=h, dst="",
@@ -542,6 +564,14 @@ class FlowsKind(WorkloadKind):
                 notes.append(f"{who}: {unfinished} flows had not finished when the run "
                              "stopped them (fct_ns empty in flows.csv)")
             doc = self._schedule(spec)
+            gen = doc.get("generated")
+            if gen and gen["ks"] > gen["ks_bound"]:
+                notes.append(
+                    f"{spec.traffic}: the {gen['flows']} generated flows' sizes depart from "
+                    f"{gen['distribution']}'s CDF (KS distance {gen['ks']} > {gen['ks_bound']}"
+                    f"): the window holds about {gen['expected_flows']:g} flows of its mean "
+                    "size, and offering the load exactly took smaller ones where a large one "
+                    "did not fit; lengthen generate.duration for the sizes to follow the CDF")
             slow = _cpu_bound(spec, doc, cols, view)
             if slow is not None:
                 notes.append(f"{who}: while it had flows running it sent at {slow:.0%} of its "

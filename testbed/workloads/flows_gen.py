@@ -354,6 +354,28 @@ def incast_flows(senders: Sequence[str], receiver: str, size_bytes: int, period_
             for burst in range(bursts) for src in senders]
 
 
+def ks_distance(cdf: Cdf, sizes: Sequence[int] | npt.NDArray[np.int64]) -> float:
+    """The Kolmogorov-Smirnov distance of whole-byte sizes from `cdf`: sup |empirical
+    CDF - CDF|. Both are step functions between whole bytes, so it is reached at a
+    sample value v, from the right (P(X <= v) = cdf(v)) or from the left
+    (P(X < v) = cdf(v - 1); no size is below 1 byte). 0 for no sizes."""
+    sample = np.asarray(sizes)
+    if not len(sample):
+        return 0.0
+    values, counts = np.unique(sample, return_counts=True)
+    right = np.cumsum(counts) / len(sample)
+    left = right - counts / len(sample)
+    law_right = np.array([cdf.cdf(float(v)) for v in values])
+    law_left = np.array([cdf.cdf(float(v) - 1) if v > 1 else 0.0 for v in values])
+    return float(max(np.max(np.abs(right - law_right)), np.max(np.abs(left - law_left))))
+
+
+def ks_bound(n: int) -> float:
+    """The KS distance n samples of the law itself stay below with 95 % probability
+    (Smirnov's asymptotic 1.36 / sqrt(n))."""
+    return 1.36 / math.sqrt(n) if n else 1.0
+
+
 def realised_load(flows: Sequence[FlowSpec], line_rate_bps: Mapping[str, int],
                   duration_ns: int) -> dict[str, float]:
     """Per sending host, the bytes its flows offer as a fraction of what its line rate

@@ -19,6 +19,8 @@ from testbed.workloads.flows_gen import (
     Cdf,
     CdfError,
     incast_flows,
+    ks_bound,
+    ks_distance,
     load_cdf,
     parse_cdf,
     poisson_flows,
@@ -33,19 +35,6 @@ N_SAMPLES = 10_000
 KS_BOUND = 1.63 / math.sqrt(N_SAMPLES)
 RATE_BPS = 100_000_000_000
 HOSTS = ["h1", "h2", "h3", "h4"]
-
-
-def ks_distance(cdf: Cdf, sample: np.ndarray) -> float:
-    """sup |empirical CDF - CDF| for whole-byte samples. Both are step functions between
-    whole bytes, so it is reached at a sample value v, from the right (P(X <= v) =
-    cdf(v)) or from the left (P(X < v) = P(X <= v - 1) = cdf(v - 1); no sample is below
-    1 byte)."""
-    values, counts = np.unique(sample, return_counts=True)
-    right = np.cumsum(counts) / len(sample)
-    left = right - counts / len(sample)
-    law_right = np.array([cdf.cdf(float(v)) for v in values])
-    law_left = np.array([cdf.cdf(float(v) - 1) if v > 1 else 0.0 for v in values])
-    return float(max(np.max(np.abs(right - law_right)), np.max(np.abs(left - law_left))))
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_DISTRIBUTIONS))
@@ -209,3 +198,20 @@ def test_quantile_never_decreases_and_inverts_cdf(
     assert cdf.quantile(lo) <= cdf.quantile(hi)
     q = cdf.quantile(hi)
     assert cdf.cdf(q) >= hi - 1e-5   # the rounding up gives up 1e-6 byte
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_DISTRIBUTIONS))
+def test_generated_flows_sizes_follow_the_cdf_over_10000_flows(name: str) -> None:
+    """What poisson_flows gives, not only the sampler: 8 hosts x ~1,250 flows at 0.3,
+    every host's load within 2 %, and the sizes within the KS bound of the CDF (holding
+    the load adds small flows where a large one did not fit; over this many flows that
+    stays inside the bound)."""
+    cdf = load_cdf(name)
+    hosts = [f"h{i}" for i in range(1, 9)]
+    rates = dict.fromkeys(hosts, RATE_BPS)
+    duration_ns = _duration_for(cdf, 0.3, 1250)
+    flows = poisson_flows(hosts, rates, cdf, 0.3, duration_ns, 0, 11)
+    assert len(flows) >= 9_000
+    assert ks_distance(cdf, [f.size_bytes for f in flows]) < ks_bound(len(flows))
+    realised = realised_load(flows, rates, duration_ns)
+    assert all(abs(v / 0.3 - 1) <= LOAD_TOLERANCE + 1e-9 for v in realised.values())

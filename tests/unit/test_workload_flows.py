@@ -237,3 +237,18 @@ def test_an_agent_below_line_rate_with_nothing_slowing_it_is_named(tmp_path: Pat
     assert not any("% of its line rate" in n for n in KIND.fidelity_notes(specs, cut, view))
     fast = _results(specs, {0: (0, ideal // 2)})
     assert any("faster than their ideal" in n for n in KIND.fidelity_notes(specs, fast, view))
+
+
+def test_a_window_too_short_for_the_distribution_is_named(tmp_path: Path) -> None:
+    """1 ms of web search at 0.3 holds ~2 mean flows per host: holding the load exactly
+    fills it with small flows, and the notes say the sizes left the CDF."""
+    short = "    - {name: g, kind: flows, generate: {distribution: web_search, load: 0.3, " \
+            "duration: 1ms}}\n"
+    loaded, plan = _load(short)
+    specs = expand_workload(loaded.fabric, plan)
+    gen = _schedule(specs[0])["generated"]
+    assert gen["expected_flows"] < 20 and gen["flows"] > gen["expected_flows"]
+    notes = KIND.fidelity_notes(specs, _results(specs, {}), run_view(plan, tmp_path, 0))
+    assert any("depart from web_search's CDF" in n for n in notes) == (gen["ks"] >
+                                                                       gen["ks_bound"])
+    assert gen["ks"] > gen["ks_bound"]
