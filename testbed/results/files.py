@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 RUN_FORMAT_VERSION = 1
@@ -20,8 +21,9 @@ def utc_stamp(unix_s: float | None = None) -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(unix_s))
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
-    """Write `path.tmp` with `mode`, flush it to disk, rename it over `path`.
+def write_atomic(path: Path, text: str | Iterable[str], mode: int = 0o600) -> None:
+    """Write `path.tmp` with `mode`, flush it to disk, rename it over `path`. `text` is
+    the whole text, or its lines one by one (a million flows' rows are never one string).
 
     Readers (and a textfile collector) never see half a file; a crash leaves
     the old file or none. The `.tmp` name does not end in `.prom`, so
@@ -33,7 +35,10 @@ def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             os.fchmod(fh.fileno(), mode)
-            fh.write(text)
+            if isinstance(text, str):
+                fh.write(text)
+            else:
+                fh.writelines(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -45,7 +50,7 @@ def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
         raise
 
 
-def write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str | Iterable[str]) -> None:
     """Write a file readable by its owner only, atomically."""
     write_atomic(path, text, 0o600)
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import csv
 import ipaddress
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from testbed.results.files import write_private
 from testbed.workloads.base import FlowRecord
 
 # the kind's formula, here too for the readers of results (one definition, the kind's)
@@ -39,28 +39,6 @@ PERCENTILES = (0.5, 0.95, 0.99)
 
 # --- files --------------------------------------------------------------------------------
 
-def _write_private_lines(path: Path, lines: Iterable[str]) -> None:
-    """testbed/results/files.write_private for text written line by line: `path.tmp`
-    (0600), flushed to disk, renamed over `path`; a crash leaves the old file or none,
-    and a run with a million flows never holds its file as one string."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            os.fchmod(fh.fileno(), 0o600)
-            fh.writelines(lines)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _fmt_slowdown(value: float | None) -> str:
     return "" if value is None else f"{value:.6f}"
 
@@ -77,7 +55,7 @@ def flows_csv_lines(records: Iterable[FlowRecord]) -> Iterator[str]:
 def write_flows_csv(path: Path, records: Iterable[FlowRecord]) -> None:
     """results/flows.csv: every flow, in flow_id order; an unfinished one has empty fct_ns
     and slowdown. Host names, fabric ns after the workload's t0."""
-    _write_private_lines(path, flows_csv_lines(sorted(records, key=lambda r: r.flow_id)))
+    write_private(path, flows_csv_lines(sorted(records, key=lambda r: r.flow_id)))
 
 
 def _ip_hex(address: str) -> str:
@@ -108,7 +86,7 @@ def write_fct_txt(path: Path, records: Iterable[FlowRecord]) -> None:
     traces); unfinished flows get no line, as a QP that never completes prints none."""
     done = sorted((r for r in records if r.fct_ns is not None),
                   key=lambda r: (r.start_ns + (r.fct_ns or 0), r.flow_id))
-    _write_private_lines(path, (fct_txt_line(r) for r in done))
+    write_private(path, (fct_txt_line(r) for r in done))
 
 
 def write_flow_files(run_dir: Path, records: Sequence[FlowRecord]) -> tuple[Path, Path]:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, SizeBytes, Strict
@@ -42,15 +42,13 @@ from testbed.workloads.base import (
 )
 from testbed.workloads.rdma import (
     CC_PRESET_DESCRIPTION,
-    DEFAULT_CC_PRESETS,
     MAX_ROCE_WINDOW_PACKETS,
     ROCE_SPIN_NS,
     CcPresetName,
-    parse_cc_preset,
     preset_problem,
     roce_window_packets,
 )
-from testbed.workloads.rdma_params import DcqcnCcParams, DctcpCcParams, validate_cc_params
+from testbed.workloads.rdma_params import DcqcnCcParams, DctcpCcParams, RdmaCcEntry
 
 FLOWS_UDP_PORT = 6400           # the first flows entry's; the n-th takes 6400 + n
 FLOWS_MAX_ENTRIES = 64
@@ -120,7 +118,7 @@ class IncastBursts(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-class FlowsTraffic(TrafficEntry):
+class FlowsTraffic(RdmaCcEntry):
     """Sized flows over the user-space RoCEv2 RC transport (agents/flows): explicit
     `flows:`, `generate:`d from a flow-size distribution with Poisson arrivals at a
     target load, and `incast:` bursts, in any mix. Each flow is one RDMA WRITE on a QP
@@ -158,28 +156,6 @@ class FlowsTraffic(TrafficEntry):
                               "name its own); with cc, a class that marks ECN")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    @field_validator("cc_preset", mode="before")
-    @classmethod
-    def _cc_preset(cls, value: object) -> object:
-        return parse_cc_preset(value)
-
-    @field_validator("cc_params", mode="before")
-    @classmethod
-    def _cc_params(cls, value: object, info: ValidationInfo) -> object:
-        cc = info.data.get("cc")
-        if value is None or cc is None:
-            return None
-        return validate_cc_params(value, cc)
-
-    @property
-    def preset(self) -> str | None:
-        return self.cc_preset or DEFAULT_CC_PRESETS.get(self.cc)
-
-    def cc_overrides(self) -> dict[str, object]:
-        if self.cc_params is None:
-            return {}
-        return self.cc_params.model_dump(include=self.cc_params.model_fields_set)
 
 
 def planned_flows(t: FlowsTraffic, hosts: Sequence[str],

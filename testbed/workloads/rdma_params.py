@@ -12,11 +12,20 @@ import difflib
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
+from pydantic import (
+    BeforeValidator,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 from pydantic_core import InitErrorDetails
 
 from testbed.fields import DurationNs, RateBps, SizeBytes, Strict, quantity_schema
 from testbed.units import QUANTITY_PATTERN, parse_duration_ns, parse_rate_bps, parse_size_bytes
+from testbed.workloads.base import TrafficEntry
+from testbed.workloads.rdma import DEFAULT_CC_PRESETS, parse_cc_preset
 
 
 def _none_or(parse: Callable[[object], object]) -> Callable[[object], object]:
@@ -179,3 +188,36 @@ def validate_cc_params(value: object, cc: str) -> Strict:
     if errors:
         raise ValidationError.from_exception_data("cc_params", errors)
     return params
+
+
+class RdmaCcEntry(TrafficEntry):
+    """What every traffic entry over the user-space RoCE transport shares beyond its
+    fields: how its `cc_preset` and `cc_params` are read and what the agents are given.
+    A kind's model derives from this and declares `cc`, `cc_preset` and `cc_params`
+    itself (with its own descriptions and defaults)."""
+
+    @field_validator("cc_preset", mode="before", check_fields=False)
+    @classmethod
+    def _cc_preset(cls, value: object) -> object:
+        return parse_cc_preset(value)
+
+    @field_validator("cc_params", mode="before", check_fields=False)
+    @classmethod
+    def _cc_params(cls, value: object, info: ValidationInfo) -> object:
+        cc = info.data.get("cc")
+        if value is None or cc is None:      # no cc_params, or a bad cc (reported there)
+            return None
+        return validate_cc_params(value, cc)
+
+    @property
+    def preset(self) -> str | None:
+        """The parameter set the agents get: cc_preset, or the default of `cc`."""
+        return getattr(self, "cc_preset", None) or DEFAULT_CC_PRESETS.get(
+            getattr(self, "cc", ""))
+
+    def cc_overrides(self) -> dict[str, object]:
+        """The parameters `cc_params` sets, by the agents' names (DcqcnParams fields)."""
+        params = getattr(self, "cc_params", None)
+        if params is None:
+            return {}
+        return params.model_dump(include=params.model_fields_set)

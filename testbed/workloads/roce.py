@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, SizeBytes
@@ -49,16 +49,14 @@ from testbed.workloads.base import (
 )
 from testbed.workloads.rdma import (
     CC_PRESET_DESCRIPTION,
-    DEFAULT_CC_PRESETS,
     MAX_ROCE_WINDOW_PACKETS,
     ROCE_CONNECT_TIMEOUT_S,
     ROCE_SPIN_NS,
     CcPresetName,
-    parse_cc_preset,
     preset_problem,
     roce_window_packets,
 )
-from testbed.workloads.rdma_params import DcqcnCcParams, DctcpCcParams, validate_cc_params
+from testbed.workloads.rdma_params import DcqcnCcParams, DctcpCcParams, RdmaCcEntry
 
 RoceKindName = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
 ROCE_SETUP_PORT = 18515     # TCP, perftest's default port
@@ -78,7 +76,7 @@ ROCE_MAX_MESSAGE_BYTES = (1 << 31) - 1
 RETH_BYTES, BTH_ICRC_BYTES = 16, 12 + 4
 
 
-class RoceTraffic(TrafficEntry):
+class RoceTraffic(RdmaCcEntry):
     """RDMA WRITE or SEND streams over the user-space RoCEv2 RC transport (agents/roce).
 
     Each (source, destination) stream is one perftest-style client on the source
@@ -153,32 +151,6 @@ class RoceTraffic(TrafficEntry):
                 if isinstance(value, str) and value != "auto" else "")
         raise ValueError(f"expected a whole number of packets, 1..2^22 ({MAX_ROCE_WINDOW_PACKETS}),"
                          f" or auto, got {value!r}{hint}")
-
-    @field_validator("cc_preset", mode="before")
-    @classmethod
-    def _cc_preset(cls, value: object) -> object:
-        return parse_cc_preset(value)
-
-    @field_validator("cc_params", mode="before")
-    @classmethod
-    def _cc_params(cls, value: object, info: ValidationInfo) -> object:
-        cc = info.data.get("cc")
-        if value is None or cc is None:      # no cc_params, or a bad cc (reported there)
-            return None
-        return validate_cc_params(value, cc)
-
-    @property
-    def preset(self) -> str | None:
-        """The parameter set the agents get: cc_preset, or the default of `cc`."""
-        return self.cc_preset or DEFAULT_CC_PRESETS.get(self.cc)
-
-    def cc_overrides(self) -> dict[str, object]:
-        """The parameters `cc_params` sets, by the agents' names (DcqcnParams fields)."""
-        if self.cc_params is None:
-            return {}
-        return self.cc_params.model_dump(include=self.cc_params.model_fields_set)
-
-
 
 
 def roce_ports(n: int) -> tuple[int, int]:
