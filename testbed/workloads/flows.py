@@ -48,7 +48,12 @@ from testbed.workloads.rdma import (
     preset_problem,
     roce_window_packets,
 )
-from testbed.workloads.rdma_params import DcqcnCcParams, DctcpCcParams, RdmaCcEntry
+from testbed.workloads.rdma_params import (
+    DcqcnCcParams,
+    DctcpCcParams,
+    RdmaCcEntry,
+    cc_params_problems,
+)
 
 FLOWS_UDP_PORT = 6400           # the first flows entry's; the n-th takes 6400 + n
 FLOWS_MAX_ENTRIES = 64
@@ -277,6 +282,9 @@ class FlowsKind(WorkloadKind):
         bad = preset_problem(t.cc, t.cc_preset)
         if bad is not None:
             yield loc + (bad[0],), bad[1]
+        senders = ([f.src for f in t.flows] + [s for b in t.incast for s in b.senders]
+                   + (list(t.hosts or ctx.hosts) if t.generate is not None else []))
+        yield from cc_params_problems(t, loc, senders, ctx.nic_bps)
 
     # -- expansion
 

@@ -9,7 +9,7 @@ tests/unit/test_workload_roce.py keeps the field names equal to the agent's tuna
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -23,7 +23,13 @@ from pydantic import (
 from pydantic_core import InitErrorDetails
 
 from testbed.fields import DurationNs, RateBps, SizeBytes, Strict, quantity_schema
-from testbed.units import QUANTITY_PATTERN, parse_duration_ns, parse_rate_bps, parse_size_bytes
+from testbed.units import (
+    QUANTITY_PATTERN,
+    format_rate,
+    parse_duration_ns,
+    parse_rate_bps,
+    parse_size_bytes,
+)
 from testbed.workloads.base import TrafficEntry
 from testbed.workloads.rdma import DEFAULT_CC_PRESETS, parse_cc_preset
 
@@ -221,3 +227,22 @@ class RdmaCcEntry(TrafficEntry):
         if params is None:
             return {}
         return params.model_dump(include=params.model_fields_set)
+
+
+def cc_params_problems(t: RdmaCcEntry, loc: tuple, senders: Sequence[str],
+                       nic_bps: Mapping[str, int]) -> Iterator[tuple[tuple, str]]:
+    """What cc_params' own validation cannot see: the entry's other fields, the NICs of
+    its senders."""
+    params = getattr(t, "cc_params", None)
+    if params is None:
+        return
+    given = params.model_fields_set
+    if "cnp_interval_ns" in given and getattr(t, "cnp_interval_ns", None) is not None:
+        yield (loc + ("cc_params", "cnp_interval"), "cnp_interval is given twice, here and "
+               "as the entry's cnp_interval; keep one of them")
+    min_rate = params.min_rate_bps if "min_rate_bps" in given else None
+    slow = sorted((nic_bps[s], s) for s in set(senders) if s in nic_bps)
+    if min_rate is not None and slow and min_rate > slow[0][0]:
+        yield (loc + ("cc_params", "min_rate"), f"{format_rate(min_rate)} is above the line "
+               f"rate of sender {slow[0][1]} ({format_rate(slow[0][0])}); the minimum rate "
+               "must not exceed any sender's NIC rate")

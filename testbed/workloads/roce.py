@@ -27,7 +27,6 @@ from pydantic import ConfigDict, Field, field_validator
 
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, SizeBytes
-from testbed.units import format_rate
 from testbed.workloads.base import (
     AgentFiles,
     AgentSpec,
@@ -56,7 +55,12 @@ from testbed.workloads.rdma import (
     preset_problem,
     roce_window_packets,
 )
-from testbed.workloads.rdma_params import DcqcnCcParams, DctcpCcParams, RdmaCcEntry
+from testbed.workloads.rdma_params import (
+    DcqcnCcParams,
+    DctcpCcParams,
+    RdmaCcEntry,
+    cc_params_problems,
+)
 
 RoceKindName = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
 ROCE_SETUP_PORT = 18515     # TCP, perftest's default port
@@ -217,7 +221,7 @@ class RoceKind(WorkloadKind):
         assert isinstance(entry, RoceTraffic)
         yield from _check_schedule_and_cc(entry, loc, ctx.classes.get(entry.tclass))
         pairs = streams(entry, self.shape(entry), ctx.hosts)
-        yield from _check_cc_params(entry, loc, [s for s, _ in pairs], ctx.nic_bps)
+        yield from cc_params_problems(entry, loc, [s for s, _ in pairs], ctx.nic_bps)
         yield from _check_via(entry, loc, pairs, ctx)
 
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
@@ -457,23 +461,6 @@ def _check_schedule_and_cc(t: RoceTraffic, loc: tuple,
     if not 0 < t.size_bytes <= ROCE_MAX_MESSAGE_BYTES:
         yield (loc + ("size",), f"message size {t.size_bytes} B is outside 1 B .. 2 GiB - 1; "
                "RDMA messages carry a 31-bit length here")
-
-
-def _check_cc_params(t: RoceTraffic, loc: tuple, senders: list[str],
-                     nic_bps: Mapping[str, int]) -> Iterator[Problem]:
-    """What cc_params' own validation cannot see: the entry's other fields, the NICs."""
-    if t.cc_params is None:
-        return
-    given = t.cc_params.model_fields_set
-    if "cnp_interval_ns" in given and t.cnp_interval_ns is not None:
-        yield (loc + ("cc_params", "cnp_interval"), "cnp_interval is given twice, here and "
-               "as the entry's cnp_interval; keep one of them")
-    min_rate = t.cc_params.min_rate_bps if "min_rate_bps" in given else None
-    slow = sorted((nic_bps[s], s) for s in set(senders) if s in nic_bps)
-    if min_rate is not None and slow and min_rate > slow[0][0]:
-        yield (loc + ("cc_params", "min_rate"), f"{format_rate(min_rate)} is above the line "
-               f"rate of sender {slow[0][1]} ({format_rate(slow[0][0])}); the minimum rate "
-               "must not exceed any sender's NIC rate")
 
 
 def _check_via(t: RoceTraffic, loc: tuple, pairs: Sequence[tuple[str, str]],

@@ -252,3 +252,11 @@ def test_a_window_too_short_for_the_distribution_is_named(tmp_path: Path) -> Non
     assert any("depart from web_search's CDF" in n for n in notes) == (gen["ks"] >
                                                                        gen["ks_bound"])
     assert gen["ks"] > gen["ks_bound"]
+
+
+def test_cc_params_are_checked_against_the_entrys_senders_as_for_roce() -> None:
+    lines = _problems("    - {name: e, kind: flows, flows: [{src: h1, dst: h2, size: 1MB}],\n"
+                      "       cnp_interval: 50us, cc_params: {min_rate: 200Gbps, "
+                      "cnp_interval: 4us}}\n")
+    assert any("cnp_interval is given twice" in line for line in lines), lines
+    assert any("above the line rate of sender h1" in line for line in lines), lines
