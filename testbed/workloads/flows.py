@@ -613,7 +613,7 @@ def _check_incast(at: tuple, b: IncastBursts, ctx: CheckContext) -> Iterator[Pro
     if b.size_bytes >= 1 << 31:
         yield at + ("size",), "a flow is one RDMA message: at most 2 GiB - 1"
     if b.bursts > 1 and not b.period_ns:
-        yield at + ("period",), (f"{b.bursts} bursts need a period: the fabric time from "
+        yield at + ("bursts",), (f"{b.bursts} bursts need a period: the fabric time from "
                                  "one burst to the next")
 
 

@@ -240,7 +240,7 @@ def load_cdf(name_or_path: str, base_dir: Path | None = None) -> Cdf:
         raise CdfError([f"unknown distribution {name_or_path!r}; {hint}use one of {builtins}, "
                         "or a file path"])
     raise CdfError([f"{path}: no such distribution file; give a CDF file's path (relative "
-                    f"to the config file) or one of {builtins}"])
+                    f"to the directory testbed runs in) or one of {builtins}"])
 
 
 def _host_rng(seed: int, host: str, stream: int) -> np.random.Generator:
