@@ -113,3 +113,59 @@ def test_generated_web_search_flows_write_every_result_form(tmp_path) -> None:
     assert not [v for v in summary["invariants"]["violations"]], summary["invariants"]
     report = (run_dir / "report.md").read_text()
     assert "FCT" in report
+
+
+HPCC_CONFIG = """\
+ENABLE_QCN 1
+USE_DYNAMIC_PFC_THRESHOLD 1
+PACKET_PAYLOAD_SIZE 4096
+TOPOLOGY_FILE mix/topology.txt
+FLOW_FILE mix/flow.txt
+FCT_OUTPUT_FILE mix/fct.txt
+SIMULATOR_STOP_TIME 4.00
+CC_MODE 1
+ALPHA_RESUME_INTERVAL 1
+RATE_DECREASE_INTERVAL 4
+CLAMP_TARGET_RATE 0
+RP_TIMER 300
+EWMA_GAIN 0.00390625
+FAST_RECOVERY_TIMES 1
+RATE_AI 20Mb/s
+RATE_HAI 200Mb/s
+MIN_RATE 100Mb/s
+ERROR_RATE_PER_LINK 0.0000
+KMAX_MAP 1 100000000000 1600
+KMIN_MAP 1 100000000000 400
+PMAX_MAP 1 100000000000 0.2
+BUFFER_SIZE 32
+"""
+HPCC_TOPOLOGY = "4 1 3\n0\n0 1 100Gbps 0.001ms 0\n0 2 100Gbps 0.001ms 0\n0 3 100Gbps 0.001ms 0\n"
+HPCC_FLOWS = "3\n1 3 3 100 1000000 2.000001\n2 3 3 100 1000000 2.000001\n1 2 3 100 64000 2.0001\n"
+
+
+def test_an_imported_hpcc_scenario_runs_and_writes_hpccs_fct_txt(tmp_path, monkeypatch) -> None:
+    """`testbed import hpcc-ns3` of a three-host HPCC scenario (its files relative to the
+    working directory, as third.cc opens them), then the run: fct.txt has a line per
+    flow in HPCC's columns, with HPCC's absolute start times and its dport."""
+    from testbed.interop.hpcc_ns3 import translate
+
+    mix = tmp_path / "mix"
+    mix.mkdir()
+    (mix / "config.txt").write_text(HPCC_CONFIG)
+    (mix / "topology.txt").write_text(HPCC_TOPOLOGY)
+    (mix / "flow.txt").write_text(HPCC_FLOWS)
+    monkeypatch.chdir(tmp_path)
+    lab = unique_lab("flhpcc")
+    translation = translate("mix/config.txt", lab=lab)
+    text = translation.to_yaml().replace("dilation: auto", "dilation: 2000")
+    loaded = load_config_text(text, "hpcc.yaml")
+    result = run_config(loaded, compile_plan(loaded),
+                        RunOptions(runs_root=tmp_path / "runs", say=lambda _m: None))
+    assert not [ns for ns in list_testbed_namespaces() if ns.startswith(f"tb-{lab}-")]
+    lines = (result.run_dir / "results" / "fct.txt").read_text().splitlines()
+    assert len(lines) == 3, lines
+    starts = sorted(int(line.split()[5]) for line in lines)
+    assert starts == [2_000_001_000, 2_000_001_000, 2_000_100_000]
+    assert {line.split()[3] for line in lines} == {"100"}
+    assert {int(line.split()[4]) for line in lines} == {1_000_000, 64_000}
+    assert result.summary["invariants"]["checks"]["lossless_drop"]["held"] is not False
