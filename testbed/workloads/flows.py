@@ -251,6 +251,8 @@ class FlowsKind(WorkloadKind):
         "unfinished": "flows that did not (still running when the run stopped, or failed)",
         "failed": "flows whose QP went to the error state",
         "bytes": "message bytes of the finished flows",
+        "rx_bytes": "message bytes the receivers took in order, every flow (what the run's "
+                    "delivered total counts)",
         "cc": "congestion control and preset, e.g. dcqcn/hpcc-ns3-paper",
         "slowdown_p50": "median FCT slowdown (fct / ideal, floored at 1) of finished flows",
         "slowdown_p99": "99th percentile slowdown",
@@ -456,6 +458,8 @@ class FlowsKind(WorkloadKind):
                 "failed": sum(1 for r in recs if r.extra.get("error") not in (None,
                                                                               "unfinished")),
                 "bytes": sum(r.size_bytes for r in done),
+                "rx_bytes": sum(int((results.get(s.name) or {}).get("rx_bytes") or 0)
+                                for s in specs if s.traffic == spec.traffic),
                 "cc": "/".join(str(x) for x in (res.get("cc"), res.get("cc_preset")) if x),
                 "slowdown_p50": _pct(slow, 0.5), "slowdown_p99": _pct(slow, 0.99),
                 "fct_p50_us": _us(_pct(fcts, 0.5)), "fct_max_us": _us(fcts[-1] if fcts

@@ -168,6 +168,7 @@ def _results(specs, done: dict[int, tuple[int, int]], *, socket_drops: int = 0,
                          ("duplicates", 0)):
                 received[k].append(v)
         out[spec.name] = {"role": "flows", "sent": sent, "received": received,
+                          "rx_bytes": sum(row[2] for row in doc["in"]),
                           "flows_out": len(doc["out"]), "rx_socket_drops": socket_drops,
                           "cc": "dcqcn", "cc_preset": "hpcc-ns3-paper"}
     return out
@@ -198,6 +199,8 @@ def test_records_time_each_flow_from_its_post_to_its_last_ack(tmp_path: Path) ->
     rows = KIND.result_rows(specs, results, view)
     assert len(rows) == 1 and rows[0].fields["flows"] == 3
     assert rows[0].fields["finished"] == 2 and rows[0].fields["unfinished"] == 1
+    # what the receivers took, which the run's delivered total sums
+    assert rows[0].fields["rx_bytes"] == 1_000_000 + 4_000 + 64_000
     notes = KIND.fidelity_notes(specs, results, view)
     assert any("1 flows had not finished" in n for n in notes), notes
 
