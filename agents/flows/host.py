@@ -39,6 +39,7 @@ MAX_FLOW_ID = 0xFFFFFE - 1        # QPN = flow id + 1 must fit 24 bits (and not 
 # that crossed the last ACK is answered as a duplicate instead of counted unknown.
 LINGER_TIMEOUTS = 4
 RX_BUFFER_BYTES = 32 << 20        # SO_RCVBUF of the receive socket (the kernel doubles it)
+UNFINISHED = "unfinished"         # a flow's error when a stop cut it short
 
 
 @dataclass(frozen=True)
@@ -293,12 +294,14 @@ class FlowHost:
             self.rx.detach(qpn)
 
     def _record_sent(self, s: _Sending, done_ns: float | None, error: str | None) -> None:
+        """A flow's sender is done: completed (error None), failed, or cut short by a
+        stop (error "unfinished", which is not a failure)."""
         c = s.binding.qp.requester
         t = self.totals
         if error is None:
             t.completed += 1
             t.bytes_completed += s.flow.size_bytes
-        else:
+        elif error != UNFINISHED:
             t.failed += 1
         t.packets_sent += c.packets_sent
         t.wire_bytes_sent += c.wire_bytes_sent
@@ -333,8 +336,7 @@ class FlowHost:
     def finish(self) -> None:
         """Record what is still in progress (a stop) and close every socket."""
         for s in list(self.sending.values()):
-            self._record_sent(s, None, "unfinished")
-            self.totals.failed -= 1            # not failed: cut short
+            self._record_sent(s, None, UNFINISHED)
             self.engine.remove(s.endpoint)
             s.endpoint.close()
         self.sending.clear()
