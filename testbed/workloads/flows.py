@@ -94,6 +94,8 @@ class GeneratedFlows(Strict):
                                  "fabric time after t0")
     seed: int = Field(1, ge=0, description="the generator's seed: the same seed, the same "
                       "flows")
+    hosts: list[str] | None = Field(None, description="the hosts it draws sources and "
+                                    "destinations from (or the entry's hosts; default all)")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -173,7 +175,7 @@ def planned_flows(t: FlowsTraffic, hosts: Sequence[str],
 
     if t.generate is not None:
         g = t.generate
-        out += poisson_flows(t.hosts or list(hosts), line_rate_bps, load_cdf(g.distribution),
+        out += poisson_flows(_generate_hosts(t, hosts), line_rate_bps, load_cdf(g.distribution),
                              g.load, g.duration_ns, g.start_ns, g.seed)
     for b in t.incast:
         out += incast_flows(b.senders, b.receiver, b.size_bytes, b.period_ns or 0, b.bursts,
@@ -189,6 +191,12 @@ def message_wire_bytes(size_bytes: int, mtu_bytes: int) -> int:
     return size_bytes + packets * (BTH_ICRC_BYTES + WIRE_OVERHEAD_BYTES) + RETH_BYTES
 
 
+def _generate_hosts(t: FlowsTraffic, hosts: Sequence[str]) -> list[str]:
+    """The hosts generated flows run among: generate.hosts, the entry's hosts, or all."""
+    g = t.generate
+    return list((g.hosts if g is not None else None) or t.hosts or hosts)
+
+
 def _generated_stats(t: FlowsTraffic, hosts: Sequence[str],
                      rates: dict[str, int]) -> dict | None:
     """How the generated flows came out: their count against what the load and the
@@ -199,7 +207,7 @@ def _generated_stats(t: FlowsTraffic, hosts: Sequence[str],
 
     g = t.generate
     cdf = load_cdf(g.distribution)
-    members = t.hosts or list(hosts)
+    members = _generate_hosts(t, hosts)
     flows = poisson_flows(members, rates, cdf, g.load, g.duration_ns, g.start_ns, g.seed)
     expected = sum(g.load * rates[h] * g.duration_ns / 8e9 for h in members) / cdf.mean_bytes
     return {"distribution": g.distribution, "flows": len(flows),
@@ -279,13 +287,21 @@ class FlowsKind(WorkloadKind):
             yield from _check_flow(t, loc + ("flows", i), f, ctx)
         for i, b in enumerate(t.incast):
             yield from _check_incast(loc + ("incast", i), b, ctx)
-        if t.generate is not None and len(t.hosts or ctx.hosts) < 2:
-            yield loc + ("hosts",), "generated flows need at least two hosts"
+        if t.generate is not None:
+            if t.generate.hosts is not None and t.hosts is not None:
+                yield loc + ("generate", "hosts"), ("hosts is given twice, here and as the "
+                                                    "entry's hosts; keep one of them")
+            where = loc + (("generate", "hosts") if t.generate.hosts is not None
+                           else ("hosts",))
+            for j, h in enumerate(t.generate.hosts or []):
+                yield from _check_host(where + (j,), h, ctx)
+            if len(_generate_hosts(t, ctx.hosts)) < 2:
+                yield where, "generated flows need at least two hosts"
         bad = preset_problem(t.cc, t.cc_preset)
         if bad is not None:
             yield loc + (bad[0],), bad[1]
         senders = ([f.src for f in t.flows] + [s for b in t.incast for s in b.senders]
-                   + (list(t.hosts or ctx.hosts) if t.generate is not None else []))
+                   + (_generate_hosts(t, ctx.hosts) if t.generate is not None else []))
         yield from cc_params_problems(t, loc, senders, ctx.nic_bps)
 
     # -- expansion

@@ -263,3 +263,15 @@ def test_cc_params_are_checked_against_the_entrys_senders_as_for_roce() -> None:
                       "cnp_interval: 4us}}\n")
     assert any("cnp_interval is given twice" in line for line in lines), lines
     assert any("above the line rate of sender h1" in line for line in lines), lines
+
+
+def test_generate_takes_its_host_set_there_or_on_the_entry_not_both() -> None:
+    inner = "    - {name: g, kind: flows, generate: {distribution: hadoop, load: 0.3, " \
+            "duration: 200us, hosts: [h1, h2]}}\n"
+    loaded, plan = _load(inner)
+    assert {s.node for s in expand_workload(loaded.fabric, plan)} <= {"h1", "h2"}
+    both = "    - {name: g, kind: flows, hosts: [h1, h2], generate: {distribution: hadoop, " \
+           "load: 0.3, duration: 200us, hosts: [h1, h9]}}\n"
+    lines = _problems(both)
+    assert any("hosts is given twice" in line for line in lines), lines
+    assert any("unknown host 'h9'" in line for line in lines), lines
