@@ -87,7 +87,7 @@ class GeneratedFlows(Strict):
                               "bytes and cumulative probability (fraction or percent), a "
                               "relative path from the directory testbed runs in")
     load: float = Field(gt=0, le=1, description="each host sends this fraction of its line "
-                        "rate (payload bytes), 0 < load <= 1")
+                        "rate (payload bytes), 0 < load <= 1, or a percent: 30%")
     duration_ns: DurationNs = Field(alias="duration", description="flows start within this "
                                     "fabric time")
     start_ns: DurationNs = Field(0, alias="start", description="when the first may start, "
@@ -98,6 +98,17 @@ class GeneratedFlows(Strict):
                                     "destinations from (or the entry's hosts; default all)")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("load", mode="before")
+    @classmethod
+    def _percent(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().endswith("%"):
+            try:
+                return float(value.strip()[:-1]) / 100
+            except ValueError:
+                raise ValueError(f"expected a fraction such as 0.3 or a percent such as "
+                                 f"30%, got {value!r}") from None
+        return value
 
     @field_validator("distribution")
     @classmethod
