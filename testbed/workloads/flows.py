@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, SizeBytes, Strict
@@ -86,7 +86,10 @@ class GeneratedFlows(Strict):
                               "(configs/distributions/), or a CDF file: two columns, size "
                               "bytes and cumulative probability (fraction or percent), a "
                               "relative path from the directory testbed runs in")
-    load: float = Field(gt=0, le=1, description="each host sends this fraction of its line "
+    load: Annotated[float, WithJsonSchema({"anyOf": [
+        {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        {"type": "string", "pattern": r"^\s*[0-9]+(\.[0-9]*)?\s*%\s*$"}]})] = Field(
+        gt=0, le=1, description="each host sends this fraction of its line "
                         "rate (payload bytes), 0 < load <= 1, or a percent: 30%")
     duration_ns: DurationNs = Field(alias="duration", description="flows start within this "
                                     "fabric time")
