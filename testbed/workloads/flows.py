@@ -63,6 +63,7 @@ FLOWS_STARTUP_S = 0.3
 # A flow posted later than this after its start (fabric ns) is counted in the notes.
 FLOWS_LATE_NS = 5_000
 RETH_BYTES, BTH_ICRC_BYTES = 16, 12 + 4
+SPAN_SLACK = 4
 
 
 class ExplicitFlow(Strict):
@@ -379,8 +380,12 @@ class FlowsKind(WorkloadKind):
         return specs
 
     def span_ns(self, entry: TrafficEntry, ctx: ExpandContext | None) -> int:
-        """The last flow's start plus the time the busiest host takes to move all of its
-        bytes at line rate (a bound on when an uncongested fabric would be done)."""
+        """The last flow's start plus SPAN_SLACK times what the busiest host takes to
+        move all of its bytes at line rate. Flows have no scheduled end: the agents exit
+        when their flows are done, and the run waits for them. This only bounds how long
+        it waits before stopping agents that never finish (beyond its 30 s of wall time),
+        so it allows a fabric, or an agent short of CPU, four times slower than line rate
+        before it cuts flows short (they are listed unfinished then)."""
         assert isinstance(entry, FlowsTraffic)
         if ctx is None:
             starts = [f.start_ns for f in entry.flows] + [
@@ -397,7 +402,7 @@ class FlowsKind(WorkloadKind):
             load[f.dst] = load.get(f.dst, 0) + w
         busiest = max((math.ceil(n * 8 * 10**9 / rates[h]) for h, n in load.items()),
                       default=0)
-        return max((f.start_ns for f in flows), default=0) + busiest
+        return max((f.start_ns for f in flows), default=0) + SPAN_SLACK * busiest
 
     def startup_wall_s(self, spec: AgentSpec) -> float:
         return FLOWS_STARTUP_S
