@@ -19,7 +19,9 @@ SIGINT (flows in progress are recorded unfinished). Output: ONE JSON line of cou
 on stdout (also to --out): totals, and per flow in the order they finished `sent`
 (flow_id, sport, posted_ns, done_ns, packets, retransmissions, timeouts,
 cnps_received, error) and `received` (flow_id, first_ns, done_ns, packets,
-ce_packets, cnps_sent, ooo_drops, duplicates), columns of equal length. Exit codes:
+ce_packets, cnps_sent, ooo_drops, duplicates), columns of equal length; `rx_endpoint`,
+the receive socket's counters, and `tx_sockets`, the flows' own sockets' summed
+(send_eagain: sends that waited out the send timeout on a full NIC queue). Exit codes:
 0 done (or stopped), 1 a flow failed or a socket error, 2 bad arguments.
 """
 

@@ -115,7 +115,8 @@ class Totals:
     ooo_drops: int = 0
     unexpected_packets: int = 0
     sport_retries: int = 0
-    extra: dict = field(default_factory=dict)
+    # what the flows' own sockets counted, summed as each closes (Endpoint.counters)
+    tx_sockets: dict = field(default_factory=dict)
 
 
 class FlowHost:
@@ -276,8 +277,7 @@ class FlowHost:
             c = r.completions.popleft()
             ok = c.status == WcStatus.SUCCESS
             self._record_sent(s, rel if ok else None, None if ok else (r.error or c.status))
-            self.engine.remove(s.endpoint)
-            s.endpoint.close()
+            self._close(s)
             del self.sending[fid]
         for fid, rv in list(self.receiving.items()):
             rs = rv.binding.qp.responder
@@ -292,6 +292,21 @@ class FlowHost:
         while self.lingering and self.lingering[0][0] <= now:
             _, qpn = self.lingering.pop(0)
             self.rx.detach(qpn)
+
+    def _close(self, s: _Sending) -> None:
+        """Close a finished flow's socket, keeping what it counted: a send that waited
+        out SO_SNDTIMEO (a full NIC queue: a paused port), ENOBUFS, ICMP errors, and
+        packets it could not use."""
+        self.engine.remove(s.endpoint)
+        sums = self.totals.tx_sockets
+        for key, value in s.endpoint.counters().items():
+            if isinstance(value, int):
+                sums[key] = sums.get(key, 0) + value
+            elif isinstance(value, dict):
+                inner = sums.setdefault(key, {})
+                for k, v in value.items():
+                    inner[k] = inner.get(k, 0) + v
+        s.endpoint.close()
 
     def _record_sent(self, s: _Sending, done_ns: float | None, error: str | None) -> None:
         """A flow's sender is done: completed (error None), failed, or cut short by a
@@ -337,8 +352,7 @@ class FlowHost:
         """Record what is still in progress (a stop) and close every socket."""
         for s in list(self.sending.values()):
             self._record_sent(s, None, UNFINISHED)
-            self.engine.remove(s.endpoint)
-            s.endpoint.close()
+            self._close(s)
         self.sending.clear()
         for rv in list(self.receiving.values()):
             self._record_received(rv)
@@ -402,6 +416,6 @@ class FlowHost:
                 "unexpected_packets": t.unexpected_packets, "sport_retries": t.sport_retries,
                 "duplicates": t.duplicates, "ooo_drops": t.ooo_drops,
                 **self._live_sums(),
-                "rx_endpoint": self.rx.counters(),
+                "rx_endpoint": self.rx.counters(), "tx_sockets": t.tx_sockets,
                 "engine": {"steps": self.engine.steps, "waits": self.engine.waits},
                 "sent": self.sent, "received": self.received}

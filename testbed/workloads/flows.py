@@ -606,11 +606,16 @@ class FlowsKind(WorkloadKind):
                                                           cols.get("posted_ns") or [],
                                                           strict=False)]
             n_late = sum(1 for x in late if x > FLOWS_LATE_NS)
+            blocked = int((res.get("tx_sockets") or {}).get("send_eagain") or 0)
             if n_late:
+                why = ("the agent was short of CPU" if not blocked else
+                       f"the agent was short of CPU, or blocked: {blocked} of its sends "
+                       "waited out the send timeout on a full NIC queue (a paused port), "
+                       "which holds back the posts of its next flows")
                 notes.append(f"{who}: {n_late} of {len(late)} flows were posted more than "
                              f"{FLOWS_LATE_NS / 1e3:g} us (fabric) after their start, at most "
-                             f"{max(late) / 1e3:.1f} us: the agent was short of CPU; their "
-                             "FCTs count from the post")
+                             f"{max(late) / 1e3:.1f} us: {why}; their FCTs count from the "
+                             "post")
         return notes
 
 

@@ -275,3 +275,17 @@ def test_generate_takes_its_host_set_there_or_on_the_entry_not_both() -> None:
     lines = _problems(both)
     assert any("hosts is given twice" in line for line in lines), lines
     assert any("unknown host 'h9'" in line for line in lines), lines
+
+
+def test_a_late_post_names_blocked_sends_when_the_agent_counted_them(tmp_path: Path) -> None:
+    loaded, plan = _load(EXPLICIT)
+    specs = [s for s in expand_workload(loaded.fabric, plan) if s.traffic == "a"]
+    view = run_view(plan, tmp_path, 0)
+    # flow 1 (h1 -> h4, due at 10 us) posted 30 us late
+    results = _results(specs, {0: (5_000, 7_500), 1: (40_000, 130_000), 2: (20_000, 30_000)})
+    late = [n for n in KIND.fidelity_notes(specs, results, view) if "posted more than" in n]
+    assert len(late) == 1 and "a-h1" in late[0] and "at most 30.0 us" in late[0]
+    assert "short of CPU" in late[0] and "blocked" not in late[0]
+    results["a-h1"]["tx_sockets"] = {"send_eagain": 3}
+    late = [n for n in KIND.fidelity_notes(specs, results, view) if "posted more than" in n]
+    assert "3 of its sends waited out the send timeout" in late[0]
