@@ -21,6 +21,7 @@ import errno
 import mmap
 import time
 from argparse import Namespace
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -152,7 +153,7 @@ class FlowHost:
         self.source_view = memoryview(self.source)
         self.sending: dict[int, _Sending] = {}
         self.receiving: dict[int, _Receiving] = {}
-        self.lingering: list[tuple[float, int]] = []   # (detach at fabric ns, qpn)
+        self.lingering: deque[tuple[float, int]] = deque()   # (detach at fabric ns, qpn)
         self.next_out = 0
         self.t0_ns = 0.0
         self.totals = Totals()
@@ -290,7 +291,7 @@ class FlowHost:
                                        rv.binding.qp.qpn))
                 del self.receiving[fid]
         while self.lingering and self.lingering[0][0] <= now:
-            _, qpn = self.lingering.pop(0)
+            _, qpn = self.lingering.popleft()
             self.rx.detach(qpn)
 
     def _close(self, s: _Sending) -> None:

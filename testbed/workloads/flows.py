@@ -14,6 +14,7 @@ writes them to the database's `flows` table, results/flows.csv and results/fct.t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -180,22 +181,44 @@ class FlowsTraffic(RdmaCcEntry):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-def planned_flows(t: FlowsTraffic, hosts: Sequence[str],
-                  line_rate_bps: dict[str, int]) -> list[FlowSpec]:
-    """Every flow of the entry, in start order (explicit, generated and incast merged)."""
+def planned_flows(t: FlowsTraffic, hosts: Sequence[str], line_rate_bps: dict[str, int],
+                  generated: list[FlowSpec] | None = None) -> list[FlowSpec]:
+    """Every flow of the entry, in start order (explicit, generated and incast merged);
+    `generated`: the entry's generated flows if they were drawn already."""
     out = [FlowSpec(f.src, f.dst, f.size_bytes, f.start_ns, f.tclass) for f in t.flows]
-    if t.generate is None and not t.incast:
-        return sorted(out, key=lambda f: f.start_ns)
-    from testbed.workloads.flows_gen import incast_flows, load_cdf, poisson_flows
-
     if t.generate is not None:
-        g = t.generate
-        out += poisson_flows(_generate_hosts(t, hosts), line_rate_bps, load_cdf(g.distribution),
-                             g.load, g.duration_ns, g.start_ns, g.seed)
-    for b in t.incast:
-        out += incast_flows(b.senders, b.receiver, b.size_bytes, b.period_ns or 0, b.bursts,
-                            b.start_ns)
+        out += generated if generated is not None else generated_flows(t, hosts,
+                                                                       line_rate_bps)
+    if t.incast:
+        from testbed.workloads.flows_gen import incast_flows
+
+        for b in t.incast:
+            out += incast_flows(b.senders, b.receiver, b.size_bytes, b.period_ns or 0,
+                                b.bursts, b.start_ns)
     return sorted(out, key=lambda f: f.start_ns)     # stable: config order within a time
+
+
+def generated_flows(t: FlowsTraffic, hosts: Sequence[str],
+                    line_rate_bps: dict[str, int]) -> list[FlowSpec]:
+    """The entry's `generate:` flows (none without it)."""
+    if t.generate is None:
+        return []
+    from testbed.workloads.flows_gen import load_cdf, poisson_flows
+
+    g = t.generate
+    return poisson_flows(_generate_hosts(t, hosts), line_rate_bps, load_cdf(g.distribution),
+                         g.load, g.duration_ns, g.start_ns, g.seed)
+
+
+def _span_ns(flows: Sequence[FlowSpec], rates: dict[str, int], mtu_bytes: int) -> int:
+    """FlowsKind.span_ns of planned flows."""
+    load: dict[str, int] = {}
+    for f in flows:
+        w = message_wire_bytes(f.size_bytes, mtu_bytes)
+        load[f.src] = load.get(f.src, 0) + w
+        load[f.dst] = load.get(f.dst, 0) + w
+    busiest = max((math.ceil(n * 8 * 10**9 / rates[h]) for h, n in load.items()), default=0)
+    return max((f.start_ns for f in flows), default=0) + SPAN_SLACK * busiest
 
 
 def message_wire_bytes(size_bytes: int, mtu_bytes: int) -> int:
@@ -206,24 +229,28 @@ def message_wire_bytes(size_bytes: int, mtu_bytes: int) -> int:
     return size_bytes + packets * (BTH_ICRC_BYTES + WIRE_OVERHEAD_BYTES) + RETH_BYTES
 
 
+@functools.lru_cache(maxsize=256)
+def _parsed(text: str) -> dict:
+    return json.loads(text)
+
+
 def _generate_hosts(t: FlowsTraffic, hosts: Sequence[str]) -> list[str]:
     """The hosts generated flows run among: generate.hosts, the entry's hosts, or all."""
     g = t.generate
     return list((g.hosts if g is not None else None) or t.hosts or hosts)
 
 
-def _generated_stats(t: FlowsTraffic, hosts: Sequence[str],
-                     rates: dict[str, int]) -> dict | None:
-    """How the generated flows came out: their count against what the load and the
+def _generated_stats(t: FlowsTraffic, hosts: Sequence[str], rates: dict[str, int],
+                     flows: Sequence[FlowSpec]) -> dict | None:
+    """How the generated `flows` came out: their count against what the load and the
     distribution's mean make, and the KS distance of their sizes from its CDF."""
     if t.generate is None:
         return None
-    from testbed.workloads.flows_gen import ks_bound, ks_distance, load_cdf, poisson_flows
+    from testbed.workloads.flows_gen import ks_bound, ks_distance, load_cdf
 
     g = t.generate
     cdf = load_cdf(g.distribution)
     members = _generate_hosts(t, hosts)
-    flows = poisson_flows(members, rates, cdf, g.load, g.duration_ns, g.start_ns, g.seed)
     expected = sum(g.load * rates[h] * g.duration_ns / 8e9 for h in members) / cdf.mean_bytes
     return {"distribution": g.distribution, "flows": len(flows),
             "expected_flows": round(expected, 1),
@@ -333,7 +360,8 @@ class FlowsKind(WorkloadKind):
         first_id = state.get("next_id", 0)
         port = FLOWS_UDP_PORT + n
         rates = {h: ctx.line_rate_bps(h) for h in ctx.hosts}
-        flows = planned_flows(t, ctx.hosts, rates)
+        generated = generated_flows(t, ctx.hosts, rates)
+        flows = planned_flows(t, ctx.hosts, rates, generated)
         if first_id + len(flows) > FLOWS_MAX_FLOWS:
             raise ValueError(f"more than {FLOWS_MAX_FLOWS} flows in one run")
         state["next_id"] = first_id + len(flows)
@@ -357,7 +385,8 @@ class FlowsKind(WorkloadKind):
         cnp_interval = ([] if t.cnp_interval_ns is None or t.cc == "none"
                         else ["--cnp-interval-ns", str(t.cnp_interval_ns)])
         rtt_ns = ctx.round_trip_ns(ctx.tc(t.tclass)) if t.window_packets == "auto" else None
-        generated = _generated_stats(t, ctx.hosts, rates)
+        stats = _generated_stats(t, ctx.hosts, rates, generated)
+        span_ns = _span_ns(flows, rates, mtu)
         specs: list[AgentSpec] = []
         for h in [h for h in ctx.hosts if h in out or h in inc]:
             line_bps = ctx.line_rate_bps(h)
@@ -365,12 +394,12 @@ class FlowsKind(WorkloadKind):
                       else int(t.window_packets))
             doc = {"out": out.get(h, []), "in": inc.get(h, []),
                    "time_offset_ns": t.time_offset_ns, "fct_dport": t.fct_dport}
-            if generated and not specs:          # the entry's first agent carries them
-                doc["generated"] = generated
+            if stats and not specs:              # the entry's first agent carries them
+                doc["generated"] = stats
             specs.append(AgentSpec(
                 name=f"{t.name}-{h}", node=h, role="sender", traffic=t.name, kind=t.kind,
                 module=self.agent_module, src=h, dst="",
-                duration_ns=self.span_ns(t, ctx),
+                duration_ns=span_ns,
                 argv=["--bind", ctx.address(h), "--port", str(port), "--mtu", str(mtu),
                       "--dscp", str(ctx.dscp(t.tclass)), *cc,
                       *(["--cnp-dscp", str(cnp)] if cnp is not None else []), *cnp_interval,
@@ -394,15 +423,7 @@ class FlowsKind(WorkloadKind):
                 starts.append(entry.generate.start_ns + entry.generate.duration_ns)
             return max(starts, default=0)
         rates = {h: ctx.line_rate_bps(h) for h in ctx.hosts}
-        flows = planned_flows(entry, ctx.hosts, rates)
-        load: dict[str, int] = {}
-        for f in flows:
-            w = message_wire_bytes(f.size_bytes, ctx.roce_mtu_bytes)
-            load[f.src] = load.get(f.src, 0) + w
-            load[f.dst] = load.get(f.dst, 0) + w
-        busiest = max((math.ceil(n * 8 * 10**9 / rates[h]) for h, n in load.items()),
-                      default=0)
-        return max((f.start_ns for f in flows), default=0) + SPAN_SLACK * busiest
+        return _span_ns(planned_flows(entry, ctx.hosts, rates), rates, ctx.roce_mtu_bytes)
 
     def startup_wall_s(self, spec: AgentSpec) -> float:
         return FLOWS_STARTUP_S
@@ -415,8 +436,8 @@ class FlowsKind(WorkloadKind):
 
     @staticmethod
     def _schedule(spec: AgentSpec) -> dict:
-        text = dict(spec.inputs).get("schedule.json", "{}")
-        return json.loads(text)
+        """The agent's schedule (parsed once: results, accounts and notes all read it)."""
+        return _parsed(dict(spec.inputs).get("schedule.json", "{}"))
 
     def _finished(self, specs: Sequence[AgentSpec], results: Results
                   ) -> tuple[dict[int, dict], dict[int, dict]]:
@@ -474,9 +495,8 @@ class FlowsKind(WorkloadKind):
         for rec in self.flow_records(specs, results, view):
             by_entry.setdefault(rec.workload, []).append(rec)
         rows: list[ResultRow] = []
-        for spec in specs:
-            if spec.traffic in {r.traffic for r in rows}:
-                continue
+        for traffic in dict.fromkeys(s.traffic for s in specs):
+            spec = next(s for s in specs if s.traffic == traffic)
             recs = by_entry.get(spec.traffic, [])
             done = [r for r in recs if r.fct_ns is not None]
             slow = sorted(float(r.slowdown or 1.0) for r in done)
