@@ -166,6 +166,11 @@ class RxBuffer:
     # rate under a steady stream the sampled level is the last poll's frame or two,
     # never 0. The agent sets one full frame.
     empty_bytes: float = 0.0
+    # The last poll's arrivals and what the drain could take in its interval: a poll
+    # that came late (a loaded machine) adds a whole late interval's arrivals at once,
+    # which a buffer draining faster than they came never held.
+    last_new_bytes: float = 0.0
+    last_drainable_bytes: float = 0.0
 
     @classmethod
     def start(cls, arrived_bytes: int, now_ns: float, xoff_bytes: int, xon_bytes: int,
@@ -184,7 +189,9 @@ class RxBuffer:
         new = max(0, arrived_bytes - self.last_arrived)   # a counter reset adds nothing
         dt = max(0.0, now_ns - self.last_ns)
         self.last_arrived, self.last_ns = arrived_bytes, now_ns
-        level = max(0.0, self.level_bytes - self.drain_bps * dt / 8e9) + new
+        drainable = self.drain_bps * dt / 8e9
+        self.last_new_bytes, self.last_drainable_bytes = new, drainable
+        level = max(0.0, self.level_bytes - drainable) + new
         if level > self.capacity_bytes:
             self.overflow_bytes += level - self.capacity_bytes
             level = float(self.capacity_bytes)
@@ -206,9 +213,15 @@ class RxBuffer:
 
     @property
     def finished(self) -> bool:
-        """Line rate again and empty (up to `empty_bytes`): the model can stop."""
-        return (self.rate_bps is None and self.level_bytes <= self.empty_bytes
-                and not self.want_pause)
+        """Line rate again and empty (up to `empty_bytes`): the model can stop. Empty
+        also when all but the last poll's arrivals had drained and those came no faster
+        than the drain takes them: however late that poll was, they never built up."""
+        if self.rate_bps is not None or self.want_pause:
+            return False
+        if self.level_bytes <= self.empty_bytes:
+            return True
+        return (self.level_bytes - self.last_new_bytes <= self.empty_bytes
+                and self.last_new_bytes <= self.last_drainable_bytes)
 
     def next_poll_ns(self, now_ns: float, min_ns: float, max_ns: float) -> float:
         """When the next threshold crossing could happen at the earliest, clamped to

@@ -183,3 +183,21 @@ def test_rx_buffer_at_line_rate_under_a_stream_counts_a_frame_as_empty():
     for t in range(1, 10):                       # 1000 B per 1000 ns: 8 Gb/s < line rate
         b.advance(1_000_000 + 1000 * t, 1000.0 * t)
     assert b.level_bytes == pytest.approx(1000) and b.finished
+
+
+def test_rx_buffer_finishes_under_a_stream_even_when_its_polls_come_late():
+    """A loaded machine polls the model every 10 us of fabric instead of every 1 us: each
+    poll adds 10 KB at once, more than a frame, but an 8 Gb/s stream into a 100 Gb/s
+    drain never builds up; the model still stops. A stream faster than the drain does
+    not let it stop."""
+    b = _buf(rate_bps=None)
+    b.empty_bytes = 9038
+    for t in range(1, 10):
+        b.advance(1_000_000 + 10_000 * t, 10_000.0 * t)
+    assert b.level_bytes == pytest.approx(10_000) and b.finished
+    fast = _buf(rate_bps=None)
+    fast.empty_bytes = 9038
+    for t in range(1, 10):                       # 26 KB per 2 us: 104 Gb/s > line rate
+        fast.advance(1_000_000 + 26_000 * t, 2_000.0 * t)
+    assert not fast.want_pause and fast.level_bytes < fast.xoff_bytes
+    assert not fast.finished
