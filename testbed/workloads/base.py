@@ -156,6 +156,12 @@ class CheckContext:
     roles: Mapping[str, str] = field(default_factory=dict)   # node -> "host" or "switch"
     neighbours: Callable[[str], list[str]] = lambda node: []  # nodes linked to a node, in
     #                                              link order, each once
+    _state: dict[str, dict] = field(default_factory=dict)
+
+    def state(self, owner: str) -> dict:
+        """A scratch dict that lives for one check of the config, for checks across a
+        kind's (or several kinds') entries, as ExpandContext.state is for numbering."""
+        return self._state.setdefault(owner, {})
 
 
 @dataclass
@@ -180,6 +186,8 @@ class ExpandContext:
     link_address: Callable[[str, str], str | None] = lambda node, peer: None  # node's
     #                                              address on its link to peer
     role: Callable[[str], str] = lambda node: "host"           # "host" or "switch"
+    base_rtt_ns: Callable[[str, str], int] = lambda src, dst: 0  # host to host and back,
+    #                                              queues empty (testbed/plan/paths.py)
     _state: dict[str, dict] = field(default_factory=dict)
 
     def state(self, owner: str) -> dict:
