@@ -55,7 +55,9 @@ from testbed.workloads.rdma_group import (
     GROUP_PORTS,
     INA_WORKER_PORT,
     PORT_OWNER,
+    UET_NIC_OWNER,
     GroupTransportEntry,
+    claim_uet_hosts,
     peers_arg,
     rank_ports,
     transport_argv,
@@ -227,6 +229,9 @@ class CollectiveKind(WorkloadKind):
         if t.algorithm is not None and t.algorithm not in allowed:
             yield (loc + ("algorithm",), f"{t.algorithm!r} is not a {t.kind} algorithm; use "
                    f"{' or '.join(allowed)}")
+        if t.op_algorithm == "ina" and t.transport == "uet":
+            yield (loc + ("transport",), "the in-network all-reduce runs its barriers and "
+                   "set-up over RoCE; use transport: roce, or another algorithm over uet")
         if t.op_algorithm == "ina" and (t.dtype == "bfloat16" or t.redop != "sum"):
             yield (loc + ("dtype" if t.dtype == "bfloat16" else "redop",),
                    "the in-network all-reduce sums float32, float16 or int32 in int32 fixed "
@@ -258,7 +263,11 @@ class CollectiveKind(WorkloadKind):
         ports = rank_ports(ctx, t.ranks)         # (TCP set-up, UDP RoCE, UDP INA) per rank
         aggregators = (ina_plan(t, index, ctx, [p[2] for p in ports])
                        if t.op_algorithm == "ina" else None)
-        peers = peers_arg(ctx, t.ranks, ports)
+        if t.transport == "uet":                 # the config's checks report it first
+            taken = claim_uet_hosts(ctx.state(UET_NIC_OWNER), t.ranks, t.name)
+            if taken:
+                raise ValueError(f"collective {t.name!r}: {taken[0][1]}")
+        peers = peers_arg(ctx, t.ranks, ports, t.transport)
         specs = []
         for rank, host in enumerate(t.ranks):
             argv = ["--rank", str(rank), "--peers", peers, "--op", t.kind,

@@ -3,6 +3,12 @@ transport share (the collectives, the training step): one numbering of the ranks
 host, and so of the host ports they listen on; the transport's entry fields and their
 checks; the transport part of a rank's argv.
 
+With `transport: uet` a rank's data goes over the Ultra Ethernet transport instead
+(agents/collectives/uet.py): its host's one UET NIC on UDP UET_PORT (4793), the port
+every UET user of a host shares, so a host may hold one UET rank or UET agent at most
+(`claim_uet_hosts`, across the entries of every kind that runs one). The set-up port is
+numbered as for RoCE; the rank's UDP RoCE port is then unused.
+
 A shared module, not a kind (its name has the shared `rdma` prefix): any RDMA kind may
 import it, and the kinds that number their ranks here declare `port_owner = PORT_OWNER`,
 which tells the registry that they share GROUP_PORTS without colliding.
@@ -21,7 +27,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from testbed.fields import DurationNs, SizeBytes
+from testbed.fields import DurationNs, SizeBytes, Strict
 from testbed.workloads.base import CheckContext, ExpandContext, Problem, TrafficEntry
 from testbed.workloads.rdma import (
     CC_PRESET_DESCRIPTION,
@@ -59,16 +65,58 @@ def rank_ports(ctx: ExpandContext, hosts: Sequence[str]) -> list[tuple[int, int,
 
 
 def peers_arg(ctx: ExpandContext, hosts: Sequence[str],
-              ports: Sequence[tuple[int, int, int]]) -> str:
-    """--peers of a communicator's ranks: IP:TCPPORT:UDPPORT per rank, rank order."""
-    return ",".join(f"{ctx.address(h)}:{tcp}:{udp}"
+              ports: Sequence[tuple[int, int, int]], transport: str = "roce") -> str:
+    """--peers of a communicator's ranks: IP:TCPPORT:UDPPORT per rank, rank order; the
+    UDP port is the RoCE one, or with `transport` uet the UET NIC's (UET_PORT)."""
+    return ",".join(f"{ctx.address(h)}:{tcp}:{UET_PORT if transport == 'uet' else udp}"
                     for h, (tcp, udp, _ina) in zip(hosts, ports, strict=True))
 
 
+#: UDP port of a host's UET NIC (agents.wire.uet.UET_UDP_PORT): one per host, shared by
+#: every UET user on it.
+UET_PORT = 4793
+#: The CheckContext / ExpandContext state where the hosts' UET NICs are claimed.
+UET_NIC_OWNER = "uet_nic"
+#: Payload bytes of a UET packet beyond which it would not fit the interface MTU: IPv4 20 +
+#: UDP 8 + PDS (RUD_CC_REQ) 16 + SES standard 44.
+UET_HEADER_BYTES = 20 + 8 + 16 + 44
+UetCcName = Literal["nscc", "credit", "none"]
+UetEntropyName = Literal["spray", "oblivious", "reps"]
+
+
+def claim_uet_hosts(state: dict, hosts: Sequence[str], who: str) -> list[tuple[int, str]]:
+    """Claim the UET NIC (UDP 4793) of each of `hosts` for `who` (an entry's name) in a
+    check's or expansion's `state(UET_NIC_OWNER)`; (index in hosts, problem) for each
+    host another entry has claimed already."""
+    problems = []
+    for i, host in enumerate(hosts):
+        first = state.setdefault(host, who)
+        if first != who:
+            problems.append((i, f"{host} already runs a UET NIC for {first!r}: a host has one "
+                                f"(UDP {UET_PORT}); put {who!r}'s rank elsewhere or run "
+                                "one of them over RoCE"))
+    return problems
+
+
+class UetSettings(Strict):
+    """The Ultra Ethernet transport of a communicator's ranks (transport: uet)."""
+
+    cc: UetCcName = Field("nscc", description="congestion control of every rank's UET NIC: "
+                          "nscc (sender-based, ECN and delay; needs a class that marks ECN), "
+                          "credit (the receiver paces credit at its line rate) or none")
+    entropy: UetEntropyName = Field(
+        "spray", description="per-packet entropy (the UDP source port, which ECMP hashes): "
+                             "spray (round robin over `entropies` ports), oblivious (one per "
+                             "peer, like RoCE) or reps (keep the ports whose ACKs came back "
+                             "clean)")
+    entropies: int = Field(16, ge=1, le=4096, description="source ports a rank's traffic "
+                           "to one peer is spread over")
+
+
 class GroupTransportEntry(TrafficEntry):
-    """The RoCE transport fields of a communicator's entry, as the collective kind has
-    them: ranks, data type, chunking, queue pairs, class, start, congestion control,
-    window and data seed."""
+    """The transport fields of a communicator's entry, as the collective kind has them:
+    ranks, data type, chunking, class, start and data seed; the transport (RoCE or UET);
+    RoCE's queue pairs, congestion control and window; UET's settings."""
 
     ranks: list[str] = Field(description="the hosts of the communicator; rank i runs on "
                                          "ranks[i], one rank per host")
@@ -76,19 +124,28 @@ class GroupTransportEntry(TrafficEntry):
         "float32", description="element type of the buffers")
     chunk_bytes: SizeBytes = Field(1 << 20, alias="chunk", description="pipelining unit: "
                                    "a step's data is sent in pieces of at most this many "
-                                   "bytes, spread over the queue pairs")
-    qps: int = Field(2, ge=1, le=8, description="queue pairs per pair of ranks")
+                                   "bytes, spread over the queue pairs (RoCE), one UET SEND "
+                                   "each (UET)")
+    qps: int = Field(2, ge=1, le=8, description="queue pairs per pair of ranks (transport: "
+                                                "roce)")
     tclass: str | int = Field("roce", description="traffic class of the data and ACKs; with "
-                                                  "cc, a class that marks ECN")
+                                                  "cc (RoCE) or uet.cc nscc, a class that "
+                                                  "marks ECN")
     start_ns: DurationNs = Field(0, alias="start", description="when the ranks start, fabric "
                                  "time after the run's common start t0")
     cc: Literal["dcqcn", "dctcp", "none"] = Field(
-        "dcqcn", description="congestion control of every rank's QPs")
+        "dcqcn", description="congestion control of every rank's QPs (transport: roce)")
     cc_preset: CcPresetName | None = Field(None, description=CC_PRESET_DESCRIPTION)
     window_packets: int | Literal["auto"] = Field(
         "auto", alias="window", description="most unacknowledged packets per QP, or auto "
-                                            "(as RoCE entries: docs/roce.md)")
+                                            "(as RoCE entries: docs/roce.md; transport: roce)")
     seed: int = Field(1, ge=0, description="seed of the ranks' input data")
+    transport: Literal["roce", "uet"] = Field(
+        "roce", description="roce: RDMA WRITEs with immediate over RC queue pairs (qps, cc, "
+                            "cc_preset, window apply); uet: UET SENDs over each host's Ultra "
+                            "Ethernet NIC (UDP 4793, one per host; `uet` applies)")
+    uet: UetSettings = Field(default_factory=UetSettings,
+                             description="transport: uet: congestion control and entropy")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -110,22 +167,48 @@ class GroupTransportEntry(TrafficEntry):
         return self.cc_preset or DEFAULT_CC_PRESETS.get(self.cc)
 
 
+#: The fields that set up RoCE queue pairs, by config name (what transport: uet refuses).
+ROCE_ONLY_FIELDS = {"qps": "qps", "cc": "cc", "cc_preset": "cc_preset",
+                    "window_packets": "window"}
+
+
 def transport_problems(t: GroupTransportEntry, loc: tuple,
                        ctx: CheckContext) -> Iterator[Problem]:
-    """A preset that does not go with `cc`; congestion control on a class that never
-    marks ECN (so it never gets a CNP)."""
+    """RoCE: a preset that does not go with `cc`; congestion control on a class that
+    never marks ECN (so it never gets a CNP). UET: RoCE's fields set; NSCC on a class
+    that never marks ECN; a host whose UET NIC another entry has. Either: the other
+    transport's fields set."""
+    tclass = ctx.classes.get(t.tclass)
+    if t.transport == "uet":
+        for name, alias in ROCE_ONLY_FIELDS.items():
+            if name in t.model_fields_set:
+                yield (loc + (alias,), f"{alias} sets up RoCE queue pairs; transport: uet "
+                       "has none, remove it (uet: {cc, entropy, entropies} set up UET)")
+        if t.uet.cc == "nscc" and tclass is not None and not tclass.ecn:
+            yield (loc + ("uet", "cc"), f"class {tclass.name!r} (TC{tclass.tc}) does not "
+                   "mark ECN, so NSCC sees congestion only as delay and loss; use a class "
+                   "with ecn: true, or uet: {cc: credit} or {cc: none}")
+        if len(set(t.ranks)) == len(t.ranks):      # a host twice: the shape check's
+            for i, message in claim_uet_hosts(ctx.state(UET_NIC_OWNER), t.ranks, t.name):
+                yield loc + ("ranks", i), message
+        return
+    if "uet" in t.model_fields_set:
+        yield (loc + ("uet",), "uet applies to transport: uet; set transport: uet or "
+               "remove it")
     bad_preset = preset_problem(t.cc, t.cc_preset)
     if bad_preset is not None:
         yield loc + (bad_preset[0],), bad_preset[1]
-    tclass = ctx.classes.get(t.tclass)
     if t.cc != "none" and tclass is not None and not tclass.ecn:
         yield (loc + ("tclass",), f"class {tclass.name!r} (TC{tclass.tc}) does not mark "
                f"ECN, so {t.cc.upper()} never gets a CNP; use an ECN class or cc: none")
 
 
 def transport_argv(t: GroupTransportEntry, ctx: ExpandContext, host: str) -> list[str]:
-    """The RoCE transport's flags of one rank on `host`: chunking, QPs, seed, MTU, DSCPs,
-    congestion control, line rate, window, dilation and the agents' set-up settings."""
+    """The transport's flags of one rank on `host`: RoCE's (chunking, QPs, seed, MTU,
+    DSCPs, congestion control, line rate, window, dilation and the agents' set-up
+    settings) or UET's (uet_argv)."""
+    if t.transport == "uet":
+        return uet_argv(t, ctx, host)
     mtu = ctx.roce_mtu_bytes
     line = ctx.line_rate_bps(host)
     window = (roce_window_packets(line, ctx.round_trip_ns(ctx.tc(t.tclass)), mtu)
@@ -138,3 +221,24 @@ def transport_argv(t: GroupTransportEntry, ctx: ExpandContext, host: str) -> lis
             "--dilation", str(ctx.dilation),
             "--connect-timeout-s", str(ROCE_CONNECT_TIMEOUT_S),
             "--spin-ns", str(ROCE_SPIN_NS)]
+
+
+def uet_payload_bytes(ctx: ExpandContext) -> int:
+    """UET payload per packet: the RoCE MTU's (so both transports cut data alike), or
+    less if the interface MTU cannot carry it with UET's headers."""
+    return min(ctx.roce_mtu_bytes, ctx.mtu_bytes - UET_HEADER_BYTES)
+
+
+def uet_argv(t: GroupTransportEntry, ctx: ExpandContext, host: str) -> list[str]:
+    """The UET transport's flags of one rank on `host`: chunking, seed, DSCP and ECN of
+    the class, congestion control, entropy, payload, line rate, the longest empty-queue
+    round trip to another rank (NSCC's base), dilation and the set-up timeout."""
+    base_rtt = max((ctx.base_rtt_ns(host, h) for h in t.ranks if h != host), default=0)
+    return ["--transport", "uet", "--chunk-bytes", str(t.chunk_bytes), "--seed", str(t.seed),
+            "--dscp", str(ctx.dscp(t.tclass)), "--uet-cc", t.uet.cc,
+            "--uet-entropy", t.uet.entropy, "--uet-entropies", str(t.uet.entropies),
+            "--uet-payload-bytes", str(uet_payload_bytes(ctx)),
+            "--line-rate-bps", str(ctx.line_rate_bps(host)),
+            *(["--uet-base-rtt-ns", str(base_rtt)] if base_rtt > 0 else []),
+            "--dilation", str(ctx.dilation),
+            "--connect-timeout-s", str(ROCE_CONNECT_TIMEOUT_S)]

@@ -449,3 +449,117 @@ def test_worker_refuses_what_uet_cannot_do(peers, extra, message):
                                       *extra])
     problem = check_args(args)
     assert problem is not None and message in problem
+
+
+# --------------------------------------------------------------------------- the config
+
+FABRIC = """\
+name: colluet
+dilation: 1000
+topology:
+  kind: leaf_spine
+  spines: 2
+  leaves: 2
+  hosts_per_leaf: 2
+  host_link: {{port: 100GBASE-CR1, length: 2m}}
+  fabric_link: {{port: 400GBASE-DR4, length: 100m}}
+traffic_classes:
+  - {{tc: 3, name: roce, dscp: [26], lossless: true, ecn: true, weight: 1}}
+  - {{tc: 2, name: lossy, dscp: [10], ecn: true, weight: 1}}
+  - {{tc: 1, name: plain, dscp: [8], weight: 1}}
+  - {{tc: 6, name: cnp, dscp: [48], strict: true}}
+  - {{tc: 0, name: default, dscp: [], weight: 1, default: true}}
+workload:
+  traffic:
+{traffic}
+"""
+UET_AR = ("    - {name: ar, kind: allreduce, ranks: [h1, h2, h3, h4], transport: uet, "
+          "tclass: lossy, sizes: {min: 64KiB, max: 64KiB}, chunk: 256KiB%s}")
+
+
+def _load(traffic: str):
+    from testbed.config import load_config_text
+    from testbed.plan import compile_plan
+
+    loaded = load_config_text(FABRIC.format(traffic=traffic), "colluet.yaml")
+    return loaded, compile_plan(loaded)
+
+
+def _problems(traffic: str) -> str:
+    from testbed.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _load(traffic)
+    return str(err.value)
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_transport_uet_expands_to_the_uet_ranks_flags():
+    from testbed.run.workload import expand_workload
+
+    loaded, plan = _load(UET_AR % ", uet: {cc: credit, entropy: reps, entropies: 8}")
+    specs = expand_workload(loaded.fabric, plan)
+    assert [s.name for s in specs] == ["ar-r0", "ar-r1", "ar-r2", "ar-r3"]
+    argv = specs[0].argv
+    assert _flag(argv, "--transport") == "uet"
+    assert (_flag(argv, "--uet-cc"), _flag(argv, "--uet-entropy"),
+            _flag(argv, "--uet-entropies")) == ("credit", "reps", "8")
+    assert _flag(argv, "--dscp") == "10" and _flag(argv, "--chunk-bytes") == str(256 << 10)
+    assert _flag(argv, "--uet-payload-bytes") == "4096"
+    assert int(_flag(argv, "--line-rate-bps")) == 100_000_000_000
+    assert int(_flag(argv, "--uet-base-rtt-ns")) > 1000       # h1 to h3/h4 over a spine
+    # every rank on UDP 4793, its set-up port numbered as for RoCE
+    assert all(p.endswith(":12000:4793") for p in _flag(argv, "--peers").split(","))
+    for roce_only in ("--qps", "--cc", "--window-packets", "--mtu", "--cnp-dscp"):
+        assert roce_only not in argv
+    # the worker takes what the kind writes
+    args = build_parser().parse_args(argv)
+    assert check_args(args) is None and args.uet_cc == "credit"
+
+
+def test_transport_roce_stays_the_default_with_its_flags():
+    from testbed.run.workload import expand_workload
+
+    loaded, plan = _load("    - {name: ar, kind: allreduce, ranks: [h1, h2], "
+                         "sizes: {min: 64KiB, max: 64KiB}}")
+    argv = expand_workload(loaded.fabric, plan)[0].argv
+    assert "--transport" not in argv and _flag(argv, "--cc") == "dcqcn"
+    assert _flag(argv, "--peers").split(",")[0].endswith(":12000:10000")
+
+
+def test_uet_config_problems_are_clear():
+    text = _problems(UET_AR % ", qps: 4, cc: dctcp, window: 64")
+    for field in ("qps", "cc", "window"):
+        assert f"traffic[0].{field}: {field} sets up RoCE queue pairs; transport: uet" in text
+    text = _problems(UET_AR.replace("tclass: lossy", "tclass: plain") % "")
+    assert "traffic[0].uet.cc: class 'plain' (TC1) does not mark ECN, so NSCC" in text
+    _load(UET_AR.replace("tclass: lossy", "tclass: plain") % ", uet: {cc: credit}")   # fine
+    text = _problems("    - {name: ar, kind: allreduce, ranks: [h1, h2], "
+                     "uet: {cc: none}, sizes: {min: 64KiB, max: 64KiB}}")
+    assert "traffic[0].uet: uet applies to transport: uet" in text
+    text = _problems(UET_AR % ", algorithm: ina")
+    assert "traffic[0].transport: the in-network all-reduce runs" in text
+    text = _problems(UET_AR % ", uet: {cc: dcqcn}")
+    assert "uet.cc" in text
+
+
+def test_a_host_runs_one_uet_nic():
+    two = (UET_AR % "") + "\n" + (
+        "    - {name: br, kind: broadcast, ranks: [h4, h1], transport: uet, tclass: lossy, "
+        "sizes: {min: 64KiB, max: 64KiB}}")
+    text = _problems(two)
+    assert ("traffic[1].ranks[0]: h4 already runs a UET NIC for 'ar': a host has one "
+            "(UDP 4793)") in text
+    assert "traffic[1].ranks[1]: h1 already runs a UET NIC" in text
+    # a RoCE entry beside it is fine: other ports
+    _load((UET_AR % "") + "\n    - {name: br, kind: broadcast, ranks: [h4, h1], "
+          "sizes: {min: 64KiB, max: 64KiB}}")
+
+
+def test_the_training_step_refuses_uet_clearly():
+    text = _problems("    - {name: step, kind: training, ranks: [h1, h2], transport: uet, "
+                     "buckets: [64KiB]}")
+    assert "traffic[0].transport: the training step runs over RoCE only" in text
