@@ -184,3 +184,24 @@ def test_a_run_with_flows_csv_alone_compares_from_it(tmp_path: Path) -> None:
     assert _row(comparison.table(), "slowdown p50") == ["21.00", "63.00"]
     paths = write_comparison(comparison, tmp_path / "out")
     assert paths.md.exists()
+
+
+def test_a_suite_with_compare_true_puts_its_finished_runs_in_one_report(
+        runs: list[Path], tmp_path: Path, capsys) -> None:
+    from argparse import Namespace
+
+    from testbed.cli.run import compare_suite, suite_compares
+
+    suite = tmp_path / "pair.yaml"
+    suite.write_text("runs: [a.yaml, b.yaml]\ncompare: true\n")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("runs: [a.yaml, b.yaml]\n")
+    assert suite_compares(str(suite)) and not suite_compares(str(plain))
+    args = Namespace(runs_dir=str(tmp_path / "out"), quiet=True)
+    assert compare_suite(str(suite), runs, args) == 0
+    out = Path(capsys.readouterr().out.strip())
+    assert out.name.endswith("-pair-compare") and (out / "compare.md").exists()
+    assert runs[0].name in (out / "compare.md").read_text()
+    # one finished run: nothing to compare, said, not an error
+    assert compare_suite(str(suite), runs[:1], args) == 0
+    assert "fewer than two runs finished" in capsys.readouterr().err
