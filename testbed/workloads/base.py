@@ -281,9 +281,10 @@ class WorkloadKind(ABC):
     console_columns: ClassVar[tuple[tuple[str, str], ...]] = (
         ("src", "src"), ("dst", "dst"), ("sent", "tx_packets"), ("received", "rx_packets"),
         ("lost", "lost"), ("rx rate (fabric)", "rx_fabric_bps"))
-    #: the host ports its agents listen on, by protocol ("tcp", "udp"); the registry
+    #: the host ports its agents listen on, by protocol ("tcp", "udp"): a range, or a
+    #: tuple of ranges for a kind that skips a port another kind owns; the registry
     #: refuses a kind whose ranges overlap another's, so kinds never share a socket
-    ports: ClassVar[Mapping[str, range]]
+    ports: ClassVar[Mapping[str, range | tuple[range, ...]]]
     #: the shared module that numbers these ports, if the kind does not itself: kinds
     #: with the same owner may declare the same ranges (the owner never hands one port to
     #: two agents), e.g. the communicator kinds' testbed/workloads/rdma_group.py
