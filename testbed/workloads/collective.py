@@ -18,6 +18,10 @@ busbw = algbw x the operation's bus factor (all-reduce 2(n-1)/n; reduce-scatter,
 all-gather, all-to-all (n-1)/n; broadcast 1); sizes are nccl-tests' (the bytes of the
 larger buffer: count x n elements for reduce-scatter's input, all-gather's output and
 all-to-all). results/<entry>.nccl.txt and .nccl.json hold its table and -J JSON.
+
+With `transport: uet` the same workers move the data as UET SENDs over each host's
+Ultra Ethernet NIC (UDP 4793, one per host; agents/collectives/uet.py) instead, and
+`uet` replaces the RoCE fields (rdma_group.py).
 """
 
 from __future__ import annotations
@@ -179,7 +183,8 @@ class CollectiveKind(WorkloadKind):
     doc: ClassVar = ("Collectives (agents/collectives): one worker per rank, all-reduce "
                      "(ring, recursive halving-doubling, double binary tree), reduce-scatter,"
                      " all-gather, broadcast and all-to-all as RDMA WRITEs with immediate over the "
-                     "user-space RoCE transport, swept over sizes the way nccl-tests does; "
+                     "user-space RoCE transport (or, transport: uet, as UET SENDs over each "
+                     "host's Ultra Ethernet NIC), swept over sizes the way nccl-tests does; "
                      "one row per size, also written as results/<entry>.nccl.txt and "
                      "results/<entry>.nccl.json (nccl-tests' table and -J JSON).")
     # UDP: RoCE 10000.., aggregators 11000.., ranks' aggregation sockets 11500..
