@@ -208,7 +208,9 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
         linked.setdefault(link.b, []).append(link.a)
     ctx = CheckContext(hosts=hosts, classes=classes, nic_bps=_host_nic_rates(expanded),
                        roles={n.name: n.role for n in expanded.nodes},
-                       neighbours=lambda node: list(dict.fromkeys(linked.get(node, []))))
+                       neighbours=lambda node: list(dict.fromkeys(linked.get(node, []))),
+                       entries=list(fabric.workload.traffic),
+                       kind_of=lambda entry: REGISTRY.of(entry.kind))
     names: set[str] = set()
     for i, t in enumerate(fabric.workload.traffic):
         loc = ("workload", "traffic", i)

@@ -156,12 +156,11 @@ class CheckContext:
     roles: Mapping[str, str] = field(default_factory=dict)   # node -> "host" or "switch"
     neighbours: Callable[[str], list[str]] = lambda node: []  # nodes linked to a node, in
     #                                              link order, each once
-    _state: dict[str, dict] = field(default_factory=dict)
-
-    def state(self, owner: str) -> dict:
-        """A scratch dict that lives for one check of the config, for checks across a
-        kind's (or several kinds') entries, as ExpandContext.state is for numbering."""
-        return self._state.setdefault(owner, {})
+    entries: Sequence[TrafficEntry] = ()         # every traffic entry of the workload, in
+    #                                              order (checks across entries: one UET NIC
+    #                                              per host)
+    kind_of: Callable[[TrafficEntry], WorkloadKind | None] = lambda entry: None  # an
+    #                                              entry's kind, as the registry has it
 
 
 @dataclass

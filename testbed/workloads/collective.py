@@ -59,9 +59,7 @@ from testbed.workloads.rdma_group import (
     GROUP_PORTS,
     INA_WORKER_PORT,
     PORT_OWNER,
-    UET_NIC_OWNER,
     GroupTransportEntry,
-    claim_uet_hosts,
     peers_arg,
     rank_ports,
     transport_argv,
@@ -268,10 +266,6 @@ class CollectiveKind(WorkloadKind):
         ports = rank_ports(ctx, t.ranks)         # (TCP set-up, UDP RoCE, UDP INA) per rank
         aggregators = (ina_plan(t, index, ctx, [p[2] for p in ports])
                        if t.op_algorithm == "ina" else None)
-        if t.transport == "uet":                 # the config's checks report it first
-            taken = claim_uet_hosts(ctx.state(UET_NIC_OWNER), t.ranks, t.name)
-            if taken:
-                raise ValueError(f"collective {t.name!r}: {taken[0][1]}")
         peers = peers_arg(ctx, t.ranks, ports, t.transport)
         specs = []
         for rank, host in enumerate(t.ranks):

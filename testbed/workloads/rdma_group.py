@@ -6,7 +6,7 @@ checks; the transport part of a rank's argv.
 With `transport: uet` a rank's data goes over the Ultra Ethernet transport instead
 (agents/collectives/uet.py): its host's one UET NIC on UDP UET_PORT (4793), the port
 every UET user of a host shares, so a host may hold one UET rank or UET agent at most
-(`claim_uet_hosts`, across the entries of every kind that runs one). The set-up port is
+(`uet_host_problems`, across the entries of every kind that runs one). The set-up port is
 numbered as for RoCE; the rank's UDP RoCE port is then unused.
 
 A shared module, not a kind (its name has the shared `rdma` prefix): any RDMA kind may
@@ -28,7 +28,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from testbed.fields import DurationNs, SizeBytes, Strict
-from testbed.workloads.base import CheckContext, ExpandContext, Problem, TrafficEntry
+from testbed.workloads.base import CheckContext, ExpandContext, Problem, TrafficEntry, streams
 from testbed.workloads.rdma import (
     CC_PRESET_DESCRIPTION,
     DEFAULT_CC_PRESETS,
@@ -75,8 +75,6 @@ def peers_arg(ctx: ExpandContext, hosts: Sequence[str],
 #: UDP port of a host's UET NIC (agents.wire.uet.UET_UDP_PORT): one per host, shared by
 #: every UET user on it.
 UET_PORT = 4793
-#: The CheckContext / ExpandContext state where the hosts' UET NICs are claimed.
-UET_NIC_OWNER = "uet_nic"
 #: Payload bytes of a UET packet beyond which it would not fit the interface MTU: IPv4 20 +
 #: UDP 8 + PDS (RUD_CC_REQ) 16 + SES standard 44.
 UET_HEADER_BYTES = 20 + 8 + 16 + 44
@@ -84,18 +82,35 @@ UetCcName = Literal["nscc", "credit", "none"]
 UetEntropyName = Literal["spray", "oblivious", "reps"]
 
 
-def claim_uet_hosts(state: dict, hosts: Sequence[str], who: str) -> list[tuple[int, str]]:
-    """Claim the UET NIC (UDP 4793) of each of `hosts` for `who` (an entry's name) in a
-    check's or expansion's `state(UET_NIC_OWNER)`; (index in hosts, problem) for each
-    host another entry has claimed already."""
-    problems = []
-    for i, host in enumerate(hosts):
-        first = state.setdefault(host, who)
-        if first != who:
-            problems.append((i, f"{host} already runs a UET NIC for {first!r}: a host has one "
-                                f"(UDP {UET_PORT}); put {who!r}'s rank elsewhere or run "
-                                "one of them over RoCE"))
-    return problems
+def uet_hosts(entry: TrafficEntry, ctx: CheckContext) -> list[str]:
+    """The hosts an entry puts a UET NIC on: a communicator's ranks under transport: uet;
+    the hosts of the streams of a kind whose agents take UDP UET_PORT; else none."""
+    if getattr(entry, "transport", None) == "uet":
+        return list(getattr(entry, "ranks", []))
+    kind = ctx.kind_of(entry)
+    if kind is None:
+        return []
+    udp = kind.ports.get("udp", ())
+    if not any(UET_PORT in r for r in ((udp,) if isinstance(udp, range) else udp)):
+        return []
+    pairs = streams(entry, kind.shape(entry), ctx.hosts)
+    return list(dict.fromkeys(h for pair in pairs for h in pair))
+
+
+def uet_host_problems(t: GroupTransportEntry, loc: tuple,
+                      ctx: CheckContext) -> Iterator[Problem]:
+    """A rank of `t` (transport: uet) on a host an earlier entry already puts a UET NIC on
+    (a host has one, on UDP 4793); later entries report their own clashes."""
+    mine = set(t.ranks)
+    for other in ctx.entries:
+        if other is t:
+            return
+        for host in uet_hosts(other, ctx):
+            if host in mine:
+                yield (loc + ("ranks", t.ranks.index(host)),
+                       f"{host} already runs a UET NIC for {other.name!r}: a host has one "
+                       f"(UDP {UET_PORT}); put {t.name!r}'s rank elsewhere or run one of "
+                       "them over RoCE")
 
 
 class UetSettings(Strict):
@@ -188,9 +203,7 @@ def transport_problems(t: GroupTransportEntry, loc: tuple,
             yield (loc + ("uet", "cc"), f"class {tclass.name!r} (TC{tclass.tc}) does not "
                    "mark ECN, so NSCC sees congestion only as delay and loss; use a class "
                    "with ecn: true, or uet: {cc: credit} or {cc: none}")
-        if len(set(t.ranks)) == len(t.ranks):      # a host twice: the shape check's
-            for i, message in claim_uet_hosts(ctx.state(UET_NIC_OWNER), t.ranks, t.name):
-                yield loc + ("ranks", i), message
+        yield from uet_host_problems(t, loc, ctx)
         return
     if "uet" in t.model_fields_set:
         yield (loc + ("uet",), "uet applies to transport: uet; set transport: uet or "

@@ -563,3 +563,37 @@ def test_the_training_step_refuses_uet_clearly():
     text = _problems("    - {name: step, kind: training, ranks: [h1, h2], transport: uet, "
                      "buckets: [64KiB]}")
     assert "traffic[0].transport: the training step runs over RoCE only" in text
+
+
+def test_a_collective_on_a_host_an_earlier_uet_kind_entry_uses_is_a_problem():
+    """Any kind whose agents take UDP 4793 puts a UET NIC on its streams' hosts."""
+    from testbed.workloads.base import CheckContext, Shape, TrafficEntry
+    from testbed.workloads.collective import CollectiveTraffic
+    from testbed.workloads.rdma_group import uet_host_problems
+
+    class Pairs(TrafficEntry):
+        pairs: list[tuple[str, str]]
+
+    class UetLike:
+        ports = {"udp": (range(4793, 4794),)}
+
+        def shape(self, entry: object) -> Shape:
+            return Shape.PAIRS
+
+    class Other:
+        ports = {"udp": range(5000, 5100)}
+
+        def shape(self, entry: object) -> Shape:
+            return Shape.PAIRS
+
+    streams = Pairs(name="s", kind="toy_uet", pairs=[("h1", "h5")])
+    plain = Pairs(name="p", kind="toy", pairs=[("h2", "h6")])
+    coll = CollectiveTraffic(name="ar", kind="allreduce", ranks=["h2", "h5"],
+                             transport="uet")
+    kinds = {"toy_uet": UetLike(), "toy": Other()}
+    ctx = CheckContext(hosts=[f"h{i}" for i in range(1, 9)], classes={}, nic_bps={},
+                       entries=[streams, plain, coll],
+                       kind_of=lambda e: kinds.get(e.kind))  # type: ignore[arg-type,return-value]
+    problems = list(uet_host_problems(coll, ("t",), ctx))
+    assert problems == [(("t", "ranks", 1), "h5 already runs a UET NIC for 's': a host has one "
+                         "(UDP 4793); put 'ar''s rank elsewhere or run one of them over RoCE")]
