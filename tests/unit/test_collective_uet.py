@@ -597,3 +597,70 @@ def test_a_collective_on_a_host_an_earlier_uet_kind_entry_uses_is_a_problem():
     problems = list(uet_host_problems(coll, ("t",), ctx))
     assert problems == [(("t", "ranks", 1), "h5 already runs a UET NIC for 's': a host has one "
                          "(UDP 4793); put 'ar''s rank elsewhere or run one of them over RoCE")]
+
+
+# --------------------------------------------------------------------------- the real NIC
+
+
+def test_two_ranks_over_real_uet_nics_on_loopback():
+    """Two ranks on 127.0.0.1 and 127.0.0.2 (one UET NIC each, the same UDP port), set up
+    by agents.collectives.uet.connect: tagged messages both ways and a ring all-reduce."""
+    nic_module = pytest.importorskip("agents.uet.nic")
+    from agents.collectives.uet import UetConfig, connect
+
+    tcp = _free_tcp_ports(2)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        udp = s.getsockname()[1]
+    peers = [PeerAddress("127.0.0.1", tcp[0], udp), PeerAddress("127.0.0.2", tcp[1], udp)]
+    options = nic_module.UetOptions(dscp=10, line_rate_bps=2e9, base_rtt_ns=50_000)
+    config = UetConfig(options=options, chunk_bytes=65536 + HEADER_BYTES, udp_port=udp,
+                       connect_timeout_s=20)
+    ts: list[UetTransport | None] = [None, None]
+    errors: list[BaseException] = []
+    got: dict[int, list[np.ndarray]] = {}
+
+    def rank(r: int) -> None:
+        try:
+            t = connect(r, peers, config)
+            ts[r] = t
+            other = 1 - r
+            msgs = [np.arange(n, dtype=np.float32) + r for n in (0, 1, 1023, 300_000)]
+            for i, m in enumerate(msgs):
+                t.send(other, i % 2, m)
+            out = []
+            for i in (1, 3, 0, 2):
+                buf = np.empty(msgs[i].size, dtype=np.float32)
+                t.recv(other, i % 2, buf)
+                out.append(buf)
+            t.wait_sends()
+            send = np.full(100_001, r + 1, dtype=np.int32)
+            recv = np.empty_like(send)
+            algorithms.run("allreduce", "ring", t, send, recv)
+            out.append(recv)
+            finish(t)
+            got[r] = out
+        except BaseException as e:   # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+    finally:
+        for t in ts:
+            if t is not None:
+                t.close()
+    assert not errors, errors
+    for r in (0, 1):
+        for buf, n in zip(got[r][:4], (1, 300_000, 0, 1023), strict=True):
+            assert np.array_equal(buf, np.arange(n, dtype=np.float32) + 1 - r)
+        assert np.array_equal(got[r][4], np.full(100_001, 3, dtype=np.int32))
+    t0, t1 = ts
+    assert t0 is not None and t1 is not None
+    c0, c1 = t0.counters(), t1.counters()
+    assert c0["bytes_sent"] == c1["bytes_received"] and c1["bytes_sent"] == c0["bytes_received"]
+    assert c0["tx_packets"] > 0 and c0["transport"] == "uet"
+    assert c0["wire_bytes_sent"] > c0["bytes_sent"]
