@@ -37,8 +37,9 @@ runs on fresh inputs into a receive buffer pre-filled with a sentinel and is che
 with `data.count_wrong` against `data.reference`, block by block.
 
 Output: one JSON line on stdout (and --out), `{"rank", "size", "op", "algorithm",
-"dtype", "redop", "root", "results": [{"bytes", "count", "iterations_us", "min_us",
-"avg_us", "p50_us", "p99_us", "wrong", "phases_us", "wire_bytes_per_iteration"}],
+"dtype", "redop", "root", "transport", "results": [{"bytes", "count", "iterations_us",
+"min_us", "avg_us", "p50_us", "p99_us", "wrong", "phases_us", "wire_bytes_per_iteration",
+"retransmissions", "timeouts", "trims" (UET only)}],
 "partial", "counters", "error",
 "stopped_by", "events_written", "events_dropped"}`, where `counters` are the transport's
 (`RoceTransport.counters`, or `UetTransport.counters`). `results` holds the sizes that
@@ -329,6 +330,16 @@ class Live:
                       + totals.get("packets_sent", 0) * WIRE_OVERHEAD_BYTES)
         return total
 
+    def recovery(self) -> dict[str, int]:
+        """The transport's loss recovery so far: `retransmissions` (data packets sent
+        again), `timeouts`, and over UET `trims` (trimmed packets that reached this rank)."""
+        c = self.transport.counters() if self.transport is not None else {}
+        out = {"retransmissions": int(c.get("retransmissions", 0)),
+               "timeouts": int(c.get("timeouts", 0))}
+        if c.get("transport") == "uet":
+            out["trims"] = int(c.get("trims_received", 0))
+        return out
+
     def snapshot(self) -> dict:
         """The live counters; the collector samples every top-level number of it as
         `collective.<key>` (docs/run-format.md)."""
@@ -352,7 +363,8 @@ class Live:
     def header(self) -> dict:
         a = self.args
         return {"rank": a.rank, "size": len(a.peer_list), "op": a.op,
-                "algorithm": a.algorithm, "dtype": a.dtype, "redop": a.redop, "root": a.root}
+                "algorithm": a.algorithm, "dtype": a.dtype, "redop": a.redop, "root": a.root,
+                "transport": getattr(a, "transport", "roce")}
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -395,6 +407,7 @@ class Sweep:
         self.live.partial = result
         total = a.warmup + a.iterations
         sent0 = 0
+        lost0: dict[str, int] = {}
         for it in range(total):
             self.live.iteration = it
             if it == total - 1:            # the checked one: fresh inputs, sentinel output
@@ -403,6 +416,7 @@ class Sweep:
             barrier(self.t, (index, it))
             if it == a.warmup:
                 sent0 = self.live.wire_bytes_sent()
+                lost0 = self.live.recovery()
             self.phases.iteration(result["bytes"], it, it < a.warmup)
             clock = sweep.PhaseClock(t.clock.now_ns, on_close=self.phases.close)
             t0 = t.clock.now_ns()
@@ -428,6 +442,9 @@ class Sweep:
         # what this rank put on its host link per timed run (the barriers' few bytes too)
         result["wire_bytes_per_iteration"] = round(
             (self.live.wire_bytes_sent() - sent0) / a.iterations)
+        # what loss recovery cost over the timed runs (and their barriers)
+        lost1 = self.live.recovery()
+        result.update({k: v - lost0.get(k, 0) for k, v in lost1.items()})
         result["wrong"] = self.wrong(count, recv)
         self.live.results.append(result)
         self.live.partial = None

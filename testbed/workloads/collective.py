@@ -192,9 +192,10 @@ class CollectiveKind(WorkloadKind):
                          "ranks": ["h1", "h2", "h3", "h4"],
                          "sizes": {"min": "64KiB", "max": "1MiB", "factor": 4}}
     console_columns: ClassVar = (
-        ("algorithm", "algorithm"), ("ranks", "ranks"), ("size (B)", "bytes"),
-        ("type", "dtype"), ("time (us)", "time_us"), ("algbw (GB/s)", "algbw_gbps"),
-        ("busbw (GB/s)", "busbw_gbps"), ("link (GB/s)", "effective_link_gbps"),
+        ("algorithm", "algorithm"), ("transport", "transport"), ("ranks", "ranks"),
+        ("size (B)", "bytes"), ("type", "dtype"), ("time (us)", "time_us"),
+        ("algbw (GB/s)", "algbw_gbps"), ("busbw (GB/s)", "busbw_gbps"),
+        ("link (GB/s)", "effective_link_gbps"), ("retx", "retransmissions"),
         ("#wrong", "wrong"))
     result_fields: ClassVar = {
         "operation": "allreduce, reducescatter, allgather, broadcast or alltoall",
@@ -222,6 +223,12 @@ class CollectiveKind(WorkloadKind):
                                "really placed on the busiest NIC (docs/collectives-roce.md); "
                                "unlike busbw it needs no per-algorithm factor, so it stays "
                                "meaningful for tree and in-network all-reduce",
+        "transport": "roce (RDMA WRITEs with immediate over RC QPs) or uet (UET SENDs)",
+        "retransmissions": "data packets sent again during the timed runs, over every rank "
+                           "(RoCE: go-back-N resends; UET: selective ones)",
+        "timeouts": "retransmission timer expiries during the timed runs, over every rank",
+        "trims": "UET: trimmed packets that reached a rank during the timed runs, over every "
+                 "rank (null over RoCE)",
         "error": "the first error a rank reported (null: none)",
     }
 
@@ -709,6 +716,12 @@ def _size_row(kind: str, first: dict, size: int, per_rank_rows: list[dict], n: i
     dtype = str(first.get("dtype") or "float32")
     link_bytes = max((int(r.get("wire_bytes_per_iteration") or 0) for r in per_rank_rows),
                      default=0)
+    def summed(key: str) -> int | None:
+        values = [r.get(key) for r in per_rank_rows]
+        if not values or not all(isinstance(v, int) for v in values):
+            return None
+        return sum(int(v) for v in values if isinstance(v, int))
+
     errors = [str(r["error"]) for r in per_rank if r.get("error")]
     if not complete and not errors:
         errors = [f"{n - len(per_rank_rows)} of {n} ranks reported no result for {size} B"]
@@ -729,6 +742,9 @@ def _size_row(kind: str, first: dict, size: int, per_rank_rows: list[dict], n: i
         "phases_us": {k: round(v, 3) for k, v in phases.items()},
         "link_bytes": link_bytes,
         "effective_link_gbps": round(link_bytes / (time_us * 1e3), 4) if time_us > 0 else 0.0,
+        "transport": str(first.get("transport") or "roce"),
+        "retransmissions": summed("retransmissions"), "timeouts": summed("timeouts"),
+        "trims": summed("trims"),
         "error": errors[0] if errors else None,
     }
 
