@@ -127,6 +127,7 @@ class AckResult:
     rtt_ns: float | None = None            # an RTT sample (Karn), if the ACK gave one
     lost: list[tuple[int, TxRecord]] = field(default_factory=list)    # SACK holes queued
     stale: bool = False                    # acknowledged nothing new
+    trigger: int | None = None             # the PSN whose arrival sent the ACK
 
 
 class RudSender:
@@ -252,6 +253,7 @@ class RudSender:
             res.stale = True
             return res
         trigger = cack + ack_psn_offset
+        res.trigger = trigger
         acked = res.acked
         if cack >= self.base:
             for psn in range(self.base, cack + 1):
