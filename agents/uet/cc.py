@@ -102,6 +102,9 @@ class NsccParams:
     delay_ewma_gain: float = 0.125
     """Gain of the smoothed RTT used for pacing and for the once-per-RTT spacing. Our
     choice (TCP's SRTT gain, RFC 6298)."""
+    max_rtt_sample_ns: float | None = None
+    """RTT samples above this are ignored as bogus (a stale or corrupt timestamp).
+    None: 1000 x `base_rtt_ns`. Our choice."""
     pacing: bool = False
     """Pace sends at cwnd / smoothed RTT (`send_due_ns`). Off by default: the window
     alone clocks the sender, as NSCC is window-based."""
@@ -115,6 +118,12 @@ class NsccParams:
         if self.target_delay_ns is not None:
             return self.target_delay_ns
         return self.base_rtt_ns * (1 + self.target_margin)
+
+    @property
+    def rtt_sample_limit_ns(self) -> float:
+        if self.max_rtt_sample_ns is not None:
+            return self.max_rtt_sample_ns
+        return 1000 * self.base_rtt_ns
 
     @property
     def max_cwnd(self) -> float:
@@ -145,6 +154,9 @@ class NsccParams:
         for name in ("max_cwnd_bdp", "initial_cwnd_bdp", "md_gain", "pi_gain"):
             if not getattr(self, name) > 0:
                 p.append(f"{name} must be > 0")
+        if self.max_rtt_sample_ns is not None and \
+                not self.max_rtt_sample_ns > self.target_rtt_ns:
+            p.append("max_rtt_sample_ns must be > the target RTT")
         if self.fi_bytes is not None and not self.fi_bytes >= 0:
             p.append("fi_bytes must be >= 0")
         for name in ("max_md_fraction", "qa_decrease_fraction", "delay_ewma_gain"):
@@ -169,7 +181,8 @@ class Nscc:
     | no  | above         | small additive ("fair") increase: the delay is shared,  |
     |     |               | nobody marked us, so converge towards fairness          |
 
-    An ACK without an RTT sample uses the last sample (the base RTT before any).
+    An ACK without an RTT sample (or with one that is not in (0, max_rtt_sample_ns])
+    uses the last sample (the base RTT before any).
     A trim or a loss triggers quick adapt (at most once per RTT); a timeout resets the
     window to the minimum. The window stays within [min_cwnd, max_cwnd].
     """
@@ -247,7 +260,7 @@ class Nscc:
         c["acked_bytes"] += max(0, acked_bytes)
         if ecn:
             c["ecn_acks"] += 1
-        if rtt_ns is not None and rtt_ns > 0 and math.isfinite(rtt_ns):
+        if rtt_ns is not None and 0 < rtt_ns <= p.rtt_sample_limit_ns:
             self._last_rtt_ns = rtt_ns
             self.srtt_ns += p.delay_ewma_gain * (rtt_ns - self.srtt_ns)
         self._roll_window(now)
