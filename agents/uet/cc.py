@@ -86,11 +86,13 @@ class NsccParams:
     the gain is our choice."""
     max_md_fraction: float = 0.5
     """Largest fraction one multiplicative decrease removes. Our choice (TCP's halving)."""
-    pi_gain: float = 1.0
-    """Proportional increase on no ECN + low delay: per ACK, cwnd += pi_gain x acked x
-    (target - rtt) / target; at an empty queue that is about a third of cwnd per RTT
-    with the default target. The form (increase proportional to the distance below the
-    target) is NSCC's; the gain is our choice."""
+    pi_bdp: float = 0.1
+    """Proportional increase on no ECN + low delay, in BDPs per RTT at an empty queue:
+    per ACK, cwnd += pi_bdp x BDP x (acked / cwnd) x (target - rtt) / (target - base),
+    the last factor clamped to [0, 1]. So each PDC adds the same bytes per RTT whatever
+    its window (additive, so windows converge to fair shares), more the further the
+    delay is below target, nothing at the target. The form (increase proportional to
+    the distance below the target) is NSCC's; the gain is our choice."""
     fi_bytes: float | None = None
     """Fair (additive) increase on no ECN + high delay: fi_bytes per RTT's worth of ACKs
     (cwnd += fi_bytes x acked / cwnd). None: one MTU. NSCC's fair increase is a small
@@ -151,7 +153,7 @@ class NsccParams:
             p.append("target_margin must be > 0")
         if self.min_cwnd_bytes is not None and not self.min_cwnd_bytes > 0:
             p.append("min_cwnd_bytes must be > 0")
-        for name in ("max_cwnd_bdp", "initial_cwnd_bdp", "md_gain", "pi_gain"):
+        for name in ("max_cwnd_bdp", "initial_cwnd_bdp", "md_gain", "pi_bdp"):
             if not getattr(self, name) > 0:
                 p.append(f"{name} must be > 0")
         if self.max_rtt_sample_ns is not None and \
@@ -277,7 +279,9 @@ class Nscc:
             else:
                 c["suppressed_decreases"] += 1
         elif not ecn and not high:
-            self.cwnd_bytes += p.pi_gain * max(0, acked_bytes) * (target - rtt) / target
+            below = min(1.0, (target - rtt) / (target - p.base_rtt_ns))
+            self.cwnd_bytes += p.pi_bdp * p.bdp_bytes * max(0, acked_bytes) \
+                / self.cwnd_bytes * below
             c["increases"] += 1
         elif ecn:
             c["holds"] += 1
