@@ -504,7 +504,7 @@ class CreditSender:
         return min(CREDIT_TARGET_MAX, max(0, backlog - cover))
 
     def counters(self) -> dict[str, Any]:
-        return {"credit_bytes": self.credit_bytes,
+        return {"credit_held_bytes": self.credit_bytes,
                 "unsolicited_left_bytes": self.unsolicited_left, **self._c}
 
 

@@ -485,7 +485,7 @@ def test_credit_target_is_the_backlog_not_yet_covered_and_drops_unneeded_credit(
     s.on_credit(2 * MTU)
     assert s.credit_target(5 * MTU) == 3 * MTU
     assert s.credit_target(MTU) == 0                          # holds more than it needs
-    assert s.counters()["credit_bytes"] == MTU
+    assert s.counters()["credit_held_bytes"] == MTU
     assert s.counters()["credit_dropped_bytes"] == MTU
     assert s.credit_target(10**9) == CREDIT_TARGET_MAX        # 24-bit field saturates
 
@@ -618,7 +618,8 @@ def test_under_credit_the_speculative_bytes_are_the_only_burst_of_an_incast(
     B = line rate x grant-path jitter + 2 MTU (12.5 KB + 8.3 KB here), whatever N is.
     Measured, for N = 8 and 16 alike: 12.4 KB (3.0 MTU) after the burst; peak 871 KB
     (N = 8) and 1867 KB (N = 16) with one BDP of allowance each, 12.4 KB with none;
-    the last byte 15.7 us (N = 8) / 16.5 us (N = 16) after line-rate time (2 RTT allowed)."""
+    the last byte 15.7 us (one BDP) / 15.9 us (none) after line-rate time, for N = 8 and
+    16 alike (two base RTTs allowed)."""
     r = Incast(n, unsolicited).run()
     p = r.p
     rate_bytes_per_ns = 100 * G / 8 / G
@@ -634,3 +635,20 @@ def test_under_credit_the_speculative_bytes_are_the_only_burst_of_an_incast(
     # the last byte lands within two base RTTs of line-rate time: one RTT before the
     # first credit can act, one of grants held back while speculative bytes drain
     assert r.done_ns <= sent / rate_bytes_per_ns + 2 * p.base_rtt_ns
+
+
+# --- docs ----------------------------------------------------------------------------
+
+
+def test_every_parameter_and_counter_is_documented() -> None:
+    from dataclasses import fields
+
+    from tests.conftest import REPO
+
+    doc = (REPO / "docs" / "uet-cc.md").read_text(encoding="utf-8")
+    names = [f.name for f in fields(NsccParams)] + [f.name for f in fields(CreditParams)]
+    cp = cparams()
+    names += list(Nscc(params()).counters()) + list(NoCc().counters())
+    names += list(CreditSender(cp).counters()) + list(CreditReceiver(cp).counters())
+    missing = sorted({n for n in names if f"`{n}`" not in doc})
+    assert not missing, f"docs/uet-cc.md does not mention {missing}"
