@@ -540,6 +540,7 @@ class CreditReceiver:
     its last data, the receiver writes the credit off (`reclaimed_bytes`) and forgets
     its demand until it asks again; the sender drops credit beyond its backlog in
     `CreditSender.credit_target`, so the two sides agree that such credit is gone.
+    The write-off is checked in `grants()`, so it happens when some PDC can be granted.
     """
 
     def __init__(self, p: CreditParams, now_ns: float = 0.0) -> None:
