@@ -243,6 +243,8 @@ _BY_TYPE: dict[int, type[Packet]] = {
 }
 
 for _cls in (UETPDSRequest, UETPDSAck, UETPDSNack, UETPDSControl):
+    # scapy consults dispatch_hook only where a class defines it itself, not inherited
+    _cls.dispatch_hook = _UETPDS.__dict__["dispatch_hook"]  # type: ignore[method-assign]
     bind_layers(UDP, _cls, dport=UET_UDP_PORT)
 # The source port is the entropy and may be any port, some of which scapy binds to other
 # protocols (53 to DNS, ...); the destination port 4793 decides, so its bindings go first.
