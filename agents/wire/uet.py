@@ -393,6 +393,12 @@ _F_NACK_TYPE = 0x08
 _S_DC, _S_HDR_DATA, _S_EOM, _S_SOM = 0x20, 0x04, 0x02, 0x01
 
 _U8, _U16, _U24, _U32, _U64 = 0xFF, 0xFFFF, 0xFFFFFF, 0xFFFFFFFF, (1 << 64) - 1
+# Plain ints for the per-packet code: IntEnum arithmetic and max(Enum) cost microseconds.
+_NEXT_HDR_MAX, _STD = int(max(NextHdr)), int(NextHdr.REQUEST_STD)
+_P_RUD, _P_RUD_CC = int(PdsType.RUD_REQ) << 11, int(PdsType.RUD_CC_REQ) << 11
+_P_ACK, _P_ACK_CC = int(PdsType.ACK) << 11, int(PdsType.ACK_CC) << 11
+_P_NACK, _P_CONTROL = int(PdsType.NACK) << 11, int(PdsType.CONTROL) << 11
+_NSCC, _CREDIT, _CC_TYPE_MAX = int(CcType.NSCC), int(CcType.CREDIT), int(max(CcType))
 
 
 def _check(name: str, value: int, top: int) -> None:
@@ -405,13 +411,13 @@ def _check_request(req: Request, ses: SesRequest | None) -> None:
     _check("spdcid", req.spdcid, _U16)
     _check("dpdcid", req.dpdcid, _U16)
     _check("clear_psn_offset", req.clear_psn_offset, _U16)
-    _check("next_hdr", req.next_hdr, max(NextHdr))
+    _check("next_hdr", req.next_hdr, _NEXT_HDR_MAX)
     if (req.ccc_id is None) != (req.credit_target is None):
         raise ValueError("ccc_id and credit_target: set both (RUD_CC_REQ) or neither")
     if req.ccc_id is not None and req.credit_target is not None:
         _check("ccc_id", req.ccc_id, _U8)
         _check("credit_target", req.credit_target, _U24)
-    if (ses is not None) != (req.next_hdr == NextHdr.REQUEST_STD):
+    if (ses is not None) != (req.next_hdr == _STD):
         raise ValueError(f"next_hdr={req.next_hdr}: an SES standard header goes with "
                          "next_hdr REQUEST_STD and only with it")
     if ses is not None:
@@ -443,7 +449,7 @@ def _check_ses(ses: SesRequest) -> None:
 
 
 def _request_prologue(req: Request, cc: bool) -> int:
-    return (((PdsType.RUD_CC_REQ if cc else PdsType.RUD_REQ) << 11) | (req.next_hdr << 7)
+    return ((_P_RUD_CC if cc else _P_RUD) | (req.next_hdr << 7)
             | (_F_RETRANS if req.retrans else 0) | (_F_ACKREQ if req.ackreq else 0)
             | (_F_SYN if req.syn else 0))
 
@@ -527,17 +533,17 @@ def pack_ack(a: Ack) -> bytes:
     flags = ((_F_ECN if a.ecn_marked else 0) | (_F_RETRANS if a.retrans else 0)
              | (_F_PROBE if a.probe else 0) | (a.request << 1))
     if a.cc_type is None:
-        return _ACK.pack((PdsType.ACK << 11) | flags, a.ack_psn_offset, a.cack_psn,
+        return _ACK.pack(_P_ACK | flags, a.ack_psn_offset, a.cack_psn,
                          a.spdcid, a.dpdcid)
-    prologue = (PdsType.ACK_CC << 11) | flags
-    if a.cc_type == CcType.NSCC:
+    prologue = _P_ACK_CC | flags
+    if a.cc_type == _NSCC:
         return _ACK_CC_NSCC.pack(
-            prologue, a.ack_psn_offset, a.cack_psn, a.spdcid, a.dpdcid, CcType.NSCC << 4,
+            prologue, a.ack_psn_offset, a.cack_psn, a.spdcid, a.dpdcid, _NSCC << 4,
             a.mpr, a.sack_psn_offset, a.sack_bitmap, a.service_time,
             ((1 << 31) if a.restore_cwnd else 0) | (a.rcv_cwnd_pend << 24) | a.rcvd_bytes,
             a.ooo_count)
     return _ACK_CC_CREDIT.pack(
-        prologue, a.ack_psn_offset, a.cack_psn, a.spdcid, a.dpdcid, CcType.CREDIT << 4,
+        prologue, a.ack_psn_offset, a.cack_psn, a.spdcid, a.dpdcid, _CREDIT << 4,
         a.mpr, a.sack_psn_offset, a.sack_bitmap, a.credit << 8, 0, a.ooo_count)
 
 
@@ -556,12 +562,12 @@ def _check_ack(a: Ack) -> None:
         if stray:
             raise ValueError(f"{stray[0]} is carried by an ACK_CC only; set cc_type")
         return
-    _check("cc_type", a.cc_type, max(CcType))
+    _check("cc_type", a.cc_type, _CC_TYPE_MAX)
     _check("mpr", a.mpr, _U8)
     _check("sack_psn_offset", a.sack_psn_offset, _U16)
     _check("sack_bitmap", a.sack_bitmap, _U64)
     _check("ooo_count", a.ooo_count, _U16)
-    if a.cc_type == CcType.NSCC:
+    if a.cc_type == _NSCC:
         _check("service_time", a.service_time, _U16)
         _check("rcv_cwnd_pend", a.rcv_cwnd_pend, 0x7F)
         _check("rcvd_bytes", a.rcvd_bytes, _U24)
@@ -585,7 +591,7 @@ def pack_nack(n: Nack) -> bytes:
     _check("payload", n.payload, _U32)
     flags = ((_F_ECN if n.ecn_marked else 0) | (_F_RETRANS if n.retrans else 0)
              | (_F_NACK_TYPE if n.nack_type else 0))
-    return _NACK.pack((PdsType.NACK << 11) | flags, n.nack_code, n.vendor_code, n.nack_psn,
+    return _NACK.pack(_P_NACK | flags, n.nack_code, n.vendor_code, n.nack_psn,
                       n.spdcid, n.dpdcid, n.payload)
 
 
@@ -599,7 +605,7 @@ def pack_control(c: Control) -> bytes:
     _check("probe_opaque", c.probe_opaque, _U16)
     flags = ((_F_RETRANS if c.retrans else 0) | (_F_ACKREQ if c.ackreq else 0)
              | (_F_SYN if c.syn else 0))
-    return _CONTROL.pack((PdsType.CONTROL << 11) | (c.ctl_type << 7) | flags, c.probe_opaque,
+    return _CONTROL.pack(_P_CONTROL | (c.ctl_type << 7) | flags, c.probe_opaque,
                          c.psn, c.spdcid, c.dpdcid, c.payload)
 
 
@@ -628,7 +634,7 @@ def _parse_request(view: memoryview, p: int, cc: bool) -> Parsed:
         req = Request(psn, spdcid, dpdcid, clear, bool(p & _F_RETRANS), bool(p & _F_ACKREQ),
                       bool(p & _F_SYN), next_hdr)
         off = PDS_REQUEST_BYTES
-    if next_hdr != NextHdr.REQUEST_STD:
+    if next_hdr != _STD:
         return Parsed(req, None, view[off:])
     if n < off + SES_STD_BYTES:
         raise MalformedUet("truncated_ses", f"SES standard header needs {SES_STD_BYTES} "
@@ -662,7 +668,7 @@ def _parse_ses(view: memoryview, off: int, req: Request) -> SesRequest:
 
 def _parse_ack(view: memoryview, p: int, cc: bool) -> Parsed:
     n = len(view)
-    if (p >> 7) & 0xF != NextHdr.NONE:
+    if (p >> 7) & 0xF:
         raise MalformedUet("bad_next_hdr", f"ACK with next_hdr {(p >> 7) & 0xF} (an SES "
                            "response header is not supported)")
     ecn, retrans, probe, request = (bool(p & _F_ECN), bool(p & _F_RETRANS),
@@ -676,13 +682,13 @@ def _parse_ack(view: memoryview, p: int, cc: bool) -> Parsed:
     if n < ACK_CC_BYTES:
         raise MalformedUet("truncated", f"ACK_CC needs 32 bytes, got {n}")
     cc_type = view[12] >> 4
-    if cc_type == CcType.NSCC:
+    if cc_type == _NSCC:
         (_, offset, cack, spdcid, dpdcid, _, mpr, sack_off, bitmap, svc, word,
          ooo) = _ACK_CC_NSCC.unpack_from(view)
         ack = Ack(cack, offset, spdcid, dpdcid, ecn, retrans, probe, request, CcType.NSCC,
                   mpr, sack_off, bitmap, svc, bool(word >> 31), (word >> 24) & 0x7F,
                   word & _U24, ooo)
-    elif cc_type == CcType.CREDIT:
+    elif cc_type == _CREDIT:
         (_, offset, cack, spdcid, dpdcid, _, mpr, sack_off, bitmap, word, _,
          ooo) = _ACK_CC_CREDIT.unpack_from(view)
         ack = Ack(cack, offset, spdcid, dpdcid, ecn, retrans, probe, request, CcType.CREDIT,
@@ -713,12 +719,12 @@ def _parse_control(view: memoryview, p: int, cc: bool) -> Parsed:
 
 _Parser = Callable[[memoryview, int, bool], Parsed]
 _DISPATCH: dict[int, tuple[_Parser, bool]] = {
-    PdsType.RUD_REQ: (_parse_request, False),
-    PdsType.RUD_CC_REQ: (_parse_request, True),
-    PdsType.ACK: (_parse_ack, False),
-    PdsType.ACK_CC: (_parse_ack, True),
-    PdsType.NACK: (_parse_nack, False),
-    PdsType.CONTROL: (_parse_control, False),
+    int(PdsType.RUD_REQ): (_parse_request, False),
+    int(PdsType.RUD_CC_REQ): (_parse_request, True),
+    int(PdsType.ACK): (_parse_ack, False),
+    int(PdsType.ACK_CC): (_parse_ack, True),
+    int(PdsType.NACK): (_parse_nack, False),
+    int(PdsType.CONTROL): (_parse_control, False),
 }
 _KNOWN_TYPES = frozenset(int(t) for t in PdsType)
 
