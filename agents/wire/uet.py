@@ -86,10 +86,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
+from typing import TypeVar
 
 from agents.wire import BytesLike
+
+_T = TypeVar("_T")
 
 __all__ = [
     "ACK_BYTES",
@@ -373,6 +376,30 @@ def data_offset(ses: SesRequest) -> int:
 
 # --------------------------------------------------------------------------- layouts
 
+def _builder(cls: type[_T]) -> Callable[..., _T]:
+    """A constructor for the frozen dataclass `cls` taking every field positionally, for
+    parse's per-packet path: it sets the slots through their descriptors, which a frozen
+    dataclass's __init__ does through object.__setattr__ at about twice the cost. The
+    classes have no __post_init__, so the result is the same object __init__ makes."""
+    setters = tuple(getattr(cls, f.name).__set__ for f in fields(cls))  # type: ignore[arg-type]
+    new = object.__new__
+
+    def build(*values: object) -> _T:
+        obj = new(cls)
+        for put, value in zip(setters, values, strict=True):
+            put(obj, value)
+        return obj
+    return build
+
+
+_request = _builder(Request)
+_ses_request = _builder(SesRequest)
+_ack = _builder(Ack)
+_nack = _builder(Nack)
+_control = _builder(Control)
+_parsed = _builder(Parsed)
+
+
 _REQ = struct.Struct("!HHIHH")                  # prologue, clear_psn_offset, psn, spdcid, dpdcid
 _CC_REQ = struct.Struct("!HHIHHI")              # + ccc_id << 24 | credit_target
 _ACK = struct.Struct("!HHIHH")                  # prologue, ack_psn_offset, cack_psn, s/dpdcid
@@ -624,18 +651,18 @@ def _parse_request(view: memoryview, p: int, cc: bool) -> Parsed:
         if n < PDS_CC_REQUEST_BYTES:
             raise MalformedUet("truncated", f"RUD_CC_REQ needs 16 bytes, got {n}")
         _, clear, psn, spdcid, dpdcid, word = _CC_REQ.unpack_from(view)
-        req = Request(psn, spdcid, dpdcid, clear, bool(p & _F_RETRANS), bool(p & _F_ACKREQ),
-                      bool(p & _F_SYN), next_hdr, word >> 24, word & _U24)
+        req = _request(psn, spdcid, dpdcid, clear, bool(p & _F_RETRANS), bool(p & _F_ACKREQ),
+                       bool(p & _F_SYN), next_hdr, word >> 24, word & _U24)
         off = PDS_CC_REQUEST_BYTES
     else:
         if n < PDS_REQUEST_BYTES:
             raise MalformedUet("truncated", f"RUD_REQ needs 12 bytes, got {n}")
         _, clear, psn, spdcid, dpdcid = _REQ.unpack_from(view)
-        req = Request(psn, spdcid, dpdcid, clear, bool(p & _F_RETRANS), bool(p & _F_ACKREQ),
-                      bool(p & _F_SYN), next_hdr)
+        req = _request(psn, spdcid, dpdcid, clear, bool(p & _F_RETRANS), bool(p & _F_ACKREQ),
+                       bool(p & _F_SYN), next_hdr, None, None)
         off = PDS_REQUEST_BYTES
     if next_hdr != _STD:
-        return Parsed(req, None, view[off:])
+        return _parsed(req, None, view[off:])
     if n < off + SES_STD_BYTES:
         raise MalformedUet("truncated_ses", f"SES standard header needs {SES_STD_BYTES} "
                            f"bytes, got {n - off}", req)
@@ -644,7 +671,7 @@ def _parse_request(view: memoryview, p: int, cc: bool) -> Parsed:
     if ses.payload_length and len(payload) > ses.payload_length:
         raise MalformedUet("inconsistent_length", f"{len(payload)} payload bytes, SES "
                            f"payload_length {ses.payload_length}", req)
-    return Parsed(req, ses, payload)
+    return _parsed(req, ses, payload)
 
 
 def _parse_ses(view: memoryview, off: int, req: Request) -> SesRequest:
@@ -660,10 +687,10 @@ def _parse_ses(view: memoryview, off: int, req: Request) -> SesRequest:
         header_data = 0
         message_offset = 0 if som else tail & _U32
         payload_length = (tail >> 32) & SES_PAYLOAD_LENGTH_MAX
-    return SesRequest(opcode & 0x3F, som, bool(flags & _S_EOM), message_id, request_length,
-                      buffer_offset, memory_key, header_data, message_offset, payload_length,
-                      ri_job & _U24, pid & 0xFFF, ri & 0xFFF, initiator, ri_job >> 24,
-                      hdr_data, bool(flags & _S_DC))
+    return _ses_request(opcode & 0x3F, som, bool(flags & _S_EOM), message_id, request_length,
+                        buffer_offset, memory_key, header_data, message_offset, payload_length,
+                        ri_job & _U24, pid & 0xFFF, ri & 0xFFF, initiator, ri_job >> 24,
+                        hdr_data, bool(flags & _S_DC))
 
 
 def _parse_ack(view: memoryview, p: int, cc: bool) -> Parsed:
@@ -677,33 +704,33 @@ def _parse_ack(view: memoryview, p: int, cc: bool) -> Parsed:
         if n < ACK_BYTES:
             raise MalformedUet("truncated", f"ACK needs 12 bytes, got {n}")
         _, offset, cack, spdcid, dpdcid = _ACK.unpack_from(view)
-        return Parsed(Ack(cack, offset, spdcid, dpdcid, ecn, retrans, probe, request),
-                      None, view[ACK_BYTES:])
+        return _parsed(_ack(cack, offset, spdcid, dpdcid, ecn, retrans, probe, request, None,
+                            0, 0, 0, 0, False, 0, 0, 0, 0), None, view[ACK_BYTES:])
     if n < ACK_CC_BYTES:
         raise MalformedUet("truncated", f"ACK_CC needs 32 bytes, got {n}")
     cc_type = view[12] >> 4
     if cc_type == _NSCC:
         (_, offset, cack, spdcid, dpdcid, _, mpr, sack_off, bitmap, svc, word,
          ooo) = _ACK_CC_NSCC.unpack_from(view)
-        ack = Ack(cack, offset, spdcid, dpdcid, ecn, retrans, probe, request, CcType.NSCC,
-                  mpr, sack_off, bitmap, svc, bool(word >> 31), (word >> 24) & 0x7F,
-                  word & _U24, ooo)
+        ack = _ack(cack, offset, spdcid, dpdcid, ecn, retrans, probe, request, CcType.NSCC,
+                   mpr, sack_off, bitmap, svc, bool(word >> 31), (word >> 24) & 0x7F,
+                   word & _U24, ooo, 0)
     elif cc_type == _CREDIT:
         (_, offset, cack, spdcid, dpdcid, _, mpr, sack_off, bitmap, word, _,
          ooo) = _ACK_CC_CREDIT.unpack_from(view)
-        ack = Ack(cack, offset, spdcid, dpdcid, ecn, retrans, probe, request, CcType.CREDIT,
-                  mpr, sack_off, bitmap, ooo_count=ooo, credit=word >> 8)
+        ack = _ack(cack, offset, spdcid, dpdcid, ecn, retrans, probe, request, CcType.CREDIT,
+                   mpr, sack_off, bitmap, 0, False, 0, 0, ooo, word >> 8)
     else:
         raise MalformedUet("bad_cc_type", f"cc_type {cc_type}")
-    return Parsed(ack, None, view[ACK_CC_BYTES:])
+    return _parsed(ack, None, view[ACK_CC_BYTES:])
 
 
 def _parse_nack(view: memoryview, p: int, cc: bool) -> Parsed:
     if len(view) < NACK_BYTES:
         raise MalformedUet("truncated", f"NACK needs 16 bytes, got {len(view)}")
     _, code, vendor, psn, spdcid, dpdcid, payload = _NACK.unpack_from(view)
-    return Parsed(Nack(code, psn, spdcid, dpdcid, bool(p & _F_ECN), bool(p & _F_RETRANS),
-                       1 if p & _F_NACK_TYPE else 0, vendor, payload), None, view[NACK_BYTES:])
+    return _parsed(_nack(code, psn, spdcid, dpdcid, bool(p & _F_ECN), bool(p & _F_RETRANS),
+                         1 if p & _F_NACK_TYPE else 0, vendor, payload), None, view[NACK_BYTES:])
 
 
 def _parse_control(view: memoryview, p: int, cc: bool) -> Parsed:
@@ -713,8 +740,9 @@ def _parse_control(view: memoryview, p: int, cc: bool) -> Parsed:
     if len(view) < CONTROL_BYTES:
         raise MalformedUet("truncated", f"CONTROL needs 16 bytes, got {len(view)}")
     _, opaque, psn, spdcid, dpdcid, payload = _CONTROL.unpack_from(view)
-    return Parsed(Control(ctl_type, psn, spdcid, dpdcid, payload, opaque, bool(p & _F_RETRANS),
-                          bool(p & _F_ACKREQ), bool(p & _F_SYN)), None, view[CONTROL_BYTES:])
+    return _parsed(_control(ctl_type, psn, spdcid, dpdcid, payload, opaque,
+                            bool(p & _F_RETRANS), bool(p & _F_ACKREQ), bool(p & _F_SYN)),
+                   None, view[CONTROL_BYTES:])
 
 
 _Parser = Callable[[memoryview, int, bool], Parsed]

@@ -564,3 +564,15 @@ def test_data_offset_is_the_message_offset_and_zero_on_the_first_packet() -> Non
 
 def test_payload_length_limit_is_fourteen_bits() -> None:
     assert SES_PAYLOAD_LENGTH_MAX == 16383
+
+
+def test_parsed_headers_are_the_frozen_dataclasses_init_makes() -> None:
+    import dataclasses
+    req = Request(psn=1, spdcid=2, dpdcid=3, ccc_id=4, credit_target=5)
+    ses = SesRequest(SesOpcode.SEND, som=True, eom=True, message_id=1, request_length=3,
+                     payload_length=3)
+    p = parse(pack_request(req, ses, b"abc"))
+    assert (p.pds, p.ses) == (req, ses) and hash(p.pds) == hash(req) and hash(p.ses) == hash(ses)
+    for obj in (p, p.pds, p.ses, parse(pack_ack(Ack(1, 0, 1, 2))).pds):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            obj.psn = 9                                   # type: ignore[misc, union-attr]
