@@ -573,6 +573,7 @@ def test_parsed_headers_are_the_frozen_dataclasses_init_makes() -> None:
                      payload_length=3)
     p = parse(pack_request(req, ses, b"abc"))
     assert (p.pds, p.ses) == (req, ses) and hash(p.pds) == hash(req) and hash(p.ses) == hash(ses)
-    for obj in (p, p.pds, p.ses, parse(pack_ack(Ack(1, 0, 1, 2))).pds):
+    for obj, name in ((p, "payload"), (p.pds, "psn"), (p.ses, "som"),
+                      (parse(pack_ack(Ack(1, 0, 1, 2))).pds, "cack_psn")):
         with pytest.raises(dataclasses.FrozenInstanceError):
-            obj.psn = 9                                   # type: ignore[misc, union-attr]
+            setattr(obj, name, 9)
