@@ -364,7 +364,8 @@ class Parsed:
     @property
     def trimmed(self) -> bool:
         """The packet carried fewer payload bytes than its SES header says it was sent
-        with: a switch cut it."""
+        with: a switch cut it. A payload_length of 0 states nothing (never trimmed), so
+        senders set it to the payload's length on every packet."""
         ses = self.ses
         return ses is not None and len(self.payload) < ses.payload_length
 
