@@ -180,6 +180,8 @@ class ExpandContext:
     link_address: Callable[[str, str], str | None] = lambda node, peer: None  # node's
     #                                              address on its link to peer
     role: Callable[[str], str] = lambda node: "host"           # "host" or "switch"
+    # host to host and back through empty queues, fabric ns (plan/paths.base_round_trip_ns)
+    base_rtt_ns: Callable[[str, str], int] = lambda src, dst: 0
     _state: dict[str, dict] = field(default_factory=dict)
 
     def state(self, owner: str) -> dict:
