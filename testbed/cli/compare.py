@@ -1,6 +1,7 @@
-"""`testbed compare RUN_A RUN_B [...] [-o DIR]`: runs of sized flows side by side (FCT
-slowdowns overall and by flow size, unfinished flows, PFC pauses, queues, ECN marks) in
-one report, compare.html + compare.md, and the headline table on the console."""
+"""`testbed compare RUN_A RUN_B [...] [-o DIR]`: runs side by side (throughput, algbw,
+data verified, FCT slowdowns overall and by flow size for runs with flows, unfinished
+flows, retransmissions, drops, trims, PFC pauses, queues, ECN marks) in one report,
+compare.html + compare.md, and the headline table on the console."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from testbed.cli.common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, wide_console
 
 def add_parser(sub):
     p = sub.add_parser(
-        "compare", help="put runs with flows side by side (FCT slowdowns, PFC, queues, ECN)",
-        description="Compare runs of sized flows (kind: flows) from their run directories "
-                    "alone: compare.html + compare.md in DIR (no root needed).")
+        "compare", help="put runs side by side (throughput, FCT, algbw, retransmissions, "
+                        "trims, PFC, queues, ECN)",
+        description="Compare runs from their run directories alone (e.g. RoCEv2 + DCQCN + "
+                    "PFC against UET on lossy classes): compare.html + compare.md in DIR "
+                    "(no root needed). FCT slowdowns by flow size when every run has flows.")
     p.add_argument("run_dirs", metavar="RUN_DIR", nargs="+",
                    help="run directories, runs/<UTC time>-<name>/ (two or more)")
     p.add_argument("-o", "--out", metavar="DIR",

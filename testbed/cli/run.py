@@ -1,7 +1,9 @@
 """`testbed run [FILE]`: run a fabric's workload (or a suite of runs) and write a run directory.
 
 A suite with `incidents:` (configs/suites/incidents.yaml) runs as `testbed incident run
---suite FILE` does."""
+--suite FILE` does. A suite with `runs:` runs each config in turn; with `compare: true`
+it then puts every run that finished side by side in one `testbed compare` report,
+runs/<UTC time>-<suite>-compare/ (configs/suites/uet-vs-roce.yaml)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,38 @@ def suite_runs(path: str) -> list[str] | None:
     return None
 
 
+def suite_compares(path: str) -> bool:
+    """Whether a `runs:` suite asks for one comparison of its runs (`compare: true`)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and data.get("compare") is True
+
+
+def compare_suite(path: str, run_dirs: list[Path], args) -> int:
+    """The suite's runs side by side: compare.html + compare.md in a new run directory."""
+    from testbed.report import RunDirError
+    from testbed.report.compare import load_comparison, write_comparison
+    from testbed.run.rundir import create_run_dir
+
+    if len(run_dirs) < 2:
+        print(f"run: {path}: fewer than two runs finished, so there is nothing to compare",
+              file=sys.stderr)
+        return EXIT_OK
+    try:
+        comparison = load_comparison(run_dirs)
+        out = create_run_dir(Path(args.runs_dir), f"{Path(path).stem}-compare")
+        paths = write_comparison(comparison, out)
+    except (RunDirError, OSError) as exc:
+        print(f"run: {path}: cannot compare its runs: {exc}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(f"comparison: {paths.html}  (and compare.md)")
+    print(out)
+    return EXIT_OK
+
+
 def _progress_table(name: str, phase: str, totals, elapsed_wall_s: float) -> Table:
     table = Table(title=f"run {name}", show_header=False)
     starting = totals.last_sample_fabric_ns < 0
@@ -64,7 +98,7 @@ def _progress_table(name: str, phase: str, totals, elapsed_wall_s: float) -> Tab
     return table
 
 
-def run_one(path: str, args) -> int:
+def run_one(path: str, args, done: list[Path] | None = None) -> int:
     from testbed.run.calibration import load_budget_bps
     from testbed.run.runner import RunOptions, run_config
 
@@ -117,6 +151,8 @@ def run_one(path: str, args) -> int:
         if report.exists():
             console.print(f"report: {report}  (and report.md, summary.json, counters.sqlite)")
     print(result.run_dir)
+    if done is not None and not result.interrupted:
+        done.append(result.run_dir)
     return 130 if result.interrupted else EXIT_OK
 
 
@@ -180,9 +216,12 @@ def run(args) -> int:
     if runs is None:
         return run_one(args.file, args)
     worst = EXIT_OK
+    finished: list[Path] = []
     for path in runs:
-        code = run_one(path, args)
+        code = run_one(path, args, finished)
         worst = max(worst, code)
         if code == 130:
-            break
+            return worst
+    if suite_compares(args.file):
+        worst = max(worst, compare_suite(args.file, finished, args))
     return worst

@@ -1,11 +1,18 @@
-"""`testbed compare`: runs of sized flows side by side, from their run directories alone.
+"""`testbed compare`: runs side by side, from their run directories alone.
 
     comparison = load_comparison([run_a, run_b, ...])   # RunDirError naming a bad directory
     paths = write_comparison(comparison, out_dir)       # compare.html + compare.md
 
-Per run: its label (the run directory's name and the cc of its flows entries, from its
-config.yaml), the FCT slowdown p50/p95/p99 over every finished flow and per bucket by
-size (SCHEME_TEXT: HPCC's 5 % buckets when every run ran and finished the same flows;
+Any runs compare (RoCEv2 + DCQCN + PFC against Ultra Ethernet on lossy classes is what it
+was widened for); what each shows depends on its workload. Per run: its label (the run
+directory's name and each traffic entry's kind, transport and cc, from its config.yaml),
+the workload's headline from summary.json's result rows (throughput: the bytes of every
+row with start_us/end_us over the span they cover, or the udp rows' rx_fabric_bps summed;
+algbw: the collective rows' algbw_gbps at their largest size; whether every row that
+verified its data was right; retransmissions summed over the rows that count them), drops
+(summary totals) and trims (trims summed over every port and class at the last sample);
+for runs with flows, the FCT slowdown p50/p95/p99 over every finished flow and per bucket
+by size (SCHEME_TEXT: HPCC's 5 % buckets when every run ran and finished the same flows;
 HPCC's slices of all the flows when they ran the same flows but finished different
 ones; else the fixed size ranges of slowdown_buckets' "sizes" scheme),
 its unfinished flows, PFC pause frames sent and received (pause_tx and pause_rx summed
@@ -54,7 +61,18 @@ SCHEME_TEXT = {
                   "finished flows in the bucket.",
     "sizes": "The runs ran different flows, so they are compared over fixed size ranges "
              "(<10KB, 10KB-100KB, 100KB-1MB, 1MB-10MB, >=10MB) instead of HPCC's buckets.",
+    "none": "Not every run has flows, so there are no slowdowns by flow size.",
 }
+
+
+@dataclass
+class Headline:
+    """What a run's result rows say, whatever its workload (None: no row says it)."""
+
+    throughput_gbps: float | None = None    # fabric Gb/s
+    algbw_gbps: float | None = None         # fabric GB/s (nccl-tests' unit)
+    retransmissions: int | None = None
+    verified: bool | None = None            # every row that checked its data was right
 
 
 @dataclass
@@ -65,7 +83,7 @@ class RunColumn:
     label: str
     cc: str                             # the cc of its flows entries ('' if unknown)
     records: list[FlowRecord]
-    summary: FlowSummary
+    summary: FlowSummary | None         # None: the run has no flows
     pause_tx: int
     pause_rx: int
     ecn_marks: int
@@ -73,6 +91,10 @@ class RunColumn:
     queue_p99_bytes: float | None
     queue_max_bytes: float | None
     buckets: list[Bucket] = field(default_factory=list)
+    workload: str = ""                  # each entry's kind, transport and cc
+    headline: Headline = field(default_factory=Headline)
+    trims: int = 0
+    drops: int | None = None
 
 
 @dataclass
@@ -82,13 +104,31 @@ class Comparison:
 
     def table(self) -> Table:
         """The headline table, one column per run (the console prints it too)."""
-        rows: list[list[str]] = [["flows", *(fmt_int(r.summary.flows) for r in self.runs)],
-                                 ["unfinished", *(fmt_int(r.summary.unfinished)
-                                                  for r in self.runs)]]
-        for name in ("p50", "p95", "p99"):
-            rows.append([f"slowdown {name}",
-                         *(fmt_slowdown(getattr(r.summary, name)) for r in self.runs)])
-        rows += [["PFC XOFF frames sent", *(fmt_int(r.pause_tx) for r in self.runs)],
+        runs = self.runs
+        rows: list[list[str]] = [["workload", *(r.workload or "-" for r in runs)]]
+
+        def add(name: str, cells: list[str]) -> None:
+            if any(c != "-" for c in cells):       # a row no run has says nothing
+                rows.append([name, *cells])
+
+        add("throughput (Gb/s)", [_num(r.headline.throughput_gbps, 2) for r in runs])
+        add("algbw (GB/s)", [_num(r.headline.algbw_gbps, 3) for r in runs])
+        add("data verified", ["-" if r.headline.verified is None
+                              else "yes" if r.headline.verified else "NO" for r in runs])
+        if any(r.summary is not None for r in runs):
+            add("flows", ["-" if r.summary is None else fmt_int(r.summary.flows)
+                          for r in runs])
+            add("unfinished", ["-" if r.summary is None else fmt_int(r.summary.unfinished)
+                               for r in runs])
+            for name in ("p50", "p95", "p99"):
+                add(f"slowdown {name}", ["-" if r.summary is None
+                                         else fmt_slowdown(getattr(r.summary, name))
+                                         for r in runs])
+        add("retransmissions", ["-" if r.headline.retransmissions is None
+                                else fmt_int(r.headline.retransmissions) for r in runs])
+        add("drops", ["-" if r.drops is None else fmt_int(r.drops) for r in runs])
+        rows += [["trims", *(fmt_int(r.trims) for r in runs)],
+                 ["PFC XOFF frames sent", *(fmt_int(r.pause_tx) for r in self.runs)],
                  ["PFC frames received (XOFF + XON)", *(fmt_int(r.pause_rx) for r in self.runs)],
                  ["ECN marks", *(fmt_int(r.ecn_marks) for r in self.runs)]]
         for name in ("p50", "p99", "max"):
@@ -126,6 +166,10 @@ class Comparison:
         return Table(columns, rows, [False] + [True] * (len(columns) - 1))
 
 
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
 def run_key(i: int) -> str:
     """A, B, ..., Z, then R27, R28, ...: a run's short name in the bucket table."""
     return chr(ord("A") + i) if i < 26 else f"R{i + 1}"
@@ -150,10 +194,68 @@ def _flows_cc(run_dir: Path) -> str:
     return "+".join(found)
 
 
+def _workload_label(run_dir: Path) -> str:
+    """Each traffic entry's kind, transport (collectives) and cc, e.g. 'uet_incast nscc'."""
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return ""
+    traffic = ((config or {}).get("workload") or {}).get("traffic") if isinstance(
+        config, dict) else None
+    found: list[str] = []
+    for entry in traffic if isinstance(traffic, list) else []:
+        if not isinstance(entry, dict) or not entry.get("kind"):
+            continue
+        words = [str(entry["kind"])]
+        for key in ("transport", "cc", "entropy"):
+            if entry.get(key) is not None:
+                words.append(str(entry[key]))
+        text = " ".join(words)
+        if text not in found:
+            found.append(text)
+    return ", ".join(found)
+
+
+def headline(summary: dict) -> Headline:
+    """The throughput, algbw, verification and retransmissions of a run's result rows."""
+    rows = [row for w in summary.get("workloads") or [] if isinstance(w, dict)
+            for row in w.get("results") or [] if isinstance(row, dict)]
+    out = Headline()
+    spans = [(row["bytes"], row["start_us"], row["end_us"]) for row in rows
+             if all(isinstance(row.get(k), (int, float)) for k in ("bytes", "start_us",
+                                                                      "end_us"))]
+    if spans:
+        first, last = min(s for _b, s, _e in spans), max(e for _b, _s, e in spans)
+        if last > first:
+            out.throughput_gbps = sum(b for b, _s, _e in spans) * 8 / ((last - first) * 1e3)
+    else:
+        rx = [row["rx_fabric_bps"] for row in rows
+              if isinstance(row.get("rx_fabric_bps"), (int, float))]
+        if rx:
+            out.throughput_gbps = sum(rx) / 1e9
+    coll = [row for row in rows if isinstance(row.get("algbw_gbps"), (int, float))]
+    if coll:
+        largest = max(row.get("bytes") or 0 for row in coll)
+        out.algbw_gbps = max(row["algbw_gbps"] for row in coll
+                             if (row.get("bytes") or 0) == largest)
+    checked = [row["verified"] for row in rows if isinstance(row.get("verified"), bool)]
+    wrong = [row["wrong"] for row in rows if isinstance(row.get("wrong"), int)]
+    if checked or wrong:
+        out.verified = all(checked) and not any(wrong)
+    retx = [row["retransmissions"] for row in rows
+            if isinstance(row.get("retransmissions"), int)]
+    if retx:
+        out.retransmissions = sum(retx)
+    return out
+
+
 def _last_sum(run: RunData, counter: str) -> int | None:
+    """`counter` summed over every series at its last sample; None without a database or
+    when it holds no such series (then summary.json's port rows say)."""
     if run.store is None:
         return None
-    return int(sum(v for v in run.store.last_values(counter).values()))
+    values = run.store.last_values(counter)
+    return int(sum(values.values())) if values else None
 
 
 def _ports_sum(run: RunData, key: str) -> int:
@@ -191,17 +293,24 @@ def _column(run_dir: Path) -> RunColumn:
         raise RunDirError(f"{run_dir}: not a run directory ({exc})") from None
     with run:
         records, _source = run_flows(run)
-        if not records:
-            raise RunDirError(f"{run_dir}: the run has no flows (no flows table in "
-                              "counters.sqlite and no results/flows.csv)")
+        head = headline(run.summary)
+        if not records and head == Headline():
+            raise RunDirError(f"{run_dir}: the run has no results to compare (no result "
+                              "rows in summary.json, no flows table in counters.sqlite and "
+                              "no results/flows.csv)")
         cc = _flows_cc(run_dir)
+        trims = _last_sum(run, "trims")
+        drops = (run.summary.get("totals") or {}).get("drops")
         pause_tx = _last_sum(run, "pause_tx")
         pause_rx = _last_sum(run, "pause_rx")
         ecn_marks = _last_sum(run, "ecn_marks")
         q50, q99, qmax = _queue_percentiles(run)
         return RunColumn(
             run_dir=run_dir, label=run_dir.name + (f" ({cc})" if cc else ""), cc=cc,
-            records=records, summary=flow_summary(records),
+            records=records, summary=flow_summary(records) if records else None,
+            workload=_workload_label(run_dir), headline=head,
+            trims=_ports_sum(run, "trims") if trims is None else trims,
+            drops=drops if isinstance(drops, int) else None,
             pause_tx=_ports_sum(run, "pause_tx") if pause_tx is None else pause_tx,
             pause_rx=_ports_sum(run, "pause_rx") if pause_rx is None else pause_rx,
             ecn_marks=_ports_sum(run, "ecn_marks") if ecn_marks is None else ecn_marks,
@@ -210,8 +319,10 @@ def _column(run_dir: Path) -> RunColumn:
 
 def load_comparison(run_dirs: Sequence[Path]) -> Comparison:
     """Read every run; RunDirError naming the directory for one that is not a run
-    directory or has no flows."""
+    directory or has nothing to compare. FCT buckets only when every run has flows."""
     runs = [_column(Path(d)) for d in run_dirs]
+    if not all(r.records for r in runs):
+        return Comparison(runs, "none")
     same_flows = len({tuple(_flow_set(r.records)) for r in runs}) == 1
     same_finished = len({tuple(_flow_set([f for f in r.records if f.fct_ns is not None]))
                          for r in runs}) == 1
@@ -253,7 +364,7 @@ def context(comparison: Comparison) -> dict:
     return {"runs": [{"key": run_key(i), "label": r.label, "dir": str(r.run_dir),
                       "cc": r.cc or "unknown"} for i, r in enumerate(runs)],
             "side_by_side": comparison.table(), "buckets": comparison.bucket_table(),
-            "scheme_text": scheme_text, "svgs": svgs}
+            "scheme_text": scheme_text, "scheme": comparison.scheme, "svgs": svgs}
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,18 @@ def expand_context(fabric: Fabric, plan: Plan) -> ExpandContext:
         round_trip_ns=_memo(lambda tc: longest_round_trip_ns(plan, tc)),
         neighbours=lambda node: neighbours(plan, node),
         link_address=lambda node, peer: link_address(plan, node, peer),
-        role=lambda node: plan.node(node).role)
+        role=lambda node: plan.node(node).role,
+        base_rtt_ns=_pair_memo(lambda src, dst: base_round_trip_ns(plan, src, dst)))
+
+
+def _pair_memo(f: Callable[[str, str], int]) -> Callable[[str, str], int]:
+    done: dict[tuple[str, str], int] = {}
+
+    def once(src: str, dst: str) -> int:
+        if (src, dst) not in done:
+            done[(src, dst)] = f(src, dst)
+        return done[(src, dst)]
+    return once
 
 
 def expand_workload(fabric: Fabric, plan: Plan) -> list[AgentSpec]:

@@ -180,6 +180,8 @@ class ExpandContext:
     link_address: Callable[[str, str], str | None] = lambda node, peer: None  # node's
     #                                              address on its link to peer
     role: Callable[[str], str] = lambda node: "host"           # "host" or "switch"
+    # host to host and back through empty queues, fabric ns (plan/paths.base_round_trip_ns)
+    base_rtt_ns: Callable[[str, str], int] = lambda src, dst: 0
     _state: dict[str, dict] = field(default_factory=dict)
 
     def state(self, owner: str) -> dict:
@@ -273,9 +275,10 @@ class WorkloadKind(ABC):
     console_columns: ClassVar[tuple[tuple[str, str], ...]] = (
         ("src", "src"), ("dst", "dst"), ("sent", "tx_packets"), ("received", "rx_packets"),
         ("lost", "lost"), ("rx rate (fabric)", "rx_fabric_bps"))
-    #: the host ports its agents listen on, by protocol ("tcp", "udp"); the registry
+    #: the host ports its agents listen on, by protocol ("tcp", "udp"): a range, or a
+    #: tuple of ranges for a kind that skips a port another kind owns; the registry
     #: refuses a kind whose ranges overlap another's, so kinds never share a socket
-    ports: ClassVar[Mapping[str, range]]
+    ports: ClassVar[Mapping[str, range | tuple[range, ...]]]
     #: the shared module that numbers these ports, if the kind does not itself: kinds
     #: with the same owner may declare the same ranges (the owner never hands one port to
     #: two agents), e.g. the communicator kinds' testbed/workloads/rdma_group.py

@@ -23,6 +23,11 @@ class UnknownKind(KeyError):
         return str(self.args[0])
 
 
+def port_ranges(value: range | tuple[range, ...]) -> tuple[range, ...]:
+    """A kind's ports of one protocol as ranges (it may declare one range or several)."""
+    return (value,) if isinstance(value, range) else tuple(value)
+
+
 class Registry:
     def __init__(self) -> None:
         self._by_name: dict[str, WorkloadKind] = {}
@@ -36,12 +41,14 @@ class Registry:
         for other in self.kinds():
             if kind.port_owner is not None and kind.port_owner == other.port_owner:
                 continue        # one numbering hands out both kinds' ports
-            for proto, ports in kind.ports.items():
-                theirs = other.ports.get(proto, range(0))
-                if max(ports.start, theirs.start) < min(ports.stop, theirs.stop):
-                    raise ValueError(f"{type(kind).__name__}'s {proto} ports {ports.start}.."
-                                     f"{ports.stop - 1} overlap {type(other).__name__}'s "
-                                     f"{theirs.start}..{theirs.stop - 1}")
+            for proto, value in kind.ports.items():
+                for ports in port_ranges(value):
+                    for theirs in port_ranges(other.ports.get(proto, ())):
+                        if max(ports.start, theirs.start) < min(ports.stop, theirs.stop):
+                            raise ValueError(
+                                f"{type(kind).__name__}'s {proto} ports {ports.start}.."
+                                f"{ports.stop - 1} overlap {type(other).__name__}'s "
+                                f"{theirs.start}..{theirs.stop - 1}")
         literal = getattr(kind.model.model_fields["kind"].annotation, "__args__", None)
         if literal is not None and set(literal) != set(kind.shapes):
             raise ValueError(f"{type(kind).__name__}: its model's kind values {literal} and "

@@ -5,7 +5,9 @@ An entry becomes one server on the destination and one client on the source per 
 because a perftest-style server serves exactly one client. The streams into one host
 are numbered n = 0, 1, ... over all RoCE entries in config order; server n of a host
 listens for set-up on TCP ROCE_SETUP_PORT + n (18515, perftest's, for the first) and
-takes RDMA traffic on UDP ROCE_UDP_PORT + n (4791, RoCEv2's, for the first). The
+takes RDMA traffic on UDP ROCE_UDP_PORT + n (4791, RoCEv2's, for the first), skipping
+UDP 4793, Ultra Ethernet's port, which the uet kind owns: servers 2, 3, ... take 4794,
+4795, ... The
 clients' QPs send from rxe-style source ports 0xC000 | hash(QPN). The kind's listening
 ports are `ports` below, which the registry keeps apart from every other kind's.
 
@@ -65,7 +67,8 @@ from testbed.workloads.rdma_params import (
 RoceKindName = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
 ROCE_SETUP_PORT = 18515     # TCP, perftest's default port
 ROCE_UDP_PORT = 4791        # RoCEv2
-# Servers per host: set-up ports 18515 .. 19999, RoCE ports 4791 .. 6275.
+UET_UDP_PORT = 4793         # Ultra Ethernet's: RoCE servers skip it (the uet kind's)
+# Servers per host: set-up ports 18515 .. 19999, RoCE ports 4791, 4792, 4794 .. 6276.
 ROCE_MAX_STREAMS_PER_HOST = 1485
 # Bytes of message slots per QP (at least one message): what a server verifies.
 ROCE_BUFFER_BYTES = 8 << 20
@@ -161,7 +164,8 @@ def roce_ports(n: int) -> tuple[int, int]:
     """(TCP set-up port, UDP RoCE port) of the n-th RoCE server on a host."""
     if not 0 <= n < ROCE_MAX_STREAMS_PER_HOST:
         raise ValueError(f"RoCE stream {n} into one host: at most {ROCE_MAX_STREAMS_PER_HOST}")
-    return ROCE_SETUP_PORT + n, ROCE_UDP_PORT + n
+    udp = ROCE_UDP_PORT + n
+    return ROCE_SETUP_PORT + n, udp + 1 if udp >= UET_UDP_PORT else udp
 
 
 def _qp_sum(res: dict, side: str, key: str) -> int:
@@ -178,7 +182,8 @@ class RoceKind(WorkloadKind):
                      "client per stream, `qps` queue pairs each.")
     ports: ClassVar = {
         "tcp": range(ROCE_SETUP_PORT, ROCE_SETUP_PORT + ROCE_MAX_STREAMS_PER_HOST),
-        "udp": range(ROCE_UDP_PORT, ROCE_UDP_PORT + ROCE_MAX_STREAMS_PER_HOST)}
+        "udp": (range(ROCE_UDP_PORT, UET_UDP_PORT),
+                range(UET_UDP_PORT + 1, ROCE_UDP_PORT + ROCE_MAX_STREAMS_PER_HOST + 1))}
     example: ClassVar = {"name": "writes", "kind": "roce_pairs", "pairs": [["h1", "h4"]],
                          "size": "1MB", "messages": 8}
     result_fields: ClassVar = {

@@ -3,6 +3,7 @@ flows side by side from their run directories alone (no root)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -117,9 +118,62 @@ def test_a_run_without_flows_is_named_and_exit_2(runs: list[Path], tmp_path: Pat
                                                  capsys) -> None:
     bare = make_flow_run(tmp_path, "bare", [])
     assert main(["compare", str(runs[0]), str(bare), "-o", str(tmp_path / "o")]) == 2
-    assert f"{bare}: the run has no flows" in capsys.readouterr().err
-    with pytest.raises(RunDirError, match="no flows"):
+    assert f"{bare}: the run has no results to compare" in capsys.readouterr().err
+    with pytest.raises(RunDirError, match="no results to compare"):
         load_comparison([bare])
+
+
+def _transport_run(root: Path, name: str, kind: str, rows: list[dict], *, trims: int = 0,
+                   pause_tx: int = 0, drops: int = 0, entry: str = "") -> Path:
+    """A run without flows: `rows` as its workload's result rows, trims and pauses."""
+    run_dir = make_flow_run(root, name, [], pause_tx=pause_tx, backlog_bytes=[0, 30_000])
+    (run_dir / "config.yaml").write_text(
+        f"name: {name}\nworkload:\n  traffic:\n    - {{name: w, kind: {kind}{entry}}}\n")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["workloads"] = [{"name": "w", "kind": kind, "results": rows}]
+    summary["ports"][0]["trims"] = trims
+    summary["totals"] = {"drops": drops}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return run_dir
+
+
+def test_runs_without_flows_compare_by_throughput_trims_pauses_and_retransmissions(
+        tmp_path: Path) -> None:
+    # seven 1 MB streams that ran from 0 to 200 us and 10 to 110 us: 7 MB over 200 us
+    roce = _transport_run(tmp_path, "roce", "roce_incast", [
+        {"bytes": 1_000_000, "start_us": 0.0, "end_us": 200.0, "retransmissions": 0,
+         "verified": True}] + [
+        {"bytes": 1_000_000, "start_us": 10.0, "end_us": 110.0, "retransmissions": 0,
+         "verified": True}] * 6, pause_tx=300, entry=", cc: dcqcn")
+    uet = _transport_run(tmp_path, "uet", "uet_incast", [
+        {"bytes": 1_000_000, "start_us": 0.0, "end_us": 100.0, "retransmissions": 40,
+         "verified": True}] * 7, trims=40, entry=", cc: nscc, entropy: spray")
+    coll = _transport_run(tmp_path, "ar", "allreduce", [
+        {"bytes": 1 << 20, "algbw_gbps": 5.5, "wrong": 0},
+        {"bytes": 1 << 22, "algbw_gbps": 9.25, "wrong": 0}], entry=", transport: uet")
+    comparison = load_comparison([roce, uet, coll])
+    assert comparison.scheme == "none" and comparison.bucket_table() is None
+    table = comparison.table()
+    assert _row(table, "workload") == ["roce_incast dcqcn", "uet_incast nscc spray",
+                                       "allreduce uet"]
+    assert _row(table, "throughput (Gb/s)") == ["280.00", "560.00", "-"]
+    assert _row(table, "algbw (GB/s)") == ["-", "-", "9.250"]    # its largest size's
+    assert _row(table, "data verified") == ["yes", "yes", "yes"]
+    assert _row(table, "retransmissions") == ["0", "280", "-"]
+    assert _row(table, "trims") == ["0", "40", "0"]
+    assert _row(table, "PFC XOFF frames sent") == ["300", "0", "0"]
+    assert not any(r[0].startswith("slowdown") for r in table.rows)
+    paths = write_comparison(comparison, tmp_path / "out")
+    md = paths.md.read_text()
+    assert "## Slowdown by flow size" not in md and "| trims " in md
+
+
+def test_a_row_with_wrong_data_shows_in_the_comparison(tmp_path: Path) -> None:
+    ok = _transport_run(tmp_path, "ok", "uet_pairs", [
+        {"bytes": 10, "start_us": 0.0, "end_us": 1.0, "verified": True}])
+    bad = _transport_run(tmp_path, "bad", "uet_pairs", [
+        {"bytes": 10, "start_us": 0.0, "end_us": 1.0, "verified": False}])
+    assert _row(load_comparison([ok, bad]).table(), "data verified") == ["yes", "NO"]
 
 
 def test_a_run_with_flows_csv_alone_compares_from_it(tmp_path: Path) -> None:
@@ -130,3 +184,24 @@ def test_a_run_with_flows_csv_alone_compares_from_it(tmp_path: Path) -> None:
     assert _row(comparison.table(), "slowdown p50") == ["21.00", "63.00"]
     paths = write_comparison(comparison, tmp_path / "out")
     assert paths.md.exists()
+
+
+def test_a_suite_with_compare_true_puts_its_finished_runs_in_one_report(
+        runs: list[Path], tmp_path: Path, capsys) -> None:
+    from argparse import Namespace
+
+    from testbed.cli.run import compare_suite, suite_compares
+
+    suite = tmp_path / "pair.yaml"
+    suite.write_text("runs: [a.yaml, b.yaml]\ncompare: true\n")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("runs: [a.yaml, b.yaml]\n")
+    assert suite_compares(str(suite)) and not suite_compares(str(plain))
+    args = Namespace(runs_dir=str(tmp_path / "out"), quiet=True)
+    assert compare_suite(str(suite), runs, args) == 0
+    out = Path(capsys.readouterr().out.strip())
+    assert out.name.endswith("-pair-compare") and (out / "compare.md").exists()
+    assert runs[0].name in (out / "compare.md").read_text()
+    # one finished run: nothing to compare, said, not an error
+    assert compare_suite(str(suite), runs[:1], args) == 0
+    assert "fewer than two runs finished" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from testbed.workloads.rdma import CC_PRESET_NAMES, roce_window_packets
 from testbed.workloads.rdma_params import DcqcnCcParams, DctcpCcParams, cc_param_keys
 from testbed.workloads.roce import KIND as ROCE
 from testbed.workloads.roce import (
+    ROCE_MAX_STREAMS_PER_HOST,
     ROCE_SETUP_PORT,
     ROCE_UDP_PORT,
     RoceTraffic,
@@ -99,7 +100,7 @@ def test_incast_expands_to_one_server_per_stream_on_distinct_ports():
     assert {s.node for s in servers} == {"h8"}
     assert [s.node for s in clients] == ["h1", "h2", "h5"]
     assert [(int(_opt(s.argv, "--port")), int(_opt(s.argv, "--roce-port"))) for s in servers] == [
-        (ROCE_SETUP_PORT + n, ROCE_UDP_PORT + n) for n in range(3)]
+        (ROCE_SETUP_PORT, 4791), (ROCE_SETUP_PORT + 1, 4792), (ROCE_SETUP_PORT + 2, 4794)]
     h8 = plan.node("h8").interfaces[0].address.split("/")[0]
     for server, client in zip(servers, clients, strict=True):
         assert client.module == server.module == "agents.roce"
@@ -198,8 +199,17 @@ def test_streams_into_one_host_are_numbered_across_entries():
 
 def test_roce_ports_stay_below_the_udp_agents_ports():
     assert roce_ports(0) == (18515, 4791)
+    assert roce_ports(ROCE_MAX_STREAMS_PER_HOST - 1)[1] < 6400      # the flows kind's first
     with pytest.raises(ValueError):
         roce_ports(20000 - 18515)
+
+
+def test_roce_servers_skip_ultra_ethernets_port_4793():
+    udp = [roce_ports(n)[1] for n in range(ROCE_MAX_STREAMS_PER_HOST)]
+    assert udp[:3] == [4791, 4792, 4794]
+    assert 4793 not in udp and len(set(udp)) == len(udp)
+    claimed = [p for r in ROCE.ports["udp"] for p in r]
+    assert sorted(udp) == claimed
 
 
 def test_preset_names_are_the_agents_and_match_their_kind():
