@@ -19,6 +19,7 @@ from agents.collectives.roce import RoceConfig, RoceTransport, TransportError, c
 from agents.collectives.transport import RankTransport
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready
+from agents.uet.nic import UetOptions
 
 #: Tags at and above this are the worker's own (the barrier); algorithms use smaller ones.
 BARRIER_TAG = 0xFFFFFF00
@@ -56,9 +57,8 @@ def open_uet_transport(args: Namespace, life: Lifecycle) -> uet.UetTransport:
                        on_listening=_ready(args))
 
 
-def uet_options(args: Namespace) -> object:
+def uet_options(args: Namespace) -> UetOptions:
     """The UET NIC's options (agents.uet.nic.UetOptions) from a worker's flags."""
-    from agents.uet.nic import UetOptions  # imported only where a UET rank runs
 
     return UetOptions(dscp=args.dscp, ecn=args.uet_ecn, cc=args.uet_cc,
                       entropy=args.uet_entropy, entropies=args.uet_entropies,

@@ -53,8 +53,10 @@ from agents.collectives.roce import (
 )
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.timebase import Dilation, FabricClock
+from agents.uet.nic import Stopped as NicStopped
+from agents.uet.nic import UetNic, UetOptions
 
-__all__ = ["MATCH_SPACE", "PROTOCOL_VERSION", "UET_COUNTERS", "NicLike", "UetConfig",
+__all__ = ["MATCH_SPACE", "PROTOCOL_VERSION", "NicLike", "UetConfig",
            "UetTransport", "connect", "match_bits"]
 
 #: 1: chunks with the RoCE framing header as UET SENDs, match bits MATCH_SPACE:tag.
@@ -62,13 +64,6 @@ PROTOCOL_VERSION = 1
 #: The high 32 match bits of every collective chunk ("C011").
 MATCH_SPACE = 0xC011
 MAX_TAG = 0xFFFFFFFF
-#: The NIC's counters (its "totals") a rank's counters carry at the top level, flat, so
-#: the live snapshot samples them (`collective.<name>`).
-UET_COUNTERS = ("tx_packets", "tx_bytes", "rx_packets", "rx_bytes", "retransmissions",
-                "timeouts", "sack_retransmissions", "nacks_received", "nacks_sent",
-                "trims_received", "acks_sent", "acks_received", "ecn_received",
-                "duplicates", "out_of_order", "credits_granted", "credits_received",
-                "malformed", "send_eagain", "send_enobufs")
 
 
 def match_bits(tag: int) -> int:
@@ -82,6 +77,7 @@ class NicLike(Protocol):
     """What the transport needs of `agents.uet.nic.UetNic` (the tests' fake has it too)."""
 
     on_message: Callable[[str, int, int, memoryview], None] | None
+    on_error: Callable[[str, str], None] | None
 
     def send(self, peer_ip: str, match_bits: int, data: Any, *,
              on_done: Callable[[int], None] | None = None) -> int: ...
@@ -101,7 +97,7 @@ class NicLike(Protocol):
 class UetConfig:
     """How a rank's UET transport is set up: the NIC's options and the framing."""
 
-    options: Any                     # agents.uet.nic.UetOptions
+    options: UetOptions
     chunk_bytes: int = 1 << 20
     dilation: int = 1
     connect_timeout_s: float = 10.0
@@ -112,14 +108,12 @@ class UetConfig:
         o = self.options
         return {"version": PROTOCOL_VERSION, "transport": "uet",
                 "chunk_bytes": self.chunk_bytes, "udp_port": self.udp_port,
-                "cc": getattr(o, "cc", None), "payload_bytes": getattr(o, "payload_bytes", None)}
+                "cc": o.cc, "payload_bytes": o.payload_bytes}
 
     def record(self) -> dict:
         """The settings a rank reports: the agreed ones, the NIC's options, the dilation."""
-        o = self.options
-        opts = (dataclasses.asdict(o) if dataclasses.is_dataclass(o) and not isinstance(o, type)
-                else {})
-        return {**self.settings(), "options": opts, "dilation": self.dilation}
+        return {**self.settings(), "options": dataclasses.asdict(self.options),
+                "dilation": self.dilation}
 
 
 class UetTransport:
@@ -156,6 +150,7 @@ class UetTransport:
         self.steps = 0
         self.waits = 0
         nic.on_message = self._on_message
+        nic.on_error = self._on_error
 
     # -- the Transport protocol
 
@@ -173,6 +168,8 @@ class UetTransport:
         for _q, chunk in self.messages.frame(peer, tag, data):
             try:
                 mid = self.nic.send(ip, bits, chunk.data, on_done=self._on_done)
+            except NicStopped:
+                raise Stopped() from None
             except (OSError, ValueError, RuntimeError) as e:
                 raise TransportError(f"rank {self._rank}: the UET NIC refused a "
                                      f"{chunk.nbytes}-byte SEND to rank {peer}: {e}") from e
@@ -199,6 +196,15 @@ class UetTransport:
             return
         peer, chunk = entry
         self.messages.sent(peer, chunk.nbytes)
+
+    def _on_error(self, peer_ip: str, reason: str) -> None:
+        """The NIC gave up on its PDC to `peer_ip` (a packet unacknowledged after its
+        retries): what was sent to that peer will never be acknowledged."""
+        if self._error is None:
+            peer = self._rank_of.get(peer_ip)
+            who = f"rank {peer}" if peer is not None else peer_ip
+            self._error = TransportError(f"rank {self._rank}: the UET NIC's PDC to {who} "
+                                         f"failed: {reason}")
 
     def _on_message(self, peer_ip: str, bits: int, message_id: int, data: memoryview) -> None:
         if self._error is not None:
@@ -249,6 +255,8 @@ class UetTransport:
                     nic.wait()
             except (TransportError, Stopped):
                 raise
+            except NicStopped:                  # a blocked send saw the stop request
+                raise Stopped() from None
             except (OSError, ValueError, RuntimeError) as e:
                 raise TransportError(f"rank {self._rank}: the UET NIC failed: "
                                      f"{type(e).__name__}: {e}") from e
@@ -272,7 +280,7 @@ class UetTransport:
 
     def counters(self) -> dict:
         """Per peer (payload, messages, chunks; the NIC's PDC to it) and summed; the NIC's
-        totals flat (UET_COUNTERS), `wire_bytes_sent` (UDP payload of every packet the NIC
+        integer totals flat, `wire_bytes_sent` (UDP payload of every packet the NIC
         sent plus agents.runtime.framing's per-packet overhead), and the NIC's own."""
         nic = self.nic.counters()
         pdcs = nic.get("pdcs") or {}
@@ -290,9 +298,11 @@ class UetTransport:
             for k, v in c.items():
                 totals[k] = totals.get(k, 0) + v
             per_peer[str(peer)] = {**c, "pdc": pdcs.get(self.peers[peer], {})}
+        # every integer total of the NIC (tx_packets, retransmissions, trims_received, ...;
+        # docs/uet-transport.md), flat, so the live snapshot samples it
         nic_totals = nic.get("totals") or {}
-        flat = {k: int(nic_totals[k]) for k in UET_COUNTERS
-                if isinstance(nic_totals.get(k), int | float)}
+        flat = {k: v for k, v in nic_totals.items()
+                if isinstance(v, int) and not isinstance(v, bool)}
         tx_packets, tx_bytes = flat.get("tx_packets", 0), flat.get("tx_bytes", 0)
         return {**totals, **flat,
                 "wire_bytes_sent": tx_bytes + tx_packets * WIRE_OVERHEAD_BYTES,
@@ -311,7 +321,6 @@ def connect(rank: int, peers: list[PeerAddress], config: UetConfig, *,
     """Make rank `rank`'s UET NIC on its IP, then the set-up connections to every other
     rank (`agents.collectives.links`), and return its transport. The NIC is bound before
     the set-up port listens, so a peer that has our hello can send to us at once."""
-    from agents.uet.nic import UetNic  # the NIC's sockets only where a rank runs
 
     stop = should_stop or (lambda: False)
     ips = [p.ip for p in peers]

@@ -76,16 +76,16 @@ def expand_context(fabric: Fabric, plan: Plan) -> ExpandContext:
         neighbours=lambda node: neighbours(plan, node),
         link_address=lambda node, peer: link_address(plan, node, peer),
         role=lambda node: plan.node(node).role,
-        base_rtt_ns=_memo2(lambda src, dst: base_round_trip_ns(plan, src, dst)))
+        base_rtt_ns=_pair_memo(lambda src, dst: base_round_trip_ns(plan, src, dst)))
 
 
-def _memo2(f: Callable[[str, str], int]) -> Callable[[str, str], int]:
+def _pair_memo(f: Callable[[str, str], int]) -> Callable[[str, str], int]:
     done: dict[tuple[str, str], int] = {}
 
     def once(src: str, dst: str) -> int:
         if (src, dst) not in done:
-            done[src, dst] = f(src, dst)
-        return done[src, dst]
+            done[(src, dst)] = f(src, dst)
+        return done[(src, dst)]
     return once
 
 

@@ -156,11 +156,6 @@ class CheckContext:
     roles: Mapping[str, str] = field(default_factory=dict)   # node -> "host" or "switch"
     neighbours: Callable[[str], list[str]] = lambda node: []  # nodes linked to a node, in
     #                                              link order, each once
-    entries: Sequence[TrafficEntry] = ()         # every traffic entry of the workload, in
-    #                                              order (checks across entries: one UET NIC
-    #                                              per host)
-    kind_of: Callable[[TrafficEntry], WorkloadKind | None] = lambda entry: None  # an
-    #                                              entry's kind, as the registry has it
 
 
 @dataclass
@@ -185,8 +180,8 @@ class ExpandContext:
     link_address: Callable[[str, str], str | None] = lambda node, peer: None  # node's
     #                                              address on its link to peer
     role: Callable[[str], str] = lambda node: "host"           # "host" or "switch"
-    base_rtt_ns: Callable[[str, str], int] = lambda src, dst: 0  # host to host and back,
-    #                                              queues empty (testbed/plan/paths.py)
+    # host to host and back through empty queues, fabric ns (plan/paths.base_round_trip_ns)
+    base_rtt_ns: Callable[[str, str], int] = lambda src, dst: 0
     _state: dict[str, dict] = field(default_factory=dict)
 
     def state(self, owner: str) -> dict:
@@ -308,6 +303,14 @@ class WorkloadKind(ABC):
               ctx: CheckContext) -> Iterator[Problem]:
         """Problems the model cannot see alone (the fabric's classes, its NICs)."""
         return iter(())
+
+    def host_ports(self, entry: TrafficEntry,
+                   ctx: CheckContext) -> Mapping[str, Sequence[tuple[str, int, str]]]:
+        """Fixed ports the entry's agents bind on each host beyond the kind's own numbered
+        `ports`, as (protocol, port, what binds it), e.g. the Ultra Ethernet NIC's UDP
+        4793, which every UET user on a host would bind: the config check refuses two
+        entries that claim the same port on one host, naming both."""
+        return {}
 
     @abstractmethod
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:

@@ -53,7 +53,7 @@ from testbed.workloads.base import (
     WorkloadKind,
     arg_of,
 )
-from testbed.workloads.collective_accounts import ina_accounts, roce_accounts
+from testbed.workloads.collective_accounts import ina_accounts, roce_accounts, uet_accounts
 from testbed.workloads.collective_nccl import iteration_stats, json_report, table
 from testbed.workloads.rdma_group import (
     GROUP_PORTS,
@@ -64,6 +64,7 @@ from testbed.workloads.rdma_group import (
     rank_ports,
     transport_argv,
     transport_problems,
+    uet_host_ports,
 )
 
 CollectiveKindName = Literal["allreduce", "reducescatter", "allgather", "broadcast",
@@ -267,6 +268,12 @@ class CollectiveKind(WorkloadKind):
             yield (loc + ("sizes", "min"), f"{t.sizes.min_bytes} B holds no element per rank: "
                    f"a {t.kind} of {t.dtype} over {n} ranks needs at least {step} B")
 
+    def host_ports(self, entry: TrafficEntry,
+                   ctx: CheckContext) -> dict[str, list[tuple[str, int, str]]]:
+        """transport: uet: each rank's host runs a UET NIC on UDP 4793."""
+        assert isinstance(entry, CollectiveTraffic)
+        return uet_host_ports(entry)
+
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         assert isinstance(entry, CollectiveTraffic)
         t = entry
@@ -367,10 +374,13 @@ class CollectiveKind(WorkloadKind):
 
     def stream_accounts(self, specs: Sequence[AgentSpec], results: Results,
                         flow_drops: Sequence[dict], view: RunView) -> list[dict]:
-        """Rank to rank (RoCE) and rank / aggregator (INA) streams, both ways
+        """Rank to rank (RoCE, or UET) and rank / aggregator (INA) streams, both ways
         (testbed/workloads/collective_accounts.py)."""
         out = []
         for traffic, kind, ranks in _entries(specs):
+            if ranks and arg_of(ranks[0].argv, "--transport") == "uet":
+                out += uet_accounts(traffic, kind, ranks, results, flow_drops)
+                continue
             out += roce_accounts(traffic, kind, ranks, results, flow_drops)
             aggregators = [s for s in specs
                            if s.module == AGGREGATOR_MODULE and s.traffic == traffic]

@@ -187,3 +187,54 @@ def ina_accounts(traffic: str, kind: str, ranks: Sequence[AgentSpec],
                                     {agg.port}),
                 complete=done, discarded=int(up.get("discarded", 0))))
     return out
+
+
+def _pdc(res: dict, peer_ip: str) -> dict:
+    """A UET rank's NIC counters of its PDC to `peer_ip` (UetTransport.counters)."""
+    return (((res.get("counters") or {}).get("uet") or {}).get("pdcs") or {}).get(peer_ip) or {}
+
+
+def _n(c: dict, key: str) -> int:
+    v = c.get(key)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+#: What a UET NIC sends a peer, by its PDC counters: requests (data, retransmissions
+#: included), ACKs, NACKs, CREDIT grants, CREDIT_REQs; all to the peer's UDP 4793.
+UET_SENT = ("tx_packets", "acks_sent", "nacks_sent", "credits_granted", "credit_reqs_sent")
+#: What it takes from a peer: requests, ACKs, NACKs, CREDITs, and packets with the wrong
+#: PDC ids (received, then refused).
+UET_RECEIVED = ("rx_packets", "acks_received", "nacks_received", "credits_received",
+                "bad_pdcid")
+
+
+def uet_accounts(traffic: str, kind: str, ranks: Sequence[AgentSpec], results: Results,
+                 flow_drops: Sequence[dict]) -> list[dict]:
+    """transport: uet: one account per ordered pair of ranks, `<entry> r<i>->r<j>`: every
+    datagram rank i's NIC sent to rank j's UDP 4793 (requests, ACKs, NACKs, credit: both
+    directions of a PDC pair share the port, so a lost ACK has its place), what rank j's
+    NIC took from rank i, and the fabric's drops on those flows, over every source port
+    (the packets are sprayed). A CREDIT_REQ has no receive counter: it is taken as
+    received (they are rare, one per base RTT of a sender blocked on credit). Out-of-order
+    arrival is what spraying does, so none of it is counted as the emulator's reordering."""
+    if not ranks:
+        return []
+    peers = _peers(ranks[0].argv)
+    res = [results.get(s.name) or {} for s in ranks]
+    out: list[dict] = []
+    for i, src in enumerate(ranks):
+        for j, dst in enumerate(ranks):
+            if i == j:
+                continue
+            mine, theirs = _pdc(res[i], peers[j].ip), _pdc(res[j], peers[i].ip)
+            sent = sum(_n(mine, k) for k in UET_SENT)
+            received = (sum(_n(theirs, k) for k in UET_RECEIVED)
+                        + _n(mine, "credit_reqs_sent"))
+            drops = flow_drops_of(flow_drops, {peers[i].ip}, peers[j].ip, peers[j].udp, None)
+            drops["injected"] = _n(mine, "injected_drops")
+            a = account(f"{traffic} r{i}->r{j}", kind, src.node, dst.node, sent=sent,
+                        received=received, drops=drops, reordered=0,
+                        complete=bool(res[i] and res[j]))
+            a["socket_drops"] = 0
+            out.append(a)
+    return out

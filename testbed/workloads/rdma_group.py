@@ -6,7 +6,7 @@ checks; the transport part of a rank's argv.
 With `transport: uet` a rank's data goes over the Ultra Ethernet transport instead
 (agents/collectives/uet.py): its host's one UET NIC on UDP UET_PORT (4793), the port
 every UET user of a host shares, so a host may hold one UET rank or UET agent at most
-(`uet_host_problems`, across the entries of every kind that runs one). The set-up port is
+(`uet_host_ports`: the config refuses two entries that bind it on one host). The set-up port is
 numbered as for RoCE; the rank's UDP RoCE port is then unused.
 
 A shared module, not a kind (its name has the shared `rdma` prefix): any RDMA kind may
@@ -28,7 +28,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from testbed.fields import DurationNs, SizeBytes, Strict
-from testbed.workloads.base import CheckContext, ExpandContext, Problem, TrafficEntry, streams
+from testbed.workloads.base import CheckContext, ExpandContext, Problem, TrafficEntry
 from testbed.workloads.rdma import (
     CC_PRESET_DESCRIPTION,
     DEFAULT_CC_PRESETS,
@@ -82,35 +82,12 @@ UetCcName = Literal["nscc", "credit", "none"]
 UetEntropyName = Literal["spray", "oblivious", "reps"]
 
 
-def uet_hosts(entry: TrafficEntry, ctx: CheckContext) -> list[str]:
-    """The hosts an entry puts a UET NIC on: a communicator's ranks under transport: uet;
-    the hosts of the streams of a kind whose agents take UDP UET_PORT; else none."""
-    if getattr(entry, "transport", None) == "uet":
-        return list(getattr(entry, "ranks", []))
-    kind = ctx.kind_of(entry)
-    if kind is None:
-        return []
-    udp = kind.ports.get("udp", ())
-    if not any(UET_PORT in r for r in ((udp,) if isinstance(udp, range) else udp)):
-        return []
-    pairs = streams(entry, kind.shape(entry), ctx.hosts)
-    return list(dict.fromkeys(h for pair in pairs for h in pair))
-
-
-def uet_host_problems(t: GroupTransportEntry, loc: tuple,
-                      ctx: CheckContext) -> Iterator[Problem]:
-    """A rank of `t` (transport: uet) on a host an earlier entry already puts a UET NIC on
-    (a host has one, on UDP 4793); later entries report their own clashes."""
-    mine = set(t.ranks)
-    for other in ctx.entries:
-        if other is t:
-            return
-        for host in uet_hosts(other, ctx):
-            if host in mine:
-                yield (loc + ("ranks", t.ranks.index(host)),
-                       f"{host} already runs a UET NIC for {other.name!r}: a host has one "
-                       f"(UDP {UET_PORT}); put {t.name!r}'s rank elsewhere or run one of "
-                       "them over RoCE")
+def uet_host_ports(t: GroupTransportEntry) -> dict[str, list[tuple[str, int, str]]]:
+    """With transport: uet, each rank's host runs a UET NIC on UDP 4793 (the config
+    check refuses a second entry that binds it on the same host)."""
+    if t.transport != "uet":
+        return {}
+    return {h: [("udp", UET_PORT, f"the UET NIC of rank {i}")] for i, h in enumerate(t.ranks)}
 
 
 class UetSettings(Strict):
@@ -191,8 +168,7 @@ def transport_problems(t: GroupTransportEntry, loc: tuple,
                        ctx: CheckContext) -> Iterator[Problem]:
     """RoCE: a preset that does not go with `cc`; congestion control on a class that
     never marks ECN (so it never gets a CNP). UET: RoCE's fields set; NSCC on a class
-    that never marks ECN; a host whose UET NIC another entry has. Either: the other
-    transport's fields set."""
+    that never marks ECN. Either: the other transport's fields set."""
     tclass = ctx.classes.get(t.tclass)
     if t.transport == "uet":
         for name, alias in ROCE_ONLY_FIELDS.items():
@@ -203,7 +179,6 @@ def transport_problems(t: GroupTransportEntry, loc: tuple,
             yield (loc + ("uet", "cc"), f"class {tclass.name!r} (TC{tclass.tc}) does not "
                    "mark ECN, so NSCC sees congestion only as delay and loss; use a class "
                    "with ecn: true, or uet: {cc: credit} or {cc: none}")
-        yield from uet_host_problems(t, loc, ctx)
         return
     if "uet" in t.model_fields_set:
         yield (loc + ("uet",), "uet applies to transport: uet; set transport: uet or "

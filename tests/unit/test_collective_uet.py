@@ -50,6 +50,7 @@ class FakeNic:
         self.wire, self.ip, self.batch = wire, ip, batch
         wire.nics[ip] = self
         self.on_message: Callable[[str, int, int, memoryview], None] | None = None
+        self.on_error: Callable[[str, str], None] | None = None
         self.inbox: list[tuple[str, int, int, memoryview, FakeNic, Callable | None]] = []
         self.acks: list[tuple[int, Callable | None]] = []
         self.next_id = 0
@@ -312,6 +313,25 @@ def test_nic_failures_surface_as_transport_errors():
         ts[0].send(1, 0, np.zeros(1, dtype=np.uint8))
 
 
+def test_a_failed_pdc_fails_the_wait_with_its_reason():
+    ts, nics = world(2)
+    ts[0].send(1, 0, np.zeros(8, dtype=np.uint8))
+    assert nics[0].on_error is not None
+    nics[0].on_error("10.0.0.2", "PDC 10.0.0.1 -> 10.0.0.2 failed: PSN 7 unacknowledged "
+                                 "after 7 retries")
+    with pytest.raises(TransportError, match="PDC to rank 1 failed: .*after 7 retries"):
+        ts[0].wait_sends()
+
+
+def test_the_nics_stop_is_the_transports_stop():
+    from agents.uet.nic import Stopped as NicStopped
+
+    ts, nics = world(2)
+    nics[0].fail_step = NicStopped()
+    with pytest.raises(Stopped):
+        ts[0].recv(1, 0, np.empty(1, dtype=np.uint8))
+
+
 def test_bad_peers_and_tags_are_refused():
     ts, _ = world(2)
     with pytest.raises(ValueError):
@@ -551,9 +571,13 @@ def test_a_host_runs_one_uet_nic():
         "    - {name: br, kind: broadcast, ranks: [h4, h1], transport: uet, tclass: lossy, "
         "sizes: {min: 64KiB, max: 64KiB}}")
     text = _problems(two)
-    assert ("traffic[1].ranks[0]: h4 already runs a UET NIC for 'ar': a host has one "
-            "(UDP 4793)") in text
-    assert "traffic[1].ranks[1]: h1 already runs a UET NIC" in text
+    assert ("traffic[1]: the UET NIC of rank 0 on h4 binds udp 4793, which the UET NIC of "
+            "rank 3 of entry 'ar' binds there already") in text
+    assert "the UET NIC of rank 1 on h1 binds udp 4793" in text
+    # a UET flows entry on a rank's host too
+    text = _problems((UET_AR % "") + "\n    - {name: f, kind: flows, transport: uet, "
+                     "tclass: lossy, flows: [{src: h5, dst: h2, size: 64KiB}]}")
+    assert "on h2 binds udp 4793, which the UET NIC of rank 1 of entry 'ar'" in text
     # a RoCE entry beside it is fine: other ports
     _load((UET_AR % "") + "\n    - {name: br, kind: broadcast, ranks: [h4, h1], "
           "sizes: {min: 64KiB, max: 64KiB}}")
@@ -563,40 +587,6 @@ def test_the_training_step_refuses_uet_clearly():
     text = _problems("    - {name: step, kind: training, ranks: [h1, h2], transport: uet, "
                      "buckets: [64KiB]}")
     assert "traffic[0].transport: the training step runs over RoCE only" in text
-
-
-def test_a_collective_on_a_host_an_earlier_uet_kind_entry_uses_is_a_problem():
-    """Any kind whose agents take UDP 4793 puts a UET NIC on its streams' hosts."""
-    from testbed.workloads.base import CheckContext, Shape, TrafficEntry
-    from testbed.workloads.collective import CollectiveTraffic
-    from testbed.workloads.rdma_group import uet_host_problems
-
-    class Pairs(TrafficEntry):
-        pairs: list[tuple[str, str]]
-
-    class UetLike:
-        ports = {"udp": (range(4793, 4794),)}
-
-        def shape(self, entry: object) -> Shape:
-            return Shape.PAIRS
-
-    class Other:
-        ports = {"udp": range(5000, 5100)}
-
-        def shape(self, entry: object) -> Shape:
-            return Shape.PAIRS
-
-    streams = Pairs(name="s", kind="toy_uet", pairs=[("h1", "h5")])
-    plain = Pairs(name="p", kind="toy", pairs=[("h2", "h6")])
-    coll = CollectiveTraffic(name="ar", kind="allreduce", ranks=["h2", "h5"],
-                             transport="uet")
-    kinds = {"toy_uet": UetLike(), "toy": Other()}
-    ctx = CheckContext(hosts=[f"h{i}" for i in range(1, 9)], classes={}, nic_bps={},
-                       entries=[streams, plain, coll],
-                       kind_of=lambda e: kinds.get(e.kind))  # type: ignore[arg-type,return-value]
-    problems = list(uet_host_problems(coll, ("t",), ctx))
-    assert problems == [(("t", "ranks", 1), "h5 already runs a UET NIC for 's': a host has one "
-                         "(UDP 4793); put 'ar''s rank elsewhere or run one of them over RoCE")]
 
 
 # --------------------------------------------------------------------------- the real NIC
