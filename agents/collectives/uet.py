@@ -142,9 +142,11 @@ class UetTransport:
         self._settings = settings or {}
         self.messages = Messages(rank, len(peers), 1, chunk_bytes)
         self._rank_of = {ip: r for r, ip in enumerate(peers)}
-        # message id -> (peer, chunk): referenced until the NIC says it is delivered
+        # send number -> (peer, chunk): referenced until the NIC says it is delivered. Our
+        # own numbers, not the NIC's message ids: those are per PDC (two peers' SENDs may
+        # share one) and wrap at 2^16.
         self._unacked: dict[int, tuple[int, np.ndarray]] = {}
-        self._done_early: set[int] = set()        # on_done before send() returned its id
+        self._sends = 0
         self._error: TransportError | None = None
         self.stray_messages = 0
         self.steps = 0
@@ -166,18 +168,18 @@ class UetTransport:
         bits = match_bits(tag)
         ip = self.peers[peer] if 0 <= peer < self.size else ""
         for _q, chunk in self.messages.frame(peer, tag, data):
+            n = self._sends
+            self._sends = n + 1
+            self._unacked[n] = (peer, chunk)     # before send: on_done may come inside it
             try:
-                mid = self.nic.send(ip, bits, chunk.data, on_done=self._on_done)
+                self.nic.send(ip, bits, chunk.data,
+                              on_done=lambda _mid, n=n: self._on_done(n))
             except NicStopped:
                 raise Stopped() from None
             except (OSError, ValueError, RuntimeError) as e:
+                self._unacked.pop(n, None)
                 raise TransportError(f"rank {self._rank}: the UET NIC refused a "
                                      f"{chunk.nbytes}-byte SEND to rank {peer}: {e}") from e
-            if mid in self._done_early:
-                self._done_early.discard(mid)
-                self.messages.sent(peer, chunk.nbytes)
-            else:
-                self._unacked[mid] = (peer, chunk)
 
     def recv(self, peer: int, tag: int, out: np.ndarray) -> None:
         key = self.messages.expect(peer, tag, out)
@@ -189,13 +191,11 @@ class UetTransport:
 
     # -- the NIC's callbacks (from inside nic.step: they never raise into the NIC)
 
-    def _on_done(self, message_id: int, *_: object) -> None:
-        entry = self._unacked.pop(message_id, None)
-        if entry is None:
-            self._done_early.add(message_id)
-            return
-        peer, chunk = entry
-        self.messages.sent(peer, chunk.nbytes)
+    def _on_done(self, n: int) -> None:
+        entry = self._unacked.pop(n, None)
+        if entry is not None:              # the NIC says each message is done once
+            peer, chunk = entry
+            self.messages.sent(peer, chunk.nbytes)
 
     def _on_error(self, peer_ip: str, reason: str) -> None:
         """The NIC gave up on its PDC to `peer_ip` (a packet unacknowledged after its

@@ -53,7 +53,7 @@ class FakeNic:
         self.on_error: Callable[[str, str], None] | None = None
         self.inbox: list[tuple[str, int, int, memoryview, FakeNic, Callable | None]] = []
         self.acks: list[tuple[int, Callable | None]] = []
-        self.next_id = 0
+        self.next_id: dict[str, int] = {}
         self.sent: list[tuple[str, int, int]] = []     # (peer, match bits, bytes)
         self.fail_step: Exception | None = None
         self.fail_send: Exception | None = None
@@ -63,8 +63,8 @@ class FakeNic:
     def send(self, peer_ip: str, match_bits: int, data, *, on_done=None) -> int:
         if self.fail_send is not None:
             raise self.fail_send
-        mid = self.next_id
-        self.next_id = (mid + 1) & 0xFFFF
+        mid = self.next_id.get(peer_ip, 0)          # message ids are per PDC, as UetNic's
+        self.next_id[peer_ip] = (mid + 1) & 0xFFFF
         view = memoryview(data).cast("B")
         self.sent.append((peer_ip, match_bits, view.nbytes))
         with self.wire.lock:
@@ -237,6 +237,20 @@ def test_wait_sends_returns_only_once_every_send_is_acknowledged():
     assert got.is_set() and ts[0].sends_done()
     c0 = ts[0].counters()
     assert c0["chunks_sent"] == c0["chunks_posted"] == 3 and c0["bytes_sent"] == 120
+
+
+def test_wait_sends_waits_for_each_peers_sends_though_their_message_ids_coincide():
+    ts, nics = world(3, batch=1)
+    ts[0].send(1, 0, np.ones(5, dtype=np.int8))      # message id 0 on the PDC to rank 1
+    ts[0].send(2, 0, np.ones(6, dtype=np.int8))      # message id 0 on the PDC to rank 2
+    ts[1].recv(0, 0, np.empty(5, dtype=np.int8))    # rank 1 acknowledges its one
+    for _ in range(3):
+        nics[0].step()
+    assert not ts[0].sends_done()                    # rank 2's is not acknowledged yet
+    assert ts[0].counters()["per_peer"]["1"]["bytes_sent"] == 5
+    ts[2].recv(0, 0, np.empty(6, dtype=np.int8))
+    ts[0].wait_sends()
+    assert ts[0].counters()["bytes_sent"] == 11
 
 
 def test_an_on_done_before_send_returns_its_id_is_counted_not_lost():
