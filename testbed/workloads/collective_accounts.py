@@ -14,6 +14,11 @@ A collective's streams are not one agent's each, so they are named by their ends
   an unknown QPN, a wrong peer) is counted per endpoint, not per sender: it is the
   account's `socket_drops`, shared out over the streams into rank j that miss packets.
   Out-of-order drops with nothing lost on the flow are reordering, as for RoCE entries.
+- `<entry> r<i>->r<j>` with transport: uet (`uet_accounts`): every datagram rank i's UET
+  NIC sent to rank j's UDP 4793, from its PDC counters (requests, retransmissions
+  included, ACKs, NACKs, CREDIT and CREDIT_REQ), against what rank j's NIC took from rank
+  i, and the fabric's drops on those flows over every source port (the packets are
+  sprayed). Out-of-order arrival is spraying's, never counted as reordering.
 - `<entry> r<i>->agg@<switch>` and `<entry> agg@<switch>->r<i>` (algorithm ina): a rank's
   REQUESTs to its leaf aggregator (its `ina.packets_sent`; the aggregator's
   `peers[ip:port].received`), and the RESULTs back (the aggregator's `sent`; the rank's

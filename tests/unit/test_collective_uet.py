@@ -668,3 +668,36 @@ def test_two_ranks_over_real_uet_nics_on_loopback():
     assert c0["bytes_sent"] == c1["bytes_received"] and c1["bytes_sent"] == c0["bytes_received"]
     assert c0["tx_packets"] > 0 and c0["transport"] == "uet"
     assert c0["wire_bytes_sent"] > c0["bytes_sent"]
+
+
+def test_uet_rank_accounts_count_every_datagram_between_two_nics():
+    from testbed.workloads.base import AgentSpec
+    from testbed.workloads.collective_accounts import uet_accounts
+
+    peers = "10.0.0.1:12000:4793,10.0.0.2:12000:4793"
+    ranks = [AgentSpec(name=f"ar-r{r}", node=f"h{r + 1}", role="sender", traffic="ar",
+                       kind="allreduce", argv=["--rank", str(r), "--peers", peers,
+                                               "--transport", "uet"],
+                       module="agents.collectives") for r in (0, 1)]
+
+    def res(pdc: dict) -> dict:
+        return {"counters": {"uet": {"pdcs": pdc}}}
+
+    results = {
+        # rank 0 sent rank 1 10 requests, 3 ACKs, 1 NACK, 1 CREDIT_REQ
+        "ar-r0": res({"10.0.0.2": {"tx_packets": 10, "acks_sent": 3, "nacks_sent": 1,
+                                   "credit_reqs_sent": 1, "rx_packets": 4,
+                                   "acks_received": 2}}),
+        # rank 1 took 8 of the requests, the 3 ACKs and the NACK; sent 4 requests, 3 ACKs
+        "ar-r1": res({"10.0.0.1": {"rx_packets": 8, "acks_received": 3,
+                                   "nacks_received": 1, "tx_packets": 4, "acks_sent": 3}}),
+    }
+    drops = [{"saddr": "10.0.0.1", "daddr": "10.0.0.2", "dport": 4793, "proto": 17,
+              "sport": 53249, "phy": 2, "tail": 0, "mmu": 0, "desc": 0},
+             {"saddr": "10.0.0.2", "daddr": "10.0.0.1", "dport": 4793, "proto": 17,
+              "sport": 53250, "phy": 1, "tail": 0, "mmu": 0, "desc": 0}]
+    a01, a10 = uet_accounts("ar", "allreduce", ranks, results, drops)
+    assert (a01["name"], a01["sent"], a01["received"], a01["fabric_drops"]) == (
+        "ar r0->r1", 15, 13, 2)
+    assert (a10["sent"], a10["received"], a10["fabric_drops"]) == (7, 6, 1)
+    assert a01["reordered"] == 0 and a01["complete"]
