@@ -21,7 +21,7 @@ all-to-all). results/<entry>.nccl.txt and .nccl.json hold its table and -J JSON.
 
 With `transport: uet` the same workers move the data as UET SENDs over each host's
 Ultra Ethernet NIC (UDP 4793, one per host; agents/collectives/uet.py) instead, and
-`uet` replaces the RoCE fields (rdma_group.py).
+`cc` takes UET's congestion controls and `entropy`, `entropies` apply (rdma_group.py).
 """
 
 from __future__ import annotations

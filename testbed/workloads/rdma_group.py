@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from testbed.fields import DurationNs, SizeBytes, Strict
+from testbed.fields import DurationNs, SizeBytes
 from testbed.workloads.base import CheckContext, ExpandContext, Problem, TrafficEntry
 from testbed.workloads.rdma import (
     CC_PRESET_DESCRIPTION,
@@ -78,8 +78,6 @@ UET_PORT = 4793
 #: Payload bytes of a UET packet beyond which it would not fit the interface MTU: IPv4 20 +
 #: UDP 8 + PDS (RUD_CC_REQ) 16 + SES standard 44.
 UET_HEADER_BYTES = 20 + 8 + 16 + 44
-UetCcName = Literal["nscc", "credit", "none"]
-UetEntropyName = Literal["spray", "oblivious", "reps"]
 
 
 def uet_host_ports(t: GroupTransportEntry) -> dict[str, list[tuple[str, int, str]]]:
@@ -90,25 +88,16 @@ def uet_host_ports(t: GroupTransportEntry) -> dict[str, list[tuple[str, int, str
     return {h: [("udp", UET_PORT, f"the UET NIC of rank {i}")] for i, h in enumerate(t.ranks)}
 
 
-class UetSettings(Strict):
-    """The Ultra Ethernet transport of a communicator's ranks (transport: uet)."""
-
-    cc: UetCcName = Field("nscc", description="congestion control of every rank's UET NIC: "
-                          "nscc (sender-based, ECN and delay; needs a class that marks ECN), "
-                          "credit (the receiver paces credit at its line rate) or none")
-    entropy: UetEntropyName = Field(
-        "spray", description="per-packet entropy (the UDP source port, which ECMP hashes): "
-                             "spray (round robin over `entropies` ports), oblivious (one per "
-                             "peer, like RoCE) or reps (keep the ports whose ACKs came back "
-                             "clean)")
-    entropies: int = Field(16, ge=1, le=4096, description="source ports a rank's traffic "
-                           "to one peer is spread over")
+ROCE_CCS = ("dcqcn", "dctcp", "none")
+UET_CCS = ("nscc", "credit", "none")
+UET_ENTROPIES = 16                  # source ports a UET NIC sprays over by default
 
 
 class GroupTransportEntry(TrafficEntry):
     """The transport fields of a communicator's entry, as the collective kind has them:
-    ranks, data type, chunking, class, start and data seed; the transport (RoCE or UET);
-    RoCE's queue pairs, congestion control and window; UET's settings."""
+    ranks, data type, chunking, class, start and data seed; the transport (RoCE or UET)
+    and its congestion control; RoCE's queue pairs, preset and window; UET's entropy. The
+    fields are the flows kind's where both have them (transport, cc, entropy, entropies)."""
 
     ranks: list[str] = Field(description="the hosts of the communicator; rank i runs on "
                                          "ranks[i], one rank per host")
@@ -121,25 +110,40 @@ class GroupTransportEntry(TrafficEntry):
     qps: int = Field(2, ge=1, le=8, description="queue pairs per pair of ranks (transport: "
                                                 "roce)")
     tclass: str | int = Field("roce", description="traffic class of the data and ACKs; with "
-                                                  "cc (RoCE) or uet.cc nscc, a class that "
-                                                  "marks ECN")
+                                                  "cc dcqcn, dctcp or nscc, a class that "
+                                                  "marks ECN; transport: uet needs it named "
+                                                  "(a lossy class)")
     start_ns: DurationNs = Field(0, alias="start", description="when the ranks start, fabric "
                                  "time after the run's common start t0")
-    cc: Literal["dcqcn", "dctcp", "none"] = Field(
-        "dcqcn", description="congestion control of every rank's QPs (transport: roce)")
+    cc: Literal["dcqcn", "dctcp", "none", "nscc", "credit"] = Field(
+        "dcqcn", description="congestion control of every rank: roce: dcqcn, dctcp or none "
+        "(its QPs); uet: nscc (sender window on ECN and delay), credit (receiver-paced "
+        "credit) or none (its NIC); default dcqcn, nscc with transport: uet")
     cc_preset: CcPresetName | None = Field(None, description=CC_PRESET_DESCRIPTION)
     window_packets: int | Literal["auto"] = Field(
         "auto", alias="window", description="most unacknowledged packets per QP, or auto "
                                             "(as RoCE entries: docs/roce.md; transport: roce)")
     seed: int = Field(1, ge=0, description="seed of the ranks' input data")
     transport: Literal["roce", "uet"] = Field(
-        "roce", description="roce: RDMA WRITEs with immediate over RC queue pairs (qps, cc, "
+        "roce", description="roce: RDMA WRITEs with immediate over RC queue pairs (qps, "
                             "cc_preset, window apply); uet: UET SENDs over each host's Ultra "
-                            "Ethernet NIC (UDP 4793, one per host; `uet` applies)")
-    uet: UetSettings = Field(default_factory=UetSettings,
-                             description="transport: uet: congestion control and entropy")
+                            "Ethernet NIC (UDP 4793, one per host; entropy, entropies apply)")
+    entropy: Literal["spray", "oblivious", "reps"] | None = Field(
+        None, description="uet: how each packet's UDP source port is picked: spray (round "
+        "robin over the entropies, the default), oblivious (one per PDC, like RoCE), reps "
+        "(keep the ports whose ACKs came back unmarked)")
+    entropies: int | None = Field(None, ge=1, le=4096, description="uet: UDP source ports "
+                                  "a rank's NIC sprays over (default 16)")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _uet_cc(cls, data: object) -> object:
+        # The default cc follows the transport: DCQCN for RoCE, NSCC for UET.
+        if isinstance(data, dict) and data.get("transport") == "uet" and "cc" not in data:
+            return {**data, "cc": "nscc"}
+        return data
 
     @field_validator("cc_preset", mode="before")
     @classmethod
@@ -160,29 +164,41 @@ class GroupTransportEntry(TrafficEntry):
 
 
 #: The fields that set up RoCE queue pairs, by config name (what transport: uet refuses).
-ROCE_ONLY_FIELDS = {"qps": "qps", "cc": "cc", "cc_preset": "cc_preset",
-                    "window_packets": "window"}
+ROCE_ONLY_FIELDS = {"qps": "qps", "cc_preset": "cc_preset", "window_packets": "window"}
 
 
 def transport_problems(t: GroupTransportEntry, loc: tuple,
                        ctx: CheckContext) -> Iterator[Problem]:
-    """RoCE: a preset that does not go with `cc`; congestion control on a class that
-    never marks ECN (so it never gets a CNP). UET: RoCE's fields set; NSCC on a class
-    that never marks ECN. Either: the other transport's fields set."""
+    """RoCE: a cc of UET's, entropy fields, a preset that does not go with `cc`,
+    congestion control on a class that never marks ECN (so it never gets a CNP). UET: a
+    cc of RoCE's, RoCE's queue-pair fields, an unnamed class, NSCC on a class that never
+    marks ECN."""
     tclass = ctx.classes.get(t.tclass)
     if t.transport == "uet":
+        if t.cc not in UET_CCS:
+            yield loc + ("cc",), (f"cc {t.cc} is RoCE's; with transport: uet use "
+                                  f"{', '.join(UET_CCS)}")
         for name, alias in ROCE_ONLY_FIELDS.items():
             if name in t.model_fields_set:
                 yield (loc + (alias,), f"{alias} sets up RoCE queue pairs; transport: uet "
-                       "has none, remove it (uet: {cc, entropy, entropies} set up UET)")
-        if t.uet.cc == "nscc" and tclass is not None and not tclass.ecn:
-            yield (loc + ("uet", "cc"), f"class {tclass.name!r} (TC{tclass.tc}) does not "
-                   "mark ECN, so NSCC sees congestion only as delay and loss; use a class "
-                   "with ecn: true, or uet: {cc: credit} or {cc: none}")
+                       "has none, drop it")
+        if "tclass" not in t.model_fields_set:
+            yield loc + ("tclass",), ("transport: uet needs its traffic class named: a lossy "
+                                      "class (with trim: true to trim instead of drop), not "
+                                      "the lossless roce class PFC protects")
+        elif t.cc == "nscc" and tclass is not None and not tclass.ecn:
+            yield (loc + ("tclass",), f"class {tclass.name!r} (TC{tclass.tc}) does not mark "
+                   "ECN, so NSCC sees congestion only as delay and loss; use a class with "
+                   "ecn: true, or cc: credit or cc: none")
         return
-    if "uet" in t.model_fields_set:
-        yield (loc + ("uet",), "uet applies to transport: uet; set transport: uet or "
-               "remove it")
+    if t.cc not in ROCE_CCS:
+        yield loc + ("cc",), (f"cc {t.cc} is Ultra Ethernet's; with transport: roce use "
+                              f"{', '.join(ROCE_CCS)}, or set transport: uet")
+        return
+    for name in ("entropy", "entropies"):
+        if getattr(t, name) is not None:
+            yield loc + (name,), (f"{name} is for transport: uet (RoCE picks one UDP "
+                                  "source port per QP); drop it or set transport: uet")
     bad_preset = preset_problem(t.cc, t.cc_preset)
     if bad_preset is not None:
         yield loc + (bad_preset[0],), bad_preset[1]
@@ -223,8 +239,9 @@ def uet_argv(t: GroupTransportEntry, ctx: ExpandContext, host: str) -> list[str]
     round trip to another rank (NSCC's base), dilation and the set-up timeout."""
     base_rtt = max((ctx.base_rtt_ns(host, h) for h in t.ranks if h != host), default=0)
     return ["--transport", "uet", "--chunk-bytes", str(t.chunk_bytes), "--seed", str(t.seed),
-            "--dscp", str(ctx.dscp(t.tclass)), "--uet-cc", t.uet.cc,
-            "--uet-entropy", t.uet.entropy, "--uet-entropies", str(t.uet.entropies),
+            "--dscp", str(ctx.dscp(t.tclass)), "--uet-cc", t.cc,
+            "--uet-entropy", t.entropy or "spray",
+            "--uet-entropies", str(t.entropies or UET_ENTROPIES),
             "--uet-payload-bytes", str(uet_payload_bytes(ctx)),
             "--line-rate-bps", str(ctx.line_rate_bps(host)),
             *(["--uet-base-rtt-ns", str(base_rtt)] if base_rtt > 0 else []),

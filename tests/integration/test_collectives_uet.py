@@ -44,7 +44,7 @@ workload:
   traffic:
     - {{name: allreduce, kind: allreduce, algorithm: ring,
        ranks: [h1, h2, h3, h4, h5, h6, h7, h8], transport: uet, tclass: lossy,
-       uet: {{cc: nscc, entropy: spray, entropies: 16}},
+       cc: nscc, entropy: spray, entropies: 16,
        sizes: {{min: {min}, max: {max}, factor: 4}}, chunk: 256KiB, warmup: 1,
        iterations: 2}}
 """

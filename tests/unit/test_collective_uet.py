@@ -534,7 +534,7 @@ def _flag(argv: list[str], flag: str) -> str:
 def test_transport_uet_expands_to_the_uet_ranks_flags():
     from testbed.run.workload import expand_workload
 
-    loaded, plan = _load(UET_AR % ", uet: {cc: credit, entropy: reps, entropies: 8}")
+    loaded, plan = _load(UET_AR % ", cc: credit, entropy: reps, entropies: 8")
     specs = expand_workload(loaded.fabric, plan)
     assert [s.name for s in specs] == ["ar-r0", "ar-r1", "ar-r2", "ar-r3"]
     argv = specs[0].argv
@@ -554,6 +554,15 @@ def test_transport_uet_expands_to_the_uet_ranks_flags():
     assert check_args(args) is None and args.uet_cc == "credit"
 
 
+def test_transport_uet_defaults_to_nscc_sprayed_over_16_entropies():
+    from testbed.run.workload import expand_workload
+
+    loaded, plan = _load(UET_AR % "")
+    argv = expand_workload(loaded.fabric, plan)[1].argv
+    assert (_flag(argv, "--uet-cc"), _flag(argv, "--uet-entropy"),
+            _flag(argv, "--uet-entropies")) == ("nscc", "spray", "16")
+
+
 def test_transport_roce_stays_the_default_with_its_flags():
     from testbed.run.workload import expand_workload
 
@@ -565,19 +574,25 @@ def test_transport_roce_stays_the_default_with_its_flags():
 
 
 def test_uet_config_problems_are_clear():
-    text = _problems(UET_AR % ", qps: 4, cc: dctcp, window: 64")
-    for field in ("qps", "cc", "window"):
+    text = _problems(UET_AR % ", qps: 4, cc_preset: rfc8257, window: 64")
+    for field in ("qps", "cc_preset", "window"):
         assert f"traffic[0].{field}: {field} sets up RoCE queue pairs; transport: uet" in text
+    text = _problems(UET_AR % ", cc: dctcp")
+    assert "traffic[0].cc: cc dctcp is RoCE's; with transport: uet use nscc, credit, none" \
+        in text
     text = _problems(UET_AR.replace("tclass: lossy", "tclass: plain") % "")
-    assert "traffic[0].uet.cc: class 'plain' (TC1) does not mark ECN, so NSCC" in text
-    _load(UET_AR.replace("tclass: lossy", "tclass: plain") % ", uet: {cc: credit}")   # fine
-    text = _problems("    - {name: ar, kind: allreduce, ranks: [h1, h2], "
-                     "uet: {cc: none}, sizes: {min: 64KiB, max: 64KiB}}")
-    assert "traffic[0].uet: uet applies to transport: uet" in text
+    assert "traffic[0].tclass: class 'plain' (TC1) does not mark ECN, so NSCC" in text
+    _load(UET_AR.replace("tclass: lossy", "tclass: plain") % ", cc: credit")   # fine
+    text = _problems(UET_AR.replace("tclass: lossy, ", "") % "")
+    assert "traffic[0].tclass: transport: uet needs its traffic class named" in text
+    text = _problems("    - {name: ar, kind: allreduce, ranks: [h1, h2], entropies: 4, "
+                     "sizes: {min: 64KiB, max: 64KiB}}")
+    assert "traffic[0].entropies: entropies is for transport: uet" in text
+    text = _problems("    - {name: ar, kind: allreduce, ranks: [h1, h2], cc: credit, "
+                     "sizes: {min: 64KiB, max: 64KiB}}")
+    assert "traffic[0].cc: cc credit is Ultra Ethernet's; with transport: roce" in text
     text = _problems(UET_AR % ", algorithm: ina")
     assert "traffic[0].transport: the in-network all-reduce runs" in text
-    text = _problems(UET_AR % ", uet: {cc: dcqcn}")
-    assert "uet.cc" in text
 
 
 def test_a_host_runs_one_uet_nic():
