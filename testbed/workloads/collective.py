@@ -402,6 +402,7 @@ class CollectiveKind(WorkloadKind):
                              f"{res['events_dropped']} phase events beyond its cap of "
                              f"{res.get('events_written', 0)} were not written: the report's "
                              "phase timeline misses them (the results are whole)")
+            notes += _uet_notes(spec, res)
             wrong = sum(int(r.get("wrong", 0)) for r in res.get("results") or [])
             if wrong:
                 notes.append(f"collective rank {spec.name} on {spec.node}: {wrong} elements "
@@ -432,6 +433,22 @@ class CollectiveKind(WorkloadKind):
 
 
 AGGREGATOR_MODULE = "agents.aggregator"
+
+
+def _uet_notes(spec: AgentSpec, res: dict) -> list[str]:
+    """A UET rank's NIC that dropped datagrams it could not use: malformed, or with PDC
+    ids that are not its peers' (each is retransmitted by its sender, but is a packet the
+    fabric delivered and the rank threw away)."""
+    uet = (res.get("counters") or {}).get("uet") or {}
+    totals = uet.get("totals") or {}
+    bad = {"malformed": int(totals.get("malformed") or 0),
+           "with wrong PDC ids": int(totals.get("bad_pdcid") or 0)}
+    bad = {k: v for k, v in bad.items() if v}
+    if not bad:
+        return []
+    return [f"collective rank {spec.name} on {spec.node}: its UET NIC dropped "
+            + ", ".join(f"{v} datagrams {k}" for k, v in bad.items())
+            + " (counters.uet.sockets.malformed has the reasons)"]
 
 
 def _aggregator_notes(spec: AgentSpec, res: dict) -> list[str]:

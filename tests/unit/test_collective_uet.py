@@ -716,3 +716,18 @@ def test_uet_rank_accounts_count_every_datagram_between_two_nics():
         "ar r0->r1", 15, 13, 2)
     assert (a10["sent"], a10["received"], a10["fabric_drops"]) == (7, 6, 1)
     assert a01["reordered"] == 0 and a01["complete"]
+
+
+def test_a_uet_ranks_dropped_datagrams_are_a_fidelity_note():
+    from testbed.workloads.base import AgentSpec
+    from testbed.workloads.collective import KIND
+
+    spec = AgentSpec(name="ar-r1", node="h2", role="sender", traffic="ar", kind="allreduce",
+                     argv=["--rank", "1", "--transport", "uet"], module="agents.collectives")
+    res = {"counters": {"transport": "uet", "uet": {"totals": {"malformed": 3,
+                                                               "bad_pdcid": 0}}}}
+    notes = KIND.fidelity_notes([spec], {"ar-r1": res}, None)  # type: ignore[arg-type]
+    assert notes == ["collective rank ar-r1 on h2: its UET NIC dropped 3 datagrams malformed "
+                     "(counters.uet.sockets.malformed has the reasons)"]
+    res["counters"]["uet"]["totals"]["malformed"] = 0
+    assert KIND.fidelity_notes([spec], {"ar-r1": res}, None) == []  # type: ignore[arg-type]
