@@ -35,6 +35,7 @@ Everything is fabric time (`agents.timebase.FabricClock`, the NIC's clock).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -172,8 +173,7 @@ class UetTransport:
             self._sends = n + 1
             self._unacked[n] = (peer, chunk)     # before send: on_done may come inside it
             try:
-                self.nic.send(ip, bits, chunk.data,
-                              on_done=lambda _mid, n=n: self._on_done(n))
+                self.nic.send(ip, bits, chunk.data, on_done=functools.partial(self._on_done, n))
             except NicStopped:
                 raise Stopped() from None
             except (OSError, ValueError, RuntimeError) as e:
@@ -191,7 +191,7 @@ class UetTransport:
 
     # -- the NIC's callbacks (from inside nic.step: they never raise into the NIC)
 
-    def _on_done(self, n: int) -> None:
+    def _on_done(self, n: int, _message_id: int) -> None:
         entry = self._unacked.pop(n, None)
         if entry is not None:              # the NIC says each message is done once
             peer, chunk = entry
