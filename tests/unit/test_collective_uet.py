@@ -731,3 +731,54 @@ def test_a_uet_ranks_dropped_datagrams_are_a_fidelity_note():
                      "(counters.uet.sockets.malformed has the reasons)"]
     res["counters"]["uet"]["totals"]["malformed"] = 0
     assert KIND.fidelity_notes([spec], {"ar-r1": res}, None) == []  # type: ignore[arg-type]
+
+
+def test_three_worker_processes_all_reduce_over_uet_on_loopback(tmp_path):
+    """`python -m agents.collectives --transport uet`, three ranks on 127.0.0.1..3 (one UET
+    NIC each, one UDP port): the real algorithms and data, every size checked."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    pytest.importorskip("agents.uet.nic")
+    tcp = _free_tcp_ports(3)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        udp = s.getsockname()[1]
+    peers = ",".join(f"127.0.0.{r + 1}:{tcp[r]}:{udp}" for r in range(3))
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "agents.collectives", "--rank", str(r), "--peers", peers,
+         "--transport", "uet", "--uet-cc", "none", "--uet-entropies", "4",
+         "--line-rate-bps", "2e9", "--uet-base-rtt-ns", "50000", "--dscp", "10",
+         "--op", "allreduce", "--dtype", "float32", "--min-bytes", "4096",
+         "--max-bytes", "262144", "--factor", "64", "--warmup", "1", "--iterations", "2",
+         "--chunk-bytes", "65552", "--ready-file", str(tmp_path / f"ready{r}"),
+         "--out", str(tmp_path / f"r{r}.json")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(3)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err + out
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, o in enumerate(outs):
+        assert o["rank"] == r and o["error"] is None and o["transport"] == "uet"
+        assert [x["bytes"] for x in o["results"]] == [4096, 262144]
+        # at dilation 1 a busy CPU answers later than the NIC's 1 ms RTO: retransmissions
+        # happen, and must change nothing in the result
+        assert all(x["wrong"] == 0 and isinstance(x["retransmissions"], int)
+                   for x in o["results"])
+        c = o["counters"]
+        assert c["transport"] == "uet" and c["settings"]["options"]["cc"] == "none"
+        assert c["bytes_sent"] == c["bytes_posted"] and len(c["uet"]["totals"]["sports"]) > 1
+        assert json.loads((tmp_path / f"ready{r}").read_text())["udp_port"] == udp
+    assert sum(o["counters"]["bytes_sent"] for o in outs) == sum(
+        o["counters"]["bytes_received"] for o in outs)
