@@ -751,19 +751,21 @@ def test_three_worker_processes_all_reduce_over_uet_on_loopback(tmp_path):
     procs = [subprocess.Popen(
         [sys.executable, "-m", "agents.collectives", "--rank", str(r), "--peers", peers,
          "--transport", "uet", "--uet-cc", "none", "--uet-entropies", "4",
-         "--line-rate-bps", "2e9", "--uet-base-rtt-ns", "50000", "--dscp", "10",
+         "--line-rate-bps", "10e9", "--uet-base-rtt-ns", "50000", "--dscp", "10",
+         "--dilation", "100",        # the NIC's 1 ms RTO is 100 ms wall: above a busy CPU's lag
          "--op", "allreduce", "--dtype", "float32", "--min-bytes", "4096",
          "--max-bytes", "262144", "--factor", "64", "--warmup", "1", "--iterations", "2",
          "--chunk-bytes", "65552", "--ready-file", str(tmp_path / f"ready{r}"),
          "--out", str(tmp_path / f"r{r}.json")],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(3)]
-    outs = []
+    outs, errs = [], []
     try:
         for p in procs:
             out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err + out
             outs.append(json.loads(out.strip().splitlines()[-1]))
+            errs.append(err if p.returncode else "")
+        assert not any(errs), errs
     finally:
         for p in procs:
             if p.poll() is None:
@@ -772,8 +774,6 @@ def test_three_worker_processes_all_reduce_over_uet_on_loopback(tmp_path):
     for r, o in enumerate(outs):
         assert o["rank"] == r and o["error"] is None and o["transport"] == "uet"
         assert [x["bytes"] for x in o["results"]] == [4096, 262144]
-        # at dilation 1 a busy CPU answers later than the NIC's 1 ms RTO: retransmissions
-        # happen, and must change nothing in the result
         assert all(x["wrong"] == 0 and isinstance(x["retransmissions"], int)
                    for x in o["results"])
         c = o["counters"]
