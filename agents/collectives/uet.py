@@ -25,8 +25,10 @@ it returns; the chunk arrays stay referenced until the NIC calls their `on_done`
 NIC may send from them). `wait_sends` drives the NIC until every SEND's `on_done` came,
 that is until the target acknowledged every packet of it. `recv` binds its buffer to the
 next message of (peer, tag) and drives the NIC until it is whole. Driving is
-`nic.step()` until nothing is due, then `nic.wait()`; an exception the NIC raises while
-stepping, or a message it cannot deliver, fails the call with a TransportError. The set-up
+`nic.step()` until nothing is due, then `nic.wait()`. A PDC the NIC gives up on (its
+`on_error`: a packet unacknowledged after its retries), an exception it raises while
+stepping, or a message that is not ours fails the call with a TransportError; the NIC's
+own Stopped (a blocked send saw the stop request) is the transport's Stopped. The set-up
 connections (`agents.collectives.links`) say when a peer leaves.
 
 Everything is fabric time (`agents.timebase.FabricClock`, the NIC's clock).
