@@ -65,7 +65,7 @@ def uet_options(args: Namespace) -> UetOptions:
                       payload_bytes=args.uet_payload_bytes,
                       line_rate_bps=float(args.line_rate_bps),
                       base_rtt_ns=float(args.uet_base_rtt_ns), trim_dscp=args.uet_trim_dscp,
-                      seed=args.seed)
+                      seed=args.seed, spin_ns=args.spin_ns)
 
 
 def barrier(t: RankTransport, token: tuple[int, int]) -> None:
