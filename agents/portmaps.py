@@ -50,6 +50,9 @@ FP_SHIFT = 32
 FP_ONE = 1 << FP_SHIFT      #: probability 1.0
 ALPHA_SHIFT = 16            #: node alpha in units of 2^-16
 MAX_THRESHOLD_SPAN = 1 << 31  # kmax - kmin must stay below this (64-bit products in C)
+UET_UDP_PORT = 4793         #: the only packets the program trims (IPv4 UDP, IHL 5)
+MIN_TRIM_BYTES = 20 + 8 + 16 + 44   #: IP + UDP + the largest PDS request + SES standard
+MAX_TRIM_BYTES = 0xFFFF
 PAGE = mmap.PAGESIZE
 
 MODES = {"none": 0, "static": 1, "shared": 2}
@@ -61,14 +64,16 @@ F_HOT = 1
 
 PORT_CFG = struct.Struct("=II")
 PORT_CFG_FIELDS = ("default_tc", "port_slot")
-CLASS_CFG = struct.Struct("=7QII")
+CLASS_CFG = struct.Struct("=7QIIQII")
 CLASS_CFG_FIELDS = ("kmin_bytes", "kmax_bytes", "pmax_fp", "drop_fp", "limit_bytes",
-                    "egress_xoff_bytes", "egress_xon_bytes", "ecn_enabled", "pad")
-STATE = struct.Struct("=22Q")
+                    "egress_xoff_bytes", "egress_xon_bytes", "ecn_enabled", "trim_len",
+                    "trim_threshold_bytes", "trim_tc", "trim_dscp")
+STATE = struct.Struct("=24Q")
 STATE_FIELDS = ("enq_bytes", "enq_packets", "dep_bytes", "dep_packets", "packets", "bytes",
                 "ect_packets", "ce_arrivals", "ce_marks", "would_mark", "drops", "tail_drops",
                 "mmu_drops", "desc_drops", "max_queue_bytes", "mark_errors", "ring_head",
-                "ring_tail", "dep_mismatch", "dep_unmatched", "flags", "pad")
+                "ring_tail", "dep_mismatch", "dep_unmatched", "flags", "trims", "trim_errors",
+                "pad")
 INGRESS_ACCT = struct.Struct("=7Q6I")
 INGRESS_ACCT_FIELDS = ("bytes", "hdrm_bytes", "max_bytes", "max_hdrm_bytes", "drops",
                        "xoff_events", "xon_events", "headroom_bytes", "xoff_bytes", "xon_bytes",
@@ -140,11 +145,24 @@ class ClassParams:
 
 
 @dataclass(frozen=True)
+class TrimParams:
+    """Packet trimming of a class: a UET packet (IPv4 UDP to UET_UDP_PORT) that would take
+    the queue above `threshold_bytes` is cut to `size_bytes` of IP and sent in class `tc`
+    with DSCP `dscp` (ECN bits kept) instead of being admitted to this class."""
+
+    threshold_bytes: int
+    size_bytes: int                  # IP bytes kept (the IP total length of the short packet)
+    tc: int                          # the class it goes to (strict, never tracked)
+    dscp: int                        # the DSCP written into it: one of that class's
+
+
+@dataclass(frozen=True)
 class PortParams:
     dscp_to_tc: Mapping[int, int] = field(default_factory=dict)
     default_tc: int = 0
     classes: Mapping[int, ClassParams] = field(default_factory=dict)
     port_slot: int = 0               # this port's ingress slot at its node (1..)
+    trims: Mapping[int, TrimParams] = field(default_factory=dict)   # by class: switch ports
 
     def problems(self) -> list[str]:
         out = []
@@ -166,6 +184,19 @@ class PortParams:
                     out.append(f"{where}.{name} must be >= 0")
             if cls.egress_xon_bytes > cls.egress_xoff_bytes:
                 out.append(f"{where}: egress_xon_bytes above egress_xoff_bytes")
+            trim = self.trims.get(tc)
+            if trim is not None:
+                if not MIN_TRIM_BYTES <= trim.size_bytes <= MAX_TRIM_BYTES:
+                    out.append(f"{where}: trim size_bytes must be {MIN_TRIM_BYTES}.."
+                               f"{MAX_TRIM_BYTES}, got {trim.size_bytes}")
+                if not 0 <= trim.tc < NUM_TC or trim.tc == tc:
+                    out.append(f"{where}: trim tc must be another class 0..{NUM_TC - 1}, "
+                               f"got {trim.tc}")
+                elif self.dscp_to_tc.get(trim.dscp, self.default_tc) != trim.tc:
+                    out.append(f"{where}: trim dscp {trim.dscp} does not select class "
+                               f"{trim.tc} at this port")
+                if trim.threshold_bytes < 0:
+                    out.append(f"{where}: trim threshold_bytes must be >= 0")
             if cls.pmax is None:
                 continue
             if not 0 <= cls.pmax <= 1:
@@ -281,14 +312,16 @@ def encode_port_cfg(params: PortParams) -> bytes:
     return PORT_CFG.pack(params.default_tc, params.port_slot)
 
 
-def encode_class_cfg(cls: ClassParams | None) -> bytes:
+def encode_class_cfg(cls: ClassParams | None, trim: TrimParams | None = None) -> bytes:
+    """A class's `class_cfg` entry; trim_len 0 means the class does not trim."""
+    t = (trim.size_bytes, trim.threshold_bytes, trim.tc, trim.dscp) if trim else (0, 0, 0, 0)
     if cls is None:
-        return CLASS_CFG.pack(0, 0, 0, 0, 0, 0, 0, 0, 0)
+        return CLASS_CFG.pack(0, 0, 0, 0, 0, 0, 0, 0, *t)
     ecn = cls.pmax is not None
     return CLASS_CFG.pack(cls.kmin_bytes if ecn else 0, cls.kmax_bytes if ecn else 0,
                           0 if cls.pmax is None else probability_fp(cls.pmax),
                           probability_fp(cls.drop_probability), cls.limit_bytes,
-                          cls.egress_xoff_bytes, cls.egress_xon_bytes, int(ecn), 0)
+                          cls.egress_xoff_bytes, cls.egress_xon_bytes, int(ecn), *t)
 
 
 def encode_node_head(params: NodeParams) -> bytes:
@@ -508,19 +541,24 @@ class ClassCounters(NamedTuple):
     dep_packets: int
     dep_mismatch: int       # departures whose length was not their FIFO entry's
     dep_unmatched: int      # departures with nothing admitted (not counted)
+    trims: int = 0          # UET arrivals cut and sent in the trim class (not admitted here)
+    trim_errors: int = 0    # of those, dropped: cutting them failed
 
     @property
     def refused(self) -> int:
-        """Every packet the program dropped: PHY/impairment loss and refused admissions."""
-        return self.drops + self.tail_drops + self.mmu_drops + self.desc_drops
+        """Every packet the program dropped: PHY/impairment loss and refused admissions
+        (a trimmed packet is not dropped; one whose cutting failed is)."""
+        return self.drops + self.tail_drops + self.mmu_drops + self.desc_drops + \
+            self.trim_errors
 
 
 def _class_counters(row: tuple) -> ClassCounters:
     (enq_b, enq_p, dep_b, dep_p, packets, nbytes, ect, ce_in, marks, would, drops, tail, mmu,
-     desc, max_q, mark_err, _head, _tail, mismatch, unmatched, _flags, _pad) = row
+     desc, max_q, mark_err, _head, _tail, mismatch, unmatched, _flags, trims, trim_err,
+     _pad) = row
     return ClassCounters(packets, nbytes, ect, ce_in, marks, would, drops, tail, mmu, desc,
                          max_q, mark_err, max(0, enq_b - dep_b), max(0, enq_p - dep_p),
-                         enq_b, enq_p, dep_b, dep_p, mismatch, unmatched)
+                         enq_b, enq_p, dep_b, dep_p, mismatch, unmatched, trims, trim_err)
 
 
 class IngressAcct(NamedTuple):
@@ -632,7 +670,8 @@ class PortMaps:
         for dscp, tc in enumerate(dscp_table(params)):
             self.dscp_tc.update(dscp, struct.pack("=I", tc))
         for tc in range(NUM_TC):
-            self.class_cfg.update(tc, encode_class_cfg(params.classes.get(tc)))
+            self.class_cfg.update(tc, encode_class_cfg(params.classes.get(tc),
+                                                       params.trims.get(tc)))
         self.cfg.update(0, encode_port_cfg(params))
 
     def reset(self) -> None:
