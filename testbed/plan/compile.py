@@ -37,6 +37,7 @@ from testbed.plan.model import (
     Plan,
     RoutePlan,
     TrafficClassPlan,
+    TrimPlan,
 )
 from testbed.plan.qos import (
     DEFAULT_BUFFER_BYTES,
@@ -188,6 +189,8 @@ def _egress(rate_bps: int, dilation: Dilation, classes_qos, tclasses, mtu_bytes:
             lossless=tclass.lossless,
             ecn=EcnPlan(**vars(q.ecn)) if q.ecn and not end.host else None,
             pfc=pfc,
+            # host NICs never trim (a NIC does not cut its own packets)
+            trim=TrimPlan(**vars(q.trim)) if q.trim and not end.host else None,
         ))
     return EgressPlan(rate_bps=rate_bps, wall_rate_bps=wall, overhead_bytes=HTB_OVERHEAD_BYTES,
                       burst_bytes=_burst_bytes(wall, frame), quantum_bytes=frame,
