@@ -184,19 +184,8 @@ class PortParams:
                     out.append(f"{where}.{name} must be >= 0")
             if cls.egress_xon_bytes > cls.egress_xoff_bytes:
                 out.append(f"{where}: egress_xon_bytes above egress_xoff_bytes")
-            trim = self.trims.get(tc)
-            if trim is not None:
-                if not MIN_TRIM_BYTES <= trim.size_bytes <= MAX_TRIM_BYTES:
-                    out.append(f"{where}: trim size_bytes must be {MIN_TRIM_BYTES}.."
-                               f"{MAX_TRIM_BYTES}, got {trim.size_bytes}")
-                if not 0 <= trim.tc < NUM_TC or trim.tc == tc:
-                    out.append(f"{where}: trim tc must be another class 0..{NUM_TC - 1}, "
-                               f"got {trim.tc}")
-                elif self.dscp_to_tc.get(trim.dscp, self.default_tc) != trim.tc:
-                    out.append(f"{where}: trim dscp {trim.dscp} does not select class "
-                               f"{trim.tc} at this port")
-                if trim.threshold_bytes < 0:
-                    out.append(f"{where}: trim threshold_bytes must be >= 0")
+            if tc in self.trims:
+                out += self._trim_problems(tc, self.trims[tc])
             if cls.pmax is None:
                 continue
             if not 0 <= cls.pmax <= 1:
@@ -206,6 +195,20 @@ class PortParams:
                            f"got {cls.kmin_bytes} / {cls.kmax_bytes}")
             elif cls.kmax_bytes - cls.kmin_bytes >= MAX_THRESHOLD_SPAN:
                 out.append(f"{where}: kmax_bytes - kmin_bytes must be below 2 GiB")
+        return out
+
+    def _trim_problems(self, tc: int, trim: TrimParams) -> list[str]:
+        where, out = f"classes[{tc}]", []
+        if not MIN_TRIM_BYTES <= trim.size_bytes <= MAX_TRIM_BYTES:
+            out.append(f"{where}: trim size_bytes must be {MIN_TRIM_BYTES}..{MAX_TRIM_BYTES}, "
+                       f"got {trim.size_bytes}")
+        if not 0 <= trim.tc < NUM_TC or trim.tc == tc:
+            out.append(f"{where}: trim tc must be another class 0..{NUM_TC - 1}, got {trim.tc}")
+        elif self.dscp_to_tc.get(trim.dscp, self.default_tc) != trim.tc:
+            out.append(f"{where}: trim dscp {trim.dscp} does not select class {trim.tc} at "
+                       "this port")
+        if trim.threshold_bytes < 0:
+            out.append(f"{where}: trim threshold_bytes must be >= 0")
         return out
 
     def check(self) -> None:

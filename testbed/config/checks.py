@@ -178,15 +178,21 @@ def check_trim(fabric: Fabric, name: str, port_class: PortClass,
     elif trim.size_bytes >= fabric.mtu_bytes:
         yield (loc + ("size",), f"{trim.size_bytes} B is not below the MTU {fabric.mtu_bytes}: "
                "no packet would be shorter after trimming; lower it")
-    if trim.threshold_bytes is not None:
-        for t in trimming:
-            buffer = port_class.buffer.get(t.tc)
-            if buffer is not None and trim.threshold_bytes > buffer:
-                yield (loc + ("threshold",), f"{format_size(trim.threshold_bytes)} is above the "
-                       f"TC{t.tc} ({t.name}) buffer {format_size(buffer)}, so the class tail-"
-                       f"drops before it trims; lower it or raise buffer.{t.tc}")
-    target = trim_target(tclasses, trim.to)
-    if trim.to is None and target is None:
+    for t in trimming:
+        buffer = port_class.buffer.get(t.tc)
+        if trim.threshold_bytes is not None and buffer is not None and \
+                trim.threshold_bytes > buffer:
+            yield (loc + ("threshold",), f"{format_size(trim.threshold_bytes)} is above the "
+                   f"TC{t.tc} ({t.name}) buffer {format_size(buffer)}, so the class tail-"
+                   f"drops before it trims; lower it or raise buffer.{t.tc}")
+    yield from _trim_target_problems(tclasses, name, trim.to, loc)
+
+
+def _trim_target_problems(tclasses: list[TrafficClass], name: str, to: str | int | None,
+                          loc: tuple) -> Iterator[tuple[tuple, str]]:
+    """Is there a class for port class `name`'s trimmed packets, and may they go there?"""
+    target = trim_target(tclasses, to)
+    if to is None and target is None:
         strict = [f"TC{t.tc} ({t.name})" for t in tclasses if t.strict and not t.trim]
         yield (loc, f"port class {name} has no class to send trimmed packets in: " + (
             f"{', '.join(strict)} are strict, set qos.{name}.trim.to to one of them" if strict else
@@ -194,8 +200,8 @@ def check_trim(fabric: Fabric, name: str, port_class: PortClass,
         return
     if target is None:
         names = ", ".join(f"{t.name} ({t.tc})" for t in tclasses)
-        hint = _suggest(trim.to, [t.name for t in tclasses]) if isinstance(trim.to, str) else ""
-        yield (loc + ("to",), f"unknown traffic class {trim.to!r}" + (
+        hint = _suggest(to, [t.name for t in tclasses]) if isinstance(to, str) else ""
+        yield (loc + ("to",), f"unknown traffic class {to!r}" + (
             hint or f"; use a class name or number from traffic_classes: {names}"))
         return
     what = f"TC{target.tc} ({target.name})"
