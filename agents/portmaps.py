@@ -173,6 +173,8 @@ class PortParams:
         for dscp, tc in self.dscp_to_tc.items():
             if not 0 <= dscp < NUM_DSCP or not 0 <= tc < NUM_TC:
                 out.append(f"dscp_to_tc[{dscp}] = {tc}: DSCP 0..63 to class 0..7")
+        for tc, trim in self.trims.items():
+            out += self._trim_problems(tc, trim)
         for tc, cls in self.classes.items():
             where = f"classes[{tc}]"
             if not 0 <= tc < NUM_TC:
@@ -184,8 +186,6 @@ class PortParams:
                     out.append(f"{where}.{name} must be >= 0")
             if cls.egress_xon_bytes > cls.egress_xoff_bytes:
                 out.append(f"{where}: egress_xon_bytes above egress_xoff_bytes")
-            if tc in self.trims:
-                out += self._trim_problems(tc, self.trims[tc])
             if cls.pmax is None:
                 continue
             if not 0 <= cls.pmax <= 1:
