@@ -173,8 +173,7 @@ class PortParams:
         for dscp, tc in self.dscp_to_tc.items():
             if not 0 <= dscp < NUM_DSCP or not 0 <= tc < NUM_TC:
                 out.append(f"dscp_to_tc[{dscp}] = {tc}: DSCP 0..63 to class 0..7")
-        for tc, trim in self.trims.items():
-            out += self._trim_problems(tc, trim)
+        out += self._trims_problems()
         for tc, cls in self.classes.items():
             where = f"classes[{tc}]"
             if not 0 <= tc < NUM_TC:
@@ -196,6 +195,9 @@ class PortParams:
             elif cls.kmax_bytes - cls.kmin_bytes >= MAX_THRESHOLD_SPAN:
                 out.append(f"{where}: kmax_bytes - kmin_bytes must be below 2 GiB")
         return out
+
+    def _trims_problems(self) -> list[str]:
+        return [p for tc, trim in self.trims.items() for p in self._trim_problems(tc, trim)]
 
     def _trim_problems(self, tc: int, trim: TrimParams) -> list[str]:
         where, out = f"classes[{tc}]", []

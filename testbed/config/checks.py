@@ -158,7 +158,7 @@ def check_trim(fabric: Fabric, name: str, port_class: PortClass,
     """A port class's trim settings against the classes that trim (qos.<name>.trim). A
     port class without trim: has the defaults; what is wrong with them is reported once
     (`report_implicit`), at the first trimming class's trim field."""
-    loc = ("qos", name, "trim")
+    loc: tuple = ("qos", name, "trim")
     trim = port_class.trim
     tclasses = list(fabric.traffic_classes)
     trimming = [t for t in tclasses if t.trim and not t.lossless]
