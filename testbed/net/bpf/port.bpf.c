@@ -29,6 +29,12 @@
  * the random numbers and every map lookup come first, and CE marking and
  * event output after.
  *
+ * Packet trimming (UET): on a class configured for it, an IPv4 UDP packet to
+ * port 4793 that would take the queue above trim_threshold_bytes is not
+ * admitted; after the lock it is cut to ETH + trim_len bytes, its headers fixed
+ * and its DSCP rewritten, and it is admitted to the trim class under a second
+ * lock, so its departure (classified by the new DSCP) matches there.
+ *
  * PFC decisions are taken here, at the packet that crosses a threshold, and
  * sent to the node's PFC agent through a ring buffer (`events`): the agent
  * sleeps on it and sends the frame at once instead of polling queues.
