@@ -15,6 +15,7 @@ frame.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -23,8 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from agents import portmaps
 from testbed.net import counters as kernel_counters
 from testbed.net import portprog
+from tests.integration.bpfrun import TC_ACT_OK, TC_ACT_SHOT, Program, frame
 from tests.integration.conftest import built_lab
 
 pytestmark = pytest.mark.root
@@ -247,3 +250,85 @@ def test_uet_packets_over_the_threshold_are_trimmed_into_the_strict_class(tmp_pa
     assert o.max_vq_bytes <= BUFFER
     # no PFC frame reached h2
     assert not [f for f in frames if struct.unpack_from("!H", f, 12)[0] == 0x8808]
+
+
+def test_trimming_decisions_packet_by_packet_on_synthetic_frames():
+    """BPF_PROG_TEST_RUN on one port instance: exact threshold, exact bytes out, the trim
+    class's accounting, and what is never trimmed (tests/integration/bpfrun.py)."""
+    lab = f"bpftrim{os.getpid()}"
+    pin = portprog.pin_dir_of(lab, "sw", "swp1")
+    portprog.load_programs([pin])
+    egress = Program(pin / "progs" / "port_egress")
+    departure = Program(pin / "progs" / "port_departure")
+    maps = portmaps.PortMaps(pin)
+    node = portmaps.NodeMaps(portprog.node_dir_of(lab, "sw"))
+    try:
+        node.write_params(portmaps.NodeParams(mode="static"))      # a switch, nothing tracked
+        node.reset()
+        maps.write_params(portmaps.PortParams(
+            dscp_to_tc={DATA_DSCP: DATA_TC, TRIM_DSCP: TRIM_TC}, default_tc=0,
+            classes={DATA_TC: portmaps.ClassParams(limit_bytes=BUFFER),
+                     TRIM_TC: portmaps.ClassParams(limit_bytes=3 * (14 + TRIM_SIZE))},
+            trims={DATA_TC: portmaps.TrimParams(THRESHOLD, TRIM_SIZE, TRIM_TC, TRIM_DSCP)}))
+        maps.reset()
+
+        def uet(seq: int, **kw) -> bytes:
+            f = bytearray(frame(FRAME, dscp=DATA_DSCP, ecn=ECT0, dport=UET_PORT, **kw))
+            struct.pack_into("!I", f, 42, seq)
+            ip = f[14:34]
+            struct.pack_into("!H", ip, 10, 0)
+            struct.pack_into("!H", ip, 10, 0xFFFF - ip_checksum(bytes(ip)))
+            f[14:34] = ip
+            return bytes(f)
+
+        fit = THRESHOLD // FRAME
+        for seq in range(fit):                      # queue + len <= threshold: admitted
+            verdict, out = egress.run(uet(seq))
+            assert (verdict, len(out)) == (TC_ACT_OK, FRAME)
+        sent = uet(fit)
+        verdict, out = egress.run(sent)             # the next one would pass the threshold
+        assert verdict == TC_ACT_OK and len(out) == 14 + TRIM_SIZE
+        assert out[:14] == sent[:14] and out[14 + 1] == TRIM_DSCP << 2 | ECT0
+        assert struct.unpack_from("!H", out, 16)[0] == TRIM_SIZE
+        assert ip_checksum(out[14:34]) == 0xFFFF
+        assert struct.unpack_from("!HH", out, 14 + 24) == (TRIM_SIZE - 20, 0)
+        assert out[14 + 28:] == sent[14 + 28:14 + TRIM_SIZE]
+        c = maps.read()
+        assert (c[DATA_TC].trims, c[DATA_TC].enq_packets, c[DATA_TC].vq_bytes) == (
+            1, fit, fit * FRAME)
+        assert (c[TRIM_TC].packets, c[TRIM_TC].enq_packets, c[TRIM_TC].vq_bytes) == (
+            1, 1, 14 + TRIM_SIZE)
+        # the trim class's own buffer: 3 short packets fit, the 4th is tail-dropped there
+        for seq in range(fit + 1, fit + 4):
+            egress.run(uet(seq))
+        c = maps.read()
+        assert c[DATA_TC].trims == 4 and c[TRIM_TC].enq_packets == 3
+        assert c[TRIM_TC].tail_drops == 1 and c[DATA_TC].trim_errors == 0
+        # departures of the short packets, classified by their DSCP, leave the trim class
+        departure.run(out)
+        c = maps.read()
+        assert c[TRIM_TC].dep_packets == 1 and c[TRIM_TC].dep_unmatched == 0
+        assert c[DATA_TC].dep_packets == 0
+        # never trimmed: another port, a short packet, a fragment; they tail-drop as before
+        other, _ = egress.run(frame(FRAME, dscp=DATA_DSCP, dport=OTHER_PORT))
+        small, _ = egress.run(frame(14 + TRIM_SIZE, dscp=DATA_DSCP, dport=UET_PORT))
+        frag = bytearray(uet(99))
+        frag[14 + 6] |= 0x20                       # more fragments
+        fragment, _ = egress.run(bytes(frag))
+        c = maps.read()
+        assert c[DATA_TC].trims == 4
+        assert (other, fragment) == (TC_ACT_OK, TC_ACT_OK)    # below the buffer: admitted
+        assert small == TC_ACT_OK
+        while maps.read()[DATA_TC].vq_bytes + FRAME <= BUFFER:
+            egress.run(frame(FRAME, dscp=DATA_DSCP, dport=OTHER_PORT))
+        dropped, _ = egress.run(frame(FRAME, dscp=DATA_DSCP, dport=OTHER_PORT))
+        assert dropped == TC_ACT_SHOT and maps.read()[DATA_TC].tail_drops == 1
+        c = maps.read()[DATA_TC]
+        assert c.packets == c.enq_packets + c.tail_drops + c.trims
+    finally:
+        egress.close()
+        departure.close()
+        maps.close()
+        node.close()
+        portprog.detach_lab(lab)
+    assert not (portprog.PIN_ROOT / lab).exists()
