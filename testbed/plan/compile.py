@@ -338,7 +338,21 @@ def _remap_dscp(fabric: Fabric, egress: Mapping[tuple[int, str], EgressPlan],
             classes = [c.model_copy(update={"dscp": sorted(
                 (set(c.dscp) - {dscp}) | ({dscp} if c.tc == tc else set()))})
                 for c in classes]
-        out[key] = plan.model_copy(update={"classes": classes})
+        out[key] = plan.model_copy(update={"classes": _retarget_trims(classes)})
+    return out
+
+
+def _retarget_trims(classes: list[ClassPlan]) -> list[ClassPlan]:
+    """After a DSCP remap a trimmed packet must still be steered into its trim class at
+    this port: its DSCP becomes the class's first one here (no trimming if it has none)."""
+    dscps = {c.tc: c.dscp for c in classes}
+    out = []
+    for c in classes:
+        if c.trim is not None and c.trim.dscp not in dscps.get(c.trim.tc, []):
+            left = dscps.get(c.trim.tc) or []
+            trim = c.trim.model_copy(update={"dscp": left[0]}) if left else None
+            c = c.model_copy(update={"trim": trim})
+        out.append(c)
     return out
 
 

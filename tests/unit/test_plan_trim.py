@@ -82,3 +82,12 @@ def test_bad_trim_settings_are_refused_where_they_are_written(qos: str, where: s
     with pytest.raises(ConfigError) as err:
         load_config_text(FABRIC.format(qos=qos), "trim.yaml")
     assert where in str(err.value)
+
+
+def test_a_dscp_remap_of_the_trim_dscp_moves_trimmed_packets_to_the_classs_next_dscp():
+    text = FABRIC.format(qos="") + "dscp_remap:\n  - {node: sw1, dscp: 48, tclass: default}\n"
+    plan = compile_plan(load_config_text(text, "remap.yaml"), max_wall_port_rate_bps=200_000_000)
+    for iface in plan.node("sw1").interfaces:
+        params = portprog.params_from_egress(iface.egress)
+        params.check()                          # the trim DSCP still selects TC6 here
+        assert params.trims[2].dscp == 46
