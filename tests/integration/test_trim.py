@@ -27,6 +27,9 @@ import pytest
 from agents import portmaps
 from testbed.net import counters as kernel_counters
 from testbed.net import portprog
+from testbed.net.sampler import KernelSampler
+from testbed.results.store import Store
+from testbed.results.tables import port_rows, totals
 from tests.integration.bpfrun import TC_ACT_OK, TC_ACT_SHOT, Program, frame
 from tests.integration.conftest import built_lab
 
@@ -199,6 +202,11 @@ def test_uet_packets_over_the_threshold_are_trimmed_into_the_strict_class(tmp_pa
         try:
             send(h1.netns, dst, UET_PORT, BURST)
             after_uet = drained(pin, (DATA_TC, TRIM_TC))
+            sampler = KernelSampler(plan)           # what a run's collector stores
+            try:
+                sampled = sampler.sample()
+            finally:
+                sampler.close()
             send(h1.netns, dst, OTHER_PORT, BURST)
             after_other = drained(pin, (DATA_TC, TRIM_TC))
             time.sleep(0.2)
@@ -240,6 +248,16 @@ def test_uet_packets_over_the_threshold_are_trimmed_into_the_strict_class(tmp_pa
         return next(k.packets for k in classes
                     if (k.node, k.ifname, k.tc) == ("sw1", port.ifname, tc))
     assert sent(after_classes, TRIM_TC) - sent(before_classes, TRIM_TC) == len(short)
+
+    # sampled into the store like ECN marks, and summed into the summary's port row
+    with Store(tmp_path / "counters.sqlite", create=True) as store:
+        store.add_samples(0, 0, sampled, final=True)
+        rows = port_rows(plan, store)
+    row = next(r for r in rows if (r["node"], r["port"], r["tclass"]) ==
+               ("sw1", port.ifname, DATA_TC))
+    assert row["trims"] == c.trims and row["drops"] == 0
+    assert totals(rows, 0)["trims"] == c.trims
+    assert {r["trims"] for r in rows if r is not row} == {0}
 
     # other packets of the class are tail-dropped at the buffer, never trimmed
     other = udp_frames(frames, OTHER_PORT)
