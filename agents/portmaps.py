@@ -10,8 +10,9 @@ code that compiles, loads and attaches the program) uses it too.
 
 Two scopes of maps:
 - per PORT (`PortMaps`, pins under .../<node>/<ifname>/maps/): `cfg`,
-  `dscp_tc`, `class_cfg`, `state` (per class: admitted and departed bytes,
-  so queue = admitted - departed; counters), `ring` (the FIFO of ingress
+  `dscp_tc`, `class_cfg` (thresholds, probabilities, UET trimming), `state`
+  (per class: admitted and departed bytes, so queue = admitted - departed;
+  counters, trims among them), `ring` (the FIFO of ingress
   slots of tracked classes), `port_ingress` (bytes per ingress slot);
 - per NODE (`NodeMaps`, pins under .../<node>/_node/): `node` (the buffer
   model: mode, shared pool, per-(class, ingress slot) accounting), `node_lock`,
