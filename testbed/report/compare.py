@@ -73,7 +73,6 @@ class RunColumn:
     queue_p99_bytes: float | None
     queue_max_bytes: float | None
     buckets: list[Bucket] = field(default_factory=list)
-    trims: int = 0                      # UET packets trimmed at switch ports (all classes)
 
 
 @dataclass
@@ -92,8 +91,6 @@ class Comparison:
         rows += [["PFC XOFF frames sent", *(fmt_int(r.pause_tx) for r in self.runs)],
                  ["PFC frames received (XOFF + XON)", *(fmt_int(r.pause_rx) for r in self.runs)],
                  ["ECN marks", *(fmt_int(r.ecn_marks) for r in self.runs)]]
-        if any(r.trims for r in self.runs):
-            rows.append(["packets trimmed", *(fmt_int(r.trims) for r in self.runs)])
         for name in ("p50", "p99", "max"):
             rows.append([f"switch queue {name}",
                          *("-" if getattr(r, f"queue_{name}_bytes") is None
@@ -201,7 +198,6 @@ def _column(run_dir: Path) -> RunColumn:
         pause_tx = _last_sum(run, "pause_tx")
         pause_rx = _last_sum(run, "pause_rx")
         ecn_marks = _last_sum(run, "ecn_marks")
-        trims = _last_sum(run, "trims")
         q50, q99, qmax = _queue_percentiles(run)
         return RunColumn(
             run_dir=run_dir, label=run_dir.name + (f" ({cc})" if cc else ""), cc=cc,
@@ -209,8 +205,7 @@ def _column(run_dir: Path) -> RunColumn:
             pause_tx=_ports_sum(run, "pause_tx") if pause_tx is None else pause_tx,
             pause_rx=_ports_sum(run, "pause_rx") if pause_rx is None else pause_rx,
             ecn_marks=_ports_sum(run, "ecn_marks") if ecn_marks is None else ecn_marks,
-            queue_p50_bytes=q50, queue_p99_bytes=q99, queue_max_bytes=qmax,
-            trims=_ports_sum(run, "trims") if trims is None else trims)
+            queue_p50_bytes=q50, queue_p99_bytes=q99, queue_max_bytes=qmax)
 
 
 def load_comparison(run_dirs: Sequence[Path]) -> Comparison:

@@ -31,12 +31,10 @@ def flow(flow_id: int, size: int, fct: int | None, ideal: int = 1000, *, start: 
 
 def make_flow_run(root: Path, name: str, records: Sequence[FlowRecord], *, cc: str = "dcqcn",
                   pause_tx: int = 0, pause_rx: int = 0, ecn_marks: int = 0,
-                  backlog_bytes: Sequence[int] = (0,), store: bool = True,
-                  trims: int = 0) -> Path:
+                  backlog_bytes: Sequence[int] = (0,), store: bool = True) -> Path:
     """A run directory named <time>-<name>: sw1:swp4 (to h4, class 3) held `backlog_bytes`
     over successive samples, sent `pause_tx` pause frames and marked `ecn_marks`; h4 sent
-    none and received `pause_rx`; sw1:swp4 trimmed `trims` UET packets. `store`=False: no
-    database, results/flows.csv only."""
+    none and received `pause_rx`. `store`=False: no database, results/flows.csv only."""
     plan = compile_plan(load_config_text(CONFIG, "flows.yaml"),
                         max_wall_port_rate_bps=200_000_000)
     run_dir = root / f"20261129T120501Z-{name}"
@@ -56,8 +54,7 @@ def make_flow_run(root: Path, name: str, records: Sequence[FlowRecord], *, cc: s
                     Sample(*hot, "backlog_bytes", q), Sample(*h4, "backlog_bytes", 0),
                     Sample(*hot, "pause_tx", pause_tx if last else 0),
                     Sample(*h4, "pause_rx", pause_rx if last else 0),
-                    Sample(*hot, "ecn_marks", ecn_marks if last else 0),
-                    Sample(*hot, "trims", trims if last else 0)], final=last)
+                    Sample(*hot, "ecn_marks", ecn_marks if last else 0)], final=last)
             db.add_flows(records)
     else:
         from testbed.results.flows import write_flow_files
