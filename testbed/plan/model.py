@@ -259,5 +259,14 @@ class Plan(PlanModel):
     def switches(self) -> list[NodePlan]:
         return [n for n in self.nodes if n.role == "switch"]
 
+    def trim_dscp(self, tc: int) -> int | None:
+        """The DSCP switch ports write into a trimmed packet of class `tc` (what a UET
+        receiver recognises a trim by), or None if no switch port trims the class. A
+        dscp_remap can make switches differ; then the lowest (a receiver also knows a trim
+        by its short payload)."""
+        dscps = {c.trim.dscp for n in self.switches() for i in n.interfaces
+                 for c in i.egress.classes if c.tc == tc and c.trim is not None}
+        return min(dscps) if dscps else None
+
     def to_json(self) -> str:
         return self.model_dump_json(indent=2) + "\n"

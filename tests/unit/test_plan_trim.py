@@ -91,3 +91,9 @@ def test_a_dscp_remap_of_the_trim_dscp_moves_trimmed_packets_to_the_classs_next_
         params = portprog.params_from_egress(iface.egress)
         params.check()                          # the trim DSCP still selects TC6 here
         assert params.trims[2].dscp == 46
+
+
+def test_the_plan_says_which_dscp_a_trimmed_packet_of_a_class_carries():
+    plan = _plan()
+    assert plan.trim_dscp(2) == 48              # what the UET receivers are told
+    assert plan.trim_dscp(0) is None and plan.trim_dscp(6) is None
