@@ -207,6 +207,9 @@ class PortParams:
                        f"got {trim.size_bytes}")
         if not 0 <= trim.tc < NUM_TC or trim.tc == tc:
             out.append(f"{where}: trim tc must be another class 0..{NUM_TC - 1}, got {trim.tc}")
+        elif trim.tc in self.trims:
+            out.append(f"{where}: trim tc {trim.tc} trims too; a trimmed packet goes to a "
+                       "class that does not")
         elif self.dscp_to_tc.get(trim.dscp, self.default_tc) != trim.tc:
             out.append(f"{where}: trim dscp {trim.dscp} does not select class {trim.tc} at "
                        "this port")

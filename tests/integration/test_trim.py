@@ -35,6 +35,8 @@ from tests.integration.conftest import built_lab
 
 pytestmark = pytest.mark.root
 
+TC_ACT_REDIRECT = 7                  # the program's verdict for a trimmed packet
+
 UET_PORT = 4793
 OTHER_PORT = 4794
 DATA_TC, DATA_DSCP = 2, 18
@@ -248,6 +250,13 @@ def test_uet_packets_over_the_threshold_are_trimmed_into_the_strict_class(tmp_pa
         return next(k.packets for k in classes
                     if (k.node, k.ifname, k.tc) == ("sw1", port.ifname, tc))
     assert sent(after_classes, TRIM_TC) - sent(before_classes, TRIM_TC) == len(short)
+    # ... and charged them their new length (the qdisc length the kernel sets before the
+    # egress hook is set again: the program re-enqueues the short packet)
+    def sent_bytes(classes, tc: int) -> int:
+        return next(k.bytes for k in classes
+                    if (k.node, k.ifname, k.tc) == ("sw1", port.ifname, tc))
+    assert sent_bytes(after_classes, TRIM_TC) - sent_bytes(before_classes, TRIM_TC) == \
+        len(short) * (14 + TRIM_SIZE)
 
     # sampled into the store like ECN marks, and summed into the summary's port row
     with Store(tmp_path / "counters.sqlite", create=True) as store:
@@ -305,7 +314,9 @@ def test_trimming_decisions_packet_by_packet_on_synthetic_frames():
             assert (verdict, len(out)) == (TC_ACT_OK, FRAME)
         sent = uet(fit)
         verdict, out = egress.run(sent)             # the next one would pass the threshold
-        assert verdict == TC_ACT_OK and len(out) == 14 + TRIM_SIZE
+        # cut, and redirected to the port's egress: the kernel enqueues it afresh, with
+        # its new length, and the program sees it again as an arrival of the trim class
+        assert verdict == TC_ACT_REDIRECT and len(out) == 14 + TRIM_SIZE
         assert out[:14] == sent[:14] and out[14 + 1] == TRIM_DSCP << 2 | ECT0
         assert struct.unpack_from("!H", out, 16)[0] == TRIM_SIZE
         assert ip_checksum(out[14:34]) == 0xFFFF
@@ -314,11 +325,15 @@ def test_trimming_decisions_packet_by_packet_on_synthetic_frames():
         c = maps.read()
         assert (c[DATA_TC].trims, c[DATA_TC].enq_packets, c[DATA_TC].vq_bytes) == (
             1, fit, fit * FRAME)
-        assert (c[TRIM_TC].packets, c[TRIM_TC].enq_packets, c[TRIM_TC].vq_bytes) == (
-            1, 1, 14 + TRIM_SIZE)
+        assert c[TRIM_TC].packets == 0
+        assert egress.run(out) == (TC_ACT_OK, out)  # the second pass: admitted to TC6
+        assert (c := maps.read())[TRIM_TC].enq_packets == 1
+        assert (c[TRIM_TC].packets, c[TRIM_TC].vq_bytes) == (1, 14 + TRIM_SIZE)
         # the trim class's own buffer: 3 short packets fit, the 4th is tail-dropped there
         for seq in range(fit + 1, fit + 4):
-            egress.run(uet(seq))
+            verdict, short = egress.run(uet(seq))
+            assert verdict == TC_ACT_REDIRECT
+            egress.run(short)
         c = maps.read()
         assert c[DATA_TC].trims == 4 and c[TRIM_TC].enq_packets == 3
         assert c[TRIM_TC].tail_drops == 1 and c[DATA_TC].trim_errors == 0

@@ -32,8 +32,10 @@
  * Packet trimming (UET): on a class configured for it, an IPv4 UDP packet to
  * port 4793 that would take the queue above trim_threshold_bytes is not
  * admitted; after the lock it is cut to ETH + trim_len bytes, its headers fixed
- * and its DSCP rewritten, and it is admitted to the trim class under a second
- * lock, so its departure (classified by the new DSCP) matches there.
+ * and its DSCP rewritten, and redirected to this same port's egress: it enters
+ * dev_queue_xmit afresh, so the qdisc accounts its new length (the kernel sets a
+ * packet's qdisc length before the egress hook runs), and this program admits
+ * it as an arrival of the trim class, whose departures it then matches.
  *
  * PFC decisions are taken here, at the packet that crosses a threshold, and
  * sent to the node's PFC agent through a ring buffer (`events`): the agent
@@ -511,18 +513,10 @@ int port_egress(struct __sk_buff *skb)
 	}
 	__u64 len = skb->len;
 	__u32 ecn = c.tos & 3;
-	/* Trimming: the class of the trimmed packet is looked up now, outside the lock. */
+	/* Trimming: is this a packet the class may trim (read outside the lock)? */
 	struct uet_hdr uh = {};
-	struct class_cfg *tcc = 0;
-	struct class_state *tst = 0;
-	__u32 ttc = 0;
-	int can_trim = 0;
-	if (c.cc->trim_len && uet_packet(skb, &uh)) {
-		ttc = c.cc->trim_tc & (NUM_TC - 1);
-		tcc = bpf_map_lookup_elem(&class_cfg, &ttc);
-		tst = bpf_map_lookup_elem(&state, &ttc);
-		can_trim = tcc && tst && bpf_ntohs(uh.tot_len) > c.cc->trim_len;
-	}
+	int can_trim = c.cc->trim_len && uet_packet(skb, &uh) &&
+		       bpf_ntohs(uh.tot_len) > c.cc->trim_len;
 
 	int mark = 0, dropped = 0, ev = 0, ev2 = 0, trim = 0;
 	__u64 ev_bytes = 0, ev2_bytes = 0;
@@ -531,12 +525,19 @@ int port_egress(struct __sk_buff *skb)
 	__u32 tr = c.n->tracked[c.tc];
 	c.st->packets += 1;
 	c.st->bytes += len;
+	__u64 q = c.st->enq_bytes - c.st->dep_bytes;   /* real queue ahead of this packet */
+	if (can_trim && q + len > c.cc->trim_threshold_bytes) {
+		/* not admitted here: cut after the lock and sent in trim_tc; the short
+		 * packet takes the PHY loss draw there, as it crosses the wire once */
+		c.st->trims += 1;
+		trim = 1;
+		goto unlock;
+	}
 	if ((__u64)r_drop < c.cc->drop_fp) {
 		c.st->drops += 1;
 		dropped = DROP_PHY;
 		goto unlock;
 	}
-	__u64 q = c.st->enq_bytes - c.st->dep_bytes;   /* real queue ahead of this packet */
 	struct ingress_acct *a = 0;
 	__u64 thresh = 0;
 	if (tr < MAX_TRACKED) {
@@ -560,12 +561,6 @@ int port_egress(struct __sk_buff *skb)
 			ev_bytes = a->bytes + a->hdrm_bytes;
 			goto unlock;
 		}
-	}
-	if (can_trim && q + len > c.cc->trim_threshold_bytes) {
-		/* not admitted here: cut after the lock, sent in trim_tc */
-		c.st->trims += 1;
-		trim = 1;
-		goto unlock;
 	}
 	if (c.cc->limit_bytes && q + len > c.cc->limit_bytes) {
 		c.st->tail_drops += 1;
@@ -656,36 +651,20 @@ unlock:
 		count_flow_drop(skb, c.tc, dropped);
 		return TC_ACT_SHOT;
 	}
-	if (trim && tcc && tst) {
+	if (trim) {
 		if (trim_packet(skb, c.cc, &uh)) {
 			__sync_fetch_and_add(&c.st->trim_errors, 1);
 			count_flow_drop(skb, c.tc, DROP_TAIL);
 			return TC_ACT_SHOT;
 		}
-		/* The short packet is an arrival of trim_tc, admitted as any of its packets
-		 * (trim_tc is never tracked: the config refuses a lossless one), so the
-		 * departure the peer sees under its new DSCP matches. No ECN marking. */
-		__u64 tlen = skb->len;
-		bpf_spin_lock(&c.nl->lock);
-		tst->packets += 1;
-		tst->bytes += tlen;
-		__u64 tq = tst->enq_bytes - tst->dep_bytes;
-		if (c.n->tracked[ttc] < MAX_TRACKED ||
-		    (tcc->limit_bytes && tq + tlen > tcc->limit_bytes)) {
-			tst->tail_drops += 1;
-			dropped = DROP_TAIL;
-		} else {
-			tst->enq_bytes += tlen;
-			tst->enq_packets += 1;
-			if (tq + tlen > tst->max_queue_bytes)
-				tst->max_queue_bytes = tq + tlen;
-		}
-		bpf_spin_unlock(&c.nl->lock);
-		if (dropped) {
-			count_flow_drop(skb, ttc, dropped);
-			return TC_ACT_SHOT;
-		}
-		return TC_ACT_OK;
+		/* Send the short packet through this port's egress again. The kernel took
+		 * its qdisc length (what HTB charges and the leaf's limit counts) before
+		 * this hook ran, so passing it on as it is would make HTB charge the full
+		 * length; dev_queue_xmit afresh takes the new one. Its second pass through
+		 * this program is an arrival of trim_tc (its DSCP says so), admitted by that
+		 * class's rules, so the departure the peer sees matches; trim_tc is strict,
+		 * lossy and does not trim (the config checks it). No ECN marking here. */
+		return bpf_redirect(skb->ifindex, 0);
 	}
 	if (mark) {
 		if (bpf_skb_ecn_set_ce(skb))
