@@ -182,6 +182,9 @@ class ExpandContext:
     role: Callable[[str], str] = lambda node: "host"           # "host" or "switch"
     # host to host and back through empty queues, fabric ns (plan/paths.base_round_trip_ns)
     base_rtt_ns: Callable[[str, str], int] = lambda src, dst: 0
+    # the DSCP switch ports write into a trimmed packet of class tc, None where none trims
+    # (plan/model.Plan.trim_dscp): what a UET receiver knows a trim by
+    trim_dscp: Callable[[int], int | None] = lambda tc: None
     _state: dict[str, dict] = field(default_factory=dict)
 
     def state(self, owner: str) -> dict:

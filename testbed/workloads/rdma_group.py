@@ -236,9 +236,11 @@ def uet_payload_bytes(ctx: ExpandContext) -> int:
 def uet_argv(t: GroupTransportEntry, ctx: ExpandContext, host: str) -> list[str]:
     """The UET transport's flags of one rank on `host`: chunking, seed, DSCP and ECN of
     the class, congestion control, entropy, payload, line rate, the longest empty-queue
-    round trip to another rank (NSCC's base), dilation, the set-up timeout and no
+    round trip to another rank (NSCC's base), the DSCP a trimming switch gives the class's
+    packets (if one trims it), dilation, the set-up timeout and no
     busy-polling (as RoCE ranks)."""
     base_rtt = max((ctx.base_rtt_ns(host, h) for h in t.ranks if h != host), default=0)
+    trim_dscp = ctx.trim_dscp(ctx.tc(t.tclass))
     return ["--transport", "uet", "--chunk-bytes", str(t.chunk_bytes), "--seed", str(t.seed),
             "--dscp", str(ctx.dscp(t.tclass)), "--uet-cc", t.cc,
             "--uet-entropy", t.entropy or "spray",
@@ -246,6 +248,7 @@ def uet_argv(t: GroupTransportEntry, ctx: ExpandContext, host: str) -> list[str]
             "--uet-payload-bytes", str(uet_payload_bytes(ctx)),
             "--line-rate-bps", str(ctx.line_rate_bps(host)),
             *(["--uet-base-rtt-ns", str(base_rtt)] if base_rtt > 0 else []),
+            *(["--uet-trim-dscp", str(trim_dscp)] if trim_dscp is not None else []),
             "--dilation", str(ctx.dilation),
             "--connect-timeout-s", str(ROCE_CONNECT_TIMEOUT_S),
             "--spin-ns", str(ROCE_SPIN_NS)]       # many ranks on few cores: never spin

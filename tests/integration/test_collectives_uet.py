@@ -1,10 +1,10 @@
 """`testbed run` of a ring all-reduce with `transport: uet`: the collectives suite's ring
 (configs/collectives/allreduce-ring.yaml) on its fabric, the default leaf-spine, over each
-host's Ultra Ethernet NIC in a lossy class that marks ECN. Every size is checked against
-the exact sum, algbw is reported, the data went as UET packets sprayed over several
-source ports, 1 % loss on one of leaf1's uplinks was made good by selective
-retransmission with every lost packet accounted for, and, the class being lossy, no PFC
-pause was sent anywhere."""
+host's Ultra Ethernet NIC in a lossy class that marks ECN and trims (into the strict cnp
+class). Every size is checked against the exact sum, algbw is reported, the data went as
+UET packets sprayed over several source ports, 1 % loss on one of leaf1's uplinks was
+made good by selective retransmission with every lost packet accounted for, and, the
+class being lossy, no PFC pause was sent anywhere."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ impairments:
   - {{link: [leaf1, spine1], loss: 0.01}}
 traffic_classes:
   - {{tc: 3, name: roce, dscp: [26], lossless: true, ecn: true, weight: 1}}
-  - {{tc: 2, name: lossy, dscp: [10], ecn: true, weight: 1}}
+  - {{tc: 2, name: lossy, dscp: [10], ecn: true, trim: true, weight: 1}}
   - {{tc: 6, name: cnp, dscp: [48], strict: true}}
   - {{tc: 0, name: default, dscp: [], weight: 1, default: true}}
 workload:
@@ -77,12 +77,14 @@ def test_ring_all_reduce_over_uet_on_a_lossy_ecn_class_is_exact_under_loss(tmp_p
         c = rank["counters"]
         assert c["transport"] == "uet" and rank["error"] is None
         assert c["tx_packets"] > 0 and c["bytes_sent"] == c["bytes_posted"] > 0
+        assert c["settings"]["options"]["trim_dscp"] == 48     # cnp's: trims go there
         sports = (c["uet"].get("totals") or {}).get("sports") or {}
         assert len(sports) > 1, sports          # sprayed over several entropies
     retx = sum(r["counters"]["retransmissions"] for r in ranks)
     print("retransmissions", retx, "ecn", sum(r["counters"].get("ecn_received", 0)
                                              for r in ranks),
-          "phy drops", summary["totals"]["phy_drops"])
+          "phy drops", summary["totals"]["phy_drops"],
+          "trims", sum(r["counters"].get("trims_received", 0) for r in ranks))
     # the ring's h4 -> h5 and h8 -> h1 are sprayed over both spines: spine1's loss hits them
     assert summary["totals"]["phy_drops"] > 0 and retx > 0
     assert all(isinstance(row["retransmissions"], int) for row in rows)   # timed runs' share

@@ -563,6 +563,21 @@ def test_transport_uet_defaults_to_nscc_sprayed_over_16_entropies():
             _flag(argv, "--uet-entropies")) == ("nscc", "spray", "16")
 
 
+def test_a_trimming_class_tells_the_ranks_the_trimmed_packets_dscp():
+    from testbed.run.workload import expand_workload
+
+    loaded, plan = _load(UET_AR % "")
+    assert "--uet-trim-dscp" not in expand_workload(loaded.fabric, plan)[0].argv
+    text = FABRIC.format(traffic=UET_AR % "").replace(
+        "name: lossy, dscp: [10], ecn: true,", "name: lossy, dscp: [10], ecn: true, trim: true,")
+    from testbed.config import load_config_text
+    from testbed.plan import compile_plan
+
+    loaded = load_config_text(text, "colluet.yaml")
+    argv = expand_workload(loaded.fabric, compile_plan(loaded))[0].argv
+    assert _flag(argv, "--uet-trim-dscp") == "48"        # the strict cnp class's DSCP
+
+
 def test_transport_roce_stays_the_default_with_its_flags():
     from testbed.run.workload import expand_workload
 
