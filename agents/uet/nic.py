@@ -239,7 +239,7 @@ class _Pdc:
         self.error: str | None = None
         self.c = dict.fromkeys(
             ("tx_packets", "tx_bytes", "rx_packets", "rx_bytes", "acks_sent", "nacks_sent",
-             "trims_received", "ecn_received", "ecn_echoes", "credits_granted",
+             "trims_received", "ecn_received", "ecn_acks", "credits_granted",
              "credit_bytes_granted", "credits_received", "credit_bytes_received",
              "credit_reqs_sent", "injected_drops", "bad_pdcid", "nacks_out_of_window"), 0)
 
@@ -612,7 +612,7 @@ class UetNic:
                         (a.cack_psn + a.sack_psn_offset) & PSN_MASK, a.sack_bitmap)
         ecn = a.ecn_marked
         if ecn:
-            p.c["ecn_echoes"] += 1
+            p.c["ecn_acks"] += 1
         acked_bytes = 0
         trigger = res.trigger
         ini = p.ini
