@@ -37,7 +37,8 @@ its wire size: len(datagram) + 66 (`agents.runtime.framing.WIRE_OVERHEAD_BYTES`)
 is what the pacer and the CC are charged. In credit mode each request is a RUD_CC_REQ
 carrying credit_target (wire bytes still wanted); the target grants with CONTROL CREDIT
 packets paced by `CreditReceiver.next_grant_ns`; a sender blocked on credit asks again
-with CONTROL CREDIT_REQ when nothing it sent in the last base RTT carried its demand.
+with CONTROL CREDIT_REQ when nothing it sent in the last base RTT carried its demand
+(each CREDIT_REQ also runs the receiver's write-off of credit lost with lost packets).
 
 ackreq is set on the last packet of each message, on every retransmission, and on a
 packet after which the window or the CC window is closed, so the target's ACK coalescing
@@ -485,9 +486,9 @@ class UetNic:
         backlog = p.ini.backlog_bytes
         npk = -(-backlog // self.opts.payload_bytes)
         want = p.credit.credit_target(backlog + npk * _wire(self.hdr_bytes))
+        p.last_demand_ns = now            # also when nothing is wanted: no busy re-check
         if want <= 0:
             return
-        p.last_demand_ns = now
         p.c["credit_reqs_sent"] += 1
         self._send(p.ack_sock, pack_control(Control(int(CtlType.CREDIT_REQ), 0, p.local_id,
                                                     p.peer_id, payload=want)), p.addr)
@@ -560,6 +561,8 @@ class UetNic:
             want = ses.payload_length
         if (o.trim_dscp is not None and tos >> 2 == o.trim_dscp) or len(payload) < want:
             c["trims_received"] += 1
+            if self.credit_rx is not None:    # its credit was spent: account it as arrived
+                self.credit_rx.on_data(now, p.peer, _wire(n - len(payload) + want))
             psn = p.rx.on_trimmed(req.psn)
             self._nack(p, int(NackCode.TRIMMED), psn, ce, req.retrans)
             return
@@ -650,6 +653,11 @@ class UetNic:
             p.c["credit_bytes_received"] += ctl.payload
         elif ctl.ctl_type == CtlType.CREDIT_REQ and self.credit_rx is not None:
             self.credit_rx.on_demand(now, p.peer, ctl.payload)
+            # grants() also writes off credit a PDC has held unused (or lost with its
+            # packets) for the credit timeout; with that PDC the only one wanting credit,
+            # next_grant_ns() stays None until it is written off, so a CREDIT_REQ (which
+            # a blocked sender repeats every base RTT) is what runs it
+            self._grant(now)
 
     # -- engine
 
@@ -679,12 +687,17 @@ class UetNic:
         if crx is not None:
             t = crx.next_grant_ns()
             if t is not None and t <= now:
-                for peer, nbytes in crx.grants(now):
-                    q = self.pdcs[str(peer)]
-                    q.c["credits_granted"] += 1
-                    q.c["credit_bytes_granted"] += nbytes
-                    self._send(q.ack_sock, pack_control(Control(
-                        int(CtlType.CREDIT), 0, q.local_id, q.peer_id, payload=nbytes)), q.addr)
+                self._grant(now)
+
+    def _grant(self, now: float) -> None:
+        """Send the credit grants due now (CONTROL CREDIT, from each PDC's ACK entropy)."""
+        assert self.credit_rx is not None
+        for peer, nbytes in self.credit_rx.grants(now):
+            q = self.pdcs[str(peer)]
+            q.c["credits_granted"] += 1
+            q.c["credit_bytes_granted"] += nbytes
+            self._send(q.ack_sock, pack_control(Control(
+                int(CtlType.CREDIT), 0, q.local_id, q.peer_id, payload=nbytes)), q.addr)
 
     def step(self) -> bool:
         """One round: receive, fire due timers and grants, send what everything allows.

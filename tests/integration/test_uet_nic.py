@@ -270,3 +270,39 @@ def test_every_counter_is_documented(pair):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("cc", ["nscc", "credit", "none"])
+def test_both_directions_at_30_percent_loss_finish_and_resend_only_what_was_lost(pair, cc):
+    # Credit lost with lost packets must be written off at the target, or a sender that
+    # needs credit waits for ever (a CREDIT_REQ runs the write-off).
+    clock = FabricClock(D1)
+    a = _nic(pair[0], A_IP, clock, cc=cc, drop_prob=0.3, rto_ns=5e6, max_retries=20)
+    b = _nic(pair[1], B_IP, clock, cc=cc, drop_prob=0.3, rto_ns=5e6, max_retries=20, seed=2)
+    try:
+        there, back = np.zeros(2 << 20, dtype=np.uint8), np.zeros(1 << 20, dtype=np.uint8)
+        b.register(5, there)
+        a.register(9, back)
+        got: list[bytes] = []
+        b.on_message = lambda peer, tag, mid, data: got.append(bytes(data))
+        data = _pattern(2 << 20, 3)
+        msgs = [_pattern(50_000, k).tobytes() for k in range(10)]
+        done_a: list[int] = []
+        done_b: list[int] = []
+        a.write(B_IP, 5, 0, data, on_done=done_a.append)
+        for m in msgs:
+            a.send(B_IP, 1, m, on_done=done_a.append)
+        b.write(A_IP, 9, 0, data[:1 << 20], on_done=done_b.append)
+        _drive([a, b], lambda: len(done_a) == 11 and bool(done_b) and a.idle() and b.idle())
+        assert np.array_equal(there, data) and np.array_equal(back, data[:1 << 20])
+        assert got == msgs
+        for nic in (a, b):
+            t = nic.counters()["totals"]
+            assert t["injected_drops"] > 0
+            # a retransmission that answers no loss can only come from a timeout that
+            # fired while the packet (or its ACK) was still on its way
+            assert t["injected_drops"] <= t["retransmissions"] \
+                <= t["injected_drops"] + t["rto_retransmissions"]
+    finally:
+        a.close()
+        b.close()
