@@ -316,7 +316,14 @@ class RudSender:
         for psn, rec in self.unacked.items():   # insertion (= PSN) order
             if psn > hi:
                 break
-            if rec.seq < third and psn not in rtx:
+            if rec.seq >= third:
+                # First transmissions go out in PSN order, so every later first
+                # transmission is newer still, and a later PSN's retransmission is newer
+                # than this one's first transmission: nothing further can be a hole.
+                if rec.tx == 1:
+                    break
+                continue
+            if psn not in rtx:
                 self._queue(psn, "sack")
                 out.append((psn, rec))
         return out
