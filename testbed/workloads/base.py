@@ -304,6 +304,14 @@ class WorkloadKind(ABC):
         """Problems the model cannot see alone (the fabric's classes, its NICs)."""
         return iter(())
 
+    def host_ports(self, entry: TrafficEntry,
+                   ctx: CheckContext) -> Mapping[str, Sequence[tuple[str, int, str]]]:
+        """Fixed ports the entry's agents bind on each host beyond the kind's own numbered
+        `ports`, as (protocol, port, what binds it), e.g. the Ultra Ethernet NIC's UDP
+        4793, which every UET user on a host would bind: the config check refuses two
+        entries that claim the same port on one host, naming both."""
+        return {}
+
     @abstractmethod
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         """The agents of entry number `index` of the workload (receivers first)."""
