@@ -114,8 +114,8 @@ from agents.wire.uet import (
     parse,
 )
 
-__all__ = ["CC_MODES", "SEND_TIMEOUT_NS", "Stopped", "UetNic", "UetOptions", "initial_psn",
-           "pack_segment", "pdc_id", "ses_request"]
+__all__ = ["CC_MODES", "MAX_SLEEP_NS", "SEND_TIMEOUT_NS", "Stopped", "UetNic", "UetOptions",
+           "initial_psn", "pack_segment", "pdc_id", "ses_request"]
 
 CC_MODES: tuple[str, ...] = ("nscc", "credit", "none")
 SEND_TIMEOUT_NS = 100_000_000
@@ -127,7 +127,10 @@ MAX_PORT_TRIES = 1024      # ports tried beyond `entropies` before giving up
 IP_MTU_DISCOVER = 10       # Linux values the socket module does not export
 IP_PMTUDISC_DO = 2
 SO_NO_CHECK = 11
-_ANC = socket.CMSG_SPACE(4) * 2
+_ANC = socket.CMSG_SPACE(4) * 3
+_SOL_SOCKET = socket.SOL_SOCKET
+SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
+_U32 = struct.Struct("=I")
 _IPPROTO_IP = socket.IPPROTO_IP
 _IP_TOS = socket.IP_TOS
 _TRIM_CODES = frozenset({int(NackCode.TRIMMED), int(NackCode.TRIMMED_LASTHOP),
@@ -332,6 +335,7 @@ class UetNic:
         self.send_errors = SendErrors()
         self.malformed: dict[str, int] = {}
         self.rx_errors = 0
+        self.overflow_drops = 0      # SO_RXQ_OVFL: dropped before they were read
         self.datagrams_received = 0
         self.steps = 0
         self.waits = 0
@@ -363,6 +367,7 @@ class UetNic:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             s.setsockopt(_IPPROTO_IP, socket.IP_RECVTOS, 1)
+            s.setsockopt(_SOL_SOCKET, SO_RXQ_OVFL, 1)   # datagrams dropped, buffer full
             set_recv_buffer(s, self.opts.rcvbuf_bytes)
             s.bind((self.local_ip, self.port))
         except BaseException:
@@ -566,6 +571,8 @@ class UetNic:
             for level, ctype, data in anc:
                 if ctype == _IP_TOS and level == _IPPROTO_IP and data:
                     tos = data[0]
+                elif ctype == SO_RXQ_OVFL and level == _SOL_SOCKET and len(data) >= 4:
+                    self.overflow_drops = _U32.unpack_from(data)[0]
             try:
                 pk = parse(view[:n])
             except MalformedUet as e:
@@ -877,6 +884,7 @@ class UetNic:
                    "skipped_ports": list(self.skipped_ports),
                    "datagrams_received": self.datagrams_received,
                    "malformed": dict(self.malformed), "rx_errors": self.rx_errors,
+                   "overflow_drops": self.overflow_drops,
                    "icmp_errors": self.send_errors.icmp_errors,
                    "send_eagain": self.send_errors.eagain,
                    "send_enobufs": self.send_errors.enobufs,
