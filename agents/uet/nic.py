@@ -56,7 +56,9 @@ machines; `wait` converts the fabric time to the next event into a wall sleep wi
 `Dilation`, nowhere else.
 
 `drop_prob` (tests only) loses data transmissions (first and re-) at random before they
-reach the socket, counted as injected_drops.
+reach the socket, counted as injected_drops; `trim_prob` (tests only) cuts them to 100
+bytes of UDP payload (128 bytes of IP, a switch's default trim size), counted as
+injected_trims, so the target sees what a trimming switch would deliver.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ SEND_BATCH = 16            # packets per PDC per step, at most
 SPIN_NS = 150_000          # wall: closer than this to the next event, spin instead of select
 MAX_SLEEP_NS = 20_000_000  # wall: longest single select, so stop requests stay prompt
 MAX_PORT_TRIES = 1024      # ports tried beyond `entropies` before giving up
+TRIMMED_UDP_BYTES = 100    # trim_prob keeps this much UDP payload: a switch's 128 B of IP
 IP_MTU_DISCOVER = 10       # Linux values the socket module does not export
 IP_PMTUDISC_DO = 2
 SO_NO_CHECK = 11
@@ -194,6 +197,11 @@ class Stopped(Exception):
     """A blocked send gave up because a stop was requested."""
 
 
+_INT_RANGES = (("entropies", 1, 4096), ("entropy_base", 1, 0xFFFF),
+               ("payload_bytes", 1, 0x3FFF), ("window_packets", 1, 0x8000),
+               ("max_retries", 0, 1 << 20), ("ack_every", 1, 1 << 20))
+
+
 @dataclass(frozen=True)
 class UetOptions:
     """How a UET NIC sends. Times fabric ns, rates fabric bit/s (docs/uet-transport.md)."""
@@ -213,6 +221,7 @@ class UetOptions:
     trim_dscp: int | None = None          # DSCP a switch writes into a trimmed packet
     ack_every: int = 4                    # target: one ACK per this many packets at most
     drop_prob: float = 0.0                # test only: injected loss of data transmissions
+    trim_prob: float = 0.0                # test only: data transmissions cut as a switch trims
     seed: int = 1
     sndbuf_bytes: int | None = 8192       # SO_SNDBUF of each send socket (kernel doubles)
     rcvbuf_bytes: int | None = 4 << 20    # SO_RCVBUF of the receive socket
@@ -222,32 +231,24 @@ class UetOptions:
 
     def __post_init__(self) -> None:
         problems = []
-        if not 0 <= self.dscp <= 63:
-            problems.append(f"dscp must be 0..63, got {self.dscp}")
-        if self.trim_dscp is not None and not 0 <= self.trim_dscp <= 63:
-            problems.append(f"trim_dscp must be 0..63, got {self.trim_dscp}")
-        if self.cc not in CC_MODES:
-            problems.append(f"cc must be one of {', '.join(CC_MODES)}, got {self.cc!r}")
-        if self.entropy not in ENTROPY_MODES:
-            problems.append(f"entropy must be one of {', '.join(ENTROPY_MODES)}, "
-                            f"got {self.entropy!r}")
-        if not 1 <= self.entropies <= 4096:
-            problems.append(f"entropies must be 1..4096, got {self.entropies}")
-        if not 1 <= self.entropy_base <= 0xFFFF:
-            problems.append(f"entropy_base must be a UDP port, got {self.entropy_base}")
-        if not 1 <= self.payload_bytes <= 0x3FFF:
-            problems.append(f"payload_bytes must be 1..16383, got {self.payload_bytes}")
-        if not 1 <= self.window_packets <= 0x8000:
-            problems.append(f"window_packets must be 1..32768, got {self.window_packets}")
+        for name in ("dscp", "trim_dscp"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 63:
+                problems.append(f"{name} must be 0..63, got {v}")
+        for name, modes in (("cc", CC_MODES), ("entropy", ENTROPY_MODES)):
+            if getattr(self, name) not in modes:
+                problems.append(f"{name} must be one of {', '.join(modes)}, "
+                                f"got {getattr(self, name)!r}")
+        for name, lo, hi in _INT_RANGES:
+            v = getattr(self, name)
+            if not lo <= v <= hi:
+                problems.append(f"{name} must be {lo}..{hi}, got {v}")
         for name in ("rto_ns", "line_rate_bps", "base_rtt_ns"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_retries < 0:
-            problems.append(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.ack_every < 1:
-            problems.append(f"ack_every must be >= 1, got {self.ack_every}")
-        if not 0.0 <= self.drop_prob < 1.0:
-            problems.append(f"drop_prob must be in [0, 1), got {self.drop_prob}")
+        for name in ("drop_prob", "trim_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if problems:
             raise ValueError("UET options: " + "; ".join(problems))
 
@@ -300,7 +301,8 @@ class _Pdc:
             ("tx_packets", "tx_bytes", "rx_packets", "rx_bytes", "acks_sent", "nacks_sent",
              "trims_received", "ecn_received", "ecn_acks", "credits_granted",
              "credit_bytes_granted", "credits_received", "credit_bytes_received",
-             "credit_reqs_sent", "injected_drops", "bad_pdcid", "nacks_out_of_window"), 0)
+             "credit_reqs_sent", "injected_drops", "injected_trims", "bad_pdcid",
+             "nacks_out_of_window"), 0)
 
     def busy(self) -> bool:
         return self.error is None and (self.ini.has_data() or not self.tx.idle())
@@ -487,6 +489,9 @@ class UetNic:
         if self.opts.drop_prob and self._rng.random() < self.opts.drop_prob:
             p.c["injected_drops"] += 1
             return
+        if self.opts.trim_prob and self._rng.random() < self.opts.trim_prob:
+            p.c["injected_trims"] += 1
+            view = view[:TRIMMED_UDP_BYTES]
         self._send(self._sock_of[sport], view, p.addr)
 
     def _gate(self, p: _Pdc, now: float, wire: int) -> bool:

@@ -306,3 +306,30 @@ def test_both_directions_at_30_percent_loss_finish_and_resend_only_what_was_lost
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("cc", ["nscc", "credit", "none"])
+def test_trimmed_packets_are_nacked_and_resent_once_each(pair, cc):
+    clock = FabricClock(D1)
+    a = _nic(pair[0], A_IP, clock, cc=cc, trim_prob=0.05)
+    b = _nic(pair[1], B_IP, clock, cc=cc)
+    try:
+        region = np.zeros(4 << 20, dtype=np.uint8)
+        b.register(2, region)
+        data = _pattern(4 << 20, 11)
+        done: list[int] = []
+        a.write(B_IP, 2, 0, data, on_done=done.append)
+        _drive([a, b], lambda: bool(done) and a.idle())
+        assert np.array_equal(region, data)
+        ta, tb = a.counters()["totals"], b.counters()["totals"]
+        assert ta["injected_trims"] > 0
+        assert tb["trims_received"] == tb["nacks_sent"] == ta["injected_trims"]
+        assert ta["nacks_received"] == ta["injected_trims"]
+        # a NACK resends exactly the trimmed PSN, at once
+        assert ta["nack_retransmissions"] == ta["injected_trims"]
+        assert ta["retransmissions"] == ta["injected_trims"] + ta["rto_retransmissions"] \
+            + ta["sack_retransmissions"]
+        assert tb["duplicates"] <= ta["rto_retransmissions"] + ta["sack_retransmissions"]
+    finally:
+        a.close()
+        b.close()

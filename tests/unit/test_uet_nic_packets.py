@@ -34,3 +34,16 @@ def test_pack_segment_writes_what_pack_request_packs(opcode, som, eom, mid, leng
     p = parse(want)
     assert p.ses == ses_request(seg) and bytes(p.payload) == payload
     assert data_offset(p.ses) == seg.message_offset
+
+
+def test_options_name_every_bad_field_at_once():
+    import pytest
+
+    from agents.uet.nic import UetOptions
+
+    with pytest.raises(ValueError) as e:
+        UetOptions(dscp=70, cc="dcqcn", entropies=0, drop_prob=1.0, rto_ns=0)
+    msg = str(e.value)
+    for field in ("dscp", "cc", "entropies", "drop_prob", "rto_ns"):
+        assert f"{field} must be" in msg
+    assert UetOptions(dscp=26).cc == "nscc"
