@@ -235,6 +235,9 @@ class UetOptions:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= 63:
                 problems.append(f"{name} must be 0..63, got {v}")
+        if self.trim_dscp == self.dscp:
+            problems.append(f"trim_dscp must differ from dscp ({self.dscp}): every packet "
+                            "would look trimmed")
         for name, modes in (("cc", CC_MODES), ("entropy", ENTROPY_MODES)):
             if getattr(self, name) not in modes:
                 problems.append(f"{name} must be one of {', '.join(modes)}, "

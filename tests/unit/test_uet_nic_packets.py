@@ -47,3 +47,5 @@ def test_options_name_every_bad_field_at_once():
     for field in ("dscp", "cc", "entropies", "drop_prob", "rto_ns"):
         assert f"{field} must be" in msg
     assert UetOptions(dscp=26).cc == "nscc"
+    with pytest.raises(ValueError, match="trim_dscp must differ"):
+        UetOptions(dscp=26, trim_dscp=26)
