@@ -51,7 +51,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "PSN_MASK",
@@ -393,8 +393,7 @@ class RudSender:
                 "srtt_ns": self.srtt_ns, "failed": self.failed}
 
 
-@dataclass(frozen=True, slots=True)
-class RxVerdict:
+class RxVerdict(NamedTuple):       # a tuple: made once per packet, cheaper than a dataclass
     """What the receiver made of one request packet."""
 
     psn: int              # unbounded integer PSN
@@ -403,8 +402,7 @@ class RxVerdict:
     out_of_window: bool = False   # dropped: too far above the cumulative PSN (NACK it)
 
 
-@dataclass(frozen=True, slots=True)
-class AckInfo:
+class AckInfo(NamedTuple):
     """The PDS fields of an ACK the receiver sends."""
 
     cack_psn: int          # 32-bit, as on the wire
