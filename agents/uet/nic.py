@@ -41,8 +41,10 @@ with CONTROL CREDIT_REQ when nothing it sent in the last base RTT carried its de
 (each CREDIT_REQ also runs the receiver's write-off of credit lost with lost packets).
 
 ackreq is set on the last packet of each message, on every retransmission, and on a
-packet after which the window or the CC window is closed, so the target's ACK coalescing
-never holds back the ACK a blocked sender waits for.
+packet after which the window or the CC window is closed; and a target ACKs whatever it
+holds unacknowledged once the peer has sent nothing new for `ack_delay_ns` (a CC window
+that shrank after a packet was sent can leave up to ack_every - 1 packets waiting), so
+ACK coalescing never holds back the ACK a blocked sender waits for.
 
 Receiving: a request whose IP DSCP is `trim_dscp`, or whose payload is shorter than its
 SES header says, was trimmed by a switch: NACK(TRIMMED) at once, not delivered. Other
@@ -220,6 +222,7 @@ class UetOptions:
     base_rtt_ns: float = 10_000.0         # CC base RTT; first RTT estimate
     trim_dscp: int | None = None          # DSCP a switch writes into a trimmed packet
     ack_every: int = 4                    # target: one ACK per this many packets at most
+    ack_delay_ns: float = 5_000.0         # target: ACK what is pending after this quiet
     drop_prob: float = 0.0                # test only: injected loss of data transmissions
     trim_prob: float = 0.0                # test only: data transmissions cut as a switch trims
     seed: int = 1
@@ -246,7 +249,7 @@ class UetOptions:
             v = getattr(self, name)
             if not lo <= v <= hi:
                 problems.append(f"{name} must be {lo}..{hi}, got {v}")
-        for name in ("rto_ns", "line_rate_bps", "base_rtt_ns"):
+        for name in ("rto_ns", "line_rate_bps", "base_rtt_ns", "ack_delay_ns"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("drop_prob", "trim_prob"):
@@ -299,12 +302,14 @@ class _Pdc:
         else:
             self.credit = CreditSender(nic.credit_params)
         self.last_demand_ns = float("-inf")
+        self.last_rx_ns = float("-inf")       # last request accepted from the peer
         self.error: str | None = None
         self.c = dict.fromkeys(
             ("tx_packets", "tx_bytes", "rx_packets", "rx_bytes", "acks_sent", "nacks_sent",
              "trims_received", "ecn_received", "ecn_acks", "credits_granted",
              "credit_bytes_granted", "credits_received", "credit_bytes_received",
-             "credit_reqs_sent", "injected_drops", "injected_trims", "bad_pdcid",
+             "credit_reqs_sent", "delayed_acks", "injected_drops", "injected_trims",
+             "bad_pdcid",
              "nacks_out_of_window"), 0)
 
     def busy(self) -> bool:
@@ -637,6 +642,7 @@ class UetNic:
             self._nack(p, int(NackCode.PSN_OOR_WINDOW), v.psn, ce, req.retrans)
             return
         if v.new:
+            p.last_rx_ns = now
             done = p.tgt.on_packet(ses.opcode, ses.som, ses.eom, ses.message_id,
                                    ses.request_length, ses.buffer_offset, ses.memory_key,
                                    ses.header_data, 0 if ses.som else ses.message_offset,
@@ -729,7 +735,11 @@ class UetNic:
             self.on_error(p.peer, p.error)
 
     def _timers(self, now: float) -> None:
+        delay = self.opts.ack_delay_ns
         for p in self._order:
+            if p.rx.ack_pending() and now - p.last_rx_ns >= delay:
+                p.c["delayed_acks"] += 1          # the peer went quiet: ACK what it sent
+                self._ack(p, p.rx.cack, False, False)
             tx = p.tx
             t = tx.next_timer_ns()
             if t is not None and t <= now:
@@ -808,6 +818,8 @@ class UetNic:
         now = self.clock.now_ns()
         for p in self._order:
             cands = [p.tx.next_timer_ns()]
+            if p.rx.ack_pending():
+                cands.append(p.last_rx_ns + self.opts.ack_delay_ns)
             if self._sendable(p, now):
                 cands.append(self._pace_due)
                 if p.nscc is not None:

@@ -333,3 +333,39 @@ def test_trimmed_packets_are_nacked_and_resent_once_each(pair, cc):
     finally:
         a.close()
         b.close()
+
+
+def test_packets_left_without_an_ackreq_are_acked_once_the_peer_goes_quiet(pair):
+    clock = FabricClock(D1)
+    b = _nic(pair[1], B_IP, clock, cc="none", ack_every=4, ack_delay_ns=2e6)
+    netns.pushns(pair[0])
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind((A_IP, UET_UDP_PORT))
+    finally:
+        netns.popns()
+    try:
+        psn0 = initial_psn(A_IP, B_IP)
+        for k in range(2):        # 2 of a 4-packet WRITE: no EOM, no ackreq, < ack_every
+            ses = SesRequest(int(SesOpcode.WRITE), k == 0, False, 0, 4 * 1024,
+                             message_offset=k * 1024, payload_length=1024)
+            s.sendto(pack_request(Request(psn0 + k, pdc_id(B_IP), pdc_id(A_IP)), ses,
+                                  bytes(1024)), (B_IP, UET_UDP_PORT))
+        b.register(0, bytearray(4096))
+        s.settimeout(0.001)
+        t0 = time.monotonic()
+        ack = None
+        while ack is None and time.monotonic() < t0 + 5:
+            b.step()
+            try:
+                ack = parse(s.recv(2048)).pds
+            except (TimeoutError, BlockingIOError):
+                pass
+        waited = time.monotonic() - t0
+        assert ack is not None and ack.cack_psn == psn0 + 1
+        assert waited >= 2e-3                  # not before the ack delay (D = 1: 2 ms)
+        c = b.counters()["pdcs"][A_IP]
+        assert c["delayed_acks"] == 1 and c["acks_sent"] == 1
+    finally:
+        s.close()
+        b.close()
