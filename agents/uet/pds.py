@@ -25,7 +25,9 @@ Sender (`RudSender`):
         "3 later PSNs acknowledged": a reordered packet is not declared lost by ACKs of
         packets sent before it, and a retransmitted PSN is declared lost again only when
         3 packets sent after the retransmission are acknowledged, i.e. at most once per
-        round trip);
+        round trip), and only once its last transmission is `reorder_rtts` (1.25)
+        smoothed RTTs old, as RACK waits a reordering window: a packet its path merely
+        delayed (spraying; a sender that moved between CPUs on a veth) is not resent;
       RTO: the oldest unacknowledged transmission whose last send is `rto_ns` old -> that
         PSN; after `max_retries` timeouts of one PSN the sender fails (`failed` says why)
         and sends nothing more;
@@ -135,7 +137,7 @@ class RudSender:
 
     def __init__(self, *, start_psn: int = 0, window_packets: int = 256,
                  rto_ns: float = 1_000_000.0, max_retries: int = 7, sack_threshold: int = 3,
-                 rtt_ns: float = 10_000.0) -> None:
+                 rtt_ns: float = 10_000.0, reorder_rtts: float = 1.25) -> None:
         if window_packets < 1:
             raise ValueError(f"window_packets must be >= 1, got {window_packets}")
         if not rto_ns > 0:
@@ -146,6 +148,7 @@ class RudSender:
         self.rto_ns = float(rto_ns)
         self.max_retries = max_retries
         self.sack_threshold = sack_threshold
+        self.reorder_rtts = reorder_rtts      # a hole is lost no sooner than this many RTTs
         self.rtt_ns = float(rtt_ns)           # before the first sample
         self.srtt_ns: float | None = None
         self.next_psn = start_psn & PSN_MASK
@@ -279,7 +282,7 @@ class RudSender:
             base += 1
         self.base = base
         if unacked and self._highest_acked > base:     # holes below a SACKed PSN
-            res.lost = self._sack_holes()
+            res.lost = self._sack_holes(now_ns)
         return res
 
     def _account(self, res: AckResult, now_ns: float, trigger: int) -> None:
@@ -303,15 +306,18 @@ class RudSender:
             s = self.srtt_ns
             self.srtt_ns = res.rtt_ns if s is None else s + (res.rtt_ns - s) / 8
 
-    def _sack_holes(self) -> list[tuple[int, TxRecord]]:
+    def _sack_holes(self, now_ns: float) -> list[tuple[int, TxRecord]]:
         """Unacknowledged PSNs below the highest acknowledged one whose last transmission
-        is older than the `sack_threshold` newest acknowledged transmissions: queued for
-        retransmission (at most once until sent again), and returned."""
+        is older than the `sack_threshold` newest acknowledged transmissions and than the
+        reordering window: queued for retransmission (at most once until sent again), and
+        returned."""
         if self.sack_threshold < 1:
             return []
         third = self._top[0]           # the k-th highest acknowledged transmission
         hi = self._highest_acked
         rtx = self._rtx_set
+        rtt = self.srtt_ns if self.srtt_ns is not None else self.rtt_ns
+        sent_before = now_ns - rtt * self.reorder_rtts
         out = []
         for psn, rec in self.unacked.items():   # insertion (= PSN) order
             if psn > hi:
@@ -323,7 +329,7 @@ class RudSender:
                 if rec.tx == 1:
                     break
                 continue
-            if psn not in rtx:
+            if psn not in rtx and rec.sent_ns <= sent_before:
                 self._queue(psn, "sack")
                 out.append((psn, rec))
         return out
