@@ -560,9 +560,9 @@ class UetNic:
     def _credit_blocked(self, p: _Pdc) -> bool:
         if p.credit is None or not p.ini.has_data() or not p.tx.window_open():
             return False
-        return not p.credit.can_send(_wire(self.hdr_bytes + self.opts.payload_bytes)) and \
-            not p.credit.can_send(_wire(self.hdr_bytes + min(
-                self.opts.payload_bytes, p.ini.queue[0].length - p.ini.queue[0].next_offset)))
+        head = p.ini.queue[0]
+        n = min(self.opts.payload_bytes, head.length - head.next_offset)
+        return not p.credit.can_send(_wire(self.hdr_bytes + n))     # the next packet's size
 
     # -- receiving
 
