@@ -37,8 +37,9 @@ its wire size: len(datagram) + 66 (`agents.runtime.framing.WIRE_OVERHEAD_BYTES`)
 is what the pacer and the CC are charged. In credit mode each request is a RUD_CC_REQ
 carrying credit_target (wire bytes still wanted); the target grants with CONTROL CREDIT
 packets paced by `CreditReceiver.next_grant_ns`; a sender blocked on credit asks again
-with CONTROL CREDIT_REQ when nothing it sent in the last base RTT carried its demand
-(each CREDIT_REQ also runs the receiver's write-off of credit lost with lost packets).
+with CONTROL CREDIT_REQ when, for two base RTTs, nothing it sent carried its demand and
+no credit came (each CREDIT_REQ also runs the receiver's write-off of credit lost with
+lost packets).
 
 ackreq is set on the last packet of each message, on every retransmission, and on a
 packet after which the window or the CC window is closed; and a target ACKs whatever it
@@ -301,7 +302,8 @@ class _Pdc:
             self.nscc = NoCc(None, now_ns)
         else:
             self.credit = CreditSender(nic.credit_params)
-        self.last_demand_ns = float("-inf")
+        self.last_demand_ns = float("-inf")   # last request that carried our credit demand
+        self.last_credit_ns = float("-inf")   # last credit received
         self.last_rx_ns = float("-inf")       # last request accepted from the peer
         self.error: str | None = None
         self.c = dict.fromkeys(
@@ -557,6 +559,11 @@ class UetNic:
         self._send(p.ack_sock, pack_control(Control(int(CtlType.CREDIT_REQ), 0, p.local_id,
                                                     p.peer_id, payload=want)), p.addr)
 
+    def _credit_req_due(self, p: _Pdc) -> float:
+        """When a PDC blocked on credit asks again: two base RTTs after the later of its
+        last demand and its last grant (grants still flowing need no reminder)."""
+        return max(p.last_demand_ns, p.last_credit_ns) + 2 * self.opts.base_rtt_ns
+
     def _credit_blocked(self, p: _Pdc) -> bool:
         if p.credit is None or not p.ini.has_data() or not p.tx.window_open():
             return False
@@ -699,6 +706,7 @@ class UetNic:
         if cc is not None and (acked_bytes or ecn):
             cc.on_ack(now, acked_bytes, res.rtt_ns, ecn)
         if a.credit and p.credit is not None:
+            p.last_credit_ns = now
             p.credit.on_credit(a.credit)
             p.c["credits_received"] += 1
             p.c["credit_bytes_received"] += a.credit
@@ -715,6 +723,7 @@ class UetNic:
 
     def _on_control(self, p: _Pdc, ctl: Control, now: float) -> None:
         if ctl.ctl_type == CtlType.CREDIT and p.credit is not None:
+            p.last_credit_ns = now
             p.credit.on_credit(ctl.payload)
             p.c["credits_received"] += 1
             p.c["credit_bytes_received"] += ctl.payload
@@ -751,7 +760,7 @@ class UetNic:
                         p.nscc.on_timeout(now)
                 elif tx.failed and p.error is None:
                     self._fail(p, tx.failed)
-            if p.credit is not None and now - p.last_demand_ns >= self.opts.base_rtt_ns \
+            if p.credit is not None and now >= self._credit_req_due(p) \
                     and self._credit_blocked(p):
                 self._send_credit_req(p, now)
         crx = self.credit_rx
@@ -825,7 +834,7 @@ class UetNic:
                 if p.nscc is not None:
                     cands.append(p.nscc.send_due_ns(now))
             elif p.credit is not None and self._credit_blocked(p):
-                cands.append(p.last_demand_ns + self.opts.base_rtt_ns)
+                cands.append(self._credit_req_due(p))
             for t in cands:
                 if t is not None and (best is None or t < best):
                     best = t
