@@ -1,6 +1,7 @@
 """Two UetNics in two namespaces joined by a veth pair: WRITE and SEND of 8 MiB arrive
 byte-exact under injected loss with every congestion control, spraying uses every
-entropy (source port) and oblivious mode one, and a trimmed packet is NACKed at once.
+entropy (source port) and oblivious mode one, and a trimmed packet is NACKed at once;
+and a 2:1 incast through a real trimming switch port recovers by NACKs alone.
 
 Both NICs live in this process: each one's sockets are made inside its namespace
 (pyroute2's pushns/popns), then one loop steps both."""
@@ -369,3 +370,57 @@ def test_packets_left_without_an_ackreq_are_acked_once_the_peer_goes_quiet(pair)
     finally:
         s.close()
         b.close()
+
+
+TRIM_FABRIC = """\
+name: {name}
+dilation: 1000
+topology: {{kind: single_switch, hosts: 3, host_link: {{port: 100GBASE-CR1, length: 2m}}}}
+traffic_classes:
+  - {{tc: 2, name: uet, dscp: [10], trim: true}}
+  - {{tc: 6, name: ctl, dscp: [48], strict: true}}
+  - {{tc: 0, name: default, default: true}}
+qos:
+  default:
+    buffer: {{2: 64KB}}
+    trim: {{threshold: 32KB}}
+"""
+
+
+def test_a_2_to_1_incast_through_a_trimming_switch_is_recovered_by_nacks_alone():
+    # Two senders at line rate into one 100G port (D = 1000: 100 Mb/s of wall rate each)
+    # overflow its 32 KB trim threshold; the switch trims instead of dropping, the
+    # target NACKs each trimmed packet at once and the senders resend exactly those.
+    from testbed.plan.paths import host_address
+    from tests.integration.conftest import built_lab
+
+    d = Dilation(1000)
+    with built_lab(TRIM_FABRIC, "uettr") as plan:
+        clock = FabricClock(d)
+        nics = {}
+        for h in ("h1", "h2", "h3"):
+            netns.pushns(plan.node(h).netns)
+            try:
+                nics[h] = UetNic(host_address(plan, h), clock, d, UetOptions(
+                    dscp=10, cc="none", trim_dscp=48, rto_ns=1e6, spin_ns=0))
+            finally:
+                netns.popns()
+        try:
+            dst = host_address(plan, "h3")
+            region = np.zeros(2 << 20, dtype=np.uint8)
+            nics["h3"].register(1, region)
+            data = _pattern(2 << 20, 5)
+            done: list[int] = []
+            nics["h1"].write(dst, 1, 0, data[:1 << 20], on_done=done.append)
+            nics["h2"].write(dst, 1, 1 << 20, data[1 << 20:], on_done=done.append)
+            _drive(list(nics.values()), lambda: len(done) == 2, timeout_s=25)
+            assert np.array_equal(region, data)
+            t = nics["h3"].counters()["totals"]
+            senders = [nics[h].counters()["totals"] for h in ("h1", "h2")]
+            assert t["trims_received"] > 0 and t["nacks_sent"] == t["trims_received"]
+            assert sum(s["nack_retransmissions"] for s in senders) == t["trims_received"]
+            assert sum(s["retransmissions"] for s in senders) == t["trims_received"]
+            assert t["duplicates"] == 0
+        finally:
+            for n in nics.values():
+                n.close()
