@@ -175,6 +175,7 @@ class RudSender:
         self.acks_received = 0
         self.stale_acks = 0
         self.nacks_received = 0
+        self.stale_nacks = 0
 
     # -- sending
 
@@ -339,7 +340,8 @@ class RudSender:
         self.nacks_received += 1
         psn = unwrap(psn_wire, self.base)
         rec = self.unacked.get(psn)
-        if rec is None:
+        if rec is None:             # acknowledged already (another copy of it arrived)
+            self.stale_nacks += 1
             return None
         if not self._queue(psn, "nack", front=True):   # queued already: move it to the head
             try:
@@ -393,7 +395,7 @@ class RudSender:
                 "sack_retransmissions": self.sack_retransmissions,
                 "rto_retransmissions": self.rto_retransmissions, "timeouts": self.timeouts,
                 "acks_received": self.acks_received, "stale_acks": self.stale_acks,
-                "nacks_received": self.nacks_received,
+                "nacks_received": self.nacks_received, "stale_nacks": self.stale_nacks,
                 "inflight_packets": len(self.unacked), "inflight_bytes": self.inflight_bytes,
                 "next_psn": self.next_psn & PSN_MASK,
                 "srtt_ns": self.srtt_ns, "failed": self.failed}
