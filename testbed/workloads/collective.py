@@ -436,13 +436,15 @@ AGGREGATOR_MODULE = "agents.aggregator"
 
 
 def _uet_notes(spec: AgentSpec, res: dict) -> list[str]:
-    """A UET rank's NIC that dropped datagrams it could not use: malformed, or with PDC
-    ids that are not its peers' (each is retransmitted by its sender, but is a packet the
-    fabric delivered and the rank threw away)."""
+    """A UET rank's NIC that dropped datagrams: malformed, with PDC ids that are not its
+    peers', or overflowing its receive socket (each is retransmitted by its sender, but
+    is a packet the fabric delivered and the rank lost)."""
     uet = (res.get("counters") or {}).get("uet") or {}
     totals = uet.get("totals") or {}
     bad = {"malformed": int(totals.get("malformed") or 0),
-           "with wrong PDC ids": int(totals.get("bad_pdcid") or 0)}
+           "with wrong PDC ids": int(totals.get("bad_pdcid") or 0),
+           "in its full receive socket (the rank fell behind, not the fabric)":
+               int((uet.get("sockets") or {}).get("overflow_drops") or 0)}
     bad = {k: v for k, v in bad.items() if v}
     if not bad:
         return []

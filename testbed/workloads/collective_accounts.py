@@ -220,13 +220,16 @@ def uet_accounts(traffic: str, kind: str, ranks: Sequence[AgentSpec], results: R
     directions of a PDC pair share the port, so a lost ACK has its place), what rank j's
     NIC took from rank i, and the fabric's drops on those flows, over every source port
     (the packets are sprayed). A CREDIT_REQ has no receive counter: it is taken as
-    received (they are rare, one per base RTT of a sender blocked on credit). Out-of-order
-    arrival is what spraying does, so none of it is counted as the emulator's reordering."""
+    received (they are rare, one per base RTT of a sender blocked on credit). Datagrams
+    rank j's receive socket overflowed on or could not parse are its `socket_drops`,
+    shared over the streams into it that miss packets. Out-of-order arrival is what
+    spraying does, so none of it is counted as the emulator's reordering."""
     if not ranks:
         return []
     peers = _peers(ranks[0].argv)
     res = [results.get(s.name) or {} for s in ranks]
     out: list[dict] = []
+    missing: dict[int, list[tuple[dict, int]]] = {}
     for i, src in enumerate(ranks):
         for j, dst in enumerate(ranks):
             if i == j:
@@ -242,4 +245,16 @@ def uet_accounts(traffic: str, kind: str, ranks: Sequence[AgentSpec], results: R
                         complete=bool(res[i] and res[j]))
             a["socket_drops"] = 0
             out.append(a)
+            short = sent - received - a["fabric_drops"]
+            if short > 0:
+                missing.setdefault(j, []).append((a, short))
+    # datagrams rank j's receive socket dropped before the NIC read them (SO_RXQ_OVFL), or
+    # read and could not parse: the host's, not a stream's; shared out over the short ones
+    for j, items in missing.items():
+        sockets = ((res[j].get("counters") or {}).get("uet") or {}).get("sockets") or {}
+        budget = _n(sockets, "overflow_drops") + sum(
+            int(v) for v in (sockets.get("malformed") or {}).values())
+        for a, short in sorted(items, key=lambda x: -x[1]):
+            a["socket_drops"] = min(budget, short)
+            budget -= a["socket_drops"]
     return out

@@ -730,7 +730,12 @@ def test_uet_rank_accounts_count_every_datagram_between_two_nics():
     assert (a01["name"], a01["sent"], a01["received"], a01["fabric_drops"]) == (
         "ar r0->r1", 15, 13, 2)
     assert (a10["sent"], a10["received"], a10["fabric_drops"]) == (7, 6, 1)
-    assert a01["reordered"] == 0 and a01["complete"]
+    assert a01["reordered"] == 0 and a01["complete"] and a01["socket_drops"] == 0
+    # two requests short, no fabric drop: rank 1's receive socket overflowed on them
+    results["ar-r1"]["counters"]["uet"]["sockets"] = {"overflow_drops": 2, "malformed": {}}
+    drops[0]["phy"] = 0
+    a01, _ = uet_accounts("ar", "allreduce", ranks, results, drops)
+    assert (a01["fabric_drops"], a01["socket_drops"]) == (0, 2)
 
 
 def test_a_uet_ranks_dropped_datagrams_are_a_fidelity_note():
