@@ -208,14 +208,15 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
         linked.setdefault(link.b, []).append(link.a)
     ctx = CheckContext(hosts=hosts, classes=classes, nic_bps=_host_nic_rates(expanded),
                        roles={n.name: n.role for n in expanded.nodes},
-                       neighbours=lambda node: list(dict.fromkeys(linked.get(node, []))))
+                       neighbours=lambda node: list(dict.fromkeys(linked.get(node, []))),
+                       entries=list(fabric.workload.traffic))
     names: set[str] = set()
     for i, t in enumerate(fabric.workload.traffic):
         loc = ("workload", "traffic", i)
         if t.name in names:
             yield loc + ("name",), f"traffic name {t.name!r} is used twice"
         names.add(t.name)
-        if t.tclass not in classes:
+        if t.tclass is not None and t.tclass not in classes:   # None: the kind's default
             yield (loc + ("tclass",), f"unknown traffic class {t.tclass!r}; use a class name or "
                    f"number from traffic_classes: "
                    f"{', '.join(f'{c.name} ({c.tc})' for c in fabric.traffic_classes)}")

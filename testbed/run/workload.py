@@ -75,7 +75,8 @@ def expand_context(fabric: Fabric, plan: Plan) -> ExpandContext:
         round_trip_ns=_memo(lambda tc: longest_round_trip_ns(plan, tc)),
         neighbours=lambda node: neighbours(plan, node),
         link_address=lambda node, peer: link_address(plan, node, peer),
-        role=lambda node: plan.node(node).role)
+        role=lambda node: plan.node(node).role,
+        classes={k: c for c in fabric.traffic_classes for k in (c.name, c.tc)})
 
 
 def expand_workload(fabric: Fabric, plan: Plan) -> list[AgentSpec]:

@@ -156,6 +156,9 @@ class CheckContext:
     roles: Mapping[str, str] = field(default_factory=dict)   # node -> "host" or "switch"
     neighbours: Callable[[str], list[str]] = lambda node: []  # nodes linked to a node, in
     #                                              link order, each once
+    entries: Sequence[TrafficEntry] = ()         # every traffic entry of the workload, in
+    #                                              order (checks across entries: one UET NIC
+    #                                              per host)
 
 
 @dataclass
@@ -180,6 +183,8 @@ class ExpandContext:
     link_address: Callable[[str, str], str | None] = lambda node, peer: None  # node's
     #                                              address on its link to peer
     role: Callable[[str], str] = lambda node: "host"           # "host" or "switch"
+    classes: Mapping[str | int, ClassView] = field(default_factory=dict)   # by name and
+    #                                              number (a kind's default class)
     _state: dict[str, dict] = field(default_factory=dict)
 
     def state(self, owner: str) -> dict:
