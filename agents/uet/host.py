@@ -8,9 +8,10 @@ numbers, so they agree without a set-up exchange:
 - stream s WRITEs into the target's region registered under memory key
   KEY_BASE + s, `slots` message slots of `size` bytes: message k goes to slot
   k mod slots. The initiator keeps at most `depth` <= `slots` messages outstanding and
-  posts message k + slots only after message k was acknowledged, so a slot's messages
-  complete at the target one after another: the n-th completion in slot j is message
-  j + n x slots, and the target checks it before the slot can be written again;
+  posts message k + slots only after message k was acknowledged (messages complete in
+  any order: RUD is unordered), so a slot's messages complete at the target one after
+  another: the n-th completion in slot j is message j + n x slots, and the target
+  checks it before the slot can be written again;
 - stream s SENDs with match bits s << 32 | k; the target reassembles and checks each;
 - message k's bytes are `pattern(seed, k, size)`;
 - after its last data message the initiator SENDs match bits s << 32 | DONE_INDEX with
@@ -129,6 +130,7 @@ class OutStream:
     done_acked: bool = False
     error: str | None = None
     data: dict[int, bytes] = field(default_factory=dict)   # outstanding messages' bytes
+    busy_slots: set[int] = field(default_factory=set)   # slots of unacknowledged messages
 
     def posting(self, rel_ns: float) -> bool:
         """Whether it may post another data message now (schedule permitting)."""
@@ -281,7 +283,8 @@ class UetHost:
         rel = self.rel_ns()
         for o in self.out:
             s = o.spec
-            while o.outstanding < s.depth and o.posting(rel):
+            while (o.outstanding < s.depth and o.posting(rel)
+                   and o.posted % s.slots not in o.busy_slots):
                 self._post_message(o, o.posted, rel)
             if not o.done_posted and not o.posting(rel) and rel >= s.start_ns:
                 o.done_posted = True
@@ -301,6 +304,7 @@ class UetHost:
         else:
             self.nic.send(s.peer, s.match_bits(k), data,
                           on_done=lambda _m, o=o, k=k: self._acked(o, k))
+        o.busy_slots.add(k % s.slots)
         o.posted += 1
         o.outstanding += 1
 
@@ -310,6 +314,7 @@ class UetHost:
         o.bytes_acked += o.spec.size
         o.last_done_ns = self.rel_ns()
         o.data.pop(k, None)
+        o.busy_slots.discard(k % o.spec.slots)
 
     def _done_acked(self, o: OutStream) -> None:
         o.done_acked = True

@@ -1,0 +1,430 @@
+"""The uet kinds in a config: validation with clear problems, expansion into one agent
+per host with its streams as a schedule, the host agent's streams over a fake NIC (every
+byte checked, messages completing out of order, a corrupted byte caught, the last SEND
+that tells a duration stream's count), and the result rows, accounts and notes built from
+that agent's real output. No root."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agents.runtime.lifecycle import Lifecycle
+from agents.timebase import Dilation, FabricClock
+from agents.uet import __main__ as uet_main
+from agents.uet.host import DONE_INDEX, KEY_BASE, UetHost, parse_schedule, pattern
+from testbed.config import ConfigError, load_config_text
+from testbed.plan import compile_plan
+from testbed.plan.paths import host_address
+from testbed.run.workload import expand_workload, run_view
+from testbed.workloads import uet as uet_kind
+from testbed.workloads.registry import REGISTRY
+from testbed.workloads.uet import KIND, UET_UDP_PORT, resolve_class, slots_and_depth
+
+REPO = Path(__file__).resolve().parents[2]
+
+FABRIC = """\
+name: uetwl
+dilation: 1000
+traffic_classes:
+  - {{tc: 3, name: roce, dscp: [26], lossless: true, ecn: true}}
+  - {{tc: 6, name: cnp, dscp: [48], strict: true}}
+  - {{tc: 2, name: uet, dscp: [18], ecn: true}}
+  - {{tc: 0, name: default, default: true}}
+topology:
+  kind: leaf_spine
+  spines: 2
+  leaves: 2
+  hosts_per_leaf: 4
+  host_link: {{port: 100GBASE-CR1, length: 2m}}
+  fabric_link: {{port: 400GBASE-DR4, length: 100m}}
+workload:
+  traffic:
+{traffic}
+"""
+
+PAIRS = """\
+    - {name: a, kind: uet_pairs, pairs: [[h1, h5], [h2, h5], [h5, h1]], size: 1MB,
+       messages: 4, tclass: uet}
+    - {name: b, kind: uet_incast, senders: [h3, h4], receiver: h6, size: 64KB,
+       duration: 100us, start: 10us, tclass: uet, test: send_bw, entropy: reps,
+       entropies: 8, cc: none}
+"""
+
+
+def _load(traffic: str):
+    loaded = load_config_text(FABRIC.format(traffic=traffic), "uet.yaml")
+    return loaded, compile_plan(loaded)
+
+
+def _problems(traffic: str) -> list[str]:
+    with pytest.raises(ConfigError) as exc:
+        load_config_text(FABRIC.format(traffic=traffic), "uet.yaml")
+    return exc.value.lines()
+
+
+def _schedule(spec) -> dict:
+    return json.loads(dict(spec.inputs)["schedule.json"])
+
+
+def test_the_kind_is_registered_and_owns_udp_4793() -> None:
+    assert REGISTRY.of("uet_pairs") is KIND and REGISTRY.of("uet_all_to_all") is KIND
+    assert UET_UDP_PORT in KIND.ports["udp"]
+    roce = REGISTRY.of("roce_pairs")
+    from testbed.workloads.registry import port_ranges
+    assert not any(UET_UDP_PORT in r for r in port_ranges(roce.ports["udp"]))
+
+
+def test_one_agent_per_host_with_every_stream_of_it_and_receivers_first() -> None:
+    loaded, plan = _load(PAIRS)
+    specs = expand_workload(loaded.fabric, plan)
+    assert [(s.traffic, s.node, s.role) for s in specs] == [
+        ("a", "h1", "sender"), ("a", "h2", "sender"), ("a", "h5", "sender"),
+        ("b", "h6", "receiver"), ("b", "h3", "sender"), ("b", "h4", "sender")]
+    h5 = _schedule(specs[2])
+    # h5 targets streams 0 (from h1) and 1 (from h2) and initiates stream 2 to h1
+    assert [(r["stream"], r["peer_host"]) for r in h5["in"]] == [(0, "h1"), (1, "h2")]
+    assert [(r["stream"], r["peer"]) for r in h5["out"]] == [(2, host_address(plan, "h1"))]
+    assert h5["tclass"] == {"name": "uet", "tc": 2, "lossless": False, "ecn": True,
+                            "trim": False}
+    # stream numbers run across entries; both ends of a stream hold the same row
+    b = [_schedule(s) for s in specs[3:]]
+    assert [r["stream"] for r in b[0]["in"]] == [3, 4]
+    assert b[1]["out"][0]["seed"] == b[0]["in"][0]["seed"]
+    assert b[1]["out"][0]["start_ns"] == 10_000 and b[1]["out"][0]["duration_ns"] == 100_000
+    for spec in specs:
+        out, inc = parse_schedule(_schedule(spec))
+        args = uet_main.build_parser().parse_args([*spec.argv, "--schedule", "x.json"])
+        assert args.bind == host_address(plan, spec.node)
+        assert args.dscp == 18 and args.dilation == 1000
+        assert args.payload_bytes == loaded.fabric.roce_mtu_bytes
+        opts = uet_main.nic_options(args)
+        assert opts["cc"] == ("nscc" if spec.traffic == "a" else "none")
+        assert opts["entropy"] == ("spray" if spec.traffic == "a" else "reps")
+        assert all(1 <= s.depth <= s.slots for s in out)
+    # a host that only receives is waited for; senders are not
+    assert [KIND.waits_ready(s) for s in specs] == [False, False, False, True, False, False]
+
+
+def test_a_region_has_a_slot_per_outstanding_message_and_no_more_than_it_needs() -> None:
+    assert slots_and_depth(64 << 20, 1, 256, 4096) == (1, 1)          # one 64 MiB WRITE
+    slots, depth = slots_and_depth(65536, None, 256, 4096)
+    assert slots == 128 and depth == 256 // 16 + 1
+    assert slots_and_depth(1 << 20, 4, 1024, 4096) == (4, 4)
+
+
+@pytest.mark.parametrize(("entry", "expected"), [
+    ("{name: e, kind: uet_pairs, pairs: [[h1, h2]], messages: 1}",
+     "no traffic class has trim: true, so a uet entry needs tclass:"),
+    ("{name: e, kind: uet_pairs, pairs: [[h1, h2]], messages: 1, tclass: default}",
+     "class 'default' (TC0) does not mark ECN, so NSCC never sees a congestion mark"),
+    ("{name: e, kind: uet_pairs, pairs: [[h1, h2]], messages: 1, tclass: nosuch}",
+     "unknown traffic class 'nosuch'"),
+    ("{name: e, kind: uet_pairs, pairs: [[h1, h2]], tclass: uet}",
+     "uet_pairs needs duration: (post messages for that long) or messages:"),
+    ("{name: e, kind: uet_pairs, pairs: [[h1, h2]], tclass: uet, messages: 2, duration: 1ms}",
+     "duration and messages are both given"),
+    ("{name: e, kind: uet_pairs, pairs: [[h1, h2], [h1, h2]], tclass: uet, messages: 2}",
+     "[h1, h2] is listed twice"),
+    ("{name: e, kind: uet_pairs, pairs: [[h1, h2]], tclass: uet, messages: 2, size: 2GiB}",
+     "outside 1 B .. 1 GiB"),
+    ("{name: e, kind: uet_pairs, pairs: [[h1, h2]], tclass: uet, messages: 2, entropy: ecmp}",
+     "entropy"),
+    ("{name: e, kind: uet_pairs, pairs: [[h1, h2]], tclass: uet, messages: 2, cc: dcqcn}",
+     "cc"),
+])
+def test_config_problems_say_what_to_do(entry: str, expected: str) -> None:
+    lines = _problems(f"    - {entry}\n")
+    assert any(expected in line for line in lines), lines
+
+
+def test_a_credit_or_windowed_stream_needs_no_ecn_class() -> None:
+    for cc in ("credit", "none"):
+        loaded, _ = _load(f"    - {{name: e, kind: uet_pairs, pairs: [[h1, h2]], messages: 1, "
+                          f"tclass: default, cc: {cc}}}\n")
+        assert loaded.fabric.workload is not None
+
+
+def test_two_uet_entries_on_one_host_are_refused_with_the_hosts_named() -> None:
+    lines = _problems("""\
+    - {name: a, kind: uet_pairs, pairs: [[h1, h5]], messages: 1, tclass: uet}
+    - {name: b, kind: uet_incast, senders: [h2, h3], receiver: h5, messages: 1, tclass: uet}
+""")
+    msg = [line for line in lines if "UET NIC" in line]
+    assert len(msg) == 1 and "workload.traffic[1]" in msg[0], lines
+    assert "h5 already runs UET for entry 'a'" in msg[0]
+    assert "UDP 4793" in msg[0]
+
+
+@dataclass
+class _Class:
+    name: str
+    tc: int
+    ecn: bool = True
+    lossless: bool = False
+    trim: bool = False
+
+
+def test_the_default_class_is_the_one_that_trims() -> None:
+    one = {"uet": _Class("uet", 2, trim=True), "default": _Class("default", 0, ecn=False)}
+    t = uet_kind.UetTraffic.model_validate({"name": "e", "kind": "uet_pairs",
+                                            "pairs": [["h1", "h2"]], "messages": 1})
+    c, why = resolve_class(t, one)
+    assert c is not None and c.name == "uet" and why is None
+    two = {**one, "u2": _Class("u2", 4, trim=True)}
+    c, why = resolve_class(t, two)
+    assert c is None and why is not None and "several classes trim (uet, u2)" in why
+
+
+# -- the agent over a fake NIC ----------------------------------------------------------
+
+class _Wall:
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def __call__(self) -> int:
+        return self.ns
+
+
+class FakeNet:
+    """In-memory UET NICs: a posted message reaches its target whole, in a random order
+    among what is outstanding, then completes at the initiator."""
+
+    def __init__(self, seed: int = 7) -> None:
+        self.nics: dict[str, FakeNic] = {}
+        self.pending: list[tuple] = []
+        self.rng = random.Random(seed)
+        self.wall = _Wall()
+        self.corrupt: set[tuple[int, int]] = set()   # (memory key or match bits, offset)
+
+
+class FakeNic:
+    def __init__(self, net: FakeNet, ip: str) -> None:
+        self.net, self.ip = net, ip
+        net.nics[ip] = self
+        self.regions: dict[int, np.ndarray] = {}
+        self.on_message = None
+        self.on_write = None
+        self.next_id = 0
+        self.sent = 0
+        self.pdc: dict[str, dict] = {}
+
+    def register(self, key, buf) -> None:
+        self.regions[key] = buf
+
+    def _post(self, kind, peer, a, offset, data, on_done) -> int:
+        self.next_id += 1
+        self.net.pending.append((kind, self.ip, peer, a, offset, bytes(data), on_done,
+                                 self.next_id))
+        p = self.pdc.setdefault(peer, {"tx_packets": 0, "sports": {}})
+        n = -(-len(data) // 4096) or 1
+        p["tx_packets"] += n
+        for k in range(n):
+            p["sports"][0xD000 + (p["tx_packets"] + k) % 4] = 1
+        return self.next_id
+
+    def write(self, peer, key, offset, data, *, on_done=None) -> int:
+        return self._post("write", peer, key, offset, data, on_done)
+
+    def send(self, peer, match_bits, data, *, on_done=None) -> int:
+        return self._post("send", peer, match_bits, 0, data, on_done)
+
+    def step(self) -> bool:
+        net = self.net
+        mine = [i for i, p in enumerate(net.pending) if p[2] == self.ip]
+        net.wall.ns += 100
+        if not mine:
+            return False
+        kind, src, _dst, a, offset, data, on_done, mid = net.pending.pop(net.rng.choice(mine))
+        buf = bytearray(data)
+        if (a, offset) in net.corrupt and buf:
+            buf[len(buf) // 2] ^= 0xFF
+        p = self.pdc.setdefault(src, {"rx_packets": 0})
+        p["rx_packets"] = p.get("rx_packets", 0) + (-(-len(buf) // 4096) or 1)
+        if kind == "write":
+            self.regions[a][offset:offset + len(buf)] = np.frombuffer(bytes(buf), np.uint8)
+            self.on_write(src, a, offset, len(buf))
+        else:
+            self.on_message(src, a, mid, memoryview(bytes(buf)))
+        if on_done is not None:
+            on_done(mid)
+        return True
+
+    def wait(self, max_wall_ns: int = 0) -> None:
+        self.net.wall.ns += max(1, max_wall_ns)
+
+    def idle(self) -> bool:
+        return not any(p[1] == self.ip for p in self.net.pending)
+
+    def counters(self) -> dict:
+        totals = {"rx_packets": sum(p.get("rx_packets", 0) for p in self.pdc.values())}
+        return {"local": {"ip": self.ip}, "pdcs": self.pdc, "totals": totals, "sockets": {}}
+
+    def close(self) -> None:
+        pass
+
+
+def _hosts(specs, plan, net: FakeNet) -> dict[str, UetHost]:
+    d = Dilation(1)
+    hosts = {}
+    for spec in specs:
+        out, inc = parse_schedule(_schedule(spec))
+        nic = FakeNic(net, host_address(plan, spec.node))
+        hosts[spec.name] = UetHost(nic, out, inc, FabricClock(d, wall_ns=net.wall), d,
+                                   Lifecycle(watch_parent=False), rto_ns=1000)
+    for h in hosts.values():
+        h.start(None)
+    return hosts
+
+
+def _drive(hosts: dict[str, UetHost], limit: int = 200_000) -> None:
+    for _ in range(limit):
+        busy = [h.poll() for h in hosts.values()]
+        if all(h.streams_done() for h in hosts.values()):
+            return
+        if not any(busy):
+            next(iter(hosts.values())).nic.wait(1000)
+    raise AssertionError("streams never finished")
+
+
+def _outputs(hosts: dict[str, UetHost]) -> dict[str, dict]:
+    res = {}
+    for name, h in hosts.items():
+        c = h.nic.counters()
+        outs, ins = h.records(c["pdcs"])
+        res[name] = {"role": "uet", "streams_out": outs, "streams_in": ins,
+                     "verified": h.verified(), "nic": c, "stopped_by": "done", "error": None}
+    return res
+
+
+def test_write_and_send_streams_arrive_byte_exact_in_any_order_and_rows_say_so() -> None:
+    loaded, plan = _load(PAIRS)
+    specs = expand_workload(loaded.fabric, plan)
+    net = FakeNet()
+    hosts = _hosts(specs, plan, net)
+    _drive(hosts)
+    results = _outputs(hosts)
+    assert all(h.verified() in (True, None) for h in hosts.values())
+    # the duration streams learnt their count from the last SEND
+    h6 = hosts["b-h6"]
+    assert all(st.expected == st.received > 0 for st in h6.inc.values())
+    rows = KIND.result_rows(specs, results, run_view(plan, Path("/nonexistent"), 0))
+    assert [(r.traffic, r.fields["src"], r.fields["dst"]) for r in rows] == [
+        ("a", "h1", "h5"), ("a", "h2", "h5"), ("a", "h5", "h1"), ("b", "h3", "h6"),
+        ("b", "h4", "h6")]
+    for r in rows:
+        assert list(r.fields) == list(KIND.result_fields)
+        assert r.fields["verified"] is True and r.fields["error"] is None, r.fields
+        assert r.fields["gbps"] > 0 and r.fields["time_us"] > 0
+        assert r.fields["end_us"] == pytest.approx(r.fields["start_us"] + r.fields["time_us"],
+                                                   abs=0.002)
+    a = rows[0].fields
+    assert a["bytes"] == 4 * 1_000_000 and a["messages"] == 4 and a["test"] == "write_bw"
+    assert a["cc"] == "nscc" and a["entropy"] == "spray" and a["entropies"] == 16
+    assert a["sports"] == 4 and a["tx_packets"] == 4 * 245 + 1
+    b = rows[3].fields
+    assert b["test"] == "send_bw" and b["messages"] > 1 and b["start_us"] >= 10
+    accounts = KIND.stream_accounts(specs, results, [], run_view(plan, Path("/x"), 0))
+    assert [(x["src"], x["dst"], x["complete"]) for x in accounts][:1] == [("h1", "h5", True)]
+    assert accounts[0]["sent"] == a["tx_packets"] and accounts[0]["reordered"] == 0
+
+
+def test_a_corrupted_byte_is_caught_and_named() -> None:
+    loaded, plan = _load("    - {name: a, kind: uet_pairs, pairs: [[h1, h5]], size: 100KB, "
+                         "messages: 3, tclass: uet}\n")
+    specs = expand_workload(loaded.fabric, plan)
+    net = FakeNet()
+    net.corrupt.add((KEY_BASE + 0, 100_000))         # message 1, slot 1
+    hosts = _hosts(specs, plan, net)
+    _drive(hosts)
+    target = hosts["a-h5"]
+    assert target.verified() is False
+    mismatch = target.inc[0].mismatch
+    assert mismatch == {"message": 1, "offset": 50_000, "length": 100_000,
+                        "expected_length": 100_000}
+    results = _outputs(hosts)
+    view = run_view(plan, Path("/nonexistent"), 0)
+    rows = KIND.result_rows(specs, results, view)
+    assert rows[0].fields["verified"] is False
+    notes = KIND.fidelity_notes(specs, results, view)
+    assert any("did not arrive byte-exact" in n and "'message': 1" in n for n in notes), notes
+
+
+def test_slots_are_reused_only_after_their_message_was_checked() -> None:
+    """More messages than slots, completing in random order: message k is always checked
+    against its own pattern (its slot's n-th completion)."""
+    loaded, plan = _load("    - {name: a, kind: uet_pairs, pairs: [[h1, h5]], size: 4MiB, "
+                         "messages: 9, tclass: uet, window: 4096}\n")
+    specs = expand_workload(loaded.fabric, plan)
+    doc = _schedule(next(s for s in specs if s.node == "h1"))
+    assert doc["out"][0]["slots"] == 2 and doc["out"][0]["depth"] == 2
+    hosts = _hosts(specs, plan, FakeNet(seed=3))
+    _drive(hosts)
+    st = hosts["a-h5"].inc[0]
+    assert st.verified() is True and st.verified_ok == 9 and st.slot_count == [5, 4]
+
+
+def test_the_last_send_carries_the_count_and_a_stranger_is_not_taken() -> None:
+    loaded, plan = _load("    - {name: a, kind: uet_pairs, pairs: [[h1, h5]], size: 4KB, "
+                         "duration: 5us, tclass: uet, test: send_bw}\n")
+    specs = expand_workload(loaded.fabric, plan)
+    hosts = _hosts(specs, plan, FakeNet())
+    target = hosts["a-h5"]
+    target._on_message("198.18.9.9", 0 << 32 | 0, 1, memoryview(b"x"))  # a stranger
+    assert target.inc[0].wrong_peer == 1 and target.inc[0].received == 0
+    _drive(hosts)
+    sent = hosts["a-h1"].out[0].posted
+    assert target.inc[0].expected == sent == target.inc[0].verified_ok
+    assert target.inc[0].spec.match_bits(DONE_INDEX) == 0xFFFFFFFF
+
+
+def test_unfinished_streams_and_agents_that_left_nothing_are_noted() -> None:
+    loaded, plan = _load("    - {name: a, kind: uet_pairs, pairs: [[h1, h5]], size: 1MB, "
+                         "messages: 4, tclass: uet}\n")
+    specs = expand_workload(loaded.fabric, plan)
+    hosts = _hosts(specs, plan, FakeNet())
+    for _ in range(3):
+        for h in hosts.values():
+            h.poll()
+    results = _outputs(hosts)
+    view = run_view(plan, Path("/nonexistent"), 0)
+    notes = KIND.fidelity_notes(specs, results, view)
+    assert any("stream h1 -> h5 had not finished" in n for n in notes), notes
+    row = KIND.result_rows(specs, results, view)[0].fields
+    assert row["error"] == "unfinished" and row["verified"] is None
+    notes = KIND.fidelity_notes(specs, {}, view)
+    assert any("left no results" in n for n in notes)
+
+
+def test_no_pause_anywhere_is_said_plainly_with_the_class() -> None:
+    loaded, plan = _load("    - {name: a, kind: uet_pairs, pairs: [[h1, h5]], size: 1MB, "
+                         "messages: 2, tclass: uet}\n")
+    specs = expand_workload(loaded.fabric, plan)
+    hosts = _hosts(specs, plan, FakeNet())
+    _drive(hosts)
+    results = _outputs(hosts)
+    notes = KIND.fidelity_notes(specs, results, run_view(plan, Path("/x"), 0))
+    assert any("no PFC pause frame reached any port" in n and "class uet (TC2), lossy" in n
+               for n in notes), notes
+    paused = run_view(plan, Path("/x"), 0, paused_nodes=frozenset({"leaf1"}))
+    assert not any("PFC" in n for n in KIND.fidelity_notes(specs, results, paused))
+
+
+def test_pattern_is_a_function_of_seed_and_index() -> None:
+    assert pattern(1, 0, 64) == pattern(1, 0, 64)
+    assert pattern(1, 0, 64) != pattern(1, 1, 64) != pattern(2, 1, 64)
+
+
+def test_docs_cover_every_field_and_result_column() -> None:
+    text = (REPO / "docs" / "uet.md").read_text()
+    for name, f in uet_kind.UetTraffic.model_fields.items():
+        assert f"`{f.alias or name}`" in text, name
+    for column in KIND.result_fields:
+        assert f"`{column}`" in text, column
+    for link in ("uet-wire.md", "uet-cc.md", "uet-transport.md", "datapath.md", "roce.md"):
+        assert link in text
