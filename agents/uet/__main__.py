@@ -4,7 +4,7 @@ Synopsis (times and rates in FABRIC units; `--dilation D` converts them)::
 
     python -m agents.uet --schedule FILE --bind IP [--dscp 0] [--cc nscc|credit|none]
         [--entropy spray|oblivious|reps] [--entropies 16] [--entropy-base 53248]
-        [--window-packets N] [--payload-bytes 4096] [--line-rate-bps BPS]
+        [--sport PORT ...] [--window-packets N] [--payload-bytes 4096] [--line-rate-bps BPS]
         [--base-rtt-ns NS] [--rto-ns NS] [--ack-every N] [--trim-dscp DSCP] [--no-ecn]
         [--sndbuf-bytes N] [--seed 1] [--dilation D] [--start-at-mono-ns MONO_NS]
         [--ready-file FILE] [--out FILE] [--control-sock PATH]
@@ -28,6 +28,7 @@ on stderr. Exit codes: 0 done (or stopped), 1 a byte mismatch, a socket or NIC e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="UDP source ports a stream sprays over (default %(default)s)")
     p.add_argument("--entropy-base", type=argtypes.port, default=None,
                    help="the first of them (default: the NIC's, 0xD000)")
+    p.add_argument("--sport", type=argtypes.port, action="append", default=None,
+                   metavar="PORT", help="a source port to spray over, once per port, in "
+                   "place of --entropy-base's consecutive ones (testbed run gives them, "
+                   "balanced over the paths)")
     p.add_argument("--window-packets", type=argtypes.positive_int, default=None)
     p.add_argument("--payload-bytes", type=argtypes.positive_int, default=None,
                    help="payload bytes per packet (default: the NIC's, 4096)")
@@ -100,6 +105,9 @@ def nic_options(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, dest)
         if value is not None:
             opts[name] = value
+    if args.sport:
+        opts["sports"] = tuple(args.sport)
+        opts["entropies"] = len(args.sport)
     return opts
 
 
@@ -107,7 +115,11 @@ def make_nic(args: argparse.Namespace, clock: FabricClock, dilation: Dilation,
              life: Lifecycle) -> Any:
     from agents.uet.nic import UetNic, UetOptions
 
-    return UetNic(args.bind, clock, dilation, UetOptions(**nic_options(args)),
+    opts = nic_options(args)
+    known = {f.name for f in dataclasses.fields(UetOptions)}
+    if "sports" in opts and "sports" not in known:
+        raise OSError("this UET NIC takes no explicit source ports (--sport)")
+    return UetNic(args.bind, clock, dilation, UetOptions(**opts),
                   should_stop=life.should_stop)
 
 

@@ -26,8 +26,10 @@ common start. docs/uet.md is the user's page; argv is in fabric units.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -42,6 +44,7 @@ from testbed.workloads.base import (
     CheckContext,
     ClassView,
     ExpandContext,
+    PathPin,
     Problem,
     ResultRow,
     Results,
@@ -126,6 +129,11 @@ class UetTraffic(TrafficEntry):
                              "that saw ECN or trims)")
     entropies: int = Field(16, ge=1, le=4096, description="source ports a sprayed or reps "
                            "stream uses")
+    entropy_paths: Literal["balanced", "hashed"] = Field(
+        "balanced", description="balanced: once the fabric is up, the run picks each "
+        "initiator's source ports so that every equal-cost path to its target gets the same "
+        "number of them (an initiator with one target); hashed: consecutive ports from "
+        "0xD000, wherever the ECMP hash puts them")
     window_packets: Annotated[int, Field(ge=1, le=UET_MAX_WINDOW_PACKETS)] | Literal[
         "auto"] = Field(
         "auto", alias="window",
@@ -348,12 +356,18 @@ class UetKind(WorkloadKind):
                  "lossless": bool(getattr(c, "lossless", False)),
                  "ecn": bool(getattr(c, "ecn", False)), "trim": bool(getattr(c, "trim", False))}
         windows = [s["window_packets"] for rows in out.values() for s in rows]
+        balance = {h: _balance(ctx, h, rows[0]["peer_host"], t.entropies) for h, rows in
+                   out.items() if t.entropy != "oblivious" and t.entropy_paths == "balanced"
+                   and len(rows) == 1}
         specs: list[AgentSpec] = []
         order = ([h for h in ctx.hosts if h in inc and h not in out]
                  + [h for h in ctx.hosts if h in out])
         span = self.span_ns(t, ctx)
         for h in order:
-            doc = {"out": out.get(h, []), "in": inc.get(h, []), "tclass": klass}
+            doc: dict[str, Any] = {"out": out.get(h, []), "in": inc.get(h, []),
+                                   "tclass": klass}
+            if balance.get(h):
+                doc["balance"] = balance[h]
             argv = ["--bind", ctx.address(h), "--dscp", str(ctx.dscp(tclass)),
                     "--cc", t.cc, "--entropy", t.entropy, "--entropies", str(t.entropies),
                     "--window-packets", str(max(windows, default=256)),
@@ -385,6 +399,24 @@ class UetKind(WorkloadKind):
         busiest = max((-(-n * 8 * 10**9 // ctx.line_rate_bps(h)) for h, n in load.items()),
                       default=0)
         return entry.start_ns + SPAN_SLACK * busiest
+
+    def path_pins(self, specs: Sequence[AgentSpec]) -> list[PathPin]:
+        """Per initiator with `entropy_paths: balanced`: a pin per switch of the widest
+        level of its paths (the spines of a leaf-spine), each for an equal share of its
+        entropies, so every path carries as many of its source ports."""
+        pins = []
+        for spec in specs:
+            b = _schedule(spec).get("balance")
+            if spec.role != "sender" or not b:
+                continue
+            pins += [PathPin(sender=spec.name, traffic=spec.traffic, src=spec.node,
+                             dst=b["dst"], dport=UET_UDP_PORT, count=int(b["per_via"]),
+                             via=(v,)) for v in b["via"]]
+        return pins
+
+    def pinned(self, spec: AgentSpec, sports: Sequence[int]) -> AgentSpec:
+        return dataclasses.replace(spec, argv=[*spec.argv, *(a for p in sports
+                                                             for a in ("--sport", str(p)))])
 
     def startup_wall_s(self, spec: AgentSpec) -> float:
         return UET_STARTUP_S
@@ -526,6 +558,41 @@ class UetKind(WorkloadKind):
                              "the emulator; raise the dilation")
         notes += _pfc_notes(specs, streams_, view)
         return notes
+
+
+def _balance(ctx: ExpandContext, src: str, dst: str, entropies: int) -> dict | None:
+    """How to balance `src`'s entropies towards `dst`: the switches of the widest level of
+    its equal-cost paths (by distance from its first switch; the spines of a leaf-spine)
+    and how many ports each gets; None where every path crosses the same switches."""
+    def switches(node: str) -> list[str]:
+        return [n for n in ctx.neighbours(node) if ctx.role(n) == "switch"]
+
+    def distances(start: str) -> dict[str, int]:
+        dist, queue = {start: 0}, deque([start])
+        while queue:
+            cur = queue.popleft()
+            for nbr in switches(cur):
+                if nbr not in dist:
+                    dist[nbr] = dist[cur] + 1
+                    queue.append(nbr)
+        return dist
+
+    owner = next(iter(switches(dst)), None)
+    first = switches(src)
+    if owner is None or len(first) != 1:
+        return None
+    to_owner, from_first = distances(owner), distances(first[0])
+    if owner not in from_first:
+        return None
+    levels: dict[int, list[str]] = {}
+    for v, d in from_first.items():
+        if v in to_owner and d + to_owner[v] == from_first[owner]:
+            levels.setdefault(d, []).append(v)
+    widest = max(levels.values(), key=len, default=[])
+    if len(widest) < 2:
+        return None
+    via = sorted(widest)
+    return {"dst": dst, "via": via, "per_via": max(1, -(-entropies // len(via)))}
 
 
 def _argv(spec: AgentSpec) -> dict[str, str]:

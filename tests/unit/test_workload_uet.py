@@ -118,6 +118,28 @@ def test_a_region_has_a_slot_per_outstanding_message_and_no_more_than_it_needs()
     assert slots_and_depth(1 << 20, 4, 1024, 4096) == (4, 4)
 
 
+def test_a_sprayed_initiator_asks_for_an_equal_share_of_ports_on_each_spine() -> None:
+    loaded, plan = _load(PAIRS.replace("tclass: uet}", "tclass: uet, entropies: 12}", 1))
+    specs = expand_workload(loaded.fabric, plan)
+    pins = KIND.path_pins(specs)
+    assert [(p.sender, p.dst, p.via, p.count, p.dport) for p in pins][:2] == [
+        ("a-h1", "h5", ("spine1",), 6, UET_UDP_PORT), ("a-h1", "h5", ("spine2",), 6,
+                                                       UET_UDP_PORT)]
+    assert {p.sender for p in pins} == {"a-h1", "a-h2", "a-h5", "b-h3", "b-h4"}
+    h1 = next(s for s in specs if s.name == "a-h1")
+    given = KIND.pinned(KIND.pinned(h1, [49152, 49155]), [49153])
+    args = uet_main.build_parser().parse_args([*given.argv, "--schedule", "x"])
+    opts = uet_main.nic_options(args)
+    assert opts["sports"] == (49152, 49155, 49153) and opts["entropies"] == 3
+    # hosts on one leaf: one path, nothing to balance; hashed: never
+    loaded, plan = _load("    - {name: a, kind: uet_pairs, pairs: [[h1, h2]], messages: 1, "
+                         "tclass: uet}\n")
+    assert KIND.path_pins(expand_workload(loaded.fabric, plan)) == []
+    loaded, plan = _load("    - {name: a, kind: uet_pairs, pairs: [[h1, h5]], messages: 1, "
+                         "tclass: uet, entropy_paths: hashed}\n")
+    assert KIND.path_pins(expand_workload(loaded.fabric, plan)) == []
+
+
 @pytest.mark.parametrize(("entry", "expected"), [
     ("{name: e, kind: uet_pairs, pairs: [[h1, h2]], messages: 1}",
      "no traffic class has trim: true, so a uet entry needs tclass:"),
