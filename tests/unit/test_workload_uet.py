@@ -450,3 +450,62 @@ def test_docs_cover_every_field_and_result_column() -> None:
         assert f"`{column}`" in text, column
     for link in ("uet-wire.md", "uet-cc.md", "uet-transport.md", "datapath.md", "roce.md"):
         assert link in text
+
+
+def _loopback_run(tmp_path, test: str, extra: list[str], size: int = 256 << 10,
+                  messages: int = 8) -> tuple[dict, dict]:
+    """Two agents over the real NIC on loopback (127.0.0.1 -> 127.0.0.2, D = 1, a 2 Gb/s
+    NIC): the initiator's and the target's final JSON."""
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("agents.uet.nic")
+    row = {"stream": 0, "test": test, "size": size, "messages": messages, "slots": 4,
+           "seed": 5, "verify": True}
+    docs = {"a": {"out": [{**row, "peer": "127.0.0.2", "peer_host": "b", "start_ns": 0,
+                           "duration_ns": None, "depth": 4}], "in": []},
+            "b": {"out": [], "in": [{**row, "peer": "127.0.0.1", "peer_host": "a"}]}}
+    common = ["--line-rate-bps", "2e9", "--dilation", "1", "--payload-bytes", "4096",
+              "--entropies", "4", *extra]
+    procs = {}
+    for name, ip in (("b", "127.0.0.2"), ("a", "127.0.0.1")):
+        (tmp_path / f"{name}.json").write_text(json.dumps(docs[name]))
+        argv = [sys.executable, "-m", "agents.uet", "--schedule", str(tmp_path / f"{name}.json"),
+                "--bind", ip, "--out", str(tmp_path / f"{name}.out.json"),
+                "--ready-file", str(tmp_path / f"{name}.ready"), *common]
+        if name == "a":
+            argv += ["--start-at-mono-ns", str(time.monotonic_ns() + 300_000_000)]
+        procs[name] = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+        if name == "b":
+            deadline = time.monotonic() + 20
+            while not (tmp_path / "b.ready").exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+    try:
+        _out, err = procs["a"].communicate(timeout=60)
+        assert procs["a"].returncode == 0, err
+    finally:
+        procs["b"].terminate()
+        procs["b"].communicate(timeout=20)
+    return (json.loads((tmp_path / "a.out.json").read_text()),
+            json.loads((tmp_path / "b.out.json").read_text()))
+
+
+@pytest.mark.parametrize("test", ["write_bw", "send_bw"])
+def test_the_agent_moves_every_byte_over_the_real_nic_on_loopback(tmp_path, test) -> None:
+    a, b = _loopback_run(tmp_path, test, ["--cc", "none"])
+    (out,) = a["streams_out"]
+    (inc,) = b["streams_in"]
+    assert out["done"] and out["messages"] == 8 and out["bytes"] == 8 * (256 << 10), out
+    assert inc["done"] and inc["verified"] is True and inc["verified_messages"] == 8, inc
+    assert a["stopped_by"] == "done" and b["verified"] is True
+    assert len(out["sports"]) == 4
+
+
+def test_the_agent_recovers_injected_loss_on_loopback(tmp_path) -> None:
+    a, b = _loopback_run(tmp_path, "write_bw", ["--cc", "none", "--drop-prob", "0.02"],
+                         messages=16)
+    (out,) = a["streams_out"]
+    (inc,) = b["streams_in"]
+    assert inc["verified"] is True and out["retransmissions"] > 0, (out, inc)
