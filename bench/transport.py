@@ -8,6 +8,10 @@ link, one after the other, each for `--seconds` of wall time:
   one QP, `--cc none` with a line rate far above what Python reaches (so the
   pacer never waits), 4096-byte path MTU, 1 MiB messages, `--dilation 1`,
   `--spin-ns 0`. Reliable: every packet is ACKed, lost ones are resent.
+- UET (`--transport uet` or `both`): one `agents.uet.nic.UetNic` per namespace,
+  1 MiB WRITEs, 4 outstanding, `cc none`, spray over 16 source ports, 4096-byte
+  payloads, a line rate far above what Python reaches, dilation 1 (each side is this
+  script started with `--uet-side`). Reliable like RoCE (SACK + NACK + RTO).
 - iperf3 UDP: `iperf3 -s` in b, `iperf3 -u -b 0 -l 4096` in a (4096-byte
   datagrams: the RoCE packets' payload is 4096 + 28 bytes of headers).
 
@@ -19,6 +23,7 @@ RoCE / iperf3 of received packets per second. `--profile` reruns RoCE with
 the client and the server under cProfile and prints where their time goes.
 
     sudo .venv/bin/python bench/transport.py [--seconds 5] [--repeat 1] [--profile]
+                                             [--transport roce|uet|both]
 """
 
 from __future__ import annotations
@@ -186,6 +191,107 @@ def iperf(link: Link, seconds: float) -> dict:
             "tx_cpu": c_cpu / wall, "rx_cpu": s_cpu / wall, "retx": None, "verified": None}
 
 
+UET_MESSAGE = 1 << 20
+UET_DEPTH = 4
+UET_DONE_TAG = 0xD0E
+
+
+def uet(link: Link, seconds: float, tmp: Path) -> dict:
+    """One UET NIC per namespace, WRITEs from a to b for `seconds` (see the docstring)."""
+    ready = tmp / "uet.ready"
+    ready.unlink(missing_ok=True)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    server = _popen(link.argv(1, *me, "--uet-side", "rx", "--ready-file", str(ready)))
+    try:
+        _wait_file(ready, server)
+        client = _popen(link.argv(0, *me, "--uet-side", "tx", "--seconds", str(seconds)))
+        c_out, c_err, c_cpu = _finish(client, seconds + 60)
+        s_out, s_err, s_cpu = _finish(server, 30)
+    finally:
+        _kill(server)
+    try:
+        c = json.loads(c_out.strip().splitlines()[-1])
+        s = json.loads(s_out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise RuntimeError(f"UET run failed:\n{c_err}{s_err}") from None
+    wall = c["wall_s"]
+    return {"tool": "UET write, 1 PDC, spray 16", "wall_s": wall,
+            "tx_pps": c["tx_packets"] / wall, "rx_pps": s["rx_packets"] / wall,
+            "rx_gbps": c["bytes"] * 8 / wall / 1e9,
+            "tx_cpu": c_cpu / wall, "rx_cpu": s_cpu / wall,
+            "retx": c["retransmissions"], "verified": s["verified"]}
+
+
+def uet_side(side: str, seconds: float, ready_file: str | None) -> int:
+    """One end of the UET run, inside its namespace: prints one JSON line."""
+    sys.path.insert(0, str(REPO))
+    import numpy as np
+
+    from agents.timebase import Dilation, FabricClock
+    from agents.uet.nic import UetNic, UetOptions
+
+    d = Dilation(1)
+    clock = FabricClock(d)
+    opts = UetOptions(dscp=26, cc="none", entropy="spray", entropies=16, line_rate_bps=1e13,
+                      rto_ns=50e6, spin_ns=0)
+    pattern = np.random.default_rng(7).integers(0, 256, UET_MESSAGE * UET_DEPTH,
+                                                 dtype=np.uint8)
+    if side == "rx":
+        nic = UetNic(ADDR_B, clock, d, opts)
+        region = np.zeros_like(pattern)
+        nic.register(1, region)
+        finished: list[int] = []
+        bad: list[int] = []
+
+        def on_write(peer: str, key: int, off: int, n: int) -> None:
+            if not np.array_equal(region[off:off + n], pattern[off:off + n]):
+                bad.append(off)
+            region[off:off + n] = 0
+
+        nic.on_write = on_write
+        nic.on_message = lambda peer, tag, mid, data: finished.append(mid)
+        if ready_file:
+            Path(ready_file).touch()
+        deadline = time.monotonic() + 600
+        nic.run(lambda: bool(finished) or time.monotonic() > deadline)
+        linger = time.monotonic() + 0.3             # answer what the sender resends
+        nic.run(lambda: time.monotonic() > linger)
+        t = nic.counters()["totals"]
+        print(json.dumps({"rx_packets": t["rx_packets"], "duplicates": t["duplicates"],
+                          "verified": bool(finished) and not bad}))
+        return 0
+    nic = UetNic(ADDR_A, clock, d, opts)
+    outstanding = [0]
+    sent = [0]
+    slot_of: dict[int, int] = {}
+
+    def post(off: int) -> None:
+        # a slot is written again only once its previous message is acknowledged
+        outstanding[0] += 1
+        slot_of[nic.write(ADDR_B, 1, off, pattern[off:off + UET_MESSAGE], on_done=done)] = off
+
+    def done(mid: int) -> None:
+        outstanding[0] -= 1
+        sent[0] += UET_MESSAGE
+        off = slot_of.pop(mid)
+        if time.perf_counter() < end:
+            post(off)
+
+    start = time.perf_counter()
+    end = start + seconds
+    for k in range(UET_DEPTH):
+        post(k * UET_MESSAGE)
+    nic.run(lambda: outstanding[0] == 0)
+    wall = time.perf_counter() - start
+    fin = [False]
+    nic.send(ADDR_B, UET_DONE_TAG, b"done", on_done=lambda _m: fin.__setitem__(0, True))
+    nic.run(lambda: fin[0])
+    t = nic.counters()["totals"]
+    print(json.dumps({"wall_s": wall, "bytes": sent[0], "tx_packets": t["tx_packets"],
+                      "retransmissions": t["retransmissions"]}))
+    return 0
+
+
 def per_core(row: dict) -> float:
     cores = row["tx_cpu"] + row["rx_cpu"]
     return row["rx_gbps"] / cores if cores else 0.0
@@ -220,30 +326,46 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="per tool and run (wall)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per tool; medians shown")
+    parser.add_argument("--transport", choices=("roce", "uet", "both"), default="roce",
+                        help="which user-space transport(s) to run beside iperf3 "
+                             "(default %(default)s)")
+    parser.add_argument("--uet-side", choices=("rx", "tx"), help=argparse.SUPPRESS)
+    parser.add_argument("--ready-file", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true",
                         help="rerun RoCE with client and server under cProfile and print their "
                              "top functions")
     args = parser.parse_args()
+    if args.uet_side:
+        return uet_side(args.uet_side, args.seconds, args.ready_file)
     if os.geteuid() != 0:
         print("bench/transport.py needs root (it makes network namespaces)", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="tb-bt-") as tmpdir, Link() as link:
         tmp = Path(tmpdir)
-        runs_roce, runs_iperf = [], []
+        runs_roce, runs_uet, runs_iperf = [], [], []
         for _ in range(args.repeat):
-            runs_roce.append(roce(link, args.seconds, tmp))
+            if args.transport in ("roce", "both"):
+                runs_roce.append(roce(link, args.seconds, tmp))
+            if args.transport in ("uet", "both"):
+                runs_uet.append(uet(link, args.seconds, tmp))
             runs_iperf.append(iperf(link, args.seconds))
-        r, i = median_row(runs_roce), median_row(runs_iperf)
+        i = median_row(runs_iperf)
+        rows = [median_row(x) for x in (runs_roce, runs_uet) if x]
         print(f"one veth pair {link.ns[0]} <-> {link.ns[1]}, MTU {MTU}, {args.seconds:g} s "
               f"per run, median of {args.repeat}; RoCE: path MTU {ROCE_MTU}, {MESSAGE} B "
-              f"writes, retransmissions {[x['retx'] for x in runs_roce]}, verified "
-              f"{[x['verified'] for x in runs_roce]}")
-        print(table([r, i]))
-        print(f"RoCE / iperf3: {r['rx_pps'] / i['rx_pps']:.0%} of the received packet rate, "
-              f"{r['tx_pps'] / i['tx_pps']:.0%} of the sent packet rate, "
-              f"{per_core(r) / per_core(i):.0%} of the Gb/s per core (goal: >= 25 % of the "
-              "packet rate)")
-        if args.profile:
+              f"writes; UET: {UET_MESSAGE} B writes, 4096 B payloads")
+        for name, runs in (("RoCE", runs_roce), ("UET", runs_uet)):
+            if runs:
+                print(f"{name}: retransmissions {[x['retx'] for x in runs]}, verified "
+                      f"{[x['verified'] for x in runs]}")
+        print(table([*rows, i]))
+        for r in rows:
+            name = r["tool"].split()[0]
+            print(f"{name} / iperf3: {r['rx_pps'] / i['rx_pps']:.0%} of the received packet "
+                  f"rate, {r['tx_pps'] / i['tx_pps']:.0%} of the sent packet rate, "
+                  f"{per_core(r) / per_core(i):.0%} of the Gb/s per core (goal: >= 25 % of "
+                  "the packet rate)")
+        if args.profile and runs_roce:
             prof, sprof = tmp / "client.prof", tmp / "server.prof"
             roce(link, min(args.seconds, 3.0), tmp, profile=prof, server_profile=sprof)
             print_profile(prof, "client")

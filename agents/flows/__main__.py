@@ -1,4 +1,5 @@
-"""`python -m agents.flows`: one host's sized flows over the user-space RoCEv2 transport.
+"""`python -m agents.flows`: one host's sized flows over the user-space RoCEv2 transport,
+or over the Ultra Ethernet transport with `--transport uet` (agents/flows/uet_host.py).
 
 Synopsis (times and rates in FABRIC units; `--dilation D` converts them)::
 
@@ -8,6 +9,8 @@ Synopsis (times and rates in FABRIC units; `--dilation D` converts them)::
         --cc-params --line-rate-bps --dscp --cnp-dscp --cnp-interval-ns --window-packets
         --ack-every --ack-req-every --timeout-ns --retry-cnt --max-burst-bytes
         --sndbuf-bytes --spin-ns]
+        [--transport uet --uet-cc nscc|credit|none --entropy spray|oblivious|reps
+        --entropies N --payload-bytes B --base-rtt-ns NS --trim-dscp DSCP --seed N]
 
 The schedule file is JSON: {"out": [[flow id, destination IP, destination UDP port,
 size bytes, start fabric ns after t0, DSCP], ...], "in": [[flow id, source IP, size
@@ -32,6 +35,7 @@ import json
 import sys
 
 from agents.flows.host import FlowHost, parse_schedule
+from agents.flows.uet_host import UetFlowHost
 from agents.rdma import options
 from agents.rdma.transport import Stopped
 from agents.runtime import argtypes
@@ -40,6 +44,7 @@ from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
 from agents.runtime.waiting import wait_until_mono
 from agents.timebase import Dilation
+from agents.uet.nic import Stopped as UetStopped
 
 DEFAULT_PORT = 6400
 
@@ -53,6 +58,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=argtypes.port, default=DEFAULT_PORT,
                    help="UDP port flows to this host arrive on (default %(default)s)")
     options.add_arguments(p)
+    uet = p.add_argument_group("Ultra Ethernet (--transport uet; the RDMA options that "
+                               "apply: --dscp, --line-rate-bps, --timeout-ns, "
+                               "--window-packets, --spin-ns)")
+    uet.add_argument("--transport", choices=("roce", "uet"), default="roce",
+                     help="RoCEv2 RC QPs (default) or one UET NIC on UDP 4793")
+    uet.add_argument("--uet-cc", choices=("nscc", "credit", "none"), default="nscc",
+                     help="UET congestion control (default %(default)s)")
+    uet.add_argument("--entropy", choices=("spray", "oblivious", "reps"), default="spray",
+                     help="how UET picks each packet's UDP source port (default %(default)s)")
+    uet.add_argument("--entropies", type=argtypes.positive_int, default=16,
+                     help="UDP source ports a UET NIC sprays over (default %(default)s)")
+    uet.add_argument("--payload-bytes", type=argtypes.positive_int, default=4096,
+                     help="UET payload per packet (default %(default)s)")
+    uet.add_argument("--base-rtt-ns", type=argtypes.positive_float, default=10_000.0,
+                     help="UET CC's base round trip, fabric ns (default %(default)s)")
+    uet.add_argument("--trim-dscp", type=argtypes.dscp, default=None,
+                     help="DSCP the switches write into a trimmed packet")
+    uet.add_argument("--seed", type=argtypes.nonneg_int, default=1,
+                     help="seed of the UET NIC's entropy choices (default %(default)s)")
     p.add_argument("--dilation", type=argtypes.positive_int, default=1,
                    help="time-dilation factor D (default 1)")
     p.add_argument("--start-at-mono-ns", type=int, default=None, metavar="MONO_NS",
@@ -79,18 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     life = Lifecycle()
     life.install_signal_handlers()
     dilation = Dilation(args.dilation)
-    host: FlowHost | None = None
+    host: FlowHost | UetFlowHost | None = None
     server = None
     rc = 0
     try:
-        host = FlowHost(args, out, inc, life)
+        host = (UetFlowHost if args.transport == "uet" else FlowHost)(args, out, inc, life)
         server = serve_snapshots(args.control_sock, host.snapshot)
         mark_ready(args.ready_file)
         if args.start_at_mono_ns:
             wait_until_mono(args.start_at_mono_ns, life)
         host.start(args.start_at_mono_ns)
         host.run()
-    except Stopped:
+    except (Stopped, UetStopped):
         pass
     except OSError as e:
         print(f"agents.flows: {e}", file=sys.stderr)
@@ -103,7 +127,14 @@ def main(argv: list[str] | None = None) -> int:
                          "stopped_by": "error"}, args.out)
         return 1
     host.finish()
-    counters = host.counters(dilation, lambda: options.cc_record(args, host.cc, host.params))
+    if isinstance(host, FlowHost):
+        roce = host
+        counters = host.counters(dilation,
+                                 lambda: options.cc_record(args, roce.cc, roce.params))
+    else:
+        counters = host.counters(dilation, lambda: {
+            "cc": args.uet_cc, "cc_preset": None, "entropy": args.entropy,
+            "entropies": args.entropies})
     counters["stopped_by"] = life.stop_reason or ("done" if host.done() else "stopped")
     if rc == 0 and host.totals.failed:
         rc = 1

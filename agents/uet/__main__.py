@@ -40,6 +40,7 @@ from agents.runtime.output import mark_ready, report_counters
 from agents.runtime.waiting import wait_until_mono
 from agents.timebase import Dilation, FabricClock
 from agents.uet.host import UetHost, parse_schedule
+from agents.uet.nic import Stopped, UetNic, UetOptions
 
 # argparse dest -> UetOptions field, for the options given on the command line (the
 # NIC's own defaults hold for the rest).
@@ -112,15 +113,38 @@ def nic_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def make_nic(args: argparse.Namespace, clock: FabricClock, dilation: Dilation,
-             life: Lifecycle) -> Any:
-    from agents.uet.nic import UetNic, UetOptions
+             life: Lifecycle) -> UetNic:
+    """The host's UetNic; with --sport, one whose send sockets are exactly those ports."""
 
     opts = nic_options(args)
+    sports = opts.pop("sports", None)
     known = {f.name for f in dataclasses.fields(UetOptions)}
-    if "sports" in opts and "sports" not in known:
-        raise OSError("this UET NIC takes no explicit source ports (--sport)")
-    return UetNic(args.bind, clock, dilation, UetOptions(**opts),
-                  should_stop=life.should_stop)
+    if sports is not None and "sports" in known:
+        opts["sports"] = sports
+        sports = None
+    options = UetOptions(**opts)
+    if sports is None:
+        return UetNic(args.bind, clock, dilation, options, should_stop=life.should_stop)
+
+    class GivenPortsNic(UetNic):
+        """A UetNic that binds its send sockets on the given ports, each exactly: the
+        NIC itself binds consecutive ports from entropy_base, so each given port is bound
+        as a range of one (a taken port is an error, not moved: another port would take
+        another path)."""
+
+        def _tx_sockets(self) -> None:
+            final = self.opts
+            try:
+                for port in sports:
+                    self.opts = dataclasses.replace(final, entropy_base=port,
+                                                    entropies=len(self.socks) + 1)
+                    super()._tx_sockets()
+                    if self.sports[-1] != port:
+                        raise OSError(f"source port {port} is taken on this host")
+            finally:
+                self.opts = final
+
+    return GivenPortsNic(args.bind, clock, dilation, options, should_stop=life.should_stop)
 
 
 def _totals(nic: Any) -> dict:
@@ -162,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     error: str | None = None
     try:
         nic = make_nic(args, clock, dilation, life)
-        rto_ns = float(getattr(getattr(nic, "opts", None), "rto_ns", None) or args.rto_ns
-                       or 1_000_000)
+        rto_ns = float(nic.opts.rto_ns)
         host = UetHost(nic, out, inc, clock, dilation, life, rto_ns=rto_ns)
         server = serve_snapshots(args.control_sock,
                                  lambda: host.snapshot(lambda: _totals(nic)) if host else {})
@@ -172,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             wait_until_mono(args.start_at_mono_ns, life)
         host.start(args.start_at_mono_ns)
         host.run()
-    except OSError as e:
+    except Stopped:
+        pass
+    except (OSError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"
         print(f"agents.uet: {error}", file=sys.stderr)
         rc = 1

@@ -1,6 +1,7 @@
 """Wire formats shared by agents and tests: RoCEv2 packets (`roce`) and their ICRC
-(`icrc`), PFC frames (`pfc`), in-network aggregation packets (`ina`), netlink
-attributes (`netlink`)."""
+(`icrc`), Ultra Ethernet PDS/SES headers (`uet`; scapy layers for tests and pcaps in
+`uet_scapy`, which agents do not import), PFC frames (`pfc`), in-network aggregation
+packets (`ina`), netlink attributes (`netlink`)."""
 
 from typing import TypeAlias
 

@@ -208,9 +208,9 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
         linked.setdefault(link.b, []).append(link.a)
     ctx = CheckContext(hosts=hosts, classes=classes, nic_bps=_host_nic_rates(expanded),
                        roles={n.name: n.role for n in expanded.nodes},
-                       neighbours=lambda node: list(dict.fromkeys(linked.get(node, []))),
-                       entries=list(fabric.workload.traffic))
+                       neighbours=lambda node: list(dict.fromkeys(linked.get(node, []))))
     names: set[str] = set()
+    bound: dict[tuple[str, str, int], tuple[str, str]] = {}   # host, proto, port -> claim
     for i, t in enumerate(fabric.workload.traffic):
         loc = ("workload", "traffic", i)
         if t.name in names:
@@ -225,6 +225,13 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
         kind = REGISTRY.of(t.kind)
         yield from kind.check(t, loc, ctx)
         yield from _check_shape(t, kind.shape(t), loc, hosts)
+        for host, claims in kind.host_ports(t, ctx).items():
+            for proto, port, what in claims:
+                first = bound.setdefault((host, proto, port), (t.name, what))
+                if first[0] != t.name:
+                    yield loc, (f"{what} on {host} binds {proto} {port}, which {first[1]} of "
+                                f"entry {first[0]!r} binds there already; one of them "
+                                "must move to other hosts")
 
 
 HostCheck = Callable[[tuple, str], Iterator[tuple[tuple, str]]]

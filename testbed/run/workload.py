@@ -76,7 +76,18 @@ def expand_context(fabric: Fabric, plan: Plan) -> ExpandContext:
         neighbours=lambda node: neighbours(plan, node),
         link_address=lambda node, peer: link_address(plan, node, peer),
         role=lambda node: plan.node(node).role,
-        classes={k: c for c in fabric.traffic_classes for k in (c.name, c.tc)})
+        classes={k: c for c in fabric.traffic_classes for k in (c.name, c.tc)},
+        base_rtt_ns=_pair_memo(lambda src, dst: base_round_trip_ns(plan, src, dst)))
+
+
+def _pair_memo(f: Callable[[str, str], int]) -> Callable[[str, str], int]:
+    done: dict[tuple[str, str], int] = {}
+
+    def once(src: str, dst: str) -> int:
+        if (src, dst) not in done:
+            done[(src, dst)] = f(src, dst)
+        return done[(src, dst)]
+    return once
 
 
 def expand_workload(fabric: Fabric, plan: Plan) -> list[AgentSpec]:

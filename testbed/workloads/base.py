@@ -156,9 +156,6 @@ class CheckContext:
     roles: Mapping[str, str] = field(default_factory=dict)   # node -> "host" or "switch"
     neighbours: Callable[[str], list[str]] = lambda node: []  # nodes linked to a node, in
     #                                              link order, each once
-    entries: Sequence[TrafficEntry] = ()         # every traffic entry of the workload, in
-    #                                              order (checks across entries: one UET NIC
-    #                                              per host)
 
 
 @dataclass
@@ -185,6 +182,8 @@ class ExpandContext:
     role: Callable[[str], str] = lambda node: "host"           # "host" or "switch"
     classes: Mapping[str | int, ClassView] = field(default_factory=dict)   # by name and
     #                                              number (a kind's default class)
+    # host to host and back through empty queues, fabric ns (plan/paths.base_round_trip_ns)
+    base_rtt_ns: Callable[[str, str], int] = lambda src, dst: 0
     _state: dict[str, dict] = field(default_factory=dict)
 
     def state(self, owner: str) -> dict:
@@ -306,6 +305,14 @@ class WorkloadKind(ABC):
               ctx: CheckContext) -> Iterator[Problem]:
         """Problems the model cannot see alone (the fabric's classes, its NICs)."""
         return iter(())
+
+    def host_ports(self, entry: TrafficEntry,
+                   ctx: CheckContext) -> Mapping[str, Sequence[tuple[str, int, str]]]:
+        """Fixed ports the entry's agents bind on each host beyond the kind's own numbered
+        `ports`, as (protocol, port, what binds it), e.g. the Ultra Ethernet NIC's UDP
+        4793, which every UET user on a host would bind: the config check refuses two
+        entries that claim the same port on one host, naming both."""
+        return {}
 
     @abstractmethod
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:

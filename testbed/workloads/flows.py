@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, SizeBytes, Strict
@@ -39,6 +39,7 @@ from testbed.workloads.base import (
     TrafficEntry,
     WorkloadKind,
     account,
+    arg_of,
     flow_drops_of,
 )
 from testbed.workloads.rdma import (
@@ -147,6 +148,8 @@ class FlowsTraffic(RdmaCcEntry):
     target load, and `incast:` bursts, in any mix. Each flow is one RDMA WRITE on a QP
     of its own (its own UDP source port, its congestion control starting at line rate,
     as HPCC's ns-3 makes a QP per flow), timed from its start to the sender's completion.
+    With `transport: uet` each flow is one WRITE over the host's Ultra Ethernet NIC
+    instead (one PDC per peer host, every packet sprayed, NSCC or receiver credit).
     """
 
     name: str = Field(pattern=NAME_RE, description="the entry's name: lower-case letters, "
@@ -167,8 +170,20 @@ class FlowsTraffic(RdmaCcEntry):
     window_packets: Annotated[int, Field(ge=1, le=MAX_ROCE_WINDOW_PACKETS)] | Literal[
         "auto"] = Field("auto", alias="window", description="most unacknowledged packets per "
                         "QP, or auto (as roce entries: docs/roce.md, 'In-flight window')")
-    cc: Literal["dcqcn", "dctcp", "none"] = Field(
-        "dcqcn", description="congestion control: sender rate control and receiver CNPs")
+    transport: Literal["roce", "uet"] = Field(
+        "roce", description="roce: each flow one RDMA WRITE on a QP of its own (RoCEv2 RC); "
+        "uet: each flow one WRITE over the host's Ultra Ethernet NIC (UDP 4793, one PDC "
+        "per peer host, packets sprayed over `entropies` source ports; docs/uet.md)")
+    cc: Literal["dcqcn", "dctcp", "none", "nscc", "credit"] = Field(
+        "dcqcn", description="congestion control: roce: dcqcn, dctcp or none (sender rate "
+        "control and receiver CNPs); uet: nscc (sender window on ECN and delay), credit "
+        "(receiver-paced credit) or none; default dcqcn, nscc with transport: uet")
+    entropy: Literal["spray", "oblivious", "reps"] | None = Field(
+        None, description="uet: how each packet's UDP source port is picked: spray (round "
+        "robin over the entropies, the default), oblivious (one per PDC, like RoCE), reps "
+        "(keep the ports whose ACKs came back unmarked)")
+    entropies: int | None = Field(None, ge=1, le=4096, description="uet: UDP source ports "
+                                  "a NIC sprays over (default 16)")
     cc_preset: CcPresetName | None = Field(None, description=CC_PRESET_DESCRIPTION)
     cnp_interval_ns: DurationNs | None = Field(
         None, alias="cnp_interval", description="receiver: at most one CNP per QP per this "
@@ -179,6 +194,28 @@ class FlowsTraffic(RdmaCcEntry):
                               "name its own); with cc, a class that marks ECN")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _uet_cc(cls, data: object) -> object:
+        # The default cc follows the transport: DCQCN for RoCE, NSCC for UET.
+        if isinstance(data, dict) and data.get("transport") == "uet" and "cc" not in data:
+            return {**data, "cc": "nscc"}
+        return data
+
+
+UET_CCS = ("nscc", "credit", "none")
+UET_UDP_PORT = 4793                 # Ultra Ethernet's: one NIC per host binds it
+UET_ENTROPIES = 16                  # source ports a UET NIC sprays over by default
+UET_BASE_RTT_NS = 10_000            # NSCC's base RTT where the plan gives none
+UET_HEADER_BYTES = 20 + 8 + 16 + 44   # IPv4, UDP, PDS (credit: 16), SES standard
+
+
+def uet_payload_bytes(ctx: ExpandContext) -> int:
+    """A UET packet's payload: the RoCE MTU (4096 by default), less where the fabric MTU
+    cannot take it with UET's headers."""
+    return max(256, min(ctx.roce_mtu_bytes, ctx.mtu_bytes - UET_HEADER_BYTES))
+ROCE_CCS = ("dcqcn", "dctcp", "none")
 
 
 def planned_flows(t: FlowsTraffic, hosts: Sequence[str], line_rate_bps: dict[str, int],
@@ -309,10 +346,15 @@ class FlowsKind(WorkloadKind):
         "fct_p50_us": "median FCT, fabric us", "fct_max_us": "longest FCT, fabric us",
         "posted_late_max_us": "the latest a flow was posted after its start (the agent was "
                               "busy), fabric us; FCTs count from the post",
-        "retransmissions": "packets sent again, all flows",
-        "timeouts": "ACK timeouts, all flows",
-        "cnps_received": "CNPs the senders got",
+        "retransmissions": "packets sent again, all flows (uet: every PDC of the entry's "
+                           "NICs: NACK, SACK and timeout resends)",
+        "timeouts": "ACK timeouts, all flows (uet: retransmission timeouts of the PDCs)",
+        "cnps_received": "CNPs the senders got (uet: none, it has no CNP)",
         "ce_received": "CE-marked packets the receivers got",
+        "transport": "uet, on entries with transport: uet (absent for roce)",
+        "entropy": "uet: how the NICs picked source ports (spray, oblivious, reps)",
+        "trims": "uet: trimmed packets the entry's receiving NICs got (each one NACKed and "
+                 "resent at once)",
     }
 
     def describe(self, spec: AgentSpec) -> str:
@@ -325,6 +367,7 @@ class FlowsKind(WorkloadKind):
             yield loc, ("a flows entry needs flows: (explicit), generate: (from a "
                         "distribution) or incast: (bursts), or a mix")
         yield from _check_class(t, loc + ("tclass",), t.tclass, ctx)
+        yield from _check_transport(t, loc, ctx)
         for i, f in enumerate(t.flows):
             yield from _check_flow(t, loc + ("flows", i), f, ctx)
         for i, b in enumerate(t.incast):
@@ -339,12 +382,25 @@ class FlowsKind(WorkloadKind):
                 yield from _check_host(where + (j,), h, ctx)
             if len(_generate_hosts(t, ctx.hosts)) < 2:
                 yield where, "generated flows need at least two hosts"
-        bad = preset_problem(t.cc, t.cc_preset)
+        bad = preset_problem(t.cc, t.cc_preset) if t.transport == "roce" else None
         if bad is not None:
             yield loc + (bad[0],), bad[1]
         senders = ([f.src for f in t.flows] + [s for b in t.incast for s in b.senders]
                    + (_generate_hosts(t, ctx.hosts) if t.generate is not None else []))
         yield from cc_params_problems(t, loc, senders, ctx.nic_bps)
+
+    def host_ports(self, entry: TrafficEntry,
+                   ctx: CheckContext) -> dict[str, list[tuple[str, int, str]]]:
+        """With transport: uet, each of the entry's hosts runs a UET NIC on UDP 4793."""
+        assert isinstance(entry, FlowsTraffic)
+        t = entry
+        if t.transport != "uet":
+            return {}
+        hosts = ({f.src for f in t.flows} | {f.dst for f in t.flows}
+                 | {h for b in t.incast for h in (*b.senders, b.receiver)}
+                 | (set(_generate_hosts(t, ctx.hosts)) if t.generate is not None else set()))
+        return {h: [("udp", UET_UDP_PORT, "the UET NIC of this flows entry")]
+                for h in sorted(hosts)}
 
     # -- expansion
 
@@ -392,6 +448,30 @@ class FlowsKind(WorkloadKind):
             line_bps = ctx.line_rate_bps(h)
             window = (roce_window_packets(line_bps, rtt_ns, mtu) if rtt_ns is not None
                       else int(t.window_packets))
+            if t.transport == "uet":
+                peers = {row[6] for row in out.get(h, [])} | {
+                    f.src for f in flows if f.dst == h}
+                specs.append(AgentSpec(
+                    name=f"{t.name}-{h}", node=h, role="sender", traffic=t.name,
+                    kind=t.kind, module=self.agent_module, src=h, dst="",
+                    duration_ns=span_ns,
+                    argv=["--bind", ctx.address(h), "--port", str(port),
+                          "--transport", "uet", "--uet-cc", t.cc,
+                          "--entropy", t.entropy or "spray",
+                          "--entropies", str(t.entropies or UET_ENTROPIES),
+                          "--payload-bytes", str(uet_payload_bytes(ctx)),
+                          "--base-rtt-ns", str(max((ctx.base_rtt_ns(h, p) for p in peers),
+                                                   default=0) or UET_BASE_RTT_NS),
+                          "--dscp", str(ctx.dscp(t.tclass)),
+                          "--line-rate-bps", str(line_bps), "--window-packets", str(window),
+                          "--dilation", str(ctx.dilation), "--spin-ns", str(ROCE_SPIN_NS),
+                          "--seed", str(first_id + 1)],
+                    inputs=(("schedule.json", json.dumps(
+                        {"out": out.get(h, []), "in": inc.get(h, []),
+                         "time_offset_ns": t.time_offset_ns, "fct_dport": t.fct_dport,
+                         **({"generated": stats} if stats and not specs else {})},
+                        separators=(",", ":"))),)))
+                continue
             doc = {"out": out.get(h, []), "in": inc.get(h, []),
                    "time_offset_ns": t.time_offset_ns, "fct_dport": t.fct_dport}
             if stats and not specs:              # the entry's first agent carries them
@@ -508,6 +588,10 @@ class FlowsKind(WorkloadKind):
 
             def total(key: str, recs: list[FlowRecord] = recs) -> int:
                 return sum(int(r.extra.get(key) or 0) for r in recs)
+
+            def agents_total(key: str, traffic: str = spec.traffic) -> int:
+                return sum(int((results.get(s.name) or {}).get(key) or 0) for s in specs
+                           if s.traffic == traffic)
             rows.append(ResultRow(spec.traffic, spec.kind, {
                 "flows": len(recs), "finished": len(done), "unfinished": len(recs) - len(done),
                 "failed": sum(1 for r in recs if r.extra.get("error") not in (None,
@@ -520,7 +604,14 @@ class FlowsKind(WorkloadKind):
                 "fct_p50_us": _us(_pct(fcts, 0.5)), "fct_max_us": _us(fcts[-1] if fcts
                                                                       else None),
                 "posted_late_max_us": _us(max(late, default=None)),
-                "retransmissions": total("retransmissions"), "timeouts": total("timeouts"),
+                **({"transport": "uet", "entropy": res.get("entropy"),
+                    "trims": sum(int((results.get(s.name) or {}).get("trims_received") or 0)
+                                 for s in specs if s.traffic == spec.traffic)}
+                   if res.get("transport") == "uet" else {}),
+                "retransmissions": (total("retransmissions") if res.get("transport") != "uet"
+                                    else agents_total("retransmissions")),
+                "timeouts": (total("timeouts") if res.get("transport") != "uet"
+                             else agents_total("timeouts")),
                 "cnps_received": total("cnps_received"), "ce_received": total("ce_received"),
             }))
         return rows
@@ -529,6 +620,9 @@ class FlowsKind(WorkloadKind):
                         flow_drops: Sequence[dict], view: RunView) -> list[dict]:
         """One account per (entry, source, destination) pair of hosts: the data packets
         its flows sent and the receiver took, and the fabric's drops of them."""
+        uet = [s for s in specs if arg_of(s.argv, "--transport") == "uet"]
+        accounts = _uet_accounts(uet, results, flow_drops, view) if uet else []
+        specs = [s for s in specs if s not in uet]
         sent, received = self._finished(specs, results)
         pairs: dict[tuple[str, str, str], dict] = {}
         for spec in specs:
@@ -563,7 +657,7 @@ class FlowsKind(WorkloadKind):
             a["lost_counted"] = a["lost_counted"] or a["socket_drops"] > 0
             a["reordered"] = 0 if a["lost_counted"] else p["ooo"]
             out.append(a)
-        return out
+        return accounts + out
 
     def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
                        view: RunView) -> list[str]:
@@ -615,7 +709,11 @@ class FlowsKind(WorkloadKind):
                     f"): the window holds about {gen['expected_flows']:g} flows of its mean "
                     "size, and offering the load exactly took smaller ones where a large one "
                     "did not fit; lengthen generate.duration for the sizes to follow the CDF")
-            slow = _cpu_bound(spec, doc, cols, view)
+            totals = (res.get("uet") or {}).get("totals") or {}
+            # a UET sender slowed by its congestion control saw marked ACKs or trims
+            slow = None if any(totals.get(k) for k in ("ecn_echoes", "nacks_received",
+                                                        "credits_received")) \
+                else _cpu_bound(spec, doc, cols, view)
             if slow is not None:
                 notes.append(f"{who}: while it had flows running it sent at {slow:.0%} of its "
                              "line rate with no CNP and no pause to slow it: the agent was "
@@ -639,6 +737,67 @@ class FlowsKind(WorkloadKind):
         return notes
 
 
+def _uet_accounts(specs: Sequence[AgentSpec], results: Results, flow_drops: Sequence[dict],
+                  view: RunView) -> list[dict]:
+    """Over UET every flow between two hosts rides one PDC, so a pair's packets are its
+    PDC's: the source NIC's data packets to the destination (retransmissions and the
+    packets a switch then trimmed included) and the destination NIC's from the source
+    (trimmed ones included: they arrived, short). Packets of a PDC arrive out of order by
+    design (sprayed over paths), so no reordering is counted against the emulator."""
+    by_host = {s.node: s for s in specs}
+    out = []
+    for spec in specs:
+        traffic = spec.traffic
+        res = results.get(spec.name) or {}
+        pdcs = (res.get("uet") or {}).get("pdcs") or {}
+        dsts = sorted({row[6] for row in _schedule_rows(FlowsKind._schedule(spec))})
+        for dst in dsts:
+            dst_ip = view.address(dst)
+            peer_spec = by_host.get(dst)
+            peer = (results.get(peer_spec.name) or {}) if peer_spec else {}
+            src_ips = view.addresses(spec.node)
+            rx = next(((peer.get("uet") or {}).get("pdcs") or {}).get(ip) for ip in src_ips
+                      if ((peer.get("uet") or {}).get("pdcs") or {}).get(ip)) if peer else None
+            sports = set((res.get("uet") or {}).get("sockets", {}).get("sports") or []) or None
+            drops = flow_drops_of(flow_drops, src_ips, dst_ip, UET_UDP_PORT, sports)
+            a = account(f"{traffic}-{spec.node}-{dst}", "flows", spec.node, dst,
+                        sent=int((pdcs.get(dst_ip) or {}).get("tx_packets") or 0),
+                        received=int((rx or {}).get("rx_packets") or 0), drops=drops,
+                        reordered=0, complete=bool(res) and bool(peer))
+            a["socket_drops"] = 0
+            out.append(a)
+    return out
+
+
+def _check_transport(t: FlowsTraffic, loc: tuple, ctx: CheckContext) -> Iterator[Problem]:
+    """cc values of the other transport, RoCE-only and UET-only fields, UET's class."""
+    if t.transport == "roce":
+        if t.cc not in ROCE_CCS:
+            yield loc + ("cc",), (f"cc {t.cc} is Ultra Ethernet's; with transport: roce use "
+                                  f"{', '.join(ROCE_CCS)}, or set transport: uet")
+        for name in ("entropy", "entropies"):
+            if getattr(t, name) is not None:
+                yield loc + (name,), (f"{name} is for transport: uet (RoCE picks one UDP "
+                                      "source port per QP); drop it or set transport: uet")
+        return
+    if t.cc not in UET_CCS:
+        yield loc + ("cc",), (f"cc {t.cc} is RoCE's; with transport: uet use "
+                              f"{', '.join(UET_CCS)}")
+    for name, alias in (("cc_preset", "cc_preset"), ("cc_params", "cc_params"),
+                        ("cnp_interval_ns", "cnp_interval")):
+        if getattr(t, name) is not None:
+            yield loc + (alias,), (f"{alias} is RoCE's DCQCN/DCTCP setting; transport: uet "
+                                   "has none (docs/uet-cc.md); drop it")
+    if "tclass" not in t.model_fields_set:
+        yield loc + ("tclass",), ("transport: uet needs its traffic class named: a lossy "
+                                  "class (with trim: true to trim instead of drop), not the "
+                                  "lossless roce class PFC protects")
+    for i, f in enumerate(t.flows):
+        if f.tclass is not None and f.tclass != t.tclass:
+            yield loc + ("flows", i, "tclass"), ("a UET NIC sends every flow in its entry's "
+                                                 "class; drop this flow's tclass")
+
+
 def _check_host(where: tuple, name: str, ctx: CheckContext) -> Iterator[Problem]:
     if name not in ctx.hosts:
         yield where, f"unknown host {name!r}; hosts are {', '.join(ctx.hosts)}"
@@ -649,7 +808,10 @@ def _check_class(t: FlowsTraffic, where: tuple, name: str | int,
     c = ctx.classes.get(name)
     if c is None:
         yield where, f"unknown traffic class {name!r}"
-    elif t.cc != "none" and not c.ecn:
+    elif t.cc == "nscc" and not c.ecn:
+        yield where, (f"class {c.name!r} (TC{c.tc}) does not mark ECN, so NSCC never sees "
+                      "a marked ACK; use a class with ecn: true, or cc: credit or none")
+    elif t.cc not in ("none", "credit", "nscc") and not c.ecn:
         yield where, (f"class {c.name!r} (TC{c.tc}) does not mark ECN, so {t.cc.upper()} "
                       "never gets a CNP; use an ECN class (roce) or cc: none")
 

@@ -38,7 +38,6 @@ from pydantic import ConfigDict, Field, field_validator
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, SizeBytes
 from testbed.workloads.base import (
-    SHAPE_FIELD_NAMES,
     AgentFiles,
     AgentSpec,
     CheckContext,
@@ -53,7 +52,6 @@ from testbed.workloads.base import (
     TrafficEntry,
     WorkloadKind,
     flow_drops_of,
-    shape_field,
     stream_account,
     streams,
 )
@@ -64,7 +62,7 @@ UET_UDP_PORT = 4793                 # agents.wire.uet.UET_UDP_PORT: requests and
 UET_KEY_BASE = 0x1000               # stream s writes with memory key UET_KEY_BASE + s
 DONE_INDEX = 0xFFFFFFFF             # match bits s << 32 | DONE_INDEX: the initiator's last
 UET_MAX_MESSAGE_BYTES = 1 << 30     # a target holds a region of at least one message
-UET_MAX_WINDOW_PACKETS = 1 << 16
+UET_MAX_WINDOW_PACKETS = 1 << 15     # agents.uet.nic.UetOptions: at most 32768
 UET_MAX_STREAMS = 1 << 20
 # A target's region per stream: message slots of this many bytes (at least one message).
 # Message k goes to slot k mod slots; an initiator keeps at most `slots` messages of a
@@ -137,7 +135,7 @@ class UetTraffic(TrafficEntry):
     window_packets: Annotated[int, Field(ge=1, le=UET_MAX_WINDOW_PACKETS)] | Literal[
         "auto"] = Field(
         "auto", alias="window",
-        description="most unacknowledged packets per stream, 1..65536, or auto: the fabric's "
+        description="most unacknowledged packets per stream, 1..32768, or auto: the fabric's "
                     "longest round trip at line rate, as roce entries (docs/roce.md, "
                     "'In-flight window')")
     tclass: str | int | None = Field(  # type: ignore[assignment]
@@ -191,22 +189,9 @@ def resolve_class(t: UetTraffic, classes: Mapping[str | int, ClassView]
 
 
 def uet_hosts(entry: TrafficEntry, hosts: Sequence[str]) -> list[str]:
-    """The hosts an entry puts a UET NIC on: a uet entry's stream ends, a collective's
-    ranks when its transport is uet; [] for anything else."""
-    if entry.kind in UetKind.shapes:
-        ends = [h for pair in streams(entry, UetKind.shapes[entry.kind], hosts) for h in pair]
-        return list(dict.fromkeys(ends))
-    if getattr(entry, "transport", None) != "uet":
-        return []
-    named: list[str] = []
-    for f in SHAPE_FIELD_NAMES:
-        v = shape_field(entry, f)
-        if isinstance(v, str):
-            named.append(v)
-        elif v:
-            for x in v:
-                named += [x] if isinstance(x, str) else list(x)
-    return list(dict.fromkeys(named or hosts))
+    """The hosts of a uet entry's streams, each once, in stream order."""
+    ends = [h for pair in streams(entry, UetKind.shapes[entry.kind], hosts) for h in pair]
+    return list(dict.fromkeys(ends))
 
 
 def message_wire_bytes(size_bytes: int, payload_bytes: int) -> int:
@@ -316,7 +301,12 @@ class UetKind(WorkloadKind):
                 yield (loc + ("pairs", j), f"[{src}, {dst}] is listed twice: a pair of hosts "
                        "is one stream (one PDC); raise messages or size instead")
             seen.add((src, dst))
-        yield from _check_one_uet_user(t, loc, ctx)
+
+    def host_ports(self, entry: TrafficEntry,
+                   ctx: CheckContext) -> dict[str, list[tuple[str, int, str]]]:
+        """Every host of the entry runs a UET NIC on UDP 4793: one UET user per host."""
+        return {h: [("udp", UET_UDP_PORT, "the UET NIC of uet streams")]
+                for h in uet_hosts(entry, ctx.hosts)}
 
     # -- expansion
 
@@ -372,6 +362,9 @@ class UetKind(WorkloadKind):
                     "--cc", t.cc, "--entropy", t.entropy, "--entropies", str(t.entropies),
                     "--window-packets", str(max(windows, default=256)),
                     "--payload-bytes", str(payload),
+                    "--base-rtt-ns", str(max(1, max(
+                        (ctx.base_rtt_ns(h, r["peer_host"]) for r in out.get(h, [])
+                         + inc.get(h, [])), default=1))),
                     "--line-rate-bps", str(ctx.line_rate_bps(h)),
                     "--dilation", str(ctx.dilation)]
             sender = h in out
@@ -649,22 +642,6 @@ def _pfc_notes(specs: Sequence[AgentSpec], streams_: list[dict], view: RunView) 
                          f"{', '.join(sorted(view.paused_nodes))} during the run: UET's "
                          "streams were held by PFC as well as by their own congestion control")
     return notes
-
-
-def _check_one_uet_user(t: UetTraffic, loc: tuple, ctx: CheckContext) -> Iterator[Problem]:
-    """Each host has one UET NIC on UDP 4793: a host of this entry that an earlier entry
-    (a uet entry, or a collective with transport: uet) also puts UET on is a problem."""
-    entries: Sequence[Any] = getattr(ctx, "entries", ()) or ()
-    mine = set(uet_hosts(t, ctx.hosts))
-    for other in entries:
-        if other is t:
-            return
-        clash = [h for h in uet_hosts(other, ctx.hosts) if h in mine]
-        if clash:
-            yield (loc, f"{', '.join(clash)} already run{'s' if len(clash) == 1 else ''} UET "
-                   f"for entry {other.name!r}: a host has one UET NIC (UDP {UET_UDP_PORT}), so "
-                   f"one UET entry or collective per host; put these streams in "
-                   f"{other.name!r} or use other hosts")
 
 
 KIND = UetKind()

@@ -289,3 +289,82 @@ def test_a_late_post_names_blocked_sends_when_the_agent_counted_them(tmp_path: P
     results["a-h1"]["tx_sockets"] = {"send_eagain": 3}
     late = [n for n in KIND.fidelity_notes(specs, results, view) if "posted more than" in n]
     assert "3 of its sends waited out the send timeout" in late[0]
+
+
+UET_FABRIC = FABRIC.replace("workload:", """traffic_classes:
+  - {{tc: 2, name: uet, dscp: [10], ecn: true}}
+  - {{tc: 4, name: plain, dscp: [12]}}
+  - {{tc: 6, name: cnp, dscp: [48], strict: true}}
+  - {{tc: 0, name: default, default: true}}
+workload:""")
+
+
+def _uet_problems(traffic: str) -> list[str]:
+    with pytest.raises(ConfigError) as exc:
+        load_config_text(UET_FABRIC.format(traffic=traffic), "flows.yaml")
+    return exc.value.lines()
+
+
+def test_a_uet_flows_entry_runs_one_uet_nic_per_host_on_its_class() -> None:
+    loaded = load_config_text(UET_FABRIC.format(traffic="""\
+    - name: u
+      kind: flows
+      transport: uet
+      tclass: uet
+      entropies: 32
+      flows:
+        - {src: h1, dst: h4, size: 1MB, start: 10us}
+        - {src: h2, dst: h4, size: 4KB, start: 5us}
+"""), "flows.yaml")
+    entry = loaded.fabric.workload.traffic[0]
+    assert entry.cc == "nscc"                  # the default follows the transport
+    plan = compile_plan(loaded)
+    specs = expand_workload(loaded.fabric, plan)
+    assert sorted(s.node for s in specs) == ["h1", "h2", "h4"]
+    h1 = next(s for s in specs if s.node == "h1")
+    argv = h1.argv
+    assert argv[argv.index("--transport") + 1] == "uet"
+    assert argv[argv.index("--uet-cc") + 1] == "nscc"
+    assert argv[argv.index("--entropy") + 1] == "spray"
+    assert argv[argv.index("--entropies") + 1] == "32"
+    assert argv[argv.index("--dscp") + 1] == "10"
+    assert argv[argv.index("--payload-bytes") + 1] == "4096"
+    # NSCC's base RTT is the plan's empty-queue round trip to the host's peer
+    assert float(argv[argv.index("--base-rtt-ns") + 1]) == base_round_trip_ns(plan, "h1", "h4")
+    parsed = flows_main.build_parser().parse_args(argv + ["--schedule", "x"])
+    assert (parsed.transport, parsed.uet_cc, parsed.entropies) == ("uet", "nscc", 32)
+    assert _schedule(h1)["out"][0][1:4] == [host_address(plan, "h4"), FLOWS_UDP_PORT,
+                                           1_000_000]
+
+
+@pytest.mark.parametrize(("entry", "expected"), [
+    ("{name: e, kind: flows, transport: uet, flows: [{src: h1, dst: h2, size: 1MB}]}",
+     "transport: uet needs its traffic class named"),
+    ("{name: e, kind: flows, transport: uet, tclass: uet, cc: dcqcn, "
+     "flows: [{src: h1, dst: h2, size: 1MB}]}", "cc dcqcn is RoCE's"),
+    ("{name: e, kind: flows, cc: nscc, flows: [{src: h1, dst: h2, size: 1MB}]}",
+     "cc nscc is Ultra Ethernet's"),
+    ("{name: e, kind: flows, entropy: spray, flows: [{src: h1, dst: h2, size: 1MB}]}",
+     "entropy is for transport: uet"),
+    ("{name: e, kind: flows, transport: uet, tclass: uet, cc_preset: hpcc-ns3, "
+     "flows: [{src: h1, dst: h2, size: 1MB}]}", "cc_preset is RoCE's"),
+    ("{name: e, kind: flows, transport: uet, tclass: plain, "
+     "flows: [{src: h1, dst: h2, size: 1MB}]}", "NSCC never sees a marked ACK"),
+])
+def test_uet_flows_problems_name_the_field(entry: str, expected: str) -> None:
+    lines = _uet_problems(f"    - {entry}\n")
+    assert any(expected in line for line in lines), lines
+
+
+def test_credit_needs_no_ecn_class_but_two_uet_entries_on_one_host_are_refused() -> None:
+    load_config_text(UET_FABRIC.format(traffic="""\
+    - {name: c, kind: flows, transport: uet, tclass: plain, cc: credit,
+       flows: [{src: h1, dst: h2, size: 1MB}]}
+"""), "flows.yaml")
+    lines = _uet_problems("""\
+    - {name: a, kind: flows, transport: uet, tclass: uet, flows: [{src: h1, dst: h2, size: 1MB}]}
+    - {name: b, kind: flows, transport: uet, tclass: uet, flows: [{src: h3, dst: h2, size: 1MB}]}
+""")
+    assert any("workload.traffic[1]" in line and "on h2 binds udp 4793" in line
+               and "entry 'a'" in line for line in lines), lines
+    assert not any("on h1" in line or "on h3" in line for line in lines), lines

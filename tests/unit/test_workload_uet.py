@@ -179,8 +179,8 @@ def test_two_uet_entries_on_one_host_are_refused_with_the_hosts_named() -> None:
 """)
     msg = [line for line in lines if "UET NIC" in line]
     assert len(msg) == 1 and "workload.traffic[1]" in msg[0], lines
-    assert "h5 already runs UET for entry 'a'" in msg[0]
-    assert "UDP 4793" in msg[0]
+    assert ("the UET NIC of uet streams on h5 binds udp 4793, which the UET NIC of uet "
+            "streams of entry 'a' binds there already") in msg[0]
 
 
 @dataclass
