@@ -430,6 +430,11 @@ class UetHost:
                 "ecn_acks": int(p.get("ecn_acks", p.get("ecn_echoes", 0)) or 0),
                 "credits_received": int(p.get("credits_received") or 0),
                 "injected_drops": int(p.get("injected_drops") or 0),
+                # what else this host sent the peer on the same 5-tuples: credit requests,
+                # and ACKs, NACKs and credit grants of the peer's streams to this host
+                "control_sent": sum(int(p.get(k) or 0) for k in (
+                    "credit_reqs_sent", "acks_sent", "nacks_sent", "credits_granted")),
+                "srtt_ns": (p.get("cc") or {}).get("srtt_ns"),
                 "cwnd_bytes": p.get("cwnd_bytes"),
                 "sports": sports})
         ins = []

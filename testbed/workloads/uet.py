@@ -481,7 +481,12 @@ class UetKind(WorkloadKind):
     def stream_accounts(self, specs: Sequence[AgentSpec], results: Results,
                         flow_drops: Sequence[dict], view: RunView) -> list[dict]:
         """Per stream: the initiator's data packets against the target's, less the
-        fabric's drops of packets from the initiator to the target's port 4793. Sprayed
+        fabric's drops of packets from the initiator to the target's port 4793.
+
+        The port programs count drops per 5-tuple, and the initiator's credit requests
+        and its ACKs of the reverse stream share the data's 5-tuples: drops beyond the
+        data the target missed, up to what the initiator sent besides data
+        (`control_sent`), were of those and are left out (`control_drops`). Sprayed
         packets take several paths, so their out-of-order arrivals are the fabric's
         doing, not the emulator's: only a one-entropy stream counts them as reordered."""
         out = []
@@ -490,14 +495,22 @@ class UetKind(WorkloadKind):
             drops = flow_drops_of(flow_drops, view.addresses(s["src"]), view.address(s["dst"]),
                                   UET_UDP_PORT, None)
             drops["injected"] = int(o.get("injected_drops") or 0)
+            sent, received = int(o.get("tx_packets") or 0), int(i.get("rx_packets") or 0)
+            excess = sum(drops.values()) - max(0, sent - received)
+            control = min(max(0, excess), int(o.get("control_sent") or 0))
+            left = control
+            for cause in ("phy", "tail", "mmu", "desc"):
+                take = min(left, drops[cause])
+                drops[cause] -= take
+                left -= take
             sports = o.get("sports") or {}
             ooo = int(i.get("out_of_order") or 0)
             lost = any(drops.values()) or int(i.get("trims") or 0) > 0
             reordered = ooo if len(sports) <= 1 and not lost else 0
-            a = stream_account(spec, sent=int(o.get("tx_packets") or 0),
-                               received=int(i.get("rx_packets") or 0), drops=drops,
+            a = stream_account(spec, sent=sent, received=received, drops=drops,
                                reordered=reordered, complete=bool(o and i))
-            a.update(name=f"{spec.traffic}-{s['src']}-{s['dst']}", src=s["src"], dst=s["dst"])
+            a.update(name=f"{spec.traffic}-{s['src']}-{s['dst']}", src=s["src"], dst=s["dst"],
+                     control_drops=control - left)
             out.append(a)
         return out
 
@@ -545,10 +558,19 @@ class UetKind(WorkloadKind):
                              f"{i.get('first_mismatch')})")
             slow = _cpu_bound(s, view)
             if slow is not None:
+                why = ("the agent was short of CPU for this packet rate (payload size and "
+                       "dilation), so its rate measures the emulator; raise the dilation")
+                if _argv(spec).get("--cc") == "nscc" and o.get("cwnd_bytes"):
+                    srtt = o.get("srtt_ns")
+                    rtt = (f", its smoothed RTT {srtt / 1e3:.1f} us against a base RTT of "
+                           f"{view.base_rtt_ns(s['src'], s['dst']) / 1e3:.1f} us"
+                           if srtt else "")
+                    why = (f"NSCC's window held it ({o['cwnd_bytes'] / 1e3:.0f} KB at the "
+                           f"end{rtt}) or the agent's CPU did: the agents' own time per round "
+                           "trip counts as fabric delay to NSCC's delay signal, so raise the "
+                           "dilation")
                 notes.append(f"{name} moved {slow:.0%} of its line rate with no ECN, trim, "
-                             "NACK or timeout to slow it: the agent was short of CPU for this "
-                             "packet rate (payload size and dilation), so its rate measures "
-                             "the emulator; raise the dilation")
+                             f"NACK or timeout to slow it: {why}")
         notes += _pfc_notes(specs, streams_, view)
         return notes
 

@@ -70,12 +70,12 @@ def _uplinks(result) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("test", ["write_bw", "send_bw"])
+@pytest.mark.parametrize(("test", "cc"), [("write_bw", "nscc"), ("send_bw", "credit")])
 def test_every_byte_arrives_under_1_percent_loss_and_only_the_lost_are_resent(
-        tmp_path, test: str) -> None:
+        tmp_path, test: str, cc: str) -> None:
     result = _run(tmp_path, f"uetl{test[0]}", f"""\
     - {{name: exact, kind: uet_pairs, pairs: [[h1, h5]], test: {test}, size: 1MiB,
-       messages: 16, tclass: uet, cc: none}}""",
+       messages: 16, tclass: uet, cc: {cc}}}""",
                   extra="impairments: [{link: [leaf1, spine1], direction: forward, "
                         "loss: 0.01}]\n")
     (row,) = _rows(result)
@@ -85,7 +85,7 @@ def test_every_byte_arrives_under_1_percent_loss_and_only_the_lost_are_resent(
     streams = [s for s in result.summary["invariants"]["streams"] if s["kind"] == "uet_pairs"]
     (acct,) = streams
     lost = acct["fabric_drops"]
-    print(f"{test}: {row['gbps']} Gb/s, {row['tx_packets']} packets, {lost} lost on "
+    print(f"{test} {cc}: {row['gbps']} Gb/s, {row['tx_packets']} packets, {lost} lost on "
           f"leaf1->spine1, {row['retransmissions']} retransmissions, {row['timeouts']} "
           f"timeouts, {row['out_of_order']} out of order")
     assert lost > 0, acct
@@ -98,7 +98,7 @@ def test_every_byte_arrives_under_1_percent_loss_and_only_the_lost_are_resent(
 def test_one_transfer_sprays_over_both_spines_and_a_roce_qp_takes_one(tmp_path) -> None:
     result = _run(tmp_path, "uetspr", """\
     - {name: spray, kind: uet_pairs, pairs: [[h1, h5]], size: 64MiB, messages: 1,
-       tclass: uet, cc: none}""")
+       tclass: uet}""")
     (row,) = _rows(result)
     assert row["verified"] is True and row["bytes"] == 64 << 20, row
     up = _uplinks(result)
