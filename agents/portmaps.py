@@ -10,8 +10,9 @@ code that compiles, loads and attaches the program) uses it too.
 
 Two scopes of maps:
 - per PORT (`PortMaps`, pins under .../<node>/<ifname>/maps/): `cfg`,
-  `dscp_tc`, `class_cfg`, `state` (per class: admitted and departed bytes,
-  so queue = admitted - departed; counters), `ring` (the FIFO of ingress
+  `dscp_tc`, `class_cfg` (thresholds, probabilities, UET trimming), `state`
+  (per class: admitted and departed bytes, so queue = admitted - departed;
+  counters, trims among them), `ring` (the FIFO of ingress
   slots of tracked classes), `port_ingress` (bytes per ingress slot);
 - per NODE (`NodeMaps`, pins under .../<node>/_node/): `node` (the buffer
   model: mode, shared pool, per-(class, ingress slot) accounting), `node_lock`,
@@ -50,6 +51,9 @@ FP_SHIFT = 32
 FP_ONE = 1 << FP_SHIFT      #: probability 1.0
 ALPHA_SHIFT = 16            #: node alpha in units of 2^-16
 MAX_THRESHOLD_SPAN = 1 << 31  # kmax - kmin must stay below this (64-bit products in C)
+UET_UDP_PORT = 4793         #: the only packets the program trims (IPv4 UDP, IHL 5)
+MIN_TRIM_BYTES = 20 + 8 + 16 + 44   #: IP + UDP + the largest PDS request + SES standard
+MAX_TRIM_BYTES = 0xFFFF
 PAGE = mmap.PAGESIZE
 
 MODES = {"none": 0, "static": 1, "shared": 2}
@@ -61,14 +65,16 @@ F_HOT = 1
 
 PORT_CFG = struct.Struct("=II")
 PORT_CFG_FIELDS = ("default_tc", "port_slot")
-CLASS_CFG = struct.Struct("=7QII")
+CLASS_CFG = struct.Struct("=7QIIQII")
 CLASS_CFG_FIELDS = ("kmin_bytes", "kmax_bytes", "pmax_fp", "drop_fp", "limit_bytes",
-                    "egress_xoff_bytes", "egress_xon_bytes", "ecn_enabled", "pad")
-STATE = struct.Struct("=22Q")
+                    "egress_xoff_bytes", "egress_xon_bytes", "ecn_enabled", "trim_len",
+                    "trim_threshold_bytes", "trim_tc", "trim_dscp")
+STATE = struct.Struct("=24Q")
 STATE_FIELDS = ("enq_bytes", "enq_packets", "dep_bytes", "dep_packets", "packets", "bytes",
                 "ect_packets", "ce_arrivals", "ce_marks", "would_mark", "drops", "tail_drops",
                 "mmu_drops", "desc_drops", "max_queue_bytes", "mark_errors", "ring_head",
-                "ring_tail", "dep_mismatch", "dep_unmatched", "flags", "pad")
+                "ring_tail", "dep_mismatch", "dep_unmatched", "flags", "trims", "trim_errors",
+                "pad")
 INGRESS_ACCT = struct.Struct("=7Q6I")
 INGRESS_ACCT_FIELDS = ("bytes", "hdrm_bytes", "max_bytes", "max_hdrm_bytes", "drops",
                        "xoff_events", "xon_events", "headroom_bytes", "xoff_bytes", "xon_bytes",
@@ -140,11 +146,24 @@ class ClassParams:
 
 
 @dataclass(frozen=True)
+class TrimParams:
+    """Packet trimming of a class: a UET packet (IPv4 UDP to UET_UDP_PORT) that would take
+    the queue above `threshold_bytes` is cut to `size_bytes` of IP and sent in class `tc`
+    with DSCP `dscp` (ECN bits kept) instead of being admitted to this class."""
+
+    threshold_bytes: int
+    size_bytes: int                  # IP bytes kept (the IP total length of the short packet)
+    tc: int                          # the class it goes to (strict, never tracked)
+    dscp: int                        # the DSCP written into it: one of that class's
+
+
+@dataclass(frozen=True)
 class PortParams:
     dscp_to_tc: Mapping[int, int] = field(default_factory=dict)
     default_tc: int = 0
     classes: Mapping[int, ClassParams] = field(default_factory=dict)
     port_slot: int = 0               # this port's ingress slot at its node (1..)
+    trims: Mapping[int, TrimParams] = field(default_factory=dict)   # by class: switch ports
 
     def problems(self) -> list[str]:
         out = []
@@ -155,6 +174,7 @@ class PortParams:
         for dscp, tc in self.dscp_to_tc.items():
             if not 0 <= dscp < NUM_DSCP or not 0 <= tc < NUM_TC:
                 out.append(f"dscp_to_tc[{dscp}] = {tc}: DSCP 0..63 to class 0..7")
+        out += self._trims_problems()
         for tc, cls in self.classes.items():
             where = f"classes[{tc}]"
             if not 0 <= tc < NUM_TC:
@@ -175,6 +195,26 @@ class PortParams:
                            f"got {cls.kmin_bytes} / {cls.kmax_bytes}")
             elif cls.kmax_bytes - cls.kmin_bytes >= MAX_THRESHOLD_SPAN:
                 out.append(f"{where}: kmax_bytes - kmin_bytes must be below 2 GiB")
+        return out
+
+    def _trims_problems(self) -> list[str]:
+        return [p for tc, trim in self.trims.items() for p in self._trim_problems(tc, trim)]
+
+    def _trim_problems(self, tc: int, trim: TrimParams) -> list[str]:
+        where, out = f"classes[{tc}]", []
+        if not MIN_TRIM_BYTES <= trim.size_bytes <= MAX_TRIM_BYTES:
+            out.append(f"{where}: trim size_bytes must be {MIN_TRIM_BYTES}..{MAX_TRIM_BYTES}, "
+                       f"got {trim.size_bytes}")
+        if not 0 <= trim.tc < NUM_TC or trim.tc == tc:
+            out.append(f"{where}: trim tc must be another class 0..{NUM_TC - 1}, got {trim.tc}")
+        elif trim.tc in self.trims:
+            out.append(f"{where}: trim tc {trim.tc} trims too; a trimmed packet goes to a "
+                       "class that does not")
+        elif self.dscp_to_tc.get(trim.dscp, self.default_tc) != trim.tc:
+            out.append(f"{where}: trim dscp {trim.dscp} does not select class {trim.tc} at "
+                       "this port")
+        if trim.threshold_bytes < 0:
+            out.append(f"{where}: trim threshold_bytes must be >= 0")
         return out
 
     def check(self) -> None:
@@ -281,14 +321,16 @@ def encode_port_cfg(params: PortParams) -> bytes:
     return PORT_CFG.pack(params.default_tc, params.port_slot)
 
 
-def encode_class_cfg(cls: ClassParams | None) -> bytes:
+def encode_class_cfg(cls: ClassParams | None, trim: TrimParams | None = None) -> bytes:
+    """A class's `class_cfg` entry; trim_len 0 means the class does not trim."""
+    t = (trim.size_bytes, trim.threshold_bytes, trim.tc, trim.dscp) if trim else (0, 0, 0, 0)
     if cls is None:
-        return CLASS_CFG.pack(0, 0, 0, 0, 0, 0, 0, 0, 0)
+        return CLASS_CFG.pack(0, 0, 0, 0, 0, 0, 0, 0, *t)
     ecn = cls.pmax is not None
     return CLASS_CFG.pack(cls.kmin_bytes if ecn else 0, cls.kmax_bytes if ecn else 0,
                           0 if cls.pmax is None else probability_fp(cls.pmax),
                           probability_fp(cls.drop_probability), cls.limit_bytes,
-                          cls.egress_xoff_bytes, cls.egress_xon_bytes, int(ecn), 0)
+                          cls.egress_xoff_bytes, cls.egress_xon_bytes, int(ecn), *t)
 
 
 def encode_node_head(params: NodeParams) -> bytes:
@@ -508,19 +550,24 @@ class ClassCounters(NamedTuple):
     dep_packets: int
     dep_mismatch: int       # departures whose length was not their FIFO entry's
     dep_unmatched: int      # departures with nothing admitted (not counted)
+    trims: int = 0          # UET arrivals cut and sent in the trim class (not admitted here)
+    trim_errors: int = 0    # of those, dropped: cutting them failed
 
     @property
     def refused(self) -> int:
-        """Every packet the program dropped: PHY/impairment loss and refused admissions."""
-        return self.drops + self.tail_drops + self.mmu_drops + self.desc_drops
+        """Every packet the program dropped: PHY/impairment loss and refused admissions
+        (a trimmed packet is not dropped; one whose cutting failed is)."""
+        return self.drops + self.tail_drops + self.mmu_drops + self.desc_drops + \
+            self.trim_errors
 
 
 def _class_counters(row: tuple) -> ClassCounters:
     (enq_b, enq_p, dep_b, dep_p, packets, nbytes, ect, ce_in, marks, would, drops, tail, mmu,
-     desc, max_q, mark_err, _head, _tail, mismatch, unmatched, _flags, _pad) = row
+     desc, max_q, mark_err, _head, _tail, mismatch, unmatched, _flags, trims, trim_err,
+     _pad) = row
     return ClassCounters(packets, nbytes, ect, ce_in, marks, would, drops, tail, mmu, desc,
                          max_q, mark_err, max(0, enq_b - dep_b), max(0, enq_p - dep_p),
-                         enq_b, enq_p, dep_b, dep_p, mismatch, unmatched)
+                         enq_b, enq_p, dep_b, dep_p, mismatch, unmatched, trims, trim_err)
 
 
 class IngressAcct(NamedTuple):
@@ -632,7 +679,8 @@ class PortMaps:
         for dscp, tc in enumerate(dscp_table(params)):
             self.dscp_tc.update(dscp, struct.pack("=I", tc))
         for tc in range(NUM_TC):
-            self.class_cfg.update(tc, encode_class_cfg(params.classes.get(tc)))
+            self.class_cfg.update(tc, encode_class_cfg(params.classes.get(tc),
+                                                       params.trims.get(tc)))
         self.cfg.update(0, encode_port_cfg(params))
 
     def reset(self) -> None:

@@ -195,7 +195,8 @@ def _print_summary(console, summary: dict) -> None:
             f"{p['node']}:{p['port']} TC{p['tclass']} {format_size(p['max_queue_bytes'])}"
             for p in worst if p["max_queue_bytes"]))
     t = summary["totals"]
-    console.print(f"drops {t['drops']:,}, ECN marks {t['ecn_marks']:,}, "
+    trimmed = f"trims {t['trims']:,}, " if t.get("trims") else ""
+    console.print(f"drops {t['drops']:,}, ECN marks {t['ecn_marks']:,}, {trimmed}"
                   f"pause frames {t['pause_frames']:,}")
     for note in summary["fidelity"]:
         console.print(f"[yellow]fidelity[/]: {escape(note)}")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 
 from testbed.config.errors import format_loc
 from testbed.config.models import (
+    MIN_TRIM_BYTES,
     EcnConfig,
     EcnEvent,
     Fabric,
@@ -19,8 +20,10 @@ from testbed.config.models import (
     LinkStateEvent,
     LossEvent,
     PfcEvent,
+    PortClass,
     RateEvent,
     TrafficClass,
+    trim_target,
 )
 from testbed.config.topology import Expanded
 from testbed.units import format_duration, format_rate, format_size
@@ -73,6 +76,10 @@ def check_traffic_classes(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
         if tclass.strict and tclass.lossless:
             yield (loc + ("strict",), "a strict-priority class cannot also be lossless here; "
                    "remove strict: true (lossless traffic uses a weighted class) or lossless: true")
+        if tclass.trim and tclass.lossless:
+            yield (loc + ("trim",), "a lossless class cannot trim: PFC keeps its queue from "
+                   "overflowing, so there is nothing to trim; remove trim: true, or "
+                   "lossless: true to trim instead of pausing")
     if not defaults and fabric.traffic_classes:
         yield (("traffic_classes",), "no class has default: true; mark exactly one (usually "
                "TC0), it takes the packets whose DSCP no class names")
@@ -130,6 +137,9 @@ def check_qos(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
             yield (loc + ("pfc", "xon"),
                    f"{format_size(pfc.xon_bytes)} is above xoff {format_size(pfc.xoff_bytes)}; "
                    "set xon below xoff")
+        implicit = [n for n, pc in fabric.qos.items() if "trim" not in pc.model_fields_set]
+        yield from check_trim(fabric, name, port_class,
+                              report_implicit=bool(implicit) and implicit[0] == name)
     lossless = [t.tc for t in fabric.traffic_classes if t.lossless]
     if len(lossless) > MAX_LOSSLESS_CLASSES:
         i = next(i for i, t in enumerate(fabric.traffic_classes)
@@ -141,6 +151,72 @@ def check_qos(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
     buf = fabric.switch_buffer
     if buf is not None and buf.size_bytes <= 0:
         yield (("switch_buffer", "size"), "the shared pool must be larger than 0")
+
+
+def check_trim(fabric: Fabric, name: str, port_class: PortClass,
+               report_implicit: bool = True) -> Iterator[tuple[tuple, str]]:
+    """A port class's trim settings against the classes that trim (qos.<name>.trim). A
+    port class without trim: has the defaults; what is wrong with them is reported once
+    (`report_implicit`), at the first trimming class's trim field."""
+    loc: tuple = ("qos", name, "trim")
+    trim = port_class.trim
+    tclasses = list(fabric.traffic_classes)
+    trimming = [t for t in tclasses if t.trim and not t.lossless]
+    if not trimming:
+        if "trim" in port_class.model_fields_set:
+            yield (loc, "no lossy class has trim: true, so this does nothing; mark the "
+                   "classes that trim (traffic_classes[].trim) or remove it")
+        return
+    if "trim" not in port_class.model_fields_set:
+        if not report_implicit:
+            return
+        first = next(i for i, t in enumerate(tclasses) if t.trim and not t.lossless)
+        loc = ("traffic_classes", first, "trim")
+    if trim.size_bytes < MIN_TRIM_BYTES:
+        yield (loc + ("size",), f"{trim.size_bytes} B is below {MIN_TRIM_BYTES} B (IP 20 + "
+               "UDP 8 + PDS 16 + SES 44): a trimmed packet must keep its headers; raise it")
+    elif trim.size_bytes >= fabric.mtu_bytes:
+        yield (loc + ("size",), f"{trim.size_bytes} B is not below the MTU {fabric.mtu_bytes}: "
+               "no packet would be shorter after trimming; lower it")
+    for t in trimming:
+        buffer = port_class.buffer.get(t.tc)
+        if trim.threshold_bytes is not None and buffer is not None and \
+                trim.threshold_bytes > buffer:
+            yield (loc + ("threshold",), f"{format_size(trim.threshold_bytes)} is above the "
+                   f"TC{t.tc} ({t.name}) buffer {format_size(buffer)}, so the class tail-"
+                   f"drops before it trims; lower it or raise buffer.{t.tc}")
+    yield from _trim_target_problems(tclasses, name, trim.to, loc)
+
+
+def _trim_target_problems(tclasses: list[TrafficClass], name: str, to: str | int | None,
+                          loc: tuple) -> Iterator[tuple[tuple, str]]:
+    """Is there a class for port class `name`'s trimmed packets, and may they go there?"""
+    target = trim_target(tclasses, to)
+    if to is None and target is None:
+        strict = [f"TC{t.tc} ({t.name})" for t in tclasses if t.strict and not t.trim]
+        yield (loc, f"port class {name} has no class to send trimmed packets in: " + (
+            f"{', '.join(strict)} are strict, set qos.{name}.trim.to to one of them" if strict else
+            f"none is strict; add a class with strict: true, or set qos.{name}.trim.to"))
+        return
+    if target is None:
+        names = ", ".join(f"{t.name} ({t.tc})" for t in tclasses)
+        hint = _suggest(to, [t.name for t in tclasses]) if isinstance(to, str) else ""
+        yield (loc + ("to",), f"unknown traffic class {to!r}" + (
+            hint or f"; use a class name or number from traffic_classes: {names}"))
+        return
+    what = f"TC{target.tc} ({target.name})"
+    if target.trim:
+        yield (loc + ("to",), f"{what} trims itself; send trimmed packets to a class that "
+               "does not trim")
+    elif target.lossless:
+        yield (loc + ("to",), f"{what} is lossless; trimmed packets go to a strict lossy "
+               "class (they must overtake the queue they left, and never pause it)")
+    elif not target.strict:
+        yield (loc + ("to",), f"{what} is not strict; trimmed packets must overtake the queue "
+               "they left: name a class with strict: true")
+    elif not target.dscp:
+        yield (loc + ("to",), f"{what} has no dscp, and a trimmed packet is steered by its "
+               "DSCP; give the class a dscp")
 
 
 def check_topology(fabric: Fabric, expanded: Expanded,

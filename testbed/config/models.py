@@ -63,6 +63,11 @@ class TrafficClass(Strict):
                                                      "their guaranteed share of the port")
     default: bool = Field(False, description="the class of packets whose DSCP no class names; "
                                              "exactly one class has it")
+    trim: bool = Field(False, description="this class trims UET packets instead of dropping "
+                                          "them: at switch ports, an Ultra Ethernet packet "
+                                          "(UDP to port 4793) arriving to a queue above the "
+                                          "port class's trim.threshold is cut to trim.size "
+                                          "and sent in the trim.to class; lossy classes only")
 
 
 def default_traffic_classes() -> list[TrafficClass]:
@@ -138,6 +143,48 @@ class PfcConfig(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+#: the smallest trim.size: IP 20 + UDP 8 + the largest PDS request (RUD_CC_REQ, 16) + the
+#: SES standard header (44), so a trimmed packet still says which message and offset it was
+MIN_TRIM_BYTES = 20 + 8 + 16 + 44
+
+
+class TrimConfig(Strict):
+    """Packet trimming of the classes with trim: true, at switch ports (host NICs never trim).
+
+    An Ultra Ethernet packet (IPv4 UDP to port 4793) that would take its class's queue
+    above `threshold` is not admitted to it: it is cut to `size` bytes of IP (headers and
+    a short payload) and sent in the `to` class, so the receiver learns at once what was
+    lost. Other packets of the class are tail-dropped at the buffer as before.
+    """
+
+    threshold_bytes: SizeBytes | None = Field(
+        None, alias="threshold",
+        description="queue above which an arriving UET packet is trimmed (default: the "
+                    "class's buffer, i.e. trim instead of tail drop); at most the buffer")
+    size_bytes: SizeBytes = Field(
+        128, alias="size", description=f"IP bytes a trimmed packet keeps (IP + UDP + PDS + "
+                                       f"SES headers and the payload's start); at least "
+                                       f"{MIN_TRIM_BYTES} = IP 20 + UDP 8 + PDS 16 + SES 44")
+    to: str | int | None = Field(
+        None, description="the class (name or tc number) trimmed packets are sent in, with "
+                          "its first DSCP; strict, not lossless, not trimming; default: the "
+                          "strict class, if there is exactly one")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+def trim_target(tclasses: list[TrafficClass], to: str | int | None) -> TrafficClass | None:
+    """The class trimmed packets go to: the one `to` names (by name or tc number), or with
+    `to` unset the only strict class that does not trim; None if there is no such class."""
+    if to is None:
+        strict = [t for t in tclasses if t.strict and not t.trim]
+        return strict[0] if len(strict) == 1 else None
+    for t in tclasses:
+        if (isinstance(to, int) and t.tc == to) or (isinstance(to, str) and t.name == to):
+            return t
+    return None
+
+
 class PortClass(Strict):
     """Queueing settings shared by every port that names this class."""
 
@@ -155,6 +202,9 @@ class PortClass(Strict):
                     "NICs never mark); default: HPCC's ns-3 switch setting, unscaled")
     pfc: PfcConfig = Field(default_factory=PfcConfig,
                            description="priority flow control of the lossless classes")
+    trim: TrimConfig = Field(default_factory=TrimConfig,
+                             description="packet trimming of the classes with trim: true, at "
+                                         "switch ports")
 
 
 class LinkSpec(Strict):

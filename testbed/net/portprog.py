@@ -58,6 +58,7 @@ from agents.portmaps import (  # re-exported (see __all__): one module for the p
     PortMapError,
     PortMaps,
     PortParams,
+    TrimParams,
     _ino,
     dscp_table,
     encode_class_cfg,
@@ -72,7 +73,7 @@ __all__ = [
     "CLASS_CFG", "LAYOUTS", "MAPS", "MAX_SLOTS", "MAX_TRACKED", "NODE_DIR", "NODE_MAPS", "NUM_DSCP",
     "NUM_SLOTS", "NUM_TC", "OTHER", "PORT_MAPS", "ClassCounters", "ClassParams",
     "IngressParams", "NodeMaps", "NodeParams", "PortHandle", "PortMapError", "PortMaps",
-    "PortParams", "PortProgError", "attach_port", "configure_node", "detach_lab",
+    "PortParams", "PortProgError", "TrimParams", "attach_port", "configure_node", "detach_lab",
     "detach_port", "dscp_table", "encode_class_cfg", "ensure_object", "mark_probability",
     "node_dir_of", "node_params_from_plan", "obj_get", "object_path", "open_node",
     "open_node_ports", "open_port", "params_from_egress", "pin_dir_of", "pinned_labs",
@@ -103,6 +104,7 @@ def params_from_egress(egress: EgressPlan, drop_probability: float = 0.0,
     all traffic alike). DSCPs no class lists go to the plan's default class,
     the one HTB's `default` sends unclassified traffic to. A class in the
     node's shared pool has no limit of its own (limit_bytes 0: the MMU admits).
+    A class with a trim plan (switch ports only) trims UET packets into its trim class.
     """
     default_tc = next((c.tc for c in egress.classes if c.classid == egress.default_classid),
                       None)
@@ -121,6 +123,9 @@ def params_from_egress(egress: EgressPlan, drop_probability: float = 0.0,
             egress_xoff_bytes=c.pfc.egress_xoff_bytes if c.pfc else 0,
             egress_xon_bytes=c.pfc.egress_xon_bytes if c.pfc else 0,
         ) for c in egress.classes},
+        trims={c.tc: TrimParams(threshold_bytes=c.trim.threshold_bytes,
+                                size_bytes=c.trim.size_bytes, tc=c.trim.tc, dscp=c.trim.dscp)
+               for c in egress.classes if c.trim is not None},
     )
 
 

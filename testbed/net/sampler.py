@@ -102,9 +102,15 @@ class KernelSampler:
                 (index[i.ifname], parse_handle(c.leaf_handle)): (i.ifname, c.tc)
                 for i in node.interfaces if i.ifname in index for c in i.egress.classes}
         # Port programs' maps, where the lab has them: the queue the datapath decides on
-        # (admitted - departed), ECN marks, drops by cause (a few us per port: mmap).
+        # (admitted - departed), ECN marks, trims, drops by cause (a few us per port: mmap).
         self._bpf: dict[str, list[tuple[str, portprog.PortMaps, list[int]]]] = {}
         self._nodes: dict[str, tuple[portprog.NodeMaps, list[int], list[str]]] = {}
+        #: (node, port) -> the classes that trim there: their `trims` are sampled (other
+        #: classes never trim, and a run without trimming stores no trim samples)
+        self._trimming: dict[tuple[str, str], list[int]] = {
+            (node.name, i.ifname): [c.tc for c in i.egress.classes if c.trim is not None]
+            for node in plan.nodes for i in node.interfaces
+            if any(c.trim is not None for c in i.egress.classes)}
         for node in plan.nodes:
             classes = {i.ifname: [c.tc for c in i.egress.classes] for i in node.interfaces}
             self._bpf[node.name] = [(ifname, maps, classes[ifname]) for ifname, maps
@@ -202,6 +208,10 @@ class KernelSampler:
                     append(Sample(node, ifname, tc, "desc_drops", c.desc_drops))
                     append(Sample(node, ifname, tc, "enq_packets", c.enq_packets))
                     append(Sample(node, ifname, tc, "dep_packets", c.dep_packets))
+                for tc in self._trimming.get((node, ifname), ()):
+                    c = counters[tc]
+                    append(Sample(node, ifname, tc, "trims", c.trims))
+                    append(Sample(node, ifname, tc, "trim_errors", c.trim_errors))
             if node in self._nodes:
                 out += self._node_samples(node)
         self.brackets = brackets

@@ -37,6 +37,7 @@ from testbed.plan.model import (
     Plan,
     RoutePlan,
     TrafficClassPlan,
+    TrimPlan,
 )
 from testbed.plan.qos import (
     DEFAULT_BUFFER_BYTES,
@@ -188,6 +189,8 @@ def _egress(rate_bps: int, dilation: Dilation, classes_qos, tclasses, mtu_bytes:
             lossless=tclass.lossless,
             ecn=EcnPlan(**vars(q.ecn)) if q.ecn and not end.host else None,
             pfc=pfc,
+            # host NICs never trim (a NIC does not cut its own packets)
+            trim=TrimPlan(**vars(q.trim)) if q.trim and not end.host else None,
         ))
     return EgressPlan(rate_bps=rate_bps, wall_rate_bps=wall, overhead_bytes=HTB_OVERHEAD_BYTES,
                       burst_bytes=_burst_bytes(wall, frame), quantum_bytes=frame,
@@ -335,7 +338,21 @@ def _remap_dscp(fabric: Fabric, egress: Mapping[tuple[int, str], EgressPlan],
             classes = [c.model_copy(update={"dscp": sorted(
                 (set(c.dscp) - {dscp}) | ({dscp} if c.tc == tc else set()))})
                 for c in classes]
-        out[key] = plan.model_copy(update={"classes": classes})
+        out[key] = plan.model_copy(update={"classes": _retarget_trims(classes)})
+    return out
+
+
+def _retarget_trims(classes: list[ClassPlan]) -> list[ClassPlan]:
+    """After a DSCP remap a trimmed packet must still be steered into its trim class at
+    this port: its DSCP becomes the class's first one here (no trimming if it has none)."""
+    dscps = {c.tc: c.dscp for c in classes}
+    out = []
+    for c in classes:
+        if c.trim is not None and c.trim.dscp not in dscps.get(c.trim.tc, []):
+            left = dscps.get(c.trim.tc) or []
+            trim = c.trim.model_copy(update={"dscp": left[0]}) if left else None
+            c = c.model_copy(update={"trim": trim})
+        out.append(c)
     return out
 
 

@@ -39,6 +39,15 @@ class PfcPlan(PlanModel):
     egress_xon_bytes: int = 0   #   holding bytes in it (egress protection); 0: off
 
 
+class TrimPlan(PlanModel):
+    """Packet trimming of a class at a switch port (the port program's trim_* settings)."""
+
+    threshold_bytes: int        # a UET packet that would take the queue above it is trimmed
+    size_bytes: int             # IP bytes the trimmed packet keeps
+    tc: int                     # the class it is sent in
+    dscp: int                   # the DSCP written into it (that class's first)
+
+
 class ClassPlan(PlanModel):
     tc: int
     name: str
@@ -54,6 +63,16 @@ class ClassPlan(PlanModel):
     lossless: bool
     ecn: EcnPlan | None
     pfc: PfcPlan | None
+    trim: TrimPlan | None = None    # switch ports of a class with trim: true
+
+    @model_serializer(mode="wrap")
+    def _without_no_trim(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # A class that does not trim serialises as before trimming existed (same bytes,
+        # same plan hash).
+        data = handler(self)
+        if self.trim is None and isinstance(data, dict):
+            data.pop("trim", None)
+        return data
 
 
 class EgressPlan(PlanModel):
@@ -156,6 +175,14 @@ class TrafficClassPlan(PlanModel):
     strict: bool
     weight: int
     default: bool
+    trim: bool = False
+
+    @model_serializer(mode="wrap")
+    def _without_no_trim(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if not self.trim and isinstance(data, dict):
+            data.pop("trim", None)
+        return data
 
 
 class EventPortPlan(PlanModel):
@@ -231,6 +258,15 @@ class Plan(PlanModel):
 
     def switches(self) -> list[NodePlan]:
         return [n for n in self.nodes if n.role == "switch"]
+
+    def trim_dscp(self, tc: int) -> int | None:
+        """The DSCP switch ports write into a trimmed packet of class `tc` (what a UET
+        receiver recognises a trim by), or None if no switch port trims the class. A
+        dscp_remap can make switches differ; then the lowest (a receiver also knows a trim
+        by its short payload)."""
+        dscps = {c.trim.dscp for n in self.switches() for i in n.interfaces
+                 for c in i.egress.classes if c.tc == tc and c.trim is not None}
+        return min(dscps) if dscps else None
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2) + "\n"

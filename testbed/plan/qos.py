@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from testbed.config.models import EcnConfig, PortClass, TrafficClass
+from testbed.config.models import EcnConfig, PortClass, TrafficClass, trim_target
 from testbed.units import format_size
 
 # Per traffic-class buffer when the port class does not say (bytes).
@@ -60,12 +60,21 @@ class PfcSettings:
 
 
 @dataclass(frozen=True)
+class TrimSettings:
+    threshold_bytes: int    # queue above which an arriving UET packet is trimmed
+    size_bytes: int         # IP bytes the trimmed packet keeps
+    tc: int                 # the class it is sent in
+    dscp: int               # ... with that class's first DSCP
+
+
+@dataclass(frozen=True)
 class ClassQos:
     tc: int
     name: str
     limit_bytes: int
     ecn: EcnSettings | None
     pfc: PfcSettings | None
+    trim: TrimSettings | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -194,5 +203,21 @@ def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_b
                 "ecn.kmin", f"{format_size(ecn_here.kmin_bytes)} is above the TC{tclass.tc} "
                 f"buffer {format_size(limit)} at {rate_bps / 1e9:g} Gb/s, so the class drops "
                 "before it marks; lower ecn.kmin or raise the buffer"))
-        out.append(ClassQos(tclass.tc, tclass.name, limit, ecn_here, pfc_here))
+        out.append(ClassQos(tclass.tc, tclass.name, limit, ecn_here, pfc_here,
+                            resolve_trim(port_class, tclasses, tclass, limit)))
     return out, problems
+
+
+def resolve_trim(port_class: PortClass, tclasses: list[TrafficClass], tclass: TrafficClass,
+                 limit_bytes: int) -> TrimSettings | None:
+    """A class's trimming at a port: None unless it trims (a lossless class never does,
+    and a config without a class to trim into is refused by the checks)."""
+    if not tclass.trim or tclass.lossless:
+        return None
+    cfg = port_class.trim
+    target = trim_target(tclasses, cfg.to)
+    if target is None or not target.dscp:
+        return None
+    threshold = limit_bytes if cfg.threshold_bytes is None else min(cfg.threshold_bytes,
+                                                                    limit_bytes)
+    return TrimSettings(threshold, cfg.size_bytes, target.tc, target.dscp[0])

@@ -230,7 +230,8 @@ def totals(run: RunData) -> Table | None:
         return None
     rows = []
     labels = {"tx_bytes": "bytes sent (all egress ports)", "drops": "drops",
-              "ecn_marks": "ECN marks", "pause_frames": "PFC pause frames sent",
+              "ecn_marks": "ECN marks", "trims": "packets trimmed",
+              "pause_frames": "PFC pause frames sent",
               "delivered_bytes": "bytes delivered to receivers"}
     keys: list[str] = [k for k in labels if k in t] + [k for k in t if k not in labels]
     for key, value in ((k, t[k]) for k in keys):
@@ -754,6 +755,43 @@ def ecn(run: RunData, idx: PlanIndex, faults: list[FaultMark] | None = None) -> 
     return {"svgs": svgs, "table": table if rows else None}
 
 
+def trims(run: RunData, idx: PlanIndex, faults: list[FaultMark] | None = None) -> dict | None:
+    """UET packets trimmed at switch ports (cut and sent on in the trim class instead of
+    dropped), over time per port class and in total; None when nothing was trimmed. The
+    note says whether PFC was needed: trimming runs on lossy classes."""
+    series = {}
+    if run.store is not None:
+        series = {k: v for k, v in run.store.series("trims").items() if v and v[-1][1] > 0}
+    ports = [p for p in run.summary.get("ports") or [] if (p.get("trims") or 0) > 0]
+    if not series and not ports:
+        return None
+    ranked = sorted(series, key=lambda k: (-series[k][-1][1], k))
+    svgs = []
+    if ranked:
+        x_max = _duration_ns(run, series.values())
+        for n, chunk in enumerate(_chunks(ranked, SERIES_PER_PLOT)[:MAX_PLOTS]):
+            svgs.append(plots.line_plot(
+                [Series(idx.port_label(*k), series[k]) for k in chunk], f"trims{n}",
+                "Trimmed packets (cumulative)" if n == 0 else
+                f"Trimmed packets (cumulative), port classes {_span(n, chunk)}",
+                "packets trimmed", 1.0, x_max, faults=faults or ()))
+    ports.sort(key=lambda p: (-p["trims"], p["node"], p["port"]))
+    rows = [[idx.port_label(p["node"], p["port"]), idx.tclass(p["tclass"]),
+             fmt_int(p["trims"]), fmt_int(p.get("tx_packets") or 0), fmt_int(p.get("drops") or 0)]
+            for p in ports[:TOP_PORTS]]
+    table = Table(["port", "class", "trimmed", "packets sent whole", "drops"], rows,
+                  [False, False, True, True, True])
+    if len(ports) > TOP_PORTS:
+        table.note = f"{TOP_PORTS} of {len(ports)} port classes that trimmed"
+    all_ports = [p for p in run.summary.get("ports") or [] if isinstance(p, dict)]
+    pauses = sum(int(p.get("pause_tx") or 0) for p in all_ports)
+    total = sum(int(p.get("trims") or 0) for p in all_ports)
+    note = (f"{fmt_int(total)} packets trimmed instead of dropped; "
+            + ("no PFC pause frame was sent anywhere: the trimming classes needed no PFC"
+               if pauses == 0 else f"{fmt_int(pauses)} PFC pause frames were sent"))
+    return {"svgs": svgs, "table": table if rows else None, "note": note}
+
+
 def _pause_intervals_from_events(run: RunData) -> dict[tuple, list[tuple[int, int]]]:
     """(node, port, tclass) -> [(start_ns, duration_ns)] from pfc_xoff/pfc_xon events.
 
@@ -1135,7 +1173,8 @@ def port_totals(run: RunData, idx: PlanIndex) -> dict | None:
     chosen += [p for p in ports if (p.get("drops") or 0) > 0 and p not in chosen]
     if not chosen:
         return {"table": None, "text": f"no egress port sent anything ({len(ports)} port classes)"}
-    optional = [("ecn_marks", "ECN marks", fmt_int), ("pause_tx", "PFC tx", fmt_int),
+    optional = [("ecn_marks", "ECN marks", fmt_int), ("trims", "trims", fmt_int),
+                ("pause_tx", "PFC tx", fmt_int),
                 ("pause_rx", "PFC rx", fmt_int), ("paused_ns", "paused for", fmt_duration)]
     present = [o for o in optional if any((p.get(o[0]) or 0) > 0 for p in ports)]
     columns = ["port", "class", "bytes sent", "packets sent", "drops",
@@ -1218,6 +1257,7 @@ def build_context(run: RunData) -> dict:
         "fct": fct_section(run),
         "queues": queues(run, idx, marks),
         "ecn": ecn(run, idx, marks),
+        "trims": trims(run, idx, marks),
         "pfc": pfc(run, idx, marks),
         "rates": agent_rates(run, marks),
         "dcqcn": dcqcn_rates(run, marks),

@@ -25,6 +25,9 @@ PORT_METRICS = [
      "Packets dropped by an egress port and traffic class over the run."),
     ("testbed_port_ecn_marks_total", "counter", "ecn_marks", 1,
      "Packets marked CE by an egress port and traffic class over the run."),
+    ("testbed_port_trims_total", "counter", "trims", 1,
+     "UET packets an egress port and traffic class trimmed (cut and sent on in the trim "
+     "class instead of dropped) over the run."),
     ("testbed_port_max_queue_bytes", "gauge", "max_queue_bytes", 1,
      "Largest sampled backlog of an egress port and traffic class."),
     ("testbed_pfc_pause_tx_total", "counter", "pause_tx", 1,

@@ -14,6 +14,10 @@ from testbed.results.store import Store
 QUEUE_DROP_COUNTERS = ("tail_drops", "mmu_drops", "desc_drops", "class_drops")
 PHY_DROP_COUNTERS = ("bpf_drops",)
 DROP_COUNTERS = (*QUEUE_DROP_COUNTERS, *PHY_DROP_COUNTERS)
+#: packets cut at a port instead of dropped (UET trimming): the class counts `trims` (not
+#: drops: the short packet goes on, in the trim class); `trim_errors` are trims that
+#: could not be cut and were dropped (counted here in `drops`, as queue drops)
+TRIM_COUNTERS = ("trims", "trim_errors")
 
 
 def port_rows(plan: Plan | None, store: Store) -> list[dict]:
@@ -22,11 +26,13 @@ def port_rows(plan: Plan | None, store: Store) -> list[dict]:
     `drops` counts every packet dropped at the port: `queue_drops` (tail, shared buffer,
     descriptors, qdisc) plus `phy_drops` (PHY frame loss, impairments). `max_queue_bytes`
     is the largest real queue: the port program's exact peak (`max_vq_bytes`) where it
-    ran, else the largest sampled qdisc backlog. Without a plan (a rebuilt report of a
+    ran, else the largest sampled qdisc backlog. `trims`: UET packets this class cut and
+    sent on in its trim class instead of queueing them (0 where it does not trim); they are
+    not drops. Without a plan (a rebuilt report of a
     run whose plan is lost), the ports are the ones the store has samples of.
     """
     counters = ("class_bytes", "class_packets", "ecn_marks", "pause_tx", "pause_rx",
-                "paused_ns", "max_vq_bytes", *DROP_COUNTERS)
+                "paused_ns", "max_vq_bytes", *DROP_COUNTERS, *TRIM_COUNTERS)
     last = {c: store.last_values(c) for c in counters}
     max_backlog: dict[tuple[str, str, int], float] = {}
     for key, series in store.series("backlog_bytes").items():
@@ -40,7 +46,7 @@ def port_rows(plan: Plan | None, store: Store) -> list[dict]:
     rows = []
     for key in keys:
         v = {c: int(last[c].get(key, 0)) for c in counters}
-        queue_drops = sum(v[c] for c in QUEUE_DROP_COUNTERS)
+        queue_drops = sum(v[c] for c in QUEUE_DROP_COUNTERS) + v["trim_errors"]
         phy_drops = sum(v[c] for c in PHY_DROP_COUNTERS)
         rows.append({
             "node": key[0], "port": key[1], "tclass": key[2],
@@ -50,6 +56,7 @@ def port_rows(plan: Plan | None, store: Store) -> list[dict]:
             "queue_drops": queue_drops,
             "phy_drops": phy_drops,
             "ecn_marks": v["ecn_marks"],
+            "trims": v["trims"],
             "pause_tx": v["pause_tx"],
             "pause_rx": v["pause_rx"],
             "paused_ns": v["paused_ns"],
@@ -77,6 +84,7 @@ def totals(ports: list[dict], delivered_bytes: int) -> dict:
         "queue_drops": sum(r.get("queue_drops", r["drops"]) for r in ports),
         "phy_drops": sum(r.get("phy_drops", 0) for r in ports),
         "ecn_marks": sum(r["ecn_marks"] for r in ports),
+        "trims": sum(r.get("trims", 0) for r in ports),
         "pause_frames": sum(r["pause_tx"] for r in ports),
         "delivered_bytes": delivered_bytes,
     }

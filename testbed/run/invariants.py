@@ -26,12 +26,16 @@ fabric time where a sample shows it, and its size:
   impairment, tail, shared buffer, descriptors; by 5-tuple) + drops in the
   receiving host's socket (SO_RXQ_OVFL / the namespace's UDP RcvbufErrors) +
   still queued at the end; and per port and class, the program's admitted
-  packets = what the qdisc sent + holds + dropped, and what it sent = what the
-  peer's ingress saw + the veth's own drops. A link taken down by the fault
-  timeline loses what its ports held (the kernel frees it uncounted) and, until
-  routes converge, what other nodes send into the black hole; the timeline counts
-  both (testbed/net/events.py), and they are the counted place of that many
-  otherwise missing packets (`link_losses`, named in the check's details). In such
+  packets = what the qdisc sent + holds + dropped, what it sent = what the
+  peer's ingress saw + the veth's own drops, and every arrival was admitted,
+  dropped, refused or trimmed. A trimmed packet (UET trimming) is neither lost nor
+  dropped: it left its class's arrivals as a trim, and its short copy is an
+  arrival, and an admission, of the trim class, whose departures it then matches.
+  A link taken down by the fault timeline loses what its ports held (the kernel
+  frees it uncounted) and, until routes converge, what other nodes send into the
+  black hole; the timeline counts both (testbed/net/events.py), and they are the
+  counted place of that many otherwise missing packets (`link_losses`, named in the
+  check's details). In such
   a run, reordering is reported beside (d), not against it: flows whose path changed
   are overtaken by their own packets on the new path.
 
@@ -419,12 +423,28 @@ def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int
                 f"the qdisc sent {int(sent[key])} packets and the peer's ingress saw "
                 f"{row['dep_packets']}: {transit} vanished between them (veth drops: "
                 f"{int(last.get('tx_dropped', {}).get((key[0], key[1], -1), 0))})"))
+        out += _arrival_violations(row, key)
         if row["dep_unmatched"]:
             out.append(Violation(
                 "conservation", _where(*key), row["dep_unmatched"], "packets",
                 f"the peer's ingress saw {row['dep_unmatched']} packets the port never "
                 "admitted"))
     return out
+
+
+def _arrival_violations(row: dict, key: tuple[str, str, int]) -> list[Violation]:
+    """Every arrival at a port class has a place: admitted, dropped (PHY), refused (tail,
+    shared buffer, descriptors) or trimmed (a trim is none of the others)."""
+    if "packets" not in row:
+        return []
+    arrived = int(row["packets"])
+    placed = sum(int(row.get(k, 0)) for k in ("enq_packets", "drops", "tail_drops",
+                                              "mmu_drops", "desc_drops", "trims"))
+    if arrived == placed:
+        return []
+    return [Violation("conservation", _where(*key), abs(arrived - placed), "packets",
+                      f"{arrived} packets arrived at the port program and {placed} were "
+                      "admitted, dropped, refused or trimmed")]
 
 
 def _notes(violations: list[Violation]) -> list[str]:

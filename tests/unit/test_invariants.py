@@ -186,6 +186,22 @@ def test_a_port_whose_qdisc_lost_packets_the_program_admitted_is_named():
     assert "vanished between them" in v["detail"] and v["amount"] == 3
 
 
+def test_trimmed_packets_are_neither_lost_nor_dropped_and_the_trim_class_balances():
+    data, trim = ("leaf2", "swp4", 2), ("leaf2", "swp4", 6)     # HOT's port: a UET class
+    # 100 UET arrivals: 60 admitted, 40 trimmed; their 40 short copies admitted to TC6
+    snap = {"ports": [_port(*data, packets=100, enq_packets=60, dep_packets=60, trims=40),
+                      _port(*trim, packets=45, enq_packets=45, dep_packets=45)],
+            "nodes": [], "flow_drops": []}
+    last = {"class_packets": {data: 60, trim: 45}, "backlog_packets": {}, "class_drops": {}}
+    verdict = _finish(_monitor(), snapshot=snap, last=last)
+    assert not verdict["violations"], verdict["violations"]
+    # a trim the program did not count is an arrival with no place
+    snap["ports"][0]["trims"] = 39
+    [v] = _finish(_monitor(), snapshot=snap, last=last)["violations"]
+    assert (v["invariant"], v["where"], v["amount"]) == ("conservation", "leaf2:swp4 TC2", 1)
+    assert "admitted, dropped, refused or trimmed" in v["detail"]
+
+
 def test_a_multi_homed_senders_datagrams_count_from_any_of_its_addresses():
     plan = Plan.model_validate_json((REPO / "tests/golden/explicit.plan.json").read_text())
     c = plan.node("c")

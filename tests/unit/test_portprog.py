@@ -128,13 +128,39 @@ def test_class_cfg_encoding():
     assert none == bytes(portprog.CLASS_CFG.size)
     lossy = portprog.encode_class_cfg(portprog.ClassParams(kmin_bytes=1, kmax_bytes=2,
                                                            drop_probability=0.25))
-    kmin, kmax, pmax_fp, drop_fp, limit, exoff, exon, ecn, _ = portprog.CLASS_CFG.unpack(lossy)
+    (kmin, kmax, pmax_fp, drop_fp, limit, exoff, exon, ecn, trim_len, *_trim
+     ) = portprog.CLASS_CFG.unpack(lossy)
     assert (kmin, kmax, pmax_fp, ecn) == (0, 0, 0, 0)        # no pmax: no ECN
     assert drop_fp == 1 << 30 and limit == 0 and exoff == exon == 0
+    assert trim_len == 0                                      # no trim: trim_len 0 is off
     ecn_cls = portprog.ClassParams(kmin_bytes=10, kmax_bytes=20, pmax=1.0, limit_bytes=99,
                                    egress_xoff_bytes=50, egress_xon_bytes=40)
     assert portprog.CLASS_CFG.unpack(portprog.encode_class_cfg(ecn_cls)) == (
-        10, 20, 1 << 32, 0, 99, 50, 40, 1, 0)
+        10, 20, 1 << 32, 0, 99, 50, 40, 1, 0, 0, 0, 0)
+
+
+def test_class_cfg_encodes_trimming_as_the_program_reads_it():
+    trim = portmaps.TrimParams(threshold_bytes=30_000, size_bytes=128, tc=6, dscp=48)
+    raw = portprog.encode_class_cfg(portprog.ClassParams(limit_bytes=100_000), trim)
+    got = dict(zip(portmaps.CLASS_CFG_FIELDS, portprog.CLASS_CFG.unpack(raw), strict=True))
+    assert (got["trim_len"], got["trim_threshold_bytes"], got["trim_tc"], got["trim_dscp"]) == (
+        128, 30_000, 6, 48)
+    assert got["limit_bytes"] == 100_000
+
+
+def test_trim_params_are_checked():
+    ok = portmaps.TrimParams(threshold_bytes=1, size_bytes=88, tc=6, dscp=48)
+    params = portprog.PortParams(dscp_to_tc={48: 6, 10: 1}, classes={1: portprog.ClassParams()},
+                                 trims={1: ok})
+    assert params.problems() == []
+    bad = portprog.PortParams(dscp_to_tc={48: 6, 10: 1}, classes={1: portprog.ClassParams()},
+                              trims={1: portmaps.TrimParams(threshold_bytes=-1, size_bytes=87,
+                                                            tc=6, dscp=10)})
+    problems = bad.problems()
+    assert len(problems) == 3, problems       # size below 88, dscp not of tc 6, threshold
+    same = portprog.PortParams(classes={1: portprog.ClassParams()},
+                               trims={1: portmaps.TrimParams(0, 128, 1, 0)})
+    assert any("another class" in p for p in same.problems())
 
 
 def test_node_head_encoding_maps_tracked_classes_to_their_index():

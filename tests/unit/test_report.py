@@ -93,10 +93,11 @@ def _burst_bytes(i: int) -> int:
 
 def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
                  summary: bool = True, name: str = "incast", store_format: int = 2,
-                 died: bool = False) -> Path:
+                 died: bool = False, trims: bool = False) -> Path:
     """A run directory as `testbed run` leaves it (with a counters database of
     `store_format`: 1 as testbeds before format 2 wrote it; `died`: as a writer killed
-    before it closed the store leaves it, points in time order); returns its path."""
+    before it closed the store leaves it, points in time order; `trims`: HOT's class
+    trimmed 2 packets per sample while its queue was above 100 KB); returns its path."""
     plan = _plan()
     d = plan.dilation.factor
     run_dir = root / f"20261129T120501Z-{name}"
@@ -124,7 +125,8 @@ def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
     store.set_meta("sample_period_fabric_ns", str(PERIOD_NS))
     store.add_event(0, 10**12, "phase", phase="workload")
     last: dict[str, dict] = {c: {} for c in ("class_bytes", "class_packets", "class_drops",
-                                             "ecn_marks", "pause_tx", "pause_rx", "paused_ns")}
+                                             "ecn_marks", "pause_tx", "pause_rx", "paused_ns",
+                                             "trims")}
     max_queue: dict = {}
     for i in range(N_SAMPLES):
         ts = i * PERIOD_NS
@@ -144,6 +146,10 @@ def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
             marks = 5 * sum(1 for j in range(i + 1) if _backlog(HOT, j, True) > 100_000)
         samples.append(Sample(*HOT, "ecn_marks", marks))
         last["ecn_marks"][HOT] = marks
+        if trims:
+            trimmed = 2 * sum(1 for j in range(i + 1) if _backlog(HOT, j, backlog) > 100_000)
+            samples.append(Sample(*HOT, "trims", trimmed))
+            last["trims"][HOT] = trimmed
         pauses = 0 if i < 120 else min(i - 120, 20)      # frames sent 600 us .. 700 us
         for key in PAUSERS:
             samples.append(Sample(*key, "pause_tx", pauses))
@@ -188,6 +194,7 @@ def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
                       "drops": last["class_drops"][key],
                       "queue_drops": last["class_drops"][key], "phy_drops": 0,
                       "ecn_marks": last["ecn_marks"].get(key, 0),
+                      "trims": last["trims"].get(key, 0),
                       "pause_tx": last["pause_tx"].get(key, 0),
                       "pause_rx": last["pause_rx"].get(key, 0),
                       "paused_ns": last["paused_ns"].get(key, 0),
@@ -203,6 +210,7 @@ def make_run_dir(root: Path, *, backlog: bool = True, interrupted: bool = False,
                        "drops": sum(p["drops"] for p in ports),
                        "queue_drops": sum(p["drops"] for p in ports), "phy_drops": 0,
                        "ecn_marks": sum(p["ecn_marks"] for p in ports),
+                       "trims": sum(p["trims"] for p in ports),
                        "pause_frames": sum(p["pause_tx"] for p in ports),
                        "delivered_bytes": sum(r["rx_bytes"] for r in rows)},
             "fidelity": ["leaf2:swp4 delivered 97.1% of 100Gbps while backlogged"],
@@ -294,6 +302,26 @@ def test_queue_and_ecn_sections_absent_without_backlog(tmp_path: Path) -> None:
     assert 'id="queues"' not in html and "## Queue depth" not in md
     assert 'id="ecn"' not in html and "## ECN marks" not in md
     assert 'id="pfc"' in html                   # still paused: that section stays
+
+
+def test_trims_section_plots_trims_like_ecn_marks_only_when_a_port_trimmed(
+        run_dir: Path, tmp_path: Path) -> None:
+    paths = build_report(run_dir)
+    assert 'id="trims"' not in paths.html.read_text()
+    assert "## Packet trimming" not in paths.md.read_text()
+    (tmp_path / "trimmed").mkdir()
+    trimmed = make_run_dir(tmp_path / "trimmed", trims=True)
+    paths = build_report(trimmed)
+    html, md = paths.html.read_text(), paths.md.read_text()
+    assert 'id="trims"' in html and "Trimmed packets (cumulative)" in html
+    summary = _summary(trimmed)
+    hot = next(p for p in summary["ports"] if (p["node"], p["port"], p["tclass"]) == HOT)
+    assert hot["trims"] > 0 and summary["totals"]["trims"] == hot["trims"]
+    assert "## Packet trimming" in md and f"{hot['trims']:,}" in md
+    assert "PFC pause frames were sent" in md          # this run paused: the note says so
+    metrics = parse_prometheus(prometheus_text(summary))
+    assert ({"lab": summary["lab"], "node": HOT[0], "port": HOT[1], "tclass": str(HOT[2])},
+            float(hot["trims"])) in metrics["testbed_port_trims_total"]
 
 
 def test_pfc_section_shows_who_paused_whom(run_dir: Path) -> None:

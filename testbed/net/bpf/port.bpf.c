@@ -29,6 +29,14 @@
  * the random numbers and every map lookup come first, and CE marking and
  * event output after.
  *
+ * Packet trimming (UET): on a class configured for it, an IPv4 UDP packet to
+ * port 4793 that would take the queue above trim_threshold_bytes is not
+ * admitted; after the lock it is cut to ETH + trim_len bytes, its headers fixed
+ * and its DSCP rewritten, and redirected to this same port's egress: it enters
+ * dev_queue_xmit afresh, so the qdisc accounts its new length (the kernel sets a
+ * packet's qdisc length before the egress hook runs), and this program admits
+ * it as an arrival of the trim class, whose departures it then matches.
+ *
  * PFC decisions are taken here, at the packet that crosses a threshold, and
  * sent to the node's PFC agent through a ring buffer (`events`): the agent
  * sleeps on it and sends the frame at once instead of polling queues.
@@ -52,6 +60,9 @@
 #define RING 16384                     /* FIFO entries per (port, tracked class) */
 #define NO_TRACK 0xff
 #define ETH_HLEN_ 14
+#define IP_HLEN_ 20                    /* trimming: IHL 5 only */
+#define UDP_HLEN_ 8
+#define UET_UDP_PORT 4793              /* Ultra Ethernet transport: the only packets trimmed */
 #define ALPHA_SHIFT 16                 /* alpha_fp: units of 2^-16 */
 
 #define MODE_NONE 0                    /* host NIC: per-port limits, no PFC sending */
@@ -84,7 +95,11 @@ struct class_cfg {
 	__u64 egress_xoff_bytes; /* static mode: queue that pauses every contributor; 0: off */
 	__u64 egress_xon_bytes;
 	__u32 ecn_enabled;
-	__u32 pad;
+	__u32 trim_len;         /* trimming on: IP bytes a trimmed UET packet keeps; 0: off */
+	__u64 trim_threshold_bytes; /* a UET packet that would take the queue above this is
+	                         * trimmed instead of admitted */
+	__u32 trim_tc;          /* class the trimmed packet is sent in (strict, not tracked) */
+	__u32 trim_dscp;        /* DSCP written into it (ECN bits kept): trim_tc's first */
 };
 
 /* State and counters of one class of this port (pinned map `state`, NUM_SLOTS
@@ -112,6 +127,9 @@ struct class_state {
 	__u64 dep_mismatch;     /* a departure whose length is not its FIFO entry's */
 	__u64 dep_unmatched;    /* a departure with nothing admitted (not counted) */
 	__u64 flags;            /* F_HOT */
+	__u64 trims;            /* UET arrivals over trim_threshold_bytes: cut and sent in
+	                         * trim_tc instead of admitted here (not drops) */
+	__u64 trim_errors;      /* of those, dropped because a helper failed to cut them */
 	__u64 pad;
 };
 
@@ -196,8 +214,8 @@ struct flow_drops {
 };
 
 _Static_assert(sizeof(struct port_cfg) == 8, "PORTPROG_PORT_CFG_SIZE");
-_Static_assert(sizeof(struct class_cfg) == 64, "PORTPROG_CLASS_CFG_SIZE");
-_Static_assert(sizeof(struct class_state) == 176, "PORTPROG_STATE_SIZE");
+_Static_assert(sizeof(struct class_cfg) == 80, "PORTPROG_CLASS_CFG_SIZE");
+_Static_assert(sizeof(struct class_state) == 192, "PORTPROG_STATE_SIZE");
 _Static_assert(sizeof(struct ingress_acct) == 80, "PORTPROG_INGRESS_ACCT_SIZE");
 _Static_assert(sizeof(struct node_acct) == 82008, "PORTPROG_NODE_SIZE");
 _Static_assert(sizeof(struct event) == 32, "PORTPROG_EVENT_SIZE");
@@ -380,6 +398,56 @@ static __always_inline void emit(__u32 kind, __u64 now, __u32 tc, __u32 slot, __
 		__sync_fetch_and_add(&n->events_lost, 1);
 }
 
+/* The header words trimming rewrites, as on the wire (big endian). */
+struct uet_hdr {
+	__u16 w0;               /* version/IHL, TOS */
+	__u16 tot_len;
+};
+
+/* Is this an IPv4 UDP packet to UET_UDP_PORT with a 20-byte IP header and not a
+ * fragment (the only packets trimming may cut)? Fills `h` if so. */
+static __always_inline int uet_packet(struct __sk_buff *skb, struct uet_hdr *h)
+{
+	__u8 b[IP_HLEN_ + 4];       /* IP header, UDP ports */
+
+	if (bpf_skb_load_bytes(skb, ETH_HLEN_, b, sizeof(b)) < 0)
+		return 0;
+	if (b[0] != 0x45 || b[9] != IPPROTO_UDP || (b[6] & 0x3f) || b[7])
+		return 0;
+	if (((__u32)b[IP_HLEN_ + 2] << 8 | b[IP_HLEN_ + 3]) != UET_UDP_PORT)
+		return 0;
+	__builtin_memcpy(&h->w0, &b[0], 2);
+	__builtin_memcpy(&h->tot_len, &b[2], 2);
+	return 1;
+}
+
+/* Cut the packet to its Ethernet header + trim_len bytes of IP and make what is left a
+ * valid IPv4/UDP packet: total length and header checksum, UDP length, UDP checksum 0
+ * (UET senders send 0: nothing to recompute), DSCP trim_dscp with the ECN bits kept.
+ * 0 on success; a helper's failure leaves the packet to be dropped. */
+static __always_inline int trim_packet(struct __sk_buff *skb, struct class_cfg *cc,
+				       struct uet_hdr *h)
+{
+	__u32 keep = cc->trim_len;
+	__u16 tot = bpf_htons((__u16)keep);
+	__u16 w0 = h->w0;
+	__u8 *b = (__u8 *)&w0;
+	__u16 udp[2] = {bpf_htons((__u16)(keep - IP_HLEN_)), 0};    /* length, checksum */
+
+	b[1] = (__u8)(cc->trim_dscp << 2) | (b[1] & 3);
+	if (bpf_skb_change_tail(skb, ETH_HLEN_ + keep, 0))
+		return -1;
+	if (bpf_l3_csum_replace(skb, ETH_HLEN_ + 10, h->tot_len, tot, 2) ||
+	    bpf_skb_store_bytes(skb, ETH_HLEN_ + 2, &tot, 2, 0))
+		return -1;
+	if (bpf_l3_csum_replace(skb, ETH_HLEN_ + 10, h->w0, w0, 2) ||
+	    bpf_skb_store_bytes(skb, ETH_HLEN_, &w0, 2, 0))
+		return -1;
+	if (bpf_skb_store_bytes(skb, ETH_HLEN_ + IP_HLEN_ + 4, udp, sizeof(udp), 0))
+		return -1;
+	return 0;
+}
+
 /* Which counter of `flow_drops` a refused or dropped packet goes to. */
 #define DROP_PHY 1
 #define DROP_TAIL 2
@@ -445,20 +513,31 @@ int port_egress(struct __sk_buff *skb)
 	}
 	__u64 len = skb->len;
 	__u32 ecn = c.tos & 3;
+	/* Trimming: is this a packet the class may trim (read outside the lock)? */
+	struct uet_hdr uh = {};
+	int can_trim = c.cc->trim_len && uet_packet(skb, &uh) &&
+		       bpf_ntohs(uh.tot_len) > c.cc->trim_len;
 
-	int mark = 0, dropped = 0, ev = 0, ev2 = 0;
+	int mark = 0, dropped = 0, ev = 0, ev2 = 0, trim = 0;
 	__u64 ev_bytes = 0, ev2_bytes = 0;
 
 	bpf_spin_lock(&c.nl->lock);
 	__u32 tr = c.n->tracked[c.tc];
 	c.st->packets += 1;
 	c.st->bytes += len;
+	__u64 q = c.st->enq_bytes - c.st->dep_bytes;   /* real queue ahead of this packet */
+	if (can_trim && q + len > c.cc->trim_threshold_bytes) {
+		/* not admitted here: cut after the lock and sent in trim_tc; the short
+		 * packet takes the PHY loss draw there, as it crosses the wire once */
+		c.st->trims += 1;
+		trim = 1;
+		goto unlock;
+	}
 	if ((__u64)r_drop < c.cc->drop_fp) {
 		c.st->drops += 1;
 		dropped = DROP_PHY;
 		goto unlock;
 	}
-	__u64 q = c.st->enq_bytes - c.st->dep_bytes;   /* real queue ahead of this packet */
 	struct ingress_acct *a = 0;
 	__u64 thresh = 0;
 	if (tr < MAX_TRACKED) {
@@ -571,6 +650,21 @@ unlock:
 	if (dropped) {
 		count_flow_drop(skb, c.tc, dropped);
 		return TC_ACT_SHOT;
+	}
+	if (trim) {
+		if (trim_packet(skb, c.cc, &uh)) {
+			__sync_fetch_and_add(&c.st->trim_errors, 1);
+			count_flow_drop(skb, c.tc, DROP_TAIL);
+			return TC_ACT_SHOT;
+		}
+		/* Send the short packet through this port's egress again. The kernel took
+		 * its qdisc length (what HTB charges and the leaf's limit counts) before
+		 * this hook ran, so passing it on as it is would make HTB charge the full
+		 * length; dev_queue_xmit afresh takes the new one. Its second pass through
+		 * this program is an arrival of trim_tc (its DSCP says so), admitted by that
+		 * class's rules, so the departure the peer sees matches; trim_tc is strict,
+		 * lossy and does not trim (the config checks it). No ECN marking here. */
+		return bpf_redirect(skb->ifindex, 0);
 	}
 	if (mark) {
 		if (bpf_skb_ecn_set_ce(skb))
