@@ -353,6 +353,9 @@ class UetKind(WorkloadKind):
         order = ([h for h in ctx.hosts if h in inc and h not in out]
                  + [h for h in ctx.hosts if h in out])
         span = self.span_ns(t, ctx)
+        trim_dscp = ctx.trim_dscp(ctx.tc(tclass))
+        trim = ([] if trim_dscp is None or trim_dscp == ctx.dscp(tclass)
+                else ["--trim-dscp", str(trim_dscp)])
         for h in order:
             doc: dict[str, Any] = {"out": out.get(h, []), "in": inc.get(h, []),
                                    "tclass": klass}
@@ -366,7 +369,7 @@ class UetKind(WorkloadKind):
                         (ctx.base_rtt_ns(h, r["peer_host"]) for r in out.get(h, [])
                          + inc.get(h, [])), default=1))),
                     "--line-rate-bps", str(ctx.line_rate_bps(h)),
-                    "--dilation", str(ctx.dilation)]
+                    "--dilation", str(ctx.dilation), *trim]
             sender = h in out
             specs.append(AgentSpec(
                 name=f"{t.name}-{h}", node=h, role="sender" if sender else "receiver",

@@ -536,3 +536,17 @@ def test_drops_beyond_the_missing_data_are_the_control_packets_sharing_its_ports
     drop["phy"] = 20                      # more than control can explain: left for the check
     (acct,) = KIND.stream_accounts(specs, results, [drop], view)
     assert acct["control_drops"] == 3 and acct["fabric_drops"] == 17
+
+
+def test_with_one_trimming_class_it_is_the_default_and_its_trim_dscp_is_passed() -> None:
+    text = FABRIC.replace("{{tc: 2, name: uet, dscp: [18], ecn: true}}",
+                          "{{tc: 2, name: uet, dscp: [18], ecn: true, trim: true}}")
+    loaded = load_config_text(text.format(traffic="    - {name: a, kind: uet_pairs, "
+                                                  "pairs: [[h1, h5]], messages: 1}\n"),
+                              "uet.yaml")
+    plan = compile_plan(loaded)
+    specs = expand_workload(loaded.fabric, plan)
+    assert _schedule(specs[0])["tclass"]["name"] == "uet"
+    assert _schedule(specs[0])["tclass"]["trim"] is True
+    args = uet_main.build_parser().parse_args([*specs[0].argv, "--schedule", "x"])
+    assert args.dscp == 18 and args.trim_dscp == plan.trim_dscp(2) == 48
