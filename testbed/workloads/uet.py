@@ -75,6 +75,8 @@ UET_STARTUP_S = 0.3
 # trim, NACK or timeout to slow it, was held back by the agent's CPU.
 CPU_BOUND_SHARE = 0.8
 LONG_STREAM_NS = 50_000
+# A stream that posted its first message later than this after its start is noted.
+UET_LATE_NS = 5_000
 # The run waits this many times the busiest host's line-rate time (messages mode).
 SPAN_SLACK = 4
 # Bytes of a UET data packet beyond its payload, besides the UDP/IP/Ethernet framing:
@@ -531,6 +533,11 @@ class UetKind(WorkloadKind):
                 continue
             if res.get("error"):
                 notes.append(f"{who} on {spec.node}: {res['error']}")
+            ready = view.ready_mtime_ns(spec)
+            if ready is not None and ready > view.t0_realtime_ns:
+                notes.append(f"{who} on {spec.node} bound UDP {UET_UDP_PORT} "
+                             f"{(ready - view.t0_realtime_ns) / 1e6:.0f} ms (wall) after the "
+                             "common start: packets to it before then were lost and resent")
             malformed = _pdc_sum(res, "malformed")
             if malformed:
                 notes.append(f"{who}: {malformed} UET datagrams did not parse and were dropped "
@@ -556,6 +563,11 @@ class UetKind(WorkloadKind):
             if i and not i.get("done") and o.get("done"):
                 notes.append(f"{name}: the target had {i.get('messages', 0)} of "
                              f"{i.get('expected')} messages when it stopped")
+            late = o.get("start_late_ns")
+            if late is not None and late > UET_LATE_NS:
+                notes.append(f"{name} posted its first message {late / 1e3:.1f} us (fabric) "
+                             "after its start (the agent was busy setting up); its time "
+                             "counts from that post")
             if i.get("verified") is False:
                 notes.append(f"{name}: the data did not arrive byte-exact (first mismatch "
                              f"{i.get('first_mismatch')})")

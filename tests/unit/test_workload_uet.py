@@ -421,6 +421,10 @@ def test_unfinished_streams_and_agents_that_left_nothing_are_noted() -> None:
     assert row["error"] == "unfinished" and row["verified"] is None
     notes = KIND.fidelity_notes(specs, {}, view)
     assert any("left no results" in n for n in notes)
+    results["a-h1"]["streams_out"][0]["start_late_ns"] = 12_000
+    notes = KIND.fidelity_notes(specs, results, view)
+    assert any("posted its first message 12.0 us (fabric) after its start" in n
+               for n in notes), notes
 
 
 def test_no_pause_anywhere_is_said_plainly_with_the_class() -> None:
