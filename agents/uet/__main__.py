@@ -20,7 +20,9 @@ initiated streams are acknowledged and its targeted streams complete (and
 LINGER_RTOS retransmission timeouts more, to answer a retransmission of a lost last
 ACK); a host that only receives runs until SIGTERM / SIGINT. Output: ONE JSON line on
 stdout (also to --out): `streams_out` and `streams_in` (one record per stream),
-`verified`, `nic` (the NIC's counters), `stopped_by`, `error`; a table per stream
+`verified`, `nic` (the NIC's counters), `udp_rcvbuf_errors` (the namespace's UDP
+datagrams dropped by full receive buffers while it ran), `stopped_by`, `error`; a table
+per stream
 on stderr. Exit codes: 0 done (or stopped), 1 a byte mismatch, a socket or NIC error,
 2 bad arguments.
 """
@@ -39,7 +41,7 @@ from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
 from agents.runtime.waiting import wait_until_mono
 from agents.timebase import Dilation, FabricClock
-from agents.uet.host import UetHost, parse_schedule
+from agents.uet.host import UetHost, parse_schedule, udp_rcvbuf_errors
 from agents.uet.nic import Stopped, UetNic, UetOptions
 
 # argparse dest -> UetOptions field, for the options given on the command line (the
@@ -184,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     rc = 0
     error: str | None = None
+    rcvbuf_errors_at_start = udp_rcvbuf_errors()
     try:
         nic = make_nic(args, clock, dilation, life)
         rto_ns = float(nic.opts.rto_ns)
@@ -216,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
             rc = 1
         if outs:
             print(table(outs), file=sys.stderr)
+    at_end = udp_rcvbuf_errors()
+    counters["udp_rcvbuf_errors"] = (None if at_end is None or rcvbuf_errors_at_start is None
+                                     else at_end - rcvbuf_errors_at_start)
     counters["stopped_by"] = life.stop_reason or (
         "done" if host is not None and host.streams_done() else "error" if rc else "stopped")
     if nic is not None:

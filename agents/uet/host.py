@@ -47,6 +47,17 @@ LINGER_RTOS = 4
 MAX_SLEEP_WALL_NS = 20_000_000
 
 
+def udp_rcvbuf_errors(path: str = "/proc/net/snmp") -> int | None:
+    """The network namespace's UDP RcvbufErrors: datagrams dropped because a socket's
+    receive buffer was full (None where the file cannot say)."""
+    try:
+        with open(path) as f:
+            rows = [line.split() for line in f if line.startswith("Udp:")]
+        return int(rows[1][rows[0].index("RcvbufErrors")])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def pattern(seed: int, index: int, size: int) -> bytes:
     """Message `index`'s bytes of a stream seeded `seed` (both ends compute it)."""
     return np.random.default_rng([seed, index]).bytes(size)

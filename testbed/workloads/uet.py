@@ -543,11 +543,12 @@ class UetKind(WorkloadKind):
                 notes.append(f"{who}: {malformed} UET datagrams did not parse and were dropped "
                              "(counted per reason in its nic.totals.malformed_reasons)")
             sock = (res.get("nic") or {}).get("sockets") or {}
-            overflow = int(sock.get("rx_overflow") or 0)
+            overflow = int(res.get("udp_rcvbuf_errors") or 0)
             if overflow:
-                notes.append(f"{who}: its receive socket dropped {overflow} datagrams (the agent "
-                             "fell behind, not the fabric); selective retransmission resent "
-                             "them, so its streams' times include those resends")
+                notes.append(f"{who}: {overflow} datagrams to {spec.node} were dropped by full "
+                             "UDP receive buffers while it ran (the agent fell behind, not the "
+                             "fabric: a NIC would have taken them); selective retransmission "
+                             "resent them, so its streams' times include those resends")
             enobufs = int(sock.get("send_enobufs") or 0)
             if enobufs:
                 notes.append(f"{who}: {enobufs} sends were refused by the host's own queue "

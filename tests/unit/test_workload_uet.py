@@ -422,9 +422,22 @@ def test_unfinished_streams_and_agents_that_left_nothing_are_noted() -> None:
     notes = KIND.fidelity_notes(specs, {}, view)
     assert any("left no results" in n for n in notes)
     results["a-h1"]["streams_out"][0]["start_late_ns"] = 12_000
+    results["a-h5"]["udp_rcvbuf_errors"] = 77
     notes = KIND.fidelity_notes(specs, results, view)
     assert any("posted its first message 12.0 us (fabric) after its start" in n
                for n in notes), notes
+    assert any("77 datagrams to h5 were dropped by full UDP receive buffers" in n
+               for n in notes), notes
+
+
+def test_the_namespace_udp_receive_buffer_drops_are_read(tmp_path) -> None:
+    from agents.uet.host import udp_rcvbuf_errors
+
+    snmp = tmp_path / "snmp"
+    snmp.write_text("Ip: Forwarding\nIp: 1\nUdp: InDatagrams NoPorts InErrors OutDatagrams "
+                    "RcvbufErrors SndbufErrors\nUdp: 10 0 3 9 3 0\n")
+    assert udp_rcvbuf_errors(str(snmp)) == 3
+    assert udp_rcvbuf_errors(str(tmp_path / "none")) is None
 
 
 def test_no_pause_anywhere_is_said_plainly_with_the_class() -> None:
