@@ -219,7 +219,9 @@ def uet(link: Link, seconds: float, tmp: Path) -> dict:
             "tx_pps": c["tx_packets"] / wall, "rx_pps": s["rx_packets"] / wall,
             "rx_gbps": c["bytes"] * 8 / wall / 1e9,
             "tx_cpu": c_cpu / wall, "rx_cpu": s_cpu / wall,
-            "retx": c["retransmissions"], "verified": s["verified"]}
+            "retx": c["retransmissions"], "verified": s["verified"],
+            "why": f"{s['out_of_order']} out of order, {s['duplicates']} duplicates, "
+                   f"{s['overflow_drops']} receive-buffer drops at the target"}
 
 
 def uet_side(side: str, seconds: float, ready_file: str | None) -> int:
@@ -258,6 +260,8 @@ def uet_side(side: str, seconds: float, ready_file: str | None) -> int:
         nic.run(lambda: time.monotonic() > linger)
         t = nic.counters()["totals"]
         print(json.dumps({"rx_packets": t["rx_packets"], "duplicates": t["duplicates"],
+                          "out_of_order": t["out_of_order"],
+                          "overflow_drops": nic.counters()["sockets"]["overflow_drops"],
                           "verified": bool(finished) and not bad}))
         return 0
     nic = UetNic(ADDR_A, clock, d, opts)
@@ -358,6 +362,9 @@ def main() -> int:
             if runs:
                 print(f"{name}: retransmissions {[x['retx'] for x in runs]}, verified "
                       f"{[x['verified'] for x in runs]}")
+                for x in runs:
+                    if x.get("why"):
+                        print(f"  {name} run: {x['why']}")
         print(table([*rows, i]))
         for r in rows:
             name = r["tool"].split()[0]

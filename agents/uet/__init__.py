@@ -5,5 +5,8 @@ The packet delivery sublayer's reliable unordered mode (RUD) with per-packet ent
 and two congestion controls, sender-based (NSCC-style) and receiver credit (EQDS-style):
 `pds` (reliability), `ses` (WRITE/SEND messages), `entropy` (source-port choice), `cc`
 (congestion control), `nic` (sockets and engine), and the host agent in `__main__`.
-Wire formats are in `agents.wire.uet`; docs/uet.md describes the whole.
+Wire formats are in `agents.wire.uet`. docs/uet.md describes the whole from the user's
+side; docs/uet-transport.md the transport (state machines, timers, sockets, counters,
+deviations from UEC 1.0), docs/uet-cc.md the congestion control, docs/uet-wire.md the
+packets.
 """

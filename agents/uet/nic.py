@@ -37,11 +37,15 @@ its wire size: len(datagram) + 66 (`agents.runtime.framing.WIRE_OVERHEAD_BYTES`)
 is what the pacer and the CC are charged. In credit mode each request is a RUD_CC_REQ
 carrying credit_target (wire bytes still wanted); the target grants with CONTROL CREDIT
 packets paced by `CreditReceiver.next_grant_ns`; a sender blocked on credit asks again
-with CONTROL CREDIT_REQ when nothing it sent in the last base RTT carried its demand.
+with CONTROL CREDIT_REQ when, for two base RTTs, nothing it sent carried its demand and
+no credit came (each CREDIT_REQ also runs the receiver's write-off of credit lost with
+lost packets).
 
 ackreq is set on the last packet of each message, on every retransmission, and on a
-packet after which the window or the CC window is closed, so the target's ACK coalescing
-never holds back the ACK a blocked sender waits for.
+packet after which the window or the CC window is closed; and a target ACKs whatever it
+holds unacknowledged once the peer has sent nothing new for `ack_delay_ns` (a CC window
+that shrank after a packet was sent can leave up to ack_every - 1 packets waiting), so
+ACK coalescing never holds back the ACK a blocked sender waits for.
 
 Receiving: a request whose IP DSCP is `trim_dscp`, or whose payload is shorter than its
 SES header says, was trimmed by a switch: NACK(TRIMMED) at once, not delivered. Other
@@ -55,7 +59,9 @@ machines; `wait` converts the fabric time to the next event into a wall sleep wi
 `Dilation`, nowhere else.
 
 `drop_prob` (tests only) loses data transmissions (first and re-) at random before they
-reach the socket, counted as injected_drops.
+reach the socket, counted as injected_drops; `trim_prob` (tests only) cuts them to 100
+bytes of UDP payload (128 bytes of IP, a switch's default trim size), counted as
+injected_trims, so the target sees what a trimming switch would deliver.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from __future__ import annotations
 import random
 import select
 import socket
+import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,8 +109,9 @@ from agents.wire.uet import (
     MalformedUet,
     Nack,
     NackCode,
+    NextHdr,
+    PdsType,
     Request,
-    RequestPacker,
     SesRequest,
     pack_ack,
     pack_control,
@@ -111,8 +119,8 @@ from agents.wire.uet import (
     parse,
 )
 
-__all__ = ["CC_MODES", "SEND_TIMEOUT_NS", "Stopped", "UetNic", "UetOptions", "pdc_id",
-           "initial_psn"]
+__all__ = ["CC_MODES", "MAX_SLEEP_NS", "SEND_TIMEOUT_NS", "Stopped", "UetNic", "UetOptions",
+           "initial_psn", "pack_segment", "pdc_id", "ses_request"]
 
 CC_MODES: tuple[str, ...] = ("nscc", "credit", "none")
 SEND_TIMEOUT_NS = 100_000_000
@@ -121,18 +129,80 @@ SEND_BATCH = 16            # packets per PDC per step, at most
 SPIN_NS = 150_000          # wall: closer than this to the next event, spin instead of select
 MAX_SLEEP_NS = 20_000_000  # wall: longest single select, so stop requests stay prompt
 MAX_PORT_TRIES = 1024      # ports tried beyond `entropies` before giving up
+TRIMMED_UDP_BYTES = 100    # trim_prob keeps this much UDP payload: a switch's 128 B of IP
 IP_MTU_DISCOVER = 10       # Linux values the socket module does not export
 IP_PMTUDISC_DO = 2
 SO_NO_CHECK = 11
-_ANC = socket.CMSG_SPACE(4) * 2
+_ANC = socket.CMSG_SPACE(4) * 3
+_SOL_SOCKET = socket.SOL_SOCKET
+SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
+_U32 = struct.Struct("=I")
 _IPPROTO_IP = socket.IPPROTO_IP
 _IP_TOS = socket.IP_TOS
 _TRIM_CODES = frozenset({int(NackCode.TRIMMED), int(NackCode.TRIMMED_LASTHOP),
                          int(NackCode.TRIMMED_ACK)})
 
 
+# The sender's fast path writes a request's PDS + SES headers with two pack_into calls
+# (about a fifth of building Request and SesRequest and packing them); a unit test holds
+# its bytes equal to agents.wire.uet.pack_request(Request(...), ses_request(seg), payload).
+_PDS_HDR = struct.Struct("!HHIHH")          # prologue, clear_psn_offset, psn, spdcid, dpdcid
+_PDS_CC_HDR = struct.Struct("!HHIHHI")      # + ccc_id << 24 | credit_target
+_SES_HDR = struct.Struct("!BBHIHHQIQQI")    # the SES standard request header, 44 bytes
+_P_RUD = int(PdsType.RUD_REQ) << 11 | int(NextHdr.REQUEST_STD) << 7
+_P_RUD_CC = int(PdsType.RUD_CC_REQ) << 11 | int(NextHdr.REQUEST_STD) << 7
+_F_RETRANS, _F_ACKREQ = 0x10, 0x08          # PDS request flags
+_S_SOM, _S_EOM, _S_HDR_DATA = 0x01, 0x02, 0x04   # SES flags
+
+
+def ses_request(seg: Segment) -> SesRequest:
+    """The SES header of a segment: a SEND's SOM packet carries its per-tag sequence in
+    header_data (hdr_data_present, so no payload_length); every other packet carries
+    payload_length and (non-SOM) its message offset."""
+    hdr = seg.opcode == OP_SEND and seg.som
+    return SesRequest(seg.opcode, seg.som, seg.eom, seg.message_id, seg.request_length,
+                      seg.buffer_offset, seg.memory_key, seg.header_data if hdr else 0,
+                      seg.message_offset, 0 if hdr else len(seg.payload),
+                      hdr_data_present=hdr)
+
+
+def pack_segment(buf: bytearray, psn: int, spdcid: int, dpdcid: int, retrans: bool,
+                 ackreq: bool, credit_target: int | None, seg: Segment) -> int:
+    """Write the request carrying `seg` into `buf` (RUD_CC_REQ with ccc_id 0 when
+    `credit_target` is not None); returns its length. Same bytes as pack_request."""
+    flags = (_F_RETRANS if retrans else 0) | (_F_ACKREQ if ackreq else 0)
+    if credit_target is None:
+        _PDS_HDR.pack_into(buf, 0, _P_RUD | flags, 0, psn, spdcid, dpdcid)
+        off = 12
+    else:
+        _PDS_CC_HDR.pack_into(buf, 0, _P_RUD_CC | flags, 0, psn, spdcid, dpdcid,
+                              credit_target)
+        off = 16
+    payload = seg.payload
+    n = len(payload)
+    som = seg.som
+    if som and seg.opcode == OP_SEND:
+        sflags = _S_SOM | _S_HDR_DATA
+        tail = seg.header_data
+    else:
+        sflags = _S_SOM if som else 0
+        tail = n << 32 | seg.message_offset
+    if seg.eom:
+        sflags |= _S_EOM
+    _SES_HDR.pack_into(buf, off, seg.opcode, sflags, seg.message_id, 0, 0, 0,
+                       seg.buffer_offset, 0, seg.memory_key, tail, seg.request_length)
+    off += 44
+    buf[off:off + n] = payload
+    return off + n
+
+
 class Stopped(Exception):
     """A blocked send gave up because a stop was requested."""
+
+
+_INT_RANGES = (("entropies", 1, 4096), ("entropy_base", 1, 0xFFFF),
+               ("payload_bytes", 1, 0x3FFF), ("window_packets", 1, 0x8000),
+               ("max_retries", 0, 1 << 20), ("ack_every", 1, 1 << 20))
 
 
 @dataclass(frozen=True)
@@ -153,7 +223,9 @@ class UetOptions:
     base_rtt_ns: float = 10_000.0         # CC base RTT; first RTT estimate
     trim_dscp: int | None = None          # DSCP a switch writes into a trimmed packet
     ack_every: int = 4                    # target: one ACK per this many packets at most
+    ack_delay_ns: float = 5_000.0         # target: ACK what is pending after this quiet
     drop_prob: float = 0.0                # test only: injected loss of data transmissions
+    trim_prob: float = 0.0                # test only: data transmissions cut as a switch trims
     seed: int = 1
     sndbuf_bytes: int | None = 8192       # SO_SNDBUF of each send socket (kernel doubles)
     rcvbuf_bytes: int | None = 4 << 20    # SO_RCVBUF of the receive socket
@@ -163,32 +235,27 @@ class UetOptions:
 
     def __post_init__(self) -> None:
         problems = []
-        if not 0 <= self.dscp <= 63:
-            problems.append(f"dscp must be 0..63, got {self.dscp}")
-        if self.trim_dscp is not None and not 0 <= self.trim_dscp <= 63:
-            problems.append(f"trim_dscp must be 0..63, got {self.trim_dscp}")
-        if self.cc not in CC_MODES:
-            problems.append(f"cc must be one of {', '.join(CC_MODES)}, got {self.cc!r}")
-        if self.entropy not in ENTROPY_MODES:
-            problems.append(f"entropy must be one of {', '.join(ENTROPY_MODES)}, "
-                            f"got {self.entropy!r}")
-        if not 1 <= self.entropies <= 4096:
-            problems.append(f"entropies must be 1..4096, got {self.entropies}")
-        if not 1 <= self.entropy_base <= 0xFFFF:
-            problems.append(f"entropy_base must be a UDP port, got {self.entropy_base}")
-        if not 1 <= self.payload_bytes <= 0x3FFF:
-            problems.append(f"payload_bytes must be 1..16383, got {self.payload_bytes}")
-        if not 1 <= self.window_packets <= 0x8000:
-            problems.append(f"window_packets must be 1..32768, got {self.window_packets}")
-        for name in ("rto_ns", "line_rate_bps", "base_rtt_ns"):
+        for name in ("dscp", "trim_dscp"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 63:
+                problems.append(f"{name} must be 0..63, got {v}")
+        if self.trim_dscp == self.dscp:
+            problems.append(f"trim_dscp must differ from dscp ({self.dscp}): every packet "
+                            "would look trimmed")
+        for name, modes in (("cc", CC_MODES), ("entropy", ENTROPY_MODES)):
+            if getattr(self, name) not in modes:
+                problems.append(f"{name} must be one of {', '.join(modes)}, "
+                                f"got {getattr(self, name)!r}")
+        for name, lo, hi in _INT_RANGES:
+            v = getattr(self, name)
+            if not lo <= v <= hi:
+                problems.append(f"{name} must be {lo}..{hi}, got {v}")
+        for name in ("rto_ns", "line_rate_bps", "base_rtt_ns", "ack_delay_ns"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_retries < 0:
-            problems.append(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.ack_every < 1:
-            problems.append(f"ack_every must be >= 1, got {self.ack_every}")
-        if not 0.0 <= self.drop_prob < 1.0:
-            problems.append(f"drop_prob must be in [0, 1), got {self.drop_prob}")
+        for name in ("drop_prob", "trim_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                problems.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if problems:
             raise ValueError("UET options: " + "; ".join(problems))
 
@@ -235,13 +302,17 @@ class _Pdc:
             self.nscc = NoCc(None, now_ns)
         else:
             self.credit = CreditSender(nic.credit_params)
-        self.last_demand_ns = float("-inf")
+        self.last_demand_ns = float("-inf")   # last request that carried our credit demand
+        self.last_credit_ns = float("-inf")   # last credit received
+        self.last_rx_ns = float("-inf")       # last request accepted from the peer
         self.error: str | None = None
         self.c = dict.fromkeys(
             ("tx_packets", "tx_bytes", "rx_packets", "rx_bytes", "acks_sent", "nacks_sent",
-             "trims_received", "ecn_received", "ecn_echoes", "credits_granted",
+             "trims_received", "ecn_received", "ecn_acks", "credits_granted",
              "credit_bytes_granted", "credits_received", "credit_bytes_received",
-             "credit_reqs_sent", "injected_drops", "bad_pdcid", "nacks_out_of_window"), 0)
+             "credit_reqs_sent", "delayed_acks", "injected_drops", "injected_trims",
+             "bad_pdcid",
+             "nacks_out_of_window"), 0)
 
     def busy(self) -> bool:
         return self.error is None and (self.ini.has_data() or not self.tx.idle())
@@ -271,10 +342,12 @@ class UetNic:
         self._order: list[_Pdc] = []
         self._rr = 0
         self._rng = random.Random(opts.seed)
-        self._packer = RequestPacker(opts.payload_bytes)
+        self._pkt = bytearray(PDS_CC_REQUEST_BYTES + SES_STD_BYTES + opts.payload_bytes)
+        self._pkt_view = memoryview(self._pkt)
         self.send_errors = SendErrors()
         self.malformed: dict[str, int] = {}
         self.rx_errors = 0
+        self.overflow_drops = 0      # SO_RXQ_OVFL: dropped before they were read
         self.datagrams_received = 0
         self.steps = 0
         self.waits = 0
@@ -306,6 +379,7 @@ class UetNic:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             s.setsockopt(_IPPROTO_IP, socket.IP_RECVTOS, 1)
+            s.setsockopt(_SOL_SOCKET, SO_RXQ_OVFL, 1)   # datagrams dropped, buffer full
             set_recv_buffer(s, self.opts.rcvbuf_bytes)
             s.bind((self.local_ip, self.port))
         except BaseException:
@@ -399,25 +473,15 @@ class UetNic:
 
     # -- sending
 
-    def _ses_header(self, seg: Segment) -> SesRequest:
-        send = seg.opcode == OP_SEND
-        hdr = send and seg.som          # SENDs carry their per-tag sequence on the SOM
-        return SesRequest(seg.opcode, seg.som, seg.eom, seg.message_id, seg.request_length,
-                          seg.buffer_offset, seg.memory_key, seg.header_data if hdr else 0,
-                          seg.message_offset, 0 if hdr else len(seg.payload),
-                          hdr_data_present=hdr)
-
     def _packet(self, p: _Pdc, psn: int, seg: Segment, retrans: bool, ackreq: bool) -> Any:
+        target = None
         if p.credit is not None:
             backlog = p.ini.backlog_bytes
             npk = -(-backlog // self.opts.payload_bytes)
             target = p.credit.credit_target(backlog + npk * _wire(self.hdr_bytes))
-            req = Request(psn & PSN_MASK, p.local_id, p.peer_id, retrans=retrans,
-                          ackreq=ackreq, ccc_id=0, credit_target=target)
-        else:
-            req = Request(psn & PSN_MASK, p.local_id, p.peer_id, retrans=retrans,
-                          ackreq=ackreq)
-        return self._packer.pack(req, self._ses_header(seg), seg.payload, check=False)
+        n = pack_segment(self._pkt, psn & PSN_MASK, p.local_id, p.peer_id, retrans, ackreq,
+                         target, seg)
+        return self._pkt_view[:n]
 
     def _data_out(self, p: _Pdc, sport: int, view: Any, now: float) -> None:
         n = len(view)
@@ -435,6 +499,9 @@ class UetNic:
         if self.opts.drop_prob and self._rng.random() < self.opts.drop_prob:
             p.c["injected_drops"] += 1
             return
+        if self.opts.trim_prob and self._rng.random() < self.opts.trim_prob:
+            p.c["injected_trims"] += 1
+            view = view[:TRIMMED_UDP_BYTES]
         self._send(self._sock_of[sport], view, p.addr)
 
     def _gate(self, p: _Pdc, now: float, wire: int) -> bool:
@@ -485,19 +552,24 @@ class UetNic:
         backlog = p.ini.backlog_bytes
         npk = -(-backlog // self.opts.payload_bytes)
         want = p.credit.credit_target(backlog + npk * _wire(self.hdr_bytes))
+        p.last_demand_ns = now            # also when nothing is wanted: no busy re-check
         if want <= 0:
             return
-        p.last_demand_ns = now
         p.c["credit_reqs_sent"] += 1
         self._send(p.ack_sock, pack_control(Control(int(CtlType.CREDIT_REQ), 0, p.local_id,
                                                     p.peer_id, payload=want)), p.addr)
 
+    def _credit_req_due(self, p: _Pdc) -> float:
+        """When a PDC blocked on credit asks again: two base RTTs after the later of its
+        last demand and its last grant (grants still flowing need no reminder)."""
+        return max(p.last_demand_ns, p.last_credit_ns) + 2 * self.opts.base_rtt_ns
+
     def _credit_blocked(self, p: _Pdc) -> bool:
         if p.credit is None or not p.ini.has_data() or not p.tx.window_open():
             return False
-        return not p.credit.can_send(_wire(self.hdr_bytes + self.opts.payload_bytes)) and \
-            not p.credit.can_send(_wire(self.hdr_bytes + min(
-                self.opts.payload_bytes, p.ini.queue[0].length - p.ini.queue[0].next_offset)))
+        head = p.ini.queue[0]
+        n = min(self.opts.payload_bytes, head.length - head.next_offset)
+        return not p.credit.can_send(_wire(self.hdr_bytes + n))     # the next packet's size
 
     # -- receiving
 
@@ -519,6 +591,8 @@ class UetNic:
             for level, ctype, data in anc:
                 if ctype == _IP_TOS and level == _IPPROTO_IP and data:
                     tos = data[0]
+                elif ctype == SO_RXQ_OVFL and level == _SOL_SOCKET and len(data) >= 4:
+                    self.overflow_drops = _U32.unpack_from(data)[0]
             try:
                 pk = parse(view[:n])
             except MalformedUet as e:
@@ -560,6 +634,8 @@ class UetNic:
             want = ses.payload_length
         if (o.trim_dscp is not None and tos >> 2 == o.trim_dscp) or len(payload) < want:
             c["trims_received"] += 1
+            if self.credit_rx is not None:    # its credit was spent: account it as arrived
+                self.credit_rx.on_data(now, p.peer, _wire(n - len(payload) + want))
             psn = p.rx.on_trimmed(req.psn)
             self._nack(p, int(NackCode.TRIMMED), psn, ce, req.retrans)
             return
@@ -573,6 +649,7 @@ class UetNic:
             self._nack(p, int(NackCode.PSN_OOR_WINDOW), v.psn, ce, req.retrans)
             return
         if v.new:
+            p.last_rx_ns = now
             done = p.tgt.on_packet(ses.opcode, ses.som, ses.eom, ses.message_id,
                                    ses.request_length, ses.buffer_offset, ses.memory_key,
                                    ses.header_data, 0 if ses.som else ses.message_offset,
@@ -612,7 +689,7 @@ class UetNic:
                         (a.cack_psn + a.sack_psn_offset) & PSN_MASK, a.sack_bitmap)
         ecn = a.ecn_marked
         if ecn:
-            p.c["ecn_echoes"] += 1
+            p.c["ecn_acks"] += 1
         acked_bytes = 0
         trigger = res.trigger
         ini = p.ini
@@ -629,6 +706,7 @@ class UetNic:
         if cc is not None and (acked_bytes or ecn):
             cc.on_ack(now, acked_bytes, res.rtt_ns, ecn)
         if a.credit and p.credit is not None:
+            p.last_credit_ns = now
             p.credit.on_credit(a.credit)
             p.c["credits_received"] += 1
             p.c["credit_bytes_received"] += a.credit
@@ -645,11 +723,17 @@ class UetNic:
 
     def _on_control(self, p: _Pdc, ctl: Control, now: float) -> None:
         if ctl.ctl_type == CtlType.CREDIT and p.credit is not None:
+            p.last_credit_ns = now
             p.credit.on_credit(ctl.payload)
             p.c["credits_received"] += 1
             p.c["credit_bytes_received"] += ctl.payload
         elif ctl.ctl_type == CtlType.CREDIT_REQ and self.credit_rx is not None:
             self.credit_rx.on_demand(now, p.peer, ctl.payload)
+            # grants() also writes off credit a PDC has held unused (or lost with its
+            # packets) for the credit timeout; with that PDC the only one wanting credit,
+            # next_grant_ns() stays None until it is written off, so a CREDIT_REQ (which
+            # a blocked sender repeats every base RTT) is what runs it
+            self._grant(now)
 
     # -- engine
 
@@ -660,7 +744,11 @@ class UetNic:
             self.on_error(p.peer, p.error)
 
     def _timers(self, now: float) -> None:
+        delay = self.opts.ack_delay_ns
         for p in self._order:
+            if p.rx.ack_pending() and now - p.last_rx_ns >= delay:
+                p.c["delayed_acks"] += 1          # the peer went quiet: ACK what it sent
+                self._ack(p, p.rx.cack, False, False)
             tx = p.tx
             t = tx.next_timer_ns()
             if t is not None and t <= now:
@@ -672,19 +760,24 @@ class UetNic:
                         p.nscc.on_timeout(now)
                 elif tx.failed and p.error is None:
                     self._fail(p, tx.failed)
-            if p.credit is not None and now - p.last_demand_ns >= self.opts.base_rtt_ns \
+            if p.credit is not None and now >= self._credit_req_due(p) \
                     and self._credit_blocked(p):
                 self._send_credit_req(p, now)
         crx = self.credit_rx
         if crx is not None:
             t = crx.next_grant_ns()
             if t is not None and t <= now:
-                for peer, nbytes in crx.grants(now):
-                    q = self.pdcs[str(peer)]
-                    q.c["credits_granted"] += 1
-                    q.c["credit_bytes_granted"] += nbytes
-                    self._send(q.ack_sock, pack_control(Control(
-                        int(CtlType.CREDIT), 0, q.local_id, q.peer_id, payload=nbytes)), q.addr)
+                self._grant(now)
+
+    def _grant(self, now: float) -> None:
+        """Send the credit grants due now (CONTROL CREDIT, from each PDC's ACK entropy)."""
+        assert self.credit_rx is not None
+        for peer, nbytes in self.credit_rx.grants(now):
+            q = self.pdcs[str(peer)]
+            q.c["credits_granted"] += 1
+            q.c["credit_bytes_granted"] += nbytes
+            self._send(q.ack_sock, pack_control(Control(
+                int(CtlType.CREDIT), 0, q.local_id, q.peer_id, payload=nbytes)), q.addr)
 
     def step(self) -> bool:
         """One round: receive, fire due timers and grants, send what everything allows.
@@ -734,12 +827,14 @@ class UetNic:
         now = self.clock.now_ns()
         for p in self._order:
             cands = [p.tx.next_timer_ns()]
+            if p.rx.ack_pending():
+                cands.append(p.last_rx_ns + self.opts.ack_delay_ns)
             if self._sendable(p, now):
                 cands.append(self._pace_due)
                 if p.nscc is not None:
                     cands.append(p.nscc.send_due_ns(now))
             elif p.credit is not None and self._credit_blocked(p):
-                cands.append(p.last_demand_ns + self.opts.base_rtt_ns)
+                cands.append(self._credit_req_due(p))
             for t in cands:
                 if t is not None and (best is None or t < best):
                     best = t
@@ -818,6 +913,7 @@ class UetNic:
                    "skipped_ports": list(self.skipped_ports),
                    "datagrams_received": self.datagrams_received,
                    "malformed": dict(self.malformed), "rx_errors": self.rx_errors,
+                   "overflow_drops": self.overflow_drops,
                    "icmp_errors": self.send_errors.icmp_errors,
                    "send_eagain": self.send_errors.eagain,
                    "send_enobufs": self.send_errors.enobufs,

@@ -25,7 +25,9 @@ Sender (`RudSender`):
         "3 later PSNs acknowledged": a reordered packet is not declared lost by ACKs of
         packets sent before it, and a retransmitted PSN is declared lost again only when
         3 packets sent after the retransmission are acknowledged, i.e. at most once per
-        round trip);
+        round trip), and only once its last transmission is `reorder_rtts` (1.25)
+        smoothed RTTs old, as RACK waits a reordering window: a packet its path merely
+        delayed (spraying; a sender that moved between CPUs on a veth) is not resent;
       RTO: the oldest unacknowledged transmission whose last send is `rto_ns` old -> that
         PSN; after `max_retries` timeouts of one PSN the sender fails (`failed` says why)
         and sends nothing more;
@@ -51,7 +53,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "PSN_MASK",
@@ -135,7 +137,7 @@ class RudSender:
 
     def __init__(self, *, start_psn: int = 0, window_packets: int = 256,
                  rto_ns: float = 1_000_000.0, max_retries: int = 7, sack_threshold: int = 3,
-                 rtt_ns: float = 10_000.0) -> None:
+                 rtt_ns: float = 10_000.0, reorder_rtts: float = 1.25) -> None:
         if window_packets < 1:
             raise ValueError(f"window_packets must be >= 1, got {window_packets}")
         if not rto_ns > 0:
@@ -146,6 +148,7 @@ class RudSender:
         self.rto_ns = float(rto_ns)
         self.max_retries = max_retries
         self.sack_threshold = sack_threshold
+        self.reorder_rtts = reorder_rtts      # a hole is lost no sooner than this many RTTs
         self.rtt_ns = float(rtt_ns)           # before the first sample
         self.srtt_ns: float | None = None
         self.next_psn = start_psn & PSN_MASK
@@ -172,6 +175,7 @@ class RudSender:
         self.acks_received = 0
         self.stale_acks = 0
         self.nacks_received = 0
+        self.stale_nacks = 0
 
     # -- sending
 
@@ -279,7 +283,7 @@ class RudSender:
             base += 1
         self.base = base
         if unacked and self._highest_acked > base:     # holes below a SACKed PSN
-            res.lost = self._sack_holes()
+            res.lost = self._sack_holes(now_ns)
         return res
 
     def _account(self, res: AckResult, now_ns: float, trigger: int) -> None:
@@ -303,20 +307,30 @@ class RudSender:
             s = self.srtt_ns
             self.srtt_ns = res.rtt_ns if s is None else s + (res.rtt_ns - s) / 8
 
-    def _sack_holes(self) -> list[tuple[int, TxRecord]]:
+    def _sack_holes(self, now_ns: float) -> list[tuple[int, TxRecord]]:
         """Unacknowledged PSNs below the highest acknowledged one whose last transmission
-        is older than the `sack_threshold` newest acknowledged transmissions: queued for
-        retransmission (at most once until sent again), and returned."""
+        is older than the `sack_threshold` newest acknowledged transmissions and than the
+        reordering window: queued for retransmission (at most once until sent again), and
+        returned."""
         if self.sack_threshold < 1:
             return []
         third = self._top[0]           # the k-th highest acknowledged transmission
         hi = self._highest_acked
         rtx = self._rtx_set
+        rtt = self.srtt_ns if self.srtt_ns is not None else self.rtt_ns
+        sent_before = now_ns - rtt * self.reorder_rtts
         out = []
         for psn, rec in self.unacked.items():   # insertion (= PSN) order
             if psn > hi:
                 break
-            if rec.seq < third and psn not in rtx:
+            if rec.seq >= third:
+                # First transmissions go out in PSN order, so every later first
+                # transmission is newer still, and a later PSN's retransmission is newer
+                # than this one's first transmission: nothing further can be a hole.
+                if rec.tx == 1:
+                    break
+                continue
+            if psn not in rtx and rec.sent_ns <= sent_before:
                 self._queue(psn, "sack")
                 out.append((psn, rec))
         return out
@@ -326,7 +340,8 @@ class RudSender:
         self.nacks_received += 1
         psn = unwrap(psn_wire, self.base)
         rec = self.unacked.get(psn)
-        if rec is None:
+        if rec is None:             # acknowledged already (another copy of it arrived)
+            self.stale_nacks += 1
             return None
         if not self._queue(psn, "nack", front=True):   # queued already: move it to the head
             try:
@@ -380,14 +395,13 @@ class RudSender:
                 "sack_retransmissions": self.sack_retransmissions,
                 "rto_retransmissions": self.rto_retransmissions, "timeouts": self.timeouts,
                 "acks_received": self.acks_received, "stale_acks": self.stale_acks,
-                "nacks_received": self.nacks_received,
+                "nacks_received": self.nacks_received, "stale_nacks": self.stale_nacks,
                 "inflight_packets": len(self.unacked), "inflight_bytes": self.inflight_bytes,
                 "next_psn": self.next_psn & PSN_MASK,
                 "srtt_ns": self.srtt_ns, "failed": self.failed}
 
 
-@dataclass(frozen=True, slots=True)
-class RxVerdict:
+class RxVerdict(NamedTuple):       # a tuple: made once per packet, cheaper than a dataclass
     """What the receiver made of one request packet."""
 
     psn: int              # unbounded integer PSN
@@ -396,8 +410,7 @@ class RxVerdict:
     out_of_window: bool = False   # dropped: too far above the cumulative PSN (NACK it)
 
 
-@dataclass(frozen=True, slots=True)
-class AckInfo:
+class AckInfo(NamedTuple):
     """The PDS fields of an ACK the receiver sends."""
 
     cack_psn: int          # 32-bit, as on the wire

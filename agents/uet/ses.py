@@ -29,7 +29,9 @@ Target (`SesTarget`, one per PDC, sharing the NIC's registered buffers):
     so each byte is placed once (the PDS already drops duplicate PSNs);
   - completed SENDs of one match bits value are released in sequence order: a later one
     that completes first waits until the earlier ones have.
-Errors (unknown key, out of bounds, inconsistent lengths) fail the message: counted,
+Errors (unknown key, out of bounds, inconsistent lengths, a SEND above `max_send_bytes`,
+1 GiB by default, since its buffer is allocated from request_length) fail the message:
+counted,
 described in `errors`, the rest of its packets ignored.
 """
 
@@ -56,6 +58,8 @@ OP_WRITE = 1
 OP_SEND = 5
 MESSAGE_ID_MASK = 0xFFFF
 MAX_ERRORS_KEPT = 16
+#: Largest SEND a target allocates a buffer for (request_length comes from the wire).
+MAX_SEND_BYTES = 1 << 30
 
 
 class Segment(NamedTuple):
@@ -233,8 +237,10 @@ class _InMessage:
 class SesTarget:
     """Reassembles the messages of one PDC; `regions` are the NIC's WRITE targets by key."""
 
-    def __init__(self, regions: dict[int, memoryview]) -> None:
+    def __init__(self, regions: dict[int, memoryview],
+                 max_send_bytes: int = MAX_SEND_BYTES) -> None:
         self.regions = regions
+        self.max_send_bytes = max_send_bytes
         self._msgs: dict[int, _InMessage] = {}
         self._failed_ids: set[int] = set()
         self._next_seq: dict[int, int] = {}
@@ -256,6 +262,22 @@ class SesTarget:
             m.buf = None
         return []
 
+    def _start(self, m: _InMessage) -> str | None:
+        """A message's first packet (whichever): allocate or check where it goes; why not."""
+        if m.opcode == OP_SEND:
+            if m.length > self.max_send_bytes:
+                return (f"SEND of {m.length} B is above the target's limit of "
+                        f"{self.max_send_bytes} B")
+            m.buf = bytearray(m.length)
+            return None
+        region = self.regions.get(m.key)
+        if region is None:
+            return f"WRITE to unknown memory key {m.key:#x}"
+        if m.buffer_offset + m.length > len(region):
+            return (f"WRITE of {m.length} B at offset {m.buffer_offset} overruns memory key "
+                    f"{m.key:#x} ({len(region)} B)")
+        return None
+
     def on_packet(self, opcode: int, som: bool, eom: bool, message_id: int,
                   request_length: int, buffer_offset: int, memory_key: int, header_data: int,
                   message_offset: int, payload: memoryview) -> list[WriteDone | MessageDone]:
@@ -266,20 +288,10 @@ class SesTarget:
             if opcode not in (OP_WRITE, OP_SEND):
                 return self._fail(message_id, None, f"opcode {opcode} is not WRITE or SEND")
             m = _InMessage(opcode, memory_key, buffer_offset, request_length)
-            if opcode == OP_SEND:
-                m.buf = bytearray(request_length)
-            else:
-                region = self.regions.get(memory_key)
-                if region is None:
-                    self._msgs[message_id] = m
-                    return self._fail(message_id, m, f"WRITE to unknown memory key "
-                                                     f"{memory_key:#x}")
-                if buffer_offset + request_length > len(region):
-                    self._msgs[message_id] = m
-                    return self._fail(message_id, m, (
-                        f"WRITE of {request_length} B at offset {buffer_offset} overruns "
-                        f"memory key {memory_key:#x} ({len(region)} B)"))
             self._msgs[message_id] = m
+            why = self._start(m)
+            if why is not None:
+                return self._fail(message_id, m, why)
         if m.failed:
             return []
         if (opcode != m.opcode or request_length != m.length or memory_key != m.key

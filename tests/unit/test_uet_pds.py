@@ -251,3 +251,21 @@ def test_a_psn_far_beyond_the_window_is_dropped_not_accepted():
                                            (PSN_MASK, 3, -1), (7, 7, 7)])
 def test_unwrap_finds_the_nearest_psn_across_the_32_bit_wrap(wire, ref, want):
     assert unwrap(wire, ref) == want
+
+
+def test_a_hole_is_resent_only_after_the_reordering_window():
+    s = RudSender(window_packets=16, rto_ns=1e9, rtt_ns=1_000.0)
+    r = RudReceiver(ack_every=1)
+    for i in range(6):
+        s.send_new(float(i), item=i, nbytes=1, entropy=0)
+
+    def ack(psn: int, now: float):
+        a = r.ack_info(r.on_packet(psn).psn)
+        return s.on_ack(now, a.cack_psn, a.ack_psn_offset, a.cack_psn + a.sack_psn_offset,
+                        a.sack_bitmap)
+
+    for psn in (1, 2, 3):                  # 0 overtaken by three packets sent after it
+        res = ack(psn, 500.0)
+    assert res.lost == [] and not s.has_retransmit()       # 500 ns < 1.25 RTT: reordered?
+    res = ack(4, 1_300.0)                  # past 1.25 smoothed RTTs since PSN 0 went: lost
+    assert [psn for psn, _rec in res.lost] == [0] and s.pop_retransmit() == 0

@@ -145,3 +145,12 @@ def test_expected_payload_says_what_a_whole_packet_carries():
 
 def test_opcodes_are_uec_values():
     assert (OP_WRITE, OP_SEND) == (1, 5)
+
+
+def test_a_send_above_the_targets_limit_fails_without_allocating_it():
+    tgt = SesTarget({}, max_send_bytes=100)
+    ini = SesInitiator(64)
+    ini.send(1, bytes(101))
+    ini.send(1, bytes(10))
+    out = [e for seg, _m in _segments(ini) for e in _deliver(tgt, seg)]
+    assert out == [] and tgt.errors == 1 and "above the target's limit" in tgt.error_log[0]
