@@ -36,6 +36,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
+from agents.wire.uet import UET_UDP_PORT
 from testbed.fields import NAME_RE, DurationNs, SizeBytes
 from testbed.workloads.base import (
     AgentFiles,
@@ -58,7 +59,8 @@ from testbed.workloads.base import (
 from testbed.workloads.rdma import roce_window_packets
 
 UetKindName = Literal["uet_pairs", "uet_incast", "uet_all_to_all"]
-UET_UDP_PORT = 4793                 # agents.wire.uet.UET_UDP_PORT: requests and ACKs
+# agents.uet.host's KEY_BASE and DONE_INDEX (not imported: it pulls in numpy, and the
+# config loads this module); tests/unit/test_workload_uet.py keeps them equal.
 UET_KEY_BASE = 0x1000               # stream s writes with memory key UET_KEY_BASE + s
 DONE_INDEX = 0xFFFFFFFF             # match bits s << 32 | DONE_INDEX: the initiator's last
 UET_MAX_MESSAGE_BYTES = 1 << 30     # a target holds a region of at least one message

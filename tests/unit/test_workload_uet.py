@@ -454,6 +454,10 @@ def test_no_pause_anywhere_is_said_plainly_with_the_class() -> None:
     assert not any("PFC" in n for n in KIND.fidelity_notes(specs, results, paused))
 
 
+def test_the_kind_and_the_agent_number_keys_and_the_last_send_alike() -> None:
+    assert uet_kind.UET_KEY_BASE == KEY_BASE and uet_kind.DONE_INDEX == DONE_INDEX
+
+
 def test_pattern_is_a_function_of_seed_and_index() -> None:
     assert pattern(1, 0, 64) == pattern(1, 0, 64)
     assert pattern(1, 0, 64) != pattern(1, 1, 64) != pattern(2, 1, 64)
