@@ -622,7 +622,7 @@ def _balance(ctx: ExpandContext, src: str, dst: str, entropies: int) -> dict | N
         if v in to_owner and d + to_owner[v] == from_first[owner]:
             levels.setdefault(d, []).append(v)
     widest = max(levels.values(), key=len, default=[])
-    if len(widest) < 2:
+    if len(widest) < 2 or entropies < len(widest):
         return None
     via = sorted(widest)
     return {"dst": dst, "via": via, "per_via": max(1, -(-entropies // len(via)))}

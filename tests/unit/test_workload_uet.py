@@ -138,6 +138,9 @@ def test_a_sprayed_initiator_asks_for_an_equal_share_of_ports_on_each_spine() ->
     loaded, plan = _load("    - {name: a, kind: uet_pairs, pairs: [[h1, h5]], messages: 1, "
                          "tclass: uet, entropy_paths: hashed}\n")
     assert KIND.path_pins(expand_workload(loaded.fabric, plan)) == []
+    loaded, plan = _load("    - {name: a, kind: uet_pairs, pairs: [[h1, h5]], messages: 1, "
+                         "tclass: uet, entropies: 1}\n")    # fewer ports than spines
+    assert KIND.path_pins(expand_workload(loaded.fabric, plan)) == []
 
 
 @pytest.mark.parametrize(("entry", "expected"), [
