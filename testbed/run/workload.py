@@ -76,7 +76,9 @@ def expand_context(fabric: Fabric, plan: Plan) -> ExpandContext:
         neighbours=lambda node: neighbours(plan, node),
         link_address=lambda node, peer: link_address(plan, node, peer),
         role=lambda node: plan.node(node).role,
-        base_rtt_ns=_pair_memo(lambda src, dst: base_round_trip_ns(plan, src, dst)))
+        classes={k: c for c in fabric.traffic_classes for k in (c.name, c.tc)},
+        base_rtt_ns=_pair_memo(lambda src, dst: base_round_trip_ns(plan, src, dst)),
+        trim_dscp=plan.trim_dscp)
 
 
 def _pair_memo(f: Callable[[str, str], int]) -> Callable[[str, str], int]:
