@@ -292,7 +292,7 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
         if t.name in names:
             yield loc + ("name",), f"traffic name {t.name!r} is used twice"
         names.add(t.name)
-        if t.tclass not in classes:
+        if t.tclass is not None and t.tclass not in classes:   # None: the kind's default
             yield (loc + ("tclass",), f"unknown traffic class {t.tclass!r}; use a class name or "
                    f"number from traffic_classes: "
                    f"{', '.join(f'{c.name} ({c.tc})' for c in fabric.traffic_classes)}")

@@ -76,6 +76,7 @@ def expand_context(fabric: Fabric, plan: Plan) -> ExpandContext:
         neighbours=lambda node: neighbours(plan, node),
         link_address=lambda node, peer: link_address(plan, node, peer),
         role=lambda node: plan.node(node).role,
+        classes={k: c for c in fabric.traffic_classes for k in (c.name, c.tc)},
         base_rtt_ns=_pair_memo(lambda src, dst: base_round_trip_ns(plan, src, dst)),
         trim_dscp=plan.trim_dscp)
 

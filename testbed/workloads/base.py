@@ -180,10 +180,11 @@ class ExpandContext:
     link_address: Callable[[str, str], str | None] = lambda node, peer: None  # node's
     #                                              address on its link to peer
     role: Callable[[str], str] = lambda node: "host"           # "host" or "switch"
+    classes: Mapping[str | int, ClassView] = field(default_factory=dict)   # by name and
+    #                                              number (a kind's default class)
     # host to host and back through empty queues, fabric ns (plan/paths.base_round_trip_ns)
     base_rtt_ns: Callable[[str, str], int] = lambda src, dst: 0
-    # the DSCP switch ports write into a trimmed packet of class tc, None where none trims
-    # (plan/model.Plan.trim_dscp): what a UET receiver knows a trim by
+    # the DSCP switch ports write into a trimmed packet of a class (by tc), None: no trim
     trim_dscp: Callable[[int], int | None] = lambda tc: None
     _state: dict[str, dict] = field(default_factory=dict)
 

@@ -351,10 +351,11 @@ class FlowsKind(WorkloadKind):
         "timeouts": "ACK timeouts, all flows (uet: retransmission timeouts of the PDCs)",
         "cnps_received": "CNPs the senders got (uet: none, it has no CNP)",
         "ce_received": "CE-marked packets the receivers got",
-        "transport": "uet, on entries with transport: uet (absent for roce)",
-        "entropy": "uet: how the NICs picked source ports (spray, oblivious, reps)",
+        "transport": "roce or uet (the entry's transport)",
+        "entropy": "uet: how the NICs picked source ports (spray, oblivious, reps); null "
+                   "for roce",
         "trims": "uet: trimmed packets the entry's receiving NICs got (each one NACKed and "
-                 "resent at once)",
+                 "resent at once); null for roce",
     }
 
     def describe(self, spec: AgentSpec) -> str:
@@ -589,6 +590,8 @@ class FlowsKind(WorkloadKind):
             def total(key: str, recs: list[FlowRecord] = recs) -> int:
                 return sum(int(r.extra.get(key) or 0) for r in recs)
 
+            uet = arg_of(spec.argv, "--transport") == "uet"
+
             def agents_total(key: str, traffic: str = spec.traffic) -> int:
                 return sum(int((results.get(s.name) or {}).get(key) or 0) for s in specs
                            if s.traffic == traffic)
@@ -604,15 +607,13 @@ class FlowsKind(WorkloadKind):
                 "fct_p50_us": _us(_pct(fcts, 0.5)), "fct_max_us": _us(fcts[-1] if fcts
                                                                       else None),
                 "posted_late_max_us": _us(max(late, default=None)),
-                **({"transport": "uet", "entropy": res.get("entropy"),
-                    "trims": sum(int((results.get(s.name) or {}).get("trims_received") or 0)
-                                 for s in specs if s.traffic == spec.traffic)}
-                   if res.get("transport") == "uet" else {}),
-                "retransmissions": (total("retransmissions") if res.get("transport") != "uet"
-                                    else agents_total("retransmissions")),
-                "timeouts": (total("timeouts") if res.get("transport") != "uet"
-                             else agents_total("timeouts")),
+                "retransmissions": (agents_total("retransmissions") if uet
+                                    else total("retransmissions")),
+                "timeouts": agents_total("timeouts") if uet else total("timeouts"),
                 "cnps_received": total("cnps_received"), "ce_received": total("ce_received"),
+                "transport": "uet" if uet else "roce",
+                "entropy": res.get("entropy") if uet else None,
+                "trims": agents_total("trims_received") if uet else None,
             }))
         return rows
 

@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from testbed.workloads import collective, flows, roce, training, udp
+from testbed.workloads import collective, flows, roce, training, udp, uet
 from testbed.workloads.base import TrafficEntry, WorkloadKind
 
 
@@ -101,3 +101,4 @@ REGISTRY.add(roce.KIND)
 REGISTRY.add(collective.KIND)
 REGISTRY.add(training.KIND)
 REGISTRY.add(flows.KIND)
+REGISTRY.add(uet.KIND)
