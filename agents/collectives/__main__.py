@@ -1,4 +1,5 @@
-"""`python -m agents.collectives`: one rank of a collective benchmark over RoCE (nccl-tests-like).
+"""`python -m agents.collectives`: one rank of a collective benchmark (nccl-tests-like) over
+the user-space RoCEv2 transport or the Ultra Ethernet one (`--transport uet`).
 
 Synopsis (all times the worker reports are FABRIC time; `--dilation D` converts)::
 
@@ -10,11 +11,18 @@ Synopsis (all times the worker reports are FABRIC time; `--dilation D` converts)
         [--seed N] [RoCE flags: --mtu --cc --cc-preset --cc-params --line-rate-bps
         --dscp --cnp-dscp --cnp-interval-ns --window-packets --ack-every --ack-req-every
         --timeout-ns --retry-cnt --max-burst-bytes --sndbuf-bytes --spin-ns]
+        [--transport roce|uet] [UET flags: --uet-cc nscc|credit|none
+        --uet-entropy spray|oblivious|reps --uet-entropies N --uet-trim-dscp N
+        --uet-payload-bytes N --uet-base-rtt-ns N --uet-ecn|--no-uet-ecn]
         [--dilation D] [--start-at-mono-ns T] [--control-sock PATH] [--ready-file PATH]
         [--out PATH] [--events PATH] [--max-events N] [--connect-timeout-s S]
 
 Entry i of --peers is rank i; this rank binds its own entry (TCP set-up port, UDP RoCE
-port) and reaches the others at theirs (`agents.collectives.roce`). The ready file
+port) and reaches the others at theirs (`agents.collectives.roce`). With `--transport
+uet` the UDP port of every entry is the UET NIC's (4793, the same for all: one UET rank
+per host, peers told apart by IP), the data moves as UET SENDs (`agents.collectives.uet`)
+and --dscp / --line-rate-bps / --uet-* set the NIC up; the RoCE-only flags (--qps, --cc,
+--mtu, ...) are then unused, and --algorithm ina is refused. The ready file
 appears once the set-up port listens; then the rank connects (up to
 --connect-timeout-s), waits for --start-at-mono-ns, and sweeps the sizes --min-bytes
 .. --max-bytes by --factor (nccl-tests' -b -e -f; sizes and counts as
@@ -29,13 +37,15 @@ runs on fresh inputs into a receive buffer pre-filled with a sentinel and is che
 with `data.count_wrong` against `data.reference`, block by block.
 
 Output: one JSON line on stdout (and --out), `{"rank", "size", "op", "algorithm",
-"dtype", "redop", "root", "results": [{"bytes", "count", "iterations_us", "min_us",
-"avg_us", "p50_us", "p99_us", "wrong", "phases_us", "wire_bytes_per_iteration"}],
+"dtype", "redop", "root", "transport", "results": [{"bytes", "count", "iterations_us",
+"min_us", "avg_us", "p50_us", "p99_us", "wrong", "phases_us", "wire_bytes_per_iteration",
+"retransmissions", "timeouts", "trims" (UET only)}],
 "partial", "counters", "error",
 "stopped_by", "events_written", "events_dropped"}`, where `counters` are the transport's
-(`RoceTransport.counters`). `results` holds the sizes that ran to their check (`wrong`
-is always a count); a size cut short by a stop or an error is `partial` (the same
-fields, the iterations it timed, `wrong` null), else `partial` is null.
+(`RoceTransport.counters`, or `UetTransport.counters`). `results` holds the sizes that
+ran to their check (`wrong` is always a count); a size cut short by a stop or an error
+is `partial` (the same fields, the iterations it timed, `wrong` null), else `partial`
+is null.
 
 --control-sock serves the live snapshot (`Live.snapshot`, mode `collective`): the
 transport's flat totals (bytes_sent, bytes_received, retransmissions, ...), `ina_<key>`
@@ -71,7 +81,8 @@ from agents.collectives.roce import (
     TransportError,
     parse_peers,
 )
-from agents.collectives.sync import barrier, finish, open_transport
+from agents.collectives.sync import barrier, finish, open_transport, open_uet_transport
+from agents.collectives.transport import RankTransport
 from agents.rdma import options
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
@@ -125,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the algorithm's `chunks` (pipelining of each step; default 1)")
     p.add_argument("--seed", type=argtypes.nonneg_int, default=1, help="test data seed")
     options.add_arguments(p)
+    add_uet_arguments(p)
     p.add_argument("--dilation", type=argtypes.positive_int, default=1,
                    help="time-dilation factor D: the fabric runs D times slower (default 1)")
     p.add_argument("--start-at-mono-ns", type=argtypes.nonneg_int, default=0, metavar="MONO_NS",
@@ -159,6 +171,56 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+UET_CC = ("nscc", "credit", "none")
+UET_ENTROPY = ("spray", "oblivious", "reps")
+MAX_UET_ENTROPIES = 4096
+
+
+def add_uet_arguments(p: argparse.ArgumentParser) -> None:
+    """--transport and the UET NIC's flags (agents.uet.nic.UetOptions)."""
+    g = p.add_argument_group("transport")
+    g.add_argument("--transport", choices=("roce", "uet"), default="roce",
+                   help="roce: RDMA WRITEs with immediate over RC QPs (default); uet: SENDs "
+                        "over the Ultra Ethernet transport's NIC (one per host, UDP 4793)")
+    g.add_argument("--uet-cc", choices=UET_CC, default="nscc",
+                   help="UET congestion control: nscc (sender-based, ECN + delay), credit "
+                        "(receiver-paced credit) or none (default %(default)s)")
+    g.add_argument("--uet-entropy", choices=UET_ENTROPY, default="spray",
+                   help="UET per-packet entropy (UDP source port): spray (round robin over "
+                        "--uet-entropies), oblivious (one per peer) or reps (default "
+                        "%(default)s)")
+    g.add_argument("--uet-entropies", type=argtypes.positive_int, default=16,
+                   help="source ports a PDC sprays over (default %(default)s)")
+    g.add_argument("--uet-trim-dscp", type=int, default=None, choices=range(64),
+                   metavar="0..63", help="DSCP a switch gives a trimmed UET packet (default: "
+                                         "trims are known by their short payload only)")
+    g.add_argument("--uet-payload-bytes", type=argtypes.positive_int, default=4096,
+                   help="UET payload per packet (default %(default)s)")
+    g.add_argument("--uet-base-rtt-ns", type=argtypes.positive_int, default=10_000,
+                   help="fabric round trip with empty queues, ns: NSCC's base (default "
+                        "%(default)s)")
+    g.add_argument("--uet-ecn", action=argparse.BooleanOptionalAction, default=True,
+                   help="send UET packets ECN-capable (ECT(0)); default on")
+
+
+def check_uet_args(args: Namespace) -> str | None:
+    """--transport uet: one NIC port for every rank, a rank per IP, no in-network."""
+    if args.transport != "uet":
+        return None
+    if args.algorithm == "ina":
+        return "--algorithm ina runs over the RoCE transport only, not --transport uet"
+    ports = {p.udp_port for p in args.peer_list}
+    if len(ports) != 1:
+        return (f"--transport uet: every rank's UDP port is the UET NIC's (4793), one for "
+                f"all; --peers has {sorted(ports)}")
+    ips = [p.ip for p in args.peer_list]
+    if len(set(ips)) != len(ips):
+        return "--transport uet: two ranks share an IP; one UET NIC (UDP 4793) per host"
+    if args.uet_entropies > MAX_UET_ENTROPIES:
+        return f"--uet-entropies {args.uet_entropies} is above {MAX_UET_ENTROPIES}"
+    return None
+
+
 def check_args(args: Namespace) -> str | None:
     """What is wrong with the arguments beyond their types, or None."""
     try:
@@ -178,6 +240,9 @@ def check_args(args: Namespace) -> str | None:
         return f"--root {args.root} is not one of the {n} ranks"
     if args.chunk_bytes <= 16:
         return "--chunk-bytes must exceed the 16-byte chunk header"
+    uet_problem = check_uet_args(args)
+    if uet_problem:
+        return uet_problem
     if args.algorithm == "ina":
         return _check_ina(args)
     return None
@@ -235,7 +300,7 @@ class Live:
 
     def __init__(self, args: Namespace, events: EventLog | None = None) -> None:
         self.args = args
-        self.transport: RoceTransport | None = None
+        self.transport: RankTransport | None = None
         self.phase = "setup"
         self.results: list[dict] = []       # checked sizes
         self.partial: dict | None = None     # the size under way (unchecked)
@@ -265,6 +330,16 @@ class Live:
                       + totals.get("packets_sent", 0) * WIRE_OVERHEAD_BYTES)
         return total
 
+    def recovery(self) -> dict[str, int]:
+        """The transport's loss recovery so far: `retransmissions` (data packets sent
+        again), `timeouts`, and over UET `trims` (trimmed packets that reached this rank)."""
+        c = self.transport.counters() if self.transport is not None else {}
+        out = {"retransmissions": int(c.get("retransmissions", 0)),
+               "timeouts": int(c.get("timeouts", 0))}
+        if c.get("transport") == "uet":
+            out["trims"] = int(c.get("trims_received", 0))
+        return out
+
     def snapshot(self) -> dict:
         """The live counters; the collector samples every top-level number of it as
         `collective.<key>` (docs/run-format.md)."""
@@ -288,7 +363,8 @@ class Live:
     def header(self) -> dict:
         a = self.args
         return {"rank": a.rank, "size": len(a.peer_list), "op": a.op,
-                "algorithm": a.algorithm, "dtype": a.dtype, "redop": a.redop, "root": a.root}
+                "algorithm": a.algorithm, "dtype": a.dtype, "redop": a.redop, "root": a.root,
+                "transport": getattr(a, "transport", "roce")}
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -297,7 +373,7 @@ class Live:
 class Sweep:
     """Runs the sizes of one rank, recording into `live`."""
 
-    def __init__(self, args: Namespace, t: RoceTransport, algorithms: ModuleType,
+    def __init__(self, args: Namespace, t: RankTransport, algorithms: ModuleType,
                  data: ModuleType, live: Live, link: InaLink | None = None,
                  should_stop: Callable[[], bool] = lambda: False) -> None:
         self.args = args
@@ -331,6 +407,7 @@ class Sweep:
         self.live.partial = result
         total = a.warmup + a.iterations
         sent0 = 0
+        lost0: dict[str, int] = {}
         for it in range(total):
             self.live.iteration = it
             if it == total - 1:            # the checked one: fresh inputs, sentinel output
@@ -339,6 +416,7 @@ class Sweep:
             barrier(self.t, (index, it))
             if it == a.warmup:
                 sent0 = self.live.wire_bytes_sent()
+                lost0 = self.live.recovery()
             self.phases.iteration(result["bytes"], it, it < a.warmup)
             clock = sweep.PhaseClock(t.clock.now_ns, on_close=self.phases.close)
             t0 = t.clock.now_ns()
@@ -364,6 +442,9 @@ class Sweep:
         # what this rank put on its host link per timed run (the barriers' few bytes too)
         result["wire_bytes_per_iteration"] = round(
             (self.live.wire_bytes_sent() - sent0) / a.iterations)
+        # what loss recovery cost over the timed runs (and their barriers)
+        lost1 = self.live.recovery()
+        result.update({k: v - lost0.get(k, 0) for k, v in lost1.items()})
         result["wrong"] = self.wrong(count, recv)
         self.live.results.append(result)
         self.live.partial = None
@@ -454,7 +535,8 @@ def run(args: Namespace, life: Lifecycle, live: Live) -> None:
     algorithms = load(args.algorithms_module, "algorithms")
     data = load(args.data_module, "data helpers")
     check_algorithm(algorithms, args.op, args.algorithm)
-    t = open_transport(args, life)
+    t: RankTransport = (open_uet_transport(args, life) if args.transport == "uet"
+                        else open_transport(args, life))
     live.transport = t
     left = "error"
     try:
@@ -463,7 +545,10 @@ def run(args: Namespace, life: Lifecycle, live: Live) -> None:
             raise Stopped()
         live.phase = "running"
         me = args.peer_list[args.rank]
-        link = InaLink(args, me.ip, life, t) if args.algorithm == "ina" else None
+        link = None
+        if args.algorithm == "ina":
+            assert isinstance(t, RoceTransport)       # check_args refuses ina over UET
+            link = InaLink(args, me.ip, life, t)
         live.ina = link
         try:
             Sweep(args, t, algorithms, data, live, link, life.should_stop).run()

@@ -1,5 +1,5 @@
-"""How the ranks of a communicator keep in step over the RoCE transport: a barrier
-before each timed operation, and leaving together at the end.
+"""How the ranks of a communicator keep in step over their transport (RoCE or UET): a
+barrier before each timed operation, and leaving together at the end.
 
 Shared by the collective benchmark (`python -m agents.collectives`) and the training-step
 worker (`python -m agents.collectives.training`).
@@ -10,12 +10,16 @@ from __future__ import annotations
 import os
 import time
 from argparse import Namespace
+from collections.abc import Callable
 
 import numpy as np
 
+from agents.collectives import uet
 from agents.collectives.roce import RoceConfig, RoceTransport, TransportError, connect
+from agents.collectives.transport import RankTransport
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready
+from agents.uet.nic import UetOptions
 
 #: Tags at and above this are the worker's own (the barrier); algorithms use smaller ones.
 BARRIER_TAG = 0xFFFFFF00
@@ -27,19 +31,44 @@ LINGER_S = 0.05
 LEAVE_TIMEOUT_S = 30.0
 
 
+def _ready(args: Namespace) -> Callable[[], None]:
+    me = args.peer_list[args.rank]
+    return lambda: mark_ready(args.ready_file, {
+        "rank": args.rank, "tcp_port": me.tcp_port, "udp_port": me.udp_port,
+        "pid": os.getpid()})
+
+
 def open_transport(args: Namespace, life: Lifecycle) -> RoceTransport:
     """Connect this rank (`args.rank` of `args.peer_list`) to every other over the RoCE
     transport, marking its ready file once it listens for its peers' set-up."""
     config = RoceConfig(args=args, qps=args.qps, chunk_bytes=args.chunk_bytes,
                         dilation=args.dilation, connect_timeout_s=args.connect_timeout_s)
-    me = args.peer_list[args.rank]
     return connect(args.rank, args.peer_list, config, should_stop=life.should_stop,
-                   on_listening=lambda: mark_ready(args.ready_file, {
-                       "rank": args.rank, "tcp_port": me.tcp_port, "udp_port": me.udp_port,
-                       "pid": os.getpid()}))
+                   on_listening=_ready(args))
 
 
-def barrier(t: RoceTransport, token: tuple[int, int]) -> None:
+def open_uet_transport(args: Namespace, life: Lifecycle) -> uet.UetTransport:
+    """The same over the UET transport: this rank's UET NIC (on its UDP port of
+    --peers, 4793) from the worker's --uet-* flags, then the set-up connections."""
+    config = uet.UetConfig(options=uet_options(args), chunk_bytes=args.chunk_bytes,
+                           dilation=args.dilation, connect_timeout_s=args.connect_timeout_s,
+                           udp_port=args.peer_list[args.rank].udp_port)
+    return uet.connect(args.rank, args.peer_list, config, should_stop=life.should_stop,
+                       on_listening=_ready(args))
+
+
+def uet_options(args: Namespace) -> UetOptions:
+    """The UET NIC's options (agents.uet.nic.UetOptions) from a worker's flags."""
+
+    return UetOptions(dscp=args.dscp, ecn=args.uet_ecn, cc=args.uet_cc,
+                      entropy=args.uet_entropy, entropies=args.uet_entropies,
+                      payload_bytes=args.uet_payload_bytes,
+                      line_rate_bps=float(args.line_rate_bps),
+                      base_rtt_ns=float(args.uet_base_rtt_ns), trim_dscp=args.uet_trim_dscp,
+                      seed=args.seed, spin_ns=args.spin_ns)
+
+
+def barrier(t: RankTransport, token: tuple[int, int]) -> None:
     """Dissemination barrier over the transport: ceil(log2 n) rounds; in round k a rank
     sends `token` to rank + 2^k and waits for the one from rank - 2^k, so no rank leaves
     before every rank has arrived, and ranks out of step (different tokens) are caught."""
@@ -55,7 +84,7 @@ def barrier(t: RoceTransport, token: tuple[int, int]) -> None:
         k, rnd = k * 2, rnd + 1
 
 
-def finish(t: RoceTransport) -> None:
+def finish(t: RankTransport) -> None:
     """Leave together. Every send of ours acknowledged, a last barrier, and ours again;
     then a peer's last message to us may still wait for an ACK of ours that was lost,
     and only we can answer its retransmission. So we say 'done' over the set-up

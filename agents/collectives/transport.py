@@ -13,9 +13,12 @@ a transport must keep messages of different tags apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+
+from agents.timebase import FabricClock
 
 
 class Transport(Protocol):
@@ -33,3 +36,27 @@ class Transport(Protocol):
 
     def wait_sends(self) -> None:
         """Block until every buffer given to send() may be reused."""
+
+
+class RankTransport(Transport, Protocol):
+    """What a worker (`python -m agents.collectives`, the training step) needs of its
+    rank's transport beyond the algorithms' `Transport`: its fabric clock, driving it
+    until a condition holds, leaving together (agents.collectives.sync), counters.
+    `RoceTransport` and `UetTransport` are both one."""
+
+    clock: FabricClock
+
+    def drive(self, done: Callable[[], bool]) -> None:
+        """Serve the network until `done()`."""
+
+    def leave(self, reason: str) -> None:
+        """Tell every peer why this rank goes ('done': no error to them)."""
+
+    def peers_done(self) -> bool:
+        """Every peer has said 'done'."""
+
+    def counters(self) -> dict:
+        """The transport's counters: flat totals at the top level, details below."""
+
+    def close(self) -> None:
+        """Release the sockets."""

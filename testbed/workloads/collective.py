@@ -18,6 +18,10 @@ busbw = algbw x the operation's bus factor (all-reduce 2(n-1)/n; reduce-scatter,
 all-gather, all-to-all (n-1)/n; broadcast 1); sizes are nccl-tests' (the bytes of the
 larger buffer: count x n elements for reduce-scatter's input, all-gather's output and
 all-to-all). results/<entry>.nccl.txt and .nccl.json hold its table and -J JSON.
+
+With `transport: uet` the same workers move the data as UET SENDs over each host's
+Ultra Ethernet NIC (UDP 4793, one per host; agents/collectives/uet.py) instead, and
+`cc` takes UET's congestion controls and `entropy`, `entropies` apply (rdma_group.py).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from testbed.workloads.base import (
     WorkloadKind,
     arg_of,
 )
-from testbed.workloads.collective_accounts import ina_accounts, roce_accounts
+from testbed.workloads.collective_accounts import ina_accounts, roce_accounts, uet_accounts
 from testbed.workloads.collective_nccl import iteration_stats, json_report, table
 from testbed.workloads.rdma_group import (
     GROUP_PORTS,
@@ -60,6 +64,7 @@ from testbed.workloads.rdma_group import (
     rank_ports,
     transport_argv,
     transport_problems,
+    uet_host_ports,
 )
 
 CollectiveKindName = Literal["allreduce", "reducescatter", "allgather", "broadcast",
@@ -177,7 +182,8 @@ class CollectiveKind(WorkloadKind):
     doc: ClassVar = ("Collectives (agents/collectives): one worker per rank, all-reduce "
                      "(ring, recursive halving-doubling, double binary tree), reduce-scatter,"
                      " all-gather, broadcast and all-to-all as RDMA WRITEs with immediate over the "
-                     "user-space RoCE transport, swept over sizes the way nccl-tests does; "
+                     "user-space RoCE transport (or, transport: uet, as UET SENDs over each "
+                     "host's Ultra Ethernet NIC), swept over sizes the way nccl-tests does; "
                      "one row per size, also written as results/<entry>.nccl.txt and "
                      "results/<entry>.nccl.json (nccl-tests' table and -J JSON).")
     # UDP: RoCE 10000.., aggregators 11000.., ranks' aggregation sockets 11500..
@@ -187,9 +193,10 @@ class CollectiveKind(WorkloadKind):
                          "ranks": ["h1", "h2", "h3", "h4"],
                          "sizes": {"min": "64KiB", "max": "1MiB", "factor": 4}}
     console_columns: ClassVar = (
-        ("algorithm", "algorithm"), ("ranks", "ranks"), ("size (B)", "bytes"),
-        ("type", "dtype"), ("time (us)", "time_us"), ("algbw (GB/s)", "algbw_gbps"),
-        ("busbw (GB/s)", "busbw_gbps"), ("link (GB/s)", "effective_link_gbps"),
+        ("algorithm", "algorithm"), ("transport", "transport"), ("ranks", "ranks"),
+        ("size (B)", "bytes"), ("type", "dtype"), ("time (us)", "time_us"),
+        ("algbw (GB/s)", "algbw_gbps"), ("busbw (GB/s)", "busbw_gbps"),
+        ("link (GB/s)", "effective_link_gbps"), ("retx", "retransmissions"),
         ("#wrong", "wrong"))
     result_fields: ClassVar = {
         "operation": "allreduce, reducescatter, allgather, broadcast or alltoall",
@@ -217,6 +224,12 @@ class CollectiveKind(WorkloadKind):
                                "really placed on the busiest NIC (docs/collectives-roce.md); "
                                "unlike busbw it needs no per-algorithm factor, so it stays "
                                "meaningful for tree and in-network all-reduce",
+        "transport": "roce (RDMA WRITEs with immediate over RC QPs) or uet (UET SENDs)",
+        "retransmissions": "data packets sent again during the timed runs, over every rank "
+                           "(RoCE: go-back-N resends; UET: selective ones)",
+        "timeouts": "retransmission timer expiries during the timed runs, over every rank",
+        "trims": "UET: trimmed packets that reached a rank during the timed runs, over every "
+                 "rank (null over RoCE)",
         "error": "the first error a rank reported (null: none)",
     }
 
@@ -227,6 +240,9 @@ class CollectiveKind(WorkloadKind):
         if t.algorithm is not None and t.algorithm not in allowed:
             yield (loc + ("algorithm",), f"{t.algorithm!r} is not a {t.kind} algorithm; use "
                    f"{' or '.join(allowed)}")
+        if t.op_algorithm == "ina" and t.transport == "uet":
+            yield (loc + ("transport",), "the in-network all-reduce runs its barriers and "
+                   "set-up over RoCE; use transport: roce, or another algorithm over uet")
         if t.op_algorithm == "ina" and (t.dtype == "bfloat16" or t.redop != "sum"):
             yield (loc + ("dtype" if t.dtype == "bfloat16" else "redop",),
                    "the in-network all-reduce sums float32, float16 or int32 in int32 fixed "
@@ -252,13 +268,19 @@ class CollectiveKind(WorkloadKind):
             yield (loc + ("sizes", "min"), f"{t.sizes.min_bytes} B holds no element per rank: "
                    f"a {t.kind} of {t.dtype} over {n} ranks needs at least {step} B")
 
+    def host_ports(self, entry: TrafficEntry,
+                   ctx: CheckContext) -> dict[str, list[tuple[str, int, str]]]:
+        """transport: uet: each rank's host runs a UET NIC on UDP 4793."""
+        assert isinstance(entry, CollectiveTraffic)
+        return uet_host_ports(entry)
+
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         assert isinstance(entry, CollectiveTraffic)
         t = entry
         ports = rank_ports(ctx, t.ranks)         # (TCP set-up, UDP RoCE, UDP INA) per rank
         aggregators = (ina_plan(t, index, ctx, [p[2] for p in ports])
                        if t.op_algorithm == "ina" else None)
-        peers = peers_arg(ctx, t.ranks, ports)
+        peers = peers_arg(ctx, t.ranks, ports, t.transport)
         specs = []
         for rank, host in enumerate(t.ranks):
             argv = ["--rank", str(rank), "--peers", peers, "--op", t.kind,
@@ -352,10 +374,13 @@ class CollectiveKind(WorkloadKind):
 
     def stream_accounts(self, specs: Sequence[AgentSpec], results: Results,
                         flow_drops: Sequence[dict], view: RunView) -> list[dict]:
-        """Rank to rank (RoCE) and rank / aggregator (INA) streams, both ways
+        """Rank to rank (RoCE, or UET) and rank / aggregator (INA) streams, both ways
         (testbed/workloads/collective_accounts.py)."""
         out = []
         for traffic, kind, ranks in _entries(specs):
+            if ranks and arg_of(ranks[0].argv, "--transport") == "uet":
+                out += uet_accounts(traffic, kind, ranks, results, flow_drops)
+                continue
             out += roce_accounts(traffic, kind, ranks, results, flow_drops)
             aggregators = [s for s in specs
                            if s.module == AGGREGATOR_MODULE and s.traffic == traffic]
@@ -377,6 +402,7 @@ class CollectiveKind(WorkloadKind):
                              f"{res['events_dropped']} phase events beyond its cap of "
                              f"{res.get('events_written', 0)} were not written: the report's "
                              "phase timeline misses them (the results are whole)")
+            notes += _uet_notes(spec, res)
             wrong = sum(int(r.get("wrong", 0)) for r in res.get("results") or [])
             if wrong:
                 notes.append(f"collective rank {spec.name} on {spec.node}: {wrong} elements "
@@ -407,6 +433,24 @@ class CollectiveKind(WorkloadKind):
 
 
 AGGREGATOR_MODULE = "agents.aggregator"
+
+
+def _uet_notes(spec: AgentSpec, res: dict) -> list[str]:
+    """A UET rank's NIC that dropped datagrams: malformed, with PDC ids that are not its
+    peers', or overflowing its receive socket (each is retransmitted by its sender, but
+    is a packet the fabric delivered and the rank lost)."""
+    uet = (res.get("counters") or {}).get("uet") or {}
+    totals = uet.get("totals") or {}
+    bad = {"malformed": int(totals.get("malformed") or 0),
+           "with wrong PDC ids": int(totals.get("bad_pdcid") or 0),
+           "in its full receive socket (the rank fell behind, not the fabric)":
+               int((uet.get("sockets") or {}).get("overflow_drops") or 0)}
+    bad = {k: v for k, v in bad.items() if v}
+    if not bad:
+        return []
+    return [f"collective rank {spec.name} on {spec.node}: its UET NIC dropped "
+            + ", ".join(f"{v} datagrams {k}" for k, v in bad.items())
+            + " (counters.uet.sockets.malformed has the reasons)"]
 
 
 def _aggregator_notes(spec: AgentSpec, res: dict) -> list[str]:
@@ -701,6 +745,12 @@ def _size_row(kind: str, first: dict, size: int, per_rank_rows: list[dict], n: i
     dtype = str(first.get("dtype") or "float32")
     link_bytes = max((int(r.get("wire_bytes_per_iteration") or 0) for r in per_rank_rows),
                      default=0)
+    def summed(key: str) -> int | None:
+        values = [r.get(key) for r in per_rank_rows]
+        if not values or not all(isinstance(v, int) for v in values):
+            return None
+        return sum(int(v) for v in values if isinstance(v, int))
+
     errors = [str(r["error"]) for r in per_rank if r.get("error")]
     if not complete and not errors:
         errors = [f"{n - len(per_rank_rows)} of {n} ranks reported no result for {size} B"]
@@ -721,6 +771,9 @@ def _size_row(kind: str, first: dict, size: int, per_rank_rows: list[dict], n: i
         "phases_us": {k: round(v, 3) for k, v in phases.items()},
         "link_bytes": link_bytes,
         "effective_link_gbps": round(link_bytes / (time_us * 1e3), 4) if time_us > 0 else 0.0,
+        "transport": str(first.get("transport") or "roce"),
+        "retransmissions": summed("retransmissions"), "timeouts": summed("timeouts"),
+        "trims": summed("trims"),
         "error": errors[0] if errors else None,
     }
 

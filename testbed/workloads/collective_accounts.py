@@ -14,6 +14,11 @@ A collective's streams are not one agent's each, so they are named by their ends
   an unknown QPN, a wrong peer) is counted per endpoint, not per sender: it is the
   account's `socket_drops`, shared out over the streams into rank j that miss packets.
   Out-of-order drops with nothing lost on the flow are reordering, as for RoCE entries.
+- `<entry> r<i>->r<j>` with transport: uet (`uet_accounts`): every datagram rank i's UET
+  NIC sent to rank j's UDP 4793, from its PDC counters (requests, retransmissions
+  included, ACKs, NACKs, CREDIT and CREDIT_REQ), against what rank j's NIC took from rank
+  i, and the fabric's drops on those flows over every source port (the packets are
+  sprayed). Out-of-order arrival is spraying's, never counted as reordering.
 - `<entry> r<i>->agg@<switch>` and `<entry> agg@<switch>->r<i>` (algorithm ina): a rank's
   REQUESTs to its leaf aggregator (its `ina.packets_sent`; the aggregator's
   `peers[ip:port].received`), and the RESULTs back (the aggregator's `sent`; the rank's
@@ -186,4 +191,70 @@ def ina_accounts(traffic: str, kind: str, ranks: Sequence[AgentSpec],
                 drops=flow_drops_of(flow_drops, view.addresses(agg.spec.node), ip, port,
                                     {agg.port}),
                 complete=done, discarded=int(up.get("discarded", 0))))
+    return out
+
+
+def _pdc(res: dict, peer_ip: str) -> dict:
+    """A UET rank's NIC counters of its PDC to `peer_ip` (UetTransport.counters)."""
+    return (((res.get("counters") or {}).get("uet") or {}).get("pdcs") or {}).get(peer_ip) or {}
+
+
+def _n(c: dict, key: str) -> int:
+    v = c.get(key)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+#: What a UET NIC sends a peer, by its PDC counters: requests (data, retransmissions
+#: included), ACKs, NACKs, CREDIT grants, CREDIT_REQs; all to the peer's UDP 4793.
+UET_SENT = ("tx_packets", "acks_sent", "nacks_sent", "credits_granted", "credit_reqs_sent")
+#: What it takes from a peer: requests, ACKs, NACKs, CREDITs, and packets with the wrong
+#: PDC ids (received, then refused).
+UET_RECEIVED = ("rx_packets", "acks_received", "nacks_received", "credits_received",
+                "bad_pdcid")
+
+
+def uet_accounts(traffic: str, kind: str, ranks: Sequence[AgentSpec], results: Results,
+                 flow_drops: Sequence[dict]) -> list[dict]:
+    """transport: uet: one account per ordered pair of ranks, `<entry> r<i>->r<j>`: every
+    datagram rank i's NIC sent to rank j's UDP 4793 (requests, ACKs, NACKs, credit: both
+    directions of a PDC pair share the port, so a lost ACK has its place), what rank j's
+    NIC took from rank i, and the fabric's drops on those flows, over every source port
+    (the packets are sprayed). A CREDIT_REQ has no receive counter: it is taken as
+    received (they are rare, one per base RTT of a sender blocked on credit). Datagrams
+    rank j's receive socket overflowed on or could not parse are its `socket_drops`,
+    shared over the streams into it that miss packets. Out-of-order arrival is what
+    spraying does, so none of it is counted as the emulator's reordering."""
+    if not ranks:
+        return []
+    peers = _peers(ranks[0].argv)
+    res = [results.get(s.name) or {} for s in ranks]
+    out: list[dict] = []
+    missing: dict[int, list[tuple[dict, int]]] = {}
+    for i, src in enumerate(ranks):
+        for j, dst in enumerate(ranks):
+            if i == j:
+                continue
+            mine, theirs = _pdc(res[i], peers[j].ip), _pdc(res[j], peers[i].ip)
+            sent = sum(_n(mine, k) for k in UET_SENT)
+            received = (sum(_n(theirs, k) for k in UET_RECEIVED)
+                        + _n(mine, "credit_reqs_sent"))
+            drops = flow_drops_of(flow_drops, {peers[i].ip}, peers[j].ip, peers[j].udp, None)
+            drops["injected"] = _n(mine, "injected_drops")
+            a = account(f"{traffic} r{i}->r{j}", kind, src.node, dst.node, sent=sent,
+                        received=received, drops=drops, reordered=0,
+                        complete=bool(res[i] and res[j]))
+            a["socket_drops"] = 0
+            out.append(a)
+            short = sent - received - a["fabric_drops"]
+            if short > 0:
+                missing.setdefault(j, []).append((a, short))
+    # datagrams rank j's receive socket dropped before the NIC read them (SO_RXQ_OVFL), or
+    # read and could not parse: the host's, not a stream's; shared out over the short ones
+    for j, items in missing.items():
+        sockets = ((res[j].get("counters") or {}).get("uet") or {}).get("sockets") or {}
+        budget = _n(sockets, "overflow_drops") + sum(
+            int(v) for v in (sockets.get("malformed") or {}).values())
+        for a, short in sorted(items, key=lambda x: -x[1]):
+            a["socket_drops"] = min(budget, short)
+            budget -= a["socket_drops"]
     return out

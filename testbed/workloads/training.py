@@ -214,6 +214,12 @@ class TrainingKind(WorkloadKind):
     def check(self, entry: TrafficEntry, loc: tuple, ctx: CheckContext) -> Iterator[Problem]:
         assert isinstance(entry, TrainingTraffic)
         t = entry
+        if t.transport == "uet":
+            # the step worker samples its QPs' rates and CNPs (agents/collectives/training.py)
+            yield (loc + ("transport",), "the training step runs over RoCE only (its "
+                   "congestion counters are its queue pairs'); use transport: roce, or a "
+                   "collective entry (kind: allreduce) for transport: uet")
+            return
         yield from transport_problems(t, loc, ctx)
         if len(t.ranks) == 1:
             yield loc + ("ranks",), "a training step needs at least two ranks to all-reduce"
