@@ -62,6 +62,12 @@ class FabricClock:
     def now_ns(self) -> float:
         return self._dilation.to_fabric_ns(self._wall_ns() - self._origin_wall_ns)
 
+    def at_wall_clock_ns(self, wall_ns: int) -> float:
+        """What this clock reads (or read, or will read) when the wall clock
+        (CLOCK_MONOTONIC ns by default) reads `wall_ns`: an agent's common start t0, given
+        as a monotonic instant, in its own fabric time."""
+        return self._dilation.to_fabric_ns(wall_ns - self._origin_wall_ns)
+
     def to_wall_clock_ns(self, fabric_ns: float) -> int:
         """The reading of the wall clock (CLOCK_MONOTONIC ns by default) at which this
         clock read `fabric_ns`: how an agent stamps an event it timed in fabric time."""

@@ -15,15 +15,15 @@ rank waiting for that peer's data learns it instead of waiting for ever.
 
 from __future__ import annotations
 
-import json
-import select
 import socket
 import time
 from collections.abc import Callable
 
 # One framing and dialling for both transports' set-up: the RoCE module's helpers.
 from agents.collectives.roce import (
+    LINK_CHECK_S,
     PeerAddress,
+    PeerLinks,
     SetupError,
     Stopped,
     TransportError,
@@ -32,77 +32,6 @@ from agents.collectives.roce import (
     _Line,
     listen,
 )
-
-#: Wall seconds between two looks at the set-up connections (has a peer left?).
-LINK_CHECK_S = 0.1
-
-
-class PeerLinks:
-    """A rank's open set-up connections: who left, and why."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank = rank
-        self.size = size
-        self._links: dict[int, socket.socket] = {}
-        self._said: dict[int, str] = {}            # peer -> the reason it gave for leaving
-        self._left: str | None = None              # the reason we gave
-        self.next_check = 0.0                      # time.monotonic() of the next look
-
-    def add(self, peer: int, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        self._links[peer] = sock
-
-    def due(self) -> bool:
-        return time.monotonic() >= self.next_check
-
-    def check(self) -> None:
-        """Raise TransportError if a peer went away other than by finishing ('done')."""
-        self.next_check = time.monotonic() + LINK_CHECK_S
-        if not self._links:
-            return
-        ready, _, _ = select.select(list(self._links.values()), [], [], 0)
-        for peer, sock in list(self._links.items()):
-            if sock not in ready:
-                continue
-            try:
-                data = sock.recv(4096)
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError:
-                data = b""
-            for line in data.splitlines():
-                try:
-                    self._said[peer] = str(json.loads(line)["bye"])
-                except (ValueError, KeyError, TypeError):
-                    pass
-            if not data:                                # the connection closed
-                sock.close()
-                del self._links[peer]
-            reason = self._said.get(peer)
-            if reason == "done" or (data and reason is None):
-                continue
-            raise TransportError(f"rank {self.rank}: rank {peer} left "
-                                 f"({reason or 'connection lost'})")
-
-    def leave(self, reason: str) -> None:
-        """Tell every peer why we go ('done' is no error to them); said once."""
-        if self._left is not None:
-            return
-        self._left = reason
-        msg = json.dumps({"bye": reason}).encode() + b"\n"
-        for sock in self._links.values():
-            try:
-                sock.send(msg)
-            except OSError:
-                pass
-
-    def peers_done(self) -> bool:
-        return all(self._said.get(p) == "done" for p in range(self.size) if p != self.rank)
-
-    def close(self) -> None:
-        for sock in self._links.values():
-            sock.close()
-        self._links.clear()
 
 
 def _check_hello(mine: dict, msg: dict, rank: int, size: int, peer: int | None) -> int:

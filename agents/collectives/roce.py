@@ -416,6 +416,75 @@ class _Qp:
         #                                 send_n mod remote_slots
 
 
+
+class PeerLinks:
+    """A rank's open set-up connections: who left, and why."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank = rank
+        self.size = size
+        self._links: dict[int, socket.socket] = {}
+        self._said: dict[int, str] = {}            # peer -> the reason it gave for leaving
+        self._left: str | None = None              # the reason we gave
+        self.next_check = 0.0                      # time.monotonic() of the next look
+
+    def add(self, peer: int, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._links[peer] = sock
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_check
+
+    def check(self) -> None:
+        """Raise TransportError if a peer went away other than by finishing ('done')."""
+        self.next_check = time.monotonic() + LINK_CHECK_S
+        if not self._links:
+            return
+        ready, _, _ = select.select(list(self._links.values()), [], [], 0)
+        for peer, sock in list(self._links.items()):
+            if sock not in ready:
+                continue
+            try:
+                data = sock.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                data = b""
+            for line in data.splitlines():
+                try:
+                    self._said[peer] = str(json.loads(line)["bye"])
+                except (ValueError, KeyError, TypeError):
+                    pass
+            if not data:                                # the connection closed
+                sock.close()
+                del self._links[peer]
+            reason = self._said.get(peer)
+            if reason == "done" or (data and reason is None):
+                continue
+            raise TransportError(f"rank {self.rank}: rank {peer} left "
+                                 f"({reason or 'connection lost'})")
+
+    def leave(self, reason: str) -> None:
+        """Tell every peer why we go ('done' is no error to them); said once."""
+        if self._left is not None:
+            return
+        self._left = reason
+        msg = json.dumps({"bye": reason}).encode() + b"\n"
+        for sock in self._links.values():
+            try:
+                sock.send(msg)
+            except OSError:
+                pass
+
+    def peers_done(self) -> bool:
+        return all(self._said.get(p) == "done" for p in range(self.size) if p != self.rank)
+
+    def close(self) -> None:
+        for sock in self._links.values():
+            sock.close()
+        self._links.clear()
+
+
 class RoceTransport:
     """A rank's `Transport` over RC QPs: see the module docstring.
 
@@ -455,10 +524,7 @@ class RoceTransport:
         self._rings: dict[int, list[np.ndarray]] = {}
         self._wr = 0
         # the set-up connections stay open: a peer that goes away is seen (see check_links)
-        self._links: dict[int, socket.socket] = {}
-        self._said: dict[int, str] = {}            # peer -> the reason it gave for leaving
-        self._left: str | None = None              # the reason we gave
-        self._next_link_check = 0.0
+        self.links = PeerLinks(rank, len(peers))
 
     # -- the Transport protocol
 
@@ -508,8 +574,8 @@ class RoceTransport:
         while not done():
             if self._should_stop():
                 raise Stopped()
-            if time.monotonic() >= self._next_link_check:
-                self.check_links()
+            if self.links.due():
+                self.links.check()
             busy = engine.step()
             if self.reap():
                 continue
@@ -606,60 +672,24 @@ class RoceTransport:
 
     def add_link(self, peer: int, sock: socket.socket) -> None:
         """Keep `peer`'s set-up connection: it says when the peer leaves."""
-        sock.setblocking(False)
-        self._links[peer] = sock
+        self.links.add(peer, sock)
 
     def check_links(self) -> None:
         """Raise TransportError if a peer went away other than by finishing ('done');
         checked at most every LINK_CHECK_S of wall time while the engine runs."""
-        self._next_link_check = time.monotonic() + LINK_CHECK_S
-        if not self._links:
-            return
-        ready, _, _ = select.select(list(self._links.values()), [], [], 0)
-        for peer, sock in list(self._links.items()):
-            if sock not in ready:
-                continue
-            try:
-                data = sock.recv(4096)
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError:
-                data = b""
-            for line in data.splitlines():
-                try:
-                    self._said[peer] = str(json.loads(line)["bye"])
-                except (ValueError, KeyError, TypeError):
-                    pass
-            if not data:                                # the connection closed
-                sock.close()
-                del self._links[peer]
-            reason = self._said.get(peer)
-            if reason == "done" or (data and reason is None):
-                continue
-            raise TransportError(f"rank {self._rank}: rank {peer} left "
-                                 f"({reason or 'connection lost'})")
+        self.links.check()
 
     def leave(self, reason: str) -> None:
         """Tell every peer why we go ('done' is the only reason that is no error to them);
         said once: a later call (the worker's last word) is a no-op."""
-        if self._left is not None:
-            return
-        self._left = reason
-        msg = json.dumps({"bye": reason}).encode() + b"\n"
-        for sock in self._links.values():
-            try:
-                sock.send(msg)
-            except OSError:
-                pass
+        self.links.leave(reason)
 
     def peers_done(self) -> bool:
         """Every peer has said 'done': its sends, ours to it included, are acknowledged."""
-        return all(self._said.get(p) == "done" for p in range(self.size) if p != self._rank)
+        return self.links.peers_done()
 
     def close(self) -> None:
-        for sock in self._links.values():
-            sock.close()
-        self._links.clear()
+        self.links.close()
         self.endpoint.close()
 
     # -- counters

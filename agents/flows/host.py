@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import mmap
-import time
 from argparse import Namespace
 from collections import deque
 from collections.abc import Callable
@@ -170,10 +169,8 @@ class FlowHost:
 
     def start(self, start_at_mono_ns: int | None) -> None:
         """Fix t0: the common start, on this agent's fabric clock."""
-        now_mono = time.monotonic_ns()
-        now = self.clock.now_ns()
-        target = start_at_mono_ns if start_at_mono_ns else now_mono
-        self.t0_ns = now - self.dilation.to_fabric_ns(now_mono - target)
+        self.t0_ns = (self.clock.at_wall_clock_ns(start_at_mono_ns) if start_at_mono_ns
+                      else self.clock.now_ns())
         self.phase = "running"
 
     def rel_ns(self) -> float:

@@ -20,7 +20,6 @@ first entropy, and `first_ns` of a received flow is when its WRITE completed.
 from __future__ import annotations
 
 import mmap
-import time
 from argparse import Namespace
 from collections.abc import Callable
 
@@ -85,10 +84,8 @@ class UetFlowHost:
     # -- schedule (as FlowHost)
 
     def start(self, start_at_mono_ns: int | None) -> None:
-        now_mono = time.monotonic_ns()
-        now = self.clock.now_ns()
-        target = start_at_mono_ns if start_at_mono_ns else now_mono
-        self.t0_ns = now - self.dilation.to_fabric_ns(now_mono - target)
+        self.t0_ns = (self.clock.at_wall_clock_ns(start_at_mono_ns) if start_at_mono_ns
+                      else self.clock.now_ns())
         self.phase = "running"
 
     def rel_ns(self) -> float:

@@ -725,12 +725,15 @@ def queues(run: RunData, idx: PlanIndex, faults: list[FaultMark] | None = None
             "shown_in_plots": min(total, SERIES_PER_PLOT * MAX_PLOTS) if svgs else 0}
 
 
-def ecn(run: RunData, idx: PlanIndex, faults: list[FaultMark] | None = None) -> dict | None:
+def _cumulative_plots(run: RunData, idx: PlanIndex, counter: str, plot_id: str, title: str,
+                      ylabel: str, faults: list[FaultMark] | None
+                      ) -> tuple[list[str], list[dict]] | None:
+    """Plots of a cumulative per-port-class counter (the busiest classes first, in
+    chunks), and the summary's port rows where it is above 0; None when it never is."""
     series = {}
     if run.store is not None:
-        series = {k: v for k, v in run.store.series("ecn_marks").items()
-                  if v and v[-1][1] > 0}
-    ports = [p for p in run.summary.get("ports") or [] if (p.get("ecn_marks") or 0) > 0]
+        series = {k: v for k, v in run.store.series(counter).items() if v and v[-1][1] > 0}
+    ports = [p for p in run.summary.get("ports") or [] if (p.get(counter) or 0) > 0]
     if not series and not ports:
         return None
     ranked = sorted(series, key=lambda k: (-series[k][-1][1], k))
@@ -739,10 +742,18 @@ def ecn(run: RunData, idx: PlanIndex, faults: list[FaultMark] | None = None) -> 
         x_max = _duration_ns(run, series.values())
         for n, chunk in enumerate(_chunks(ranked, SERIES_PER_PLOT)[:MAX_PLOTS]):
             svgs.append(plots.line_plot(
-                [Series(idx.port_label(*k), series[k]) for k in chunk], f"ecn{n}",
-                "ECN marks (cumulative)" if n == 0 else
-                f"ECN marks (cumulative), port classes {_span(n, chunk)}",
-                "packets marked CE", 1.0, x_max, faults=faults or ()))
+                [Series(idx.port_label(*k), series[k]) for k in chunk], f"{plot_id}{n}",
+                title if n == 0 else f"{title}, port classes {_span(n, chunk)}",
+                ylabel, 1.0, x_max, faults=faults or ()))
+    return svgs, ports
+
+
+def ecn(run: RunData, idx: PlanIndex, faults: list[FaultMark] | None = None) -> dict | None:
+    found = _cumulative_plots(run, idx, "ecn_marks", "ecn", "ECN marks (cumulative)",
+                              "packets marked CE", faults)
+    if found is None:
+        return None
+    svgs, ports = found
     ports.sort(key=lambda p: (-p["ecn_marks"], p["node"], p["port"]))
     rows = [[idx.port_label(p["node"], p["port"]), idx.tclass(p["tclass"]),
              fmt_int(p["ecn_marks"]), fmt_int(p.get("tx_packets") or 0),
@@ -759,22 +770,11 @@ def trims(run: RunData, idx: PlanIndex, faults: list[FaultMark] | None = None) -
     """UET packets trimmed at switch ports (cut and sent on in the trim class instead of
     dropped), over time per port class and in total; None when nothing was trimmed. The
     note says whether PFC was needed: trimming runs on lossy classes."""
-    series = {}
-    if run.store is not None:
-        series = {k: v for k, v in run.store.series("trims").items() if v and v[-1][1] > 0}
-    ports = [p for p in run.summary.get("ports") or [] if (p.get("trims") or 0) > 0]
-    if not series and not ports:
+    found = _cumulative_plots(run, idx, "trims", "trims", "Trimmed packets (cumulative)",
+                              "packets trimmed", faults)
+    if found is None:
         return None
-    ranked = sorted(series, key=lambda k: (-series[k][-1][1], k))
-    svgs = []
-    if ranked:
-        x_max = _duration_ns(run, series.values())
-        for n, chunk in enumerate(_chunks(ranked, SERIES_PER_PLOT)[:MAX_PLOTS]):
-            svgs.append(plots.line_plot(
-                [Series(idx.port_label(*k), series[k]) for k in chunk], f"trims{n}",
-                "Trimmed packets (cumulative)" if n == 0 else
-                f"Trimmed packets (cumulative), port classes {_span(n, chunk)}",
-                "packets trimmed", 1.0, x_max, faults=faults or ()))
+    svgs, ports = found
     ports.sort(key=lambda p: (-p["trims"], p["node"], p["port"]))
     rows = [[idx.port_label(p["node"], p["port"]), idx.tclass(p["tclass"]),
              fmt_int(p["trims"]), fmt_int(p.get("tx_packets") or 0), fmt_int(p.get("drops") or 0)]

@@ -175,3 +175,15 @@ def test_schema_pattern_accepts_what_the_parsers_read(text: str) -> None:
 @pytest.mark.parametrize("text", ["fast", "-2m", "m2", "2 m m"])
 def test_schema_pattern_refuses_what_no_parser_reads(text: str) -> None:
     assert not re.match(QUANTITY_PATTERN, text)
+
+
+def test_a_fabric_clock_maps_wall_instants_both_ways() -> None:
+    from agents.timebase import Dilation, FabricClock
+
+    wall = [1_000_000]
+    clock = FabricClock(Dilation(1000), wall_ns=lambda: wall[0])
+    wall[0] += 5_000_000                     # 5 ms of wall time: 5 us of fabric time
+    assert clock.now_ns() == 5_000.0
+    # a common start 2 ms of wall time ahead is 2 us of fabric time ahead
+    assert clock.at_wall_clock_ns(wall[0] + 2_000_000) == 7_000.0
+    assert clock.to_wall_clock_ns(clock.at_wall_clock_ns(123_456_789)) == 123_456_789
