@@ -112,7 +112,11 @@ def _bytes_view(data: Any) -> memoryview:
 
 
 class SesInitiator:
-    """The messages one PDC sends, in posting order, segmented at `payload_bytes`."""
+    """The messages one PDC sends, segmented at `payload_bytes`, packet by packet in turn:
+    each unsegmented message gives one packet, then the next message does (round robin),
+    as an RNIC's queue pairs share its port. So a small message posted behind a large one
+    to the same peer is not held until the large one is sent (sized flows' FCTs over one
+    PDC per pair of hosts depend on it); a lone message goes out as before."""
 
     def __init__(self, payload_bytes: int) -> None:
         if payload_bytes < 1 or payload_bytes > 0x3FFF:
@@ -158,7 +162,7 @@ class SesInitiator:
         return bool(self.queue)
 
     def next_segment(self) -> tuple[Segment, OutMessage] | None:
-        """The next packet of the oldest unsegmented message (and its message), or None."""
+        """The next packet of the message whose turn it is (and its message), or None."""
         if not self.queue:
             return None
         msg = self.queue[0]
@@ -171,6 +175,8 @@ class SesInitiator:
         self.backlog_bytes -= end - off
         if end == n:
             self.queue.popleft()
+        elif len(self.queue) > 1:
+            self.queue.rotate(-1)           # its next packet after the others' next
         return seg, msg
 
     def acked(self, msg: OutMessage) -> bool:

@@ -91,11 +91,21 @@ def test_a_later_send_that_completes_first_waits_for_the_earlier_one():
     tgt = SesTarget({})
     ini.send(9, b"aaaaaaaa")      # two packets
     ini.send(9, b"bb")
-    (a0, _), (a1, _), (b0, _) = _segments(ini)
+    (a0, _), (b0, _), (a1, _) = _segments(ini)     # in turn: a's first, b, a's second
     assert _deliver(tgt, b0) == [] and tgt.held_messages == 1
     assert _deliver(tgt, a1) == []
     out = _deliver(tgt, a0)
     assert [(d.message_id, bytes(d.data)) for d in out] == [(0, b"aaaaaaaa"), (1, b"bb")]
+
+
+def test_a_small_message_behind_a_large_one_is_not_held_until_the_large_one_is_sent():
+    ini = SesInitiator(4)
+    ini.write(1, 0, bytes(4 * 100))                # 100 packets
+    ini.write(2, 0, b"xy")                         # one packet, posted after
+    ini.write(3, 0, bytes(8))                      # two packets
+    order = [m.key for _seg, m in _segments(ini)]
+    assert order[:5] == [1, 2, 3, 1, 3]            # one packet each, in turn
+    assert order.count(1) == 100 and order[5:] == [1] * 98
 
 
 def test_on_done_runs_when_every_packet_of_the_message_is_acknowledged():
