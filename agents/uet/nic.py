@@ -878,6 +878,7 @@ class UetNic:
                    nack_retransmissions=tx["nack_retransmissions"],
                    sack_retransmissions=tx["sack_retransmissions"],
                    rto_retransmissions=tx["rto_retransmissions"], timeouts=tx["timeouts"],
+                   spurious_retransmissions=tx["spurious_retransmissions"],
                    acks_received=tx["acks_received"], nacks_received=tx["nacks_received"],
                    duplicates=rx["duplicates"], out_of_order=rx["out_of_order"],
                    sports=p.picker.counters()["sports"], error=p.error,

@@ -26,8 +26,11 @@ Sender (`RudSender`):
         packets sent before it, and a retransmitted PSN is declared lost again only when
         3 packets sent after the retransmission are acknowledged, i.e. at most once per
         round trip), and only once its last transmission is `reorder_rtts` (1.25)
-        smoothed RTTs old, as RACK waits a reordering window: a packet its path merely
-        delayed (spraying; a sender that moved between CPUs on a veth) is not resent;
+        smoothed RTTs old, as RACK waits
+        a reordering window: a packet its path merely delayed (spraying; a sender that
+        moved between CPUs on a veth) is not resent. A SACK resend acknowledged sooner
+        than the shortest RTT seen was spurious (the first copy arrived): the window
+        doubles, up to MAX_REORDER_RTTS, and stays wide for the PDC's life;
       RTO: the oldest unacknowledged transmission whose last send is `rto_ns` old -> that
         PSN; after `max_retries` timeouts of one PSN the sender fails (`failed` says why)
         and sends nothing more;
@@ -73,6 +76,8 @@ PSN_MASK = 0xFFFFFFFF
 _PSN_MOD = 1 << 32
 _PSN_HALF = 1 << 31
 SACK_BITS = 64
+#: The widest a PDC's reordering window grows (in smoothed RTTs) after spurious resends.
+MAX_REORDER_RTTS = 16.0
 _SACK_MASK = (1 << SACK_BITS) - 1
 #: Most PSNs a receiver accepts above its cumulative PSN: sack_psn_offset is 16 bits.
 MAX_AHEAD = 0xFFFF
@@ -109,7 +114,8 @@ def sack_decode(base: int, bitmap: int) -> list[int]:
 class TxRecord:
     """One unacknowledged PSN at the sender."""
 
-    __slots__ = ("item", "nbytes", "sent_ns", "entropy", "tx", "rto_retries", "seq")
+    __slots__ = ("item", "nbytes", "sent_ns", "entropy", "tx", "rto_retries", "seq",
+                 "sack_rtx")
 
     def __init__(self, item: Any, nbytes: int, now_ns: float, entropy: int, seq: int) -> None:
         self.item = item              # what the NIC rebuilds the packet from
@@ -119,6 +125,7 @@ class TxRecord:
         self.tx = 1                   # transmissions so far
         self.rto_retries = 0          # retransmissions on timeout
         self.seq = seq                # transmission sequence number of the last transmission
+        self.sack_rtx = False         # the last transmission was a SACK-hole retransmission
 
 
 @dataclass
@@ -151,6 +158,8 @@ class RudSender:
         self.reorder_rtts = reorder_rtts      # a hole is lost no sooner than this many RTTs
         self.rtt_ns = float(rtt_ns)           # before the first sample
         self.srtt_ns: float | None = None
+        self.min_rtt_ns = float("inf")        # the shortest RTT sample so far
+        self.spurious_retransmissions = 0     # SACK resends whose first copy arrived
         self.next_psn = start_psn & PSN_MASK
         self.base = self.next_psn             # lowest unacknowledged PSN (or next_psn)
         self.unacked: dict[int, TxRecord] = {}
@@ -225,6 +234,7 @@ class RudSender:
         self._timers.append((now_ns + self.rto_ns, psn, rec.tx))
         self.retransmissions += 1
         why = self._popped_why
+        rec.sack_rtx = why == "sack"
         if why == "nack":
             self.nack_retransmissions += 1
         elif why == "sack":
@@ -298,6 +308,12 @@ class RudSender:
                 top.sort()
             if rec.tx == 1 and psn == trigger:
                 res.rtt_ns = now_ns - rec.sent_ns
+            elif rec.sack_rtx and now_ns - rec.sent_ns < self.min_rtt_ns:
+                # acknowledged sooner than any round trip took: the ACK was for the
+                # first copy, which reordering had only delayed (a spurious resend, as
+                # RACK detects them): widen this PDC's reordering window
+                self.spurious_retransmissions += 1
+                self.reorder_rtts = min(self.reorder_rtts * 2, MAX_REORDER_RTTS)
         if res.rtt_ns is None:      # the trigger was a duplicate or retransmitted: another
             for _psn, rec in res.acked:
                 if rec.tx == 1:
@@ -306,6 +322,7 @@ class RudSender:
         if res.rtt_ns is not None:
             s = self.srtt_ns
             self.srtt_ns = res.rtt_ns if s is None else s + (res.rtt_ns - s) / 8
+            self.min_rtt_ns = min(self.min_rtt_ns, res.rtt_ns)
 
     def _sack_holes(self, now_ns: float) -> list[tuple[int, TxRecord]]:
         """Unacknowledged PSNs below the highest acknowledged one whose last transmission
@@ -398,7 +415,9 @@ class RudSender:
                 "nacks_received": self.nacks_received, "stale_nacks": self.stale_nacks,
                 "inflight_packets": len(self.unacked), "inflight_bytes": self.inflight_bytes,
                 "next_psn": self.next_psn & PSN_MASK,
-                "srtt_ns": self.srtt_ns, "failed": self.failed}
+                "srtt_ns": self.srtt_ns, "failed": self.failed,
+                "spurious_retransmissions": self.spurious_retransmissions,
+                "reorder_rtts": self.reorder_rtts}
 
 
 class RxVerdict(NamedTuple):       # a tuple: made once per packet, cheaper than a dataclass

@@ -269,3 +269,30 @@ def test_a_hole_is_resent_only_after_the_reordering_window():
     assert res.lost == [] and not s.has_retransmit()       # 500 ns < 1.25 RTT: reordered?
     res = ack(4, 1_300.0)                  # past 1.25 smoothed RTTs since PSN 0 went: lost
     assert [psn for psn, _rec in res.lost] == [0] and s.pop_retransmit() == 0
+
+
+def test_a_sack_resend_whose_first_copy_arrives_widens_the_reordering_window():
+    """RACK's answer to spraying's reordering: a hole resent on SACK evidence whose first
+    copy is then acknowledged sooner than any round trip took was not lost; the window
+    doubles, so the same delay does not cause another spurious resend."""
+    s = RudSender(window_packets=16, rto_ns=1e9, rtt_ns=100.0)
+    r = RudReceiver(ack_every=1)
+    now = 0.0
+    for i in range(5):
+        s.send_new(now + i, item=i, nbytes=10, entropy=0)
+
+    def deliver(psn: int, t: float):
+        a = r.ack_info(r.on_packet(psn).psn)
+        return s.on_ack(t, a.cack_psn, a.ack_psn_offset, a.cack_psn + a.sack_psn_offset,
+                        a.sack_bitmap)
+
+    deliver(s.base, 100.0)                    # PSN 0 after one RTT: srtt = min RTT = 100
+    first = s.base                            # PSN 1 is delayed by its path
+    for k in (1, 2, 3):
+        res = deliver(first + k, 200.0)       # three later PSNs acknowledged: a hole
+    assert [psn for psn, _ in res.lost] == [first]
+    assert s.pop_retransmit() == first
+    s.resent(first, 300.0, entropy=1)
+    deliver(first, 310.0)                     # 10 ns after the resend: the first copy
+    assert s.spurious_retransmissions == 1 and s.reorder_rtts == 2.5
+    assert s.counters()["spurious_retransmissions"] == 1
