@@ -362,7 +362,8 @@ def context(comparison: Comparison) -> dict:
                                   x_divisor=1e3))
     scheme_text = SCHEME_TEXT[comparison.scheme]
     return {"runs": [{"key": run_key(i), "label": r.label, "dir": str(r.run_dir),
-                      "cc": r.cc or "unknown"} for i, r in enumerate(runs)],
+                      "cc": r.cc or "unknown", "workload": r.workload or "unknown"}
+                     for i, r in enumerate(runs)],
             "side_by_side": comparison.table(), "buckets": comparison.bucket_table(),
             "scheme_text": scheme_text, "scheme": comparison.scheme, "svgs": svgs}
 
