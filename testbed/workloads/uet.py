@@ -663,9 +663,11 @@ def _pfc_notes(specs: Sequence[AgentSpec], streams_: list[dict], view: RunView) 
     entries: dict[str, dict] = {}
     for s in streams_:
         e = entries.setdefault(s["spec"].traffic, {"trims": 0, "retransmissions": 0,
+                                                   "duplicates": 0,
                                                    "class": _schedule(s["spec"]).get(
                                                        "tclass") or {}})
         e["trims"] += int(s["in"].get("trims") or 0)
+        e["duplicates"] += int(s["in"].get("pds_duplicates") or 0)
         e["retransmissions"] += int(s["out"].get("retransmissions") or 0)
     notes = []
     for traffic, e in entries.items():
@@ -676,7 +678,11 @@ def _pfc_notes(specs: Sequence[AgentSpec], streams_: list[dict], view: RunView) 
                          f"(pauses 0); the UET streams ran on {what}"
                          f"{', lossy' if c and not c.get('lossless') else ''}, and their "
                          f"{e['trims']} trims and {e['retransmissions']} retransmissions, not "
-                         "PFC, recovered what the fabric cut or lost")
+                         "PFC, recovered what the fabric cut or lost"
+                         + (f"; {e['duplicates']} packets arrived twice at the targets: "
+                            "resends of packets that had only been delayed (sprayed packets "
+                            "reordered past the SACK reordering window), not losses"
+                            if e["duplicates"] else ""))
         elif c.get("lossless"):
             notes.append(f"{traffic}: its {what} is lossless, and PFC paused ports on "
                          f"{', '.join(sorted(view.paused_nodes))} during the run: UET's "
