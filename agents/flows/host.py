@@ -119,53 +119,44 @@ class Totals:
     tx_sockets: dict = field(default_factory=dict)
 
 
-class FlowHost:
-    """A host's senders and its receiver, driven by one engine from one thread."""
+SENT_COLUMNS = ("flow_id", "sport", "posted_ns", "done_ns", "packets", "retransmissions",
+                "timeouts", "cnps_received", "error")
+RECEIVED_COLUMNS = ("flow_id", "first_ns", "done_ns", "packets", "ce_packets", "cnps_sent",
+                    "ooo_drops", "duplicates")
 
-    def __init__(self, args: Namespace, out: list[OutFlow], inc: dict[int, InFlow],
-                 life: Lifecycle) -> None:
+
+class ScheduledHost:
+    """What a host's flows share whatever carries them (RoCE QPs here, a UET NIC in
+    agents/flows/uet_host.py): the schedule, the common start t0, the flows' source
+    bytes, the per-flow columns of the output, and the loop that starts each flow at its
+    time and drives the transport until every flow is done. A transport gives `_step()`
+    (one round; True if busy), `_wait(wall_ns)`, `_spin_ns` and `_start(flow)`, and
+    fills `sending`."""
+
+    sending: dict
+
+    def _schedule_init(self, args: Namespace, out: list[OutFlow], inc: dict[int, InFlow],
+                       life: Lifecycle) -> None:
         self.args = args
         self.life = life
         self.dilation = Dilation(args.dilation)
         self.clock = FabricClock(self.dilation)
-        self.cc = cc_settings(args)
-        self.params = cc_params(args, self.cc)
-        self.attrs: QpAttrs = qp_attrs(args, args.mtu)
         self.local_ip = args.bind
         self.out = out
         self.expect = dict(inc)
         self.in_total = len(inc)
-        self.engine = Engine(self.clock, self.dilation, spin_ns=args.spin_ns)
-        # One socket takes every flow into this host. Its buffer is large: a receiving
-        # agent short of CPU must delay ACKs, not drop datagrams a real NIC would have
-        # taken (what it still drops, SO_RXQ_OVFL counts).
-        self.rx = Endpoint(self.local_ip, args.port, dscp=args.dscp, cnp_dscp=args.cnp_dscp,
-                           should_stop=life.should_stop, rcvbuf_bytes=RX_BUFFER_BYTES,
-                           count_overflow=True)
-        self.rx.on_unknown_qp = self._first_packet
-        self.engine.add(self.rx)
-        self.sink = MemoryRegion.sink(1 << 31, 0, SINK_RKEY)
         biggest = max((f.size_bytes for f in out), default=1)
         # Untouched anonymous pages all read as the one zero page: a 1 GB flow's source
         # costs address space, not memory.
         self.source = mmap.mmap(-1, biggest, prot=mmap.PROT_READ)
         self.source_view = memoryview(self.source)
-        self.sending: dict[int, _Sending] = {}
-        self.receiving: dict[int, _Receiving] = {}
-        self.lingering: deque[tuple[float, int]] = deque()   # (detach at fabric ns, qpn)
         self.next_out = 0
         self.t0_ns = 0.0
         self.totals = Totals()
         # per flow, in the order they finish: the final counters' columns
-        self.sent: dict[str, list] = {k: [] for k in (
-            "flow_id", "sport", "posted_ns", "done_ns", "packets", "retransmissions",
-            "timeouts", "cnps_received", "error")}
-        self.received: dict[str, list] = {k: [] for k in (
-            "flow_id", "first_ns", "done_ns", "packets", "ce_packets", "cnps_sent",
-            "ooo_drops", "duplicates")}
+        self.sent: dict[str, list] = {k: [] for k in SENT_COLUMNS}
+        self.received: dict[str, list] = {k: [] for k in RECEIVED_COLUMNS}
         self.phase = "setup"
-
-    # -- schedule
 
     def start(self, start_at_mono_ns: int | None) -> None:
         """Fix t0: the common start, on this agent's fabric clock."""
@@ -182,12 +173,10 @@ class FlowHost:
 
     def run(self) -> None:
         """Until every flow of this host is done, or a stop."""
-        engine = self.engine
-        spin_ns = engine.spin_ns
+        spin_ns = self._spin_ns
         while not self.life.should_stop():
             self._start_due()
-            busy = engine.step()
-            self._reap()
+            busy = self._step()
             if self.done():
                 break
             if busy:
@@ -199,7 +188,7 @@ class FlowHost:
                 if to_start <= spin_ns:
                     continue
                 wall = min(wall, to_start - spin_ns)
-            engine.wait(wall)
+            self._wait(wall)
         self.phase = "done"
 
     def _start_due(self) -> None:
@@ -208,6 +197,51 @@ class FlowHost:
         while self.next_out < len(out) and out[self.next_out].start_ns <= rel:
             self._start(out[self.next_out])
             self.next_out += 1
+
+    # the transport's part
+    _spin_ns: int
+
+    def _step(self) -> bool:
+        raise NotImplementedError
+
+    def _wait(self, wall_ns: int) -> None:
+        raise NotImplementedError
+
+    def _start(self, flow: OutFlow) -> None:
+        raise NotImplementedError
+
+
+class FlowHost(ScheduledHost):
+    """A host's senders and its receiver, driven by one engine from one thread."""
+
+    def __init__(self, args: Namespace, out: list[OutFlow], inc: dict[int, InFlow],
+                 life: Lifecycle) -> None:
+        self._schedule_init(args, out, inc, life)
+        self.cc = cc_settings(args)
+        self.params = cc_params(args, self.cc)
+        self.attrs: QpAttrs = qp_attrs(args, args.mtu)
+        self.engine = Engine(self.clock, self.dilation, spin_ns=args.spin_ns)
+        self._spin_ns = self.engine.spin_ns
+        # One socket takes every flow into this host. Its buffer is large: a receiving
+        # agent short of CPU must delay ACKs, not drop datagrams a real NIC would have
+        # taken (what it still drops, SO_RXQ_OVFL counts).
+        self.rx = Endpoint(self.local_ip, args.port, dscp=args.dscp, cnp_dscp=args.cnp_dscp,
+                           should_stop=life.should_stop, rcvbuf_bytes=RX_BUFFER_BYTES,
+                           count_overflow=True)
+        self.rx.on_unknown_qp = self._first_packet
+        self.engine.add(self.rx)
+        self.sink = MemoryRegion.sink(1 << 31, 0, SINK_RKEY)
+        self.sending: dict[int, _Sending] = {}
+        self.receiving: dict[int, _Receiving] = {}
+        self.lingering: deque[tuple[float, int]] = deque()   # (detach at fabric ns, qpn)
+
+    def _step(self) -> bool:
+        busy = self.engine.step()
+        self._reap()
+        return busy
+
+    def _wait(self, wall_ns: int) -> None:
+        self.engine.wait(wall_ns)
 
     def _endpoint_for(self, flow: OutFlow) -> Endpoint:
         """A socket on the flow's own rxe-style source port (another if that one is taken)."""

@@ -23,11 +23,11 @@ import mmap
 from argparse import Namespace
 from collections.abc import Callable
 
-from agents.flows.host import UNFINISHED, InFlow, OutFlow, Totals
+from agents.flows.host import UNFINISHED, InFlow, OutFlow, ScheduledHost
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
-from agents.timebase import Dilation, FabricClock
-from agents.uet.nic import MAX_SLEEP_NS, UetNic, UetOptions
+from agents.timebase import Dilation
+from agents.uet.nic import UetNic, UetOptions
 
 RX_BUFFER_BYTES = 32 << 20        # SO_RCVBUF of the NIC's receive socket (doubled)
 
@@ -42,20 +42,14 @@ def uet_options(args: Namespace) -> UetOptions:
         spin_ns=args.spin_ns, rcvbuf_bytes=RX_BUFFER_BYTES, seed=args.seed)
 
 
-class UetFlowHost:
+class UetFlowHost(ScheduledHost):
     """A host's UET senders and receiver, on one NIC driven from one thread."""
 
     def __init__(self, args: Namespace, out: list[OutFlow], inc: dict[int, InFlow],
                  life: Lifecycle) -> None:
-        self.args = args
-        self.life = life
-        self.dilation = Dilation(args.dilation)
-        self.clock = FabricClock(self.dilation)
-        self.local_ip = args.bind
-        self.out = out
-        self.expect = dict(inc)
-        self.in_total = len(inc)
+        self._schedule_init(args, out, inc, life)
         self.opts = uet_options(args)
+        self._spin_ns = self.opts.spin_ns
         self.nic = UetNic(self.local_ip, self.clock, self.dilation, self.opts,
                           should_stop=life.should_stop)
         self.nic.on_write = self._on_write
@@ -64,68 +58,21 @@ class UetFlowHost:
         sink_view = memoryview(self.sink)
         for f in inc.values():
             self.nic.register(f.flow_id + 1, sink_view[:f.size_bytes])
-        biggest = max((f.size_bytes for f in out), default=1)
-        # Untouched anonymous pages all read as the zero page: a big flow's source costs
-        # address space, not memory.
-        self.source = mmap.mmap(-1, biggest, prot=mmap.PROT_READ)
-        self.source_view = memoryview(self.source)
         self.sending: dict[int, float] = {}        # flow id -> posted (ns after t0)
-        self.next_out = 0
-        self.t0_ns = 0.0
-        self.totals = Totals()
-        self.sent: dict[str, list] = {k: [] for k in (
-            "flow_id", "sport", "posted_ns", "done_ns", "packets", "retransmissions",
-            "timeouts", "cnps_received", "error")}
-        self.received: dict[str, list] = {k: [] for k in (
-            "flow_id", "first_ns", "done_ns", "packets", "ce_packets", "cnps_sent",
-            "ooo_drops", "duplicates")}
-        self.phase = "setup"
 
-    # -- schedule (as FlowHost)
+    def _step(self) -> bool:
+        busy = self.nic.step()
+        self._failed_pdcs()
+        return busy
 
-    def start(self, start_at_mono_ns: int | None) -> None:
-        self.t0_ns = (self.clock.at_wall_clock_ns(start_at_mono_ns) if start_at_mono_ns
-                      else self.clock.now_ns())
-        self.phase = "running"
+    def _wait(self, wall_ns: int) -> None:
+        self.nic.wait(wall_ns)
 
-    def rel_ns(self) -> float:
-        return self.clock.now_ns() - self.t0_ns
-
-    def done(self) -> bool:
-        return (self.next_out == len(self.out) and not self.sending
-                and self.totals.rx_completed >= self.in_total)
-
-    def run(self) -> None:
-        nic = self.nic
-        spin_ns = self.opts.spin_ns
-        while not self.life.should_stop():
-            self._start_due()
-            busy = nic.step()
-            self._failed_pdcs()
-            if self.done():
-                break
-            if busy:
-                continue
-            wall = MAX_SLEEP_NS
-            if self.next_out < len(self.out):
-                to_start = self.dilation.to_wall_ns(
-                    self.out[self.next_out].start_ns - self.rel_ns())
-                if to_start <= spin_ns:
-                    continue
-                wall = min(wall, to_start - spin_ns)
-            nic.wait(wall)
-        self.phase = "done"
-
-    def _start_due(self) -> None:
-        rel = self.rel_ns()
-        out = self.out
-        while self.next_out < len(out) and out[self.next_out].start_ns <= rel:
-            f = out[self.next_out]
-            self.nic.write(f.dst_ip, f.flow_id + 1, 0, self.source_view[:f.size_bytes],
-                           on_done=self._done_callback(f))
-            self.sending[f.flow_id] = self.rel_ns()
-            self.totals.started += 1
-            self.next_out += 1
+    def _start(self, f: OutFlow) -> None:
+        self.nic.write(f.dst_ip, f.flow_id + 1, 0, self.source_view[:f.size_bytes],
+                       on_done=self._done_callback(f))
+        self.sending[f.flow_id] = self.rel_ns()
+        self.totals.started += 1
 
     def _done_callback(self, f: OutFlow) -> Callable[[int], None]:
         return lambda _message_id: self._sent(f)

@@ -53,6 +53,7 @@ from agents.rdma.qp import PKT_CNP, RcQp
 from agents.runtime.sockets import (
     CE,
     ECT0,
+    SO_RXQ_OVFL,
     SendErrors,
     set_recv_buffer,
     set_send_buffer,
@@ -101,7 +102,6 @@ MAX_SLEEP_NS = 20_000_000  # wall: longest single select, so stop requests stay 
 MAX_RX_CONTEXTS = 4096
 _ANC = socket.CMSG_SPACE(4) * 3
 _SOL_SOCKET = socket.SOL_SOCKET
-SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
 _U32 = struct.Struct("=I")
 _IPPROTO_IP = socket.IPPROTO_IP
 _IP_TOS = socket.IP_TOS

@@ -23,6 +23,9 @@ from collections.abc import Callable
 # Linux values Python's socket module does not export (asm-generic, as on x86 and arm).
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+# the datagrams a socket dropped, full, as a control message (Linux's value if absent)
+SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
+SO_NO_CHECK = 11           # send UDP checksum 0 (Linux; the socket module lacks it)
 
 #: ECN codepoints (the two low bits of the IPv4 TOS byte), RFC 3168.
 ECN_CODEPOINTS = {"notect": 0b00, "ect1": 0b01, "ect0": 0b10, "ce": 0b11}

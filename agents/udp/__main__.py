@@ -84,6 +84,7 @@ from agents.runtime.output import mark_ready, report_counters
 from agents.runtime.sockets import (
     CE,
     ECN_CODEPOINTS,
+    SO_RXQ_OVFL,
     SendErrors,
     set_recv_buffer,
     set_recv_timeout,
@@ -107,7 +108,6 @@ from agents.udp.logic import (
 # Linux socket options Python's socket module does not export (asm-generic values,
 # as on x86 and arm).
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
-SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
 IP_RECVERR = getattr(socket, "IP_RECVERR", 11)
 MSG_ERRQUEUE = getattr(socket, "MSG_ERRQUEUE", 0x2000)
 SO_MEMINFO = getattr(socket, "SO_MEMINFO", 55)

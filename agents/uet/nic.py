@@ -79,6 +79,8 @@ from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.sockets import (
     CE,
     ECT0,
+    SO_NO_CHECK,
+    SO_RXQ_OVFL,
     SendErrors,
     set_recv_buffer,
     set_send_buffer,
@@ -97,6 +99,7 @@ from agents.uet.ses import (
     SesTarget,
     expected_payload_bytes,
 )
+from agents.wire.icrc import IP_MTU_DISCOVER, IP_PMTUDISC_DO
 from agents.wire.uet import (
     PDS_CC_REQUEST_BYTES,
     PDS_REQUEST_BYTES,
@@ -130,12 +133,8 @@ SPIN_NS = 150_000          # wall: closer than this to the next event, spin inst
 MAX_SLEEP_NS = 20_000_000  # wall: longest single select, so stop requests stay prompt
 MAX_PORT_TRIES = 1024      # ports tried beyond `entropies` before giving up
 TRIMMED_UDP_BYTES = 100    # trim_prob keeps this much UDP payload: a switch's 128 B of IP
-IP_MTU_DISCOVER = 10       # Linux values the socket module does not export
-IP_PMTUDISC_DO = 2
-SO_NO_CHECK = 11
 _ANC = socket.CMSG_SPACE(4) * 3
 _SOL_SOCKET = socket.SOL_SOCKET
-SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
 _U32 = struct.Struct("=I")
 _IPPROTO_IP = socket.IPPROTO_IP
 _IP_TOS = socket.IP_TOS
