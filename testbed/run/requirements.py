@@ -1,0 +1,33 @@
+"""Kernel features a planned run cannot do without, checked before anything is built.
+
+A run whose config asks for something the running kernel lacks (an rxe endpoint, the
+RED marker) must stop before it creates a namespace, name the missing feature and
+suggest `--vm`, never run silently without it. Each part that needs a feature adds one
+function to NEEDS: it maps a plan to {probe feature name: why this plan needs it}.
+Features that only improve fidelity (netem) are not here: their absence is a fidelity
+note, not a refusal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from testbed.plan.model import Plan
+
+Need = Callable[[Plan], dict[str, str]]
+
+NEEDS: list[Need] = []
+
+
+def needed_features(plan: Plan) -> dict[str, str]:
+    """{feature: why} over every registered need, in registration order."""
+    out: dict[str, str] = {}
+    for need in NEEDS:
+        for feature, why in need(plan).items():
+            out.setdefault(feature, why)
+    return out
+
+
+def missing_features(plan: Plan, present: dict[str, bool]) -> dict[str, str]:
+    """The needed features that `present` (probe name -> present) does not have."""
+    return {f: why for f, why in needed_features(plan).items() if not present.get(f, False)}
