@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict
 
 from testbed.cli.common import EXIT_OK, CliError, require_root
+from testbed.cli.vmmode import add_vm_flag
 
 
 def add_parser(sub):
@@ -15,6 +16,7 @@ def add_parser(sub):
     p.add_argument("--hosts", type=int, default=4, help="hosts in the trial fabric (even)")
     p.add_argument("--seconds", type=float, default=2.0, help="wall seconds per trial")
     p.add_argument("--dry-run", action="store_true", help="measure, do not store")
+    add_vm_flag(p)
     return p
 
 
