@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -42,5 +43,6 @@ def run(args) -> int:
           f"({budget * loaded_ports / 1e9:.2f} Gb/s aggregate over {loaded_ports} ports)")
     if not args.dry_run:
         path = save_budget(data)
-        print(f"calibrate: stored in {path}; `dilation: auto` now uses it")
+        where = " in VM runs (--vm)" if os.environ.get("TESTBED_VM") == "1" else ""
+        print(f"calibrate: stored in {path}; `dilation: auto` now uses it{where}")
     return EXIT_OK

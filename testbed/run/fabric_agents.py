@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from agents.timebase import wall_timeout_s
 from testbed.plan.model import Plan
 from testbed.run.collector import AgentEndpoint
 from testbed.run.procs import AgentProcess, socket_path, start_process
@@ -55,7 +56,7 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
         proc = start_process(plan.lab, node.netns, argv, f"pfc-{node.name}", keep_mounts=True)
         out.append((proc, AgentEndpoint(f"pfc-{node.name}", node.name, sock,
                                         events_path=str(events))))
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + wall_timeout_s(READY_TIMEOUT_S)
     for proc, endpoint in out:
         ready = directory / f"{endpoint.node}-pfc.ready"
         while not ready.exists():
@@ -64,6 +65,6 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
                 raise RuntimeError(f"PFC agent on {endpoint.node} exited: {err.strip()[-400:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"PFC agent on {endpoint.node} did not start in "
-                                   f"{READY_TIMEOUT_S:.0f} s")
+                                   f"{wall_timeout_s(READY_TIMEOUT_S):.0f} s")
             time.sleep(0.01)
     return out

@@ -160,6 +160,11 @@ def guest_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+# Python in a TCG guest runs about 20 times slower than on its host (agents/timebase.py);
+# wall timeouts that wait for work scale by it. Under KVM the guest is near native.
+SLOWDOWN = {"tcg": "20", "kvm": "1.5"}
+
+
 def _spec(kernel: guest_kernel.GuestKernel, job_dir: Path, shares: list[Share],
           accel: str) -> VmSpec:
     return VmSpec(vmlinuz=str(kernel.vmlinuz), initrd=str(kernel.initrd),
@@ -226,8 +231,9 @@ def run_in_vm(argv: list[str], *, copy_back: list[Path] = (), rw: list[Path] = (
         p.mkdir(parents=True, exist_ok=True)
     backs = [Share(f"out{i}", str(p.resolve())) for i, p in enumerate(copy_back)]
     rws = [Share(f"rw{i}", str(p.resolve())) for i, p in enumerate(rw)]
-    Job(argv=list(argv), cwd=os.getcwd(), env=guest_env(env), copy_back=backs, rw=rws,
-        modules=list(modules)).dump(job_dir)
+    Job(argv=list(argv), cwd=os.getcwd(),
+        env=guest_env({"TESTBED_MACHINE_SLOWDOWN": SLOWDOWN[accel], **(env or {})}),
+        copy_back=backs, rw=rws, modules=list(modules)).dump(job_dir)
     spec = _spec(kernel, job_dir, backs + rws, accel)
     say(f"vm: booting {kernel.package} ({kernel.release}) with qemu, {accel} "
         f"({why}), {spec.cpus} vCPUs")
@@ -294,8 +300,9 @@ def start_detached(argv: list[str], stop_argv: list[str], *, lab: str,
     rws = [Share(f"rw{i}", str(p.resolve())) for i, p in enumerate(rw)]
     for p in rw:
         p.mkdir(parents=True, exist_ok=True)
-    Job(argv=list(argv), cwd=os.getcwd(), env=guest_env(), rw=rws, modules=list(modules),
-        stay_up=True, stop_argv=list(stop_argv)).dump(job_dir)
+    Job(argv=list(argv), cwd=os.getcwd(),
+        env=guest_env({"TESTBED_MACHINE_SLOWDOWN": SLOWDOWN[accel]}), rw=rws,
+        modules=list(modules), stay_up=True, stop_argv=list(stop_argv)).dump(job_dir)
     spec = _spec(kernel, job_dir, rws, accel)
     say(f"vm: booting {kernel.package} with qemu, {accel} ({why}); it holds lab {lab!r} "
         f"until `testbed down {lab}`")
