@@ -62,7 +62,7 @@ from agents.portmaps import NODE_DIR, STATE_FIELDS, NodeMaps, PortMaps
 from agents.runtime.control import CommandInbox, serve_commands, serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
-from agents.timebase import Dilation
+from agents.timebase import Dilation, machine_slowdown
 from agents.wire import pfc as pfcwire
 
 SOL_PACKET = 263             # not in Python's socket module
@@ -597,7 +597,9 @@ class Agent:
         while not life.should_stop():
             now_wall = time.monotonic_ns()
             if node_maps is not None and now_wall >= self.next_rescan:
-                self.next_rescan = now_wall + RESCAN_WALL_NS
+                # A slow machine (a TCG guest) rescans less often: at the same period a
+                # rescan there takes the whole period, and the agent runs SCHED_FIFO.
+                self.next_rescan = now_wall + int(RESCAN_WALL_NS * machine_slowdown())
                 self.rescan(node_maps)
             wait_wall = MAX_WAIT_WALL_NS
             for deadline in (self.timer.next_deadline_ns(), self.requests.next_refresh_ns(),

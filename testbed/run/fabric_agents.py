@@ -9,6 +9,7 @@ rate and drain: testbed/run/timeline.py) on `pfc_command_socket(directory, node)
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,8 @@ from testbed.run.collector import AgentEndpoint
 from testbed.run.procs import AgentProcess, socket_path, start_process
 
 READY_TIMEOUT_S = 20.0
+# SCHED_FIFO priority of the PFC agents (agents/pfc: their reaction time is headroom)
+PFC_RT_PRIORITY = 10
 
 
 def has_pfc(plan: Plan) -> bool:
@@ -47,8 +50,11 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
         events = directory / f"{node.name}-pfc.events.jsonl"
         ready = directory / f"{node.name}-pfc.ready"
         ready.unlink(missing_ok=True)
+        # Real-time priority is given below once every agent is listening: an agent that
+        # is FIFO while the others still import can starve them on a slow 2-CPU machine.
         argv = [sys.executable, "-m", "agents.pfc", "--plan", str(plan_path), "--node",
-                node.name, "--control-sock", str(sock), "--events", str(events),
+                node.name, "--rt-priority", "0",
+                "--control-sock", str(sock), "--events", str(events),
                 "--ready-file", str(ready), "--watchdog-ns", str(watchdog_ns(plan)),
                 "--command-sock", pfc_command_socket(directory, node.name, plan.lab)]
         if not parent_watch:
@@ -67,4 +73,11 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
                 raise RuntimeError(f"PFC agent on {endpoint.node} did not start in "
                                    f"{wall_timeout_s(READY_TIMEOUT_S):.0f} s")
             time.sleep(0.01)
+    for proc, _endpoint in out:
+        try:
+            # nsenter execs the agent: its pid is the agent's
+            os.sched_setscheduler(proc.popen.pid, os.SCHED_FIFO,
+                                  os.sched_param(PFC_RT_PRIORITY))
+        except OSError:
+            pass    # RT not allowed here: normal priority (nice -10), the run still works
     return out
