@@ -25,13 +25,19 @@ from tests.integration.conftest import built_lab
 pytestmark = [pytest.mark.root, pytest.mark.stock_kernel]
 
 # The default fabric's links (2 m DAC to the hosts, 100 m of DR4 between leaves and
-# spines: base RTT 2 x (120 + 600 + 600 + 120) ns = 2.88 us), one host per leaf. At
-# D = 20000 the dilated base RTT is 57.6 ms wall, so the hosts' stacks, the switches'
-# forwarding and a ping's serialisation (about 1.7 % of it, dilated alike) stay well
-# inside 5 % even under TCG.
+# spines: base RTT 2 x (120 + 600 + 600 + 120) ns = 2.88 us), one host per leaf.
+# What else an echo's round trip pays: the hosts' stacks and the switches' forwarding
+# (wall time, not dilated) and its serialisation (dilated, but HTB's burst lets a
+# lone echo through at once). Measured in the TCG guest on a loaded 2-core host
+# (docs/datapath.md, Link delay): the wall time on top of the delay grows with the
+# timer wake-ups a round trip waits for (eight netem stages), +6 ms at the least of
+# six echoes at D = 20000 (1.11 x base), +32 ms at D = 200000 (1.056 x); it is
+# lateness, never earliness. So the ping runs at D = 1000000 (2.88 s base RTT) and
+# the test judges the fastest echo, which waited least.
+PING_DILATION = 1_000_000
 FABRIC = """\
 name: {name}
-dilation: 20000
+dilation: {dilation}
 topology:
   kind: leaf_spine
   spines: 2
@@ -52,7 +58,7 @@ workload:
       duration: {duration}
 """
 
-PINGS = 6
+PINGS = 8
 
 
 def _has_netem() -> bool:
@@ -75,7 +81,7 @@ def _path_delay_ns(plan, src: str, dst: str) -> int:
 def _ping_ms(plan, src: str, dst: str, count: int) -> list[float]:
     address = plan.node(dst).interfaces[0].address.split("/")[0]
     res = subprocess.run(["ip", "netns", "exec", plan.node(src).netns, "ping", "-n",
-                          "-c", str(count), "-i", "0.3", "-W", "5", address],
+                          "-c", str(count), "-i", "0.5", "-W", "10", address],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     return [float(m) for m in re.findall(r"time=([0-9.]+) ms", res.stdout)]
@@ -83,24 +89,24 @@ def _ping_ms(plan, src: str, dst: str, count: int) -> list[float]:
 
 @needs_netem
 def test_ping_across_the_spines_takes_the_dilated_base_rtt():
-    with built_lab(FABRIC, "nem") as plan:
-        stages = netem.wire_stages(plan)
-        assert len(stages) == 2 * len(plan.links)
+    with built_lab(FABRIC, "nem", dilation=PING_DILATION) as plan:
+        assert len(netem.wire_stages(plan)) == 2 * len(plan.links)
         rtts = _ping_ms(plan, "h1", "h2", PINGS)
         base_ms = plan.timebase.to_wall_ns(2 * _path_delay_ns(plan, "h1", "h2")) / 1e6
-        # the first echo also pays for cold caches: judge the rest
-        median = statistics.median(rtts[1:])
-        print(f"base RTT {base_ms:.3f} ms wall (D={plan.dilation.factor}); ping RTTs "
-              f"{rtts} ms; median {median:.3f} ms = {median / base_ms:.4f} x base")
+        best = min(rtts)
+        print(f"base RTT {base_ms:.1f} ms wall (D={plan.dilation.factor}); ping RTTs "
+              f"{rtts} ms; fastest {best:.1f} ms = {best / base_ms:.4f} x base, median "
+              f"{statistics.median(rtts) / base_ms:.4f} x")
         assert len(rtts) == PINGS
-        assert base_ms * 0.99 <= min(rtts[1:]), "faster than the links' delay: no netem?"
-        assert median == pytest.approx(base_ms, rel=0.05)
+        assert best >= base_ms, "faster than the links' delay: no netem on the path?"
+        assert best == pytest.approx(base_ms, rel=0.05)
 
 
 @needs_netem
 def test_a_run_with_netem_does_not_note_missing_delay(tmp_path):
     lab = unique_lab("nemr")
-    loaded = load_config_text(RUN.format(name=lab, duration="200us"), "netem-run.yaml")
+    loaded = load_config_text(RUN.format(name=lab, dilation=20000, duration="200us"),
+                              "netem-run.yaml")
     plan = compile_plan(loaded)
     result = run_config(loaded, plan, RunOptions(runs_root=tmp_path, say=lambda _m: None))
     summary = json.loads((result.run_dir / "summary.json").read_text())
