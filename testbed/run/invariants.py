@@ -393,8 +393,9 @@ def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int
             by_link = min(link_budget, missing - covered)
             link_budget -= by_link
             if missing > covered + by_link:
-                at_link = (f", {by_link} lost where a link went down or on a link's wire "
-                           f"({link_where})" if link_where else "")
+                where = " or ".join(w for w, on in (("where a link went down", link_losses),
+                                                    ("on a link's wire", wire)) if on)
+                at_link = f", {by_link} lost {where} ({link_where})" if where else ""
                 out.append(Violation(
                     "conservation", f"stream {s['name']}", missing - covered - by_link,
                     "packets",
