@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from testbed.cli.common import EXIT_OK, CliError, add_format, load_and_plan, wide_console
+from testbed.net.probe import kernel_config_has
 from testbed.plan import Plan
 from testbed.units import format_duration, format_rate, format_size
 
@@ -54,10 +55,31 @@ def print_plan_table(plan: Plan, console: Console) -> None:
             qos.add_row(str(c.tc), c.name, ",".join(map(str, c.dscp)) or "(default)", c.classid,
                         str(c.prio), format_size(c.limit_bytes), ecn, pfc)
         console.print(qos)
-    console.print("note: link propagation and FEC delays are not emulated (no netem stage is "
-                  "built): a base RTT on the fabric is shorter than these delays make it")
+    console.print(f"note: {delay_note(kernel_has_netem())}")
     for warning in plan.warnings:
         console.print(f"[yellow]warning[/]: {escape(warning)}")
+
+
+def kernel_has_netem() -> bool | None:
+    """netem and IFB in the running kernel's build (None: cannot tell without root)."""
+    found = [kernel_config_has(f) for f in ("netem", "ifb")]
+    if all(found):
+        return True
+    return None if None in found and False not in found else False
+
+
+def delay_note(has_netem: bool | None) -> str:
+    """What `up` will do with the links' propagation and FEC delays on this kernel."""
+    if has_netem:
+        return ("link propagation and FEC delays (dilated) and PHY loss are emulated by netem "
+                "at each port's peer ingress (this kernel has sch_netem and IFB)")
+    if has_netem is None:
+        return ("link propagation and FEC delays are emulated by netem where the kernel has "
+                "sch_netem and IFB (`testbed probe` says); without them a base RTT on the "
+                "fabric is shorter than these delays make it (`--vm` has them)")
+    return ("link propagation and FEC delays are not emulated (this kernel has no sch_netem "
+            "or no IFB): a base RTT on the fabric is shorter than these delays make it; "
+            "`--vm` runs on a kernel that has them")
 
 
 def run(args) -> int:

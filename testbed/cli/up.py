@@ -56,6 +56,7 @@ def run(args) -> int:
           f"dilation D={plan.dilation.factor}")
     print(f"datapath: {report.datapath or 'none'}; {pfc_note}")
     print(f"flow order: {report.ordering}")
+    print(f"link delay: {report.delay or 'none'}")
     print(f"namespaces: {plan.netns_prefix}*   tear down: testbed down {plan.lab}")
     return EXIT_OK
 

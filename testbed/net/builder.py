@@ -17,7 +17,13 @@ each over the whole plan:
      otherwise wait in a neighbour queue while a later one overtakes them, and
      pay an ARP round trip;
   5. routes: /31-reachable next hops and ECMP routes;
-  6. port programs: the tc-BPF program on every port (datapath.py).
+  6. port programs: the tc-BPF program on every port (datapath.py);
+  7. link delay, where the kernel has sch_netem and IFB devices (tried first in the
+     first node's namespace, netem.preflight): per link direction an IFB in the
+     receiving namespace with a netem root (the link's dilated delay and PHY loss),
+     fed by a redirect at the receiving port's clsact ingress after the departure
+     program (netem.py says why there). Without them the links carry no delay and
+     the port programs apply the PHY loss (the report says so).
 Each namespace's requests go out in batches over its own socket, every ack checked
 (testbed/net/batch.py says why and what it saved). Any failure tears down what was
 made and raises BuildError naming the node, the request and the kernel's reason.
@@ -33,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from testbed.net import datapath, namespaces, portprog, steering
+from testbed.net import datapath, namespaces, netem, portprog, steering
 from testbed.net.batch import (
     LOOPBACK_IFINDEX,
     BatchedTc,
@@ -69,6 +75,7 @@ class BuildReport:
     seconds: dict[str, float] = field(default_factory=dict)
     datapath: str = ""     # "bpf", or "none: why" (no ECN marking, queue accounting or PFC)
     ordering: str = ""     # "rps cpus 0-1 (how)", or "none: why" (flows may be reordered)
+    delay: str = ""        # "netem", or "none: why" (links carry no propagation/FEC delay)
 
 
 def plan_digest(plan: Plan) -> str:
@@ -172,26 +179,62 @@ def _build(plan: Plan, report: BuildReport, say: Callable[[str], None],
         report.routes = _add_routes(plan, batches, ifindex)
         timer.lap("routes")
 
-        say("port programs (queue accounting, ECN marking, PHY loss, PFC decisions)")
-        report.datapath = _attach_datapath(plan, ifindex)
+        why_no_delay = netem.preflight(sockets[plan.nodes[0].name], plan.nodes[0].name) \
+            if plan.nodes else "no nodes"
+        say("port programs (queue accounting, ECN marking, PFC decisions"
+            + (", PHY loss)" if why_no_delay else ")"))
+        report.datapath = _attach_datapath(plan, ifindex, apply_phy_loss=bool(why_no_delay))
         timer.lap("port programs")
+
+        if why_no_delay is None:
+            say("link delay (netem at each port's peer ingress)")
+            report.tc_requests += _add_wire_stages(plan, batches, sockets,
+                                                   clsact=report.datapath != "bpf")
+            report.delay = "netem"
+            timer.lap("link delay")
+        else:
+            report.delay = f"none: {why_no_delay}"
     finally:
         for sock in sockets.values():
             sock.close()
 
 
-def _attach_datapath(plan: Plan, ifindex: dict[str, dict[str, int]]) -> str:
+def _attach_datapath(plan: Plan, ifindex: dict[str, dict[str, int]],
+                     apply_phy_loss: bool = True) -> str:
     """Step 6: the tc-BPF port program on every port, where this machine can load it.
 
     Without clang or bpftool the fabric still forwards and shapes, but has
-    no ECN marking, queue accounting or PFC; the report says so.
+    no ECN marking, queue accounting or PFC; the report says so. `apply_phy_loss`:
+    False when step 7's netem applies the PHY's frame loss.
     """
     try:
         portprog.ensure_object()
     except portprog.PortProgError as exc:
         return f"none: {exc}"
-    datapath.attach_port_programs(plan, apply_phy_loss=True, ifindex=ifindex)
+    datapath.attach_port_programs(plan, apply_phy_loss=apply_phy_loss, ifindex=ifindex)
     return "bpf"
+
+
+def _add_wire_stages(plan: Plan, batches: dict[str, NetlinkBatch],
+                     sockets: dict[str, socket.socket], clsact: bool) -> int:
+    """Step 7: per receiving node its IFBs (one batch), one link dump, then per IFB its
+    netem and the redirect on the port it serves (a second batch). `clsact`: the ports
+    have no clsact yet (no port programs). Returns the tc requests."""
+    requests = 0
+    with TcTemplates() as templates:
+        for rx_node, stages in netem.stages_by_rx_node(netem.wire_stages(plan)).items():
+            batch = batches[rx_node]
+            for s in stages:
+                batch.add(netem.ifb_message(s.ifb), f"link add {s.ifb} type ifb up")
+            batch.flush()
+            index = dump_link_indexes(sockets[rx_node], rx_node)
+            for s in stages:
+                requests += netem.install_stage(
+                    BatchedTc(batch, templates, f"{s.ifb} / {s.rx_ifname}"),
+                    s, _index({rx_node: index}, rx_node, s.rx_ifname),
+                    _index({rx_node: index}, rx_node, s.ifb), clsact=clsact)
+            batch.flush()
+    return requests
 
 
 def _create_namespaces(plan: Plan, extra_sysctls: dict[str, str]) -> dict[str, socket.socket]:

@@ -31,9 +31,9 @@ def attach_port_programs(plan: Plan, apply_phy_loss: bool,
     makes the node's shared maps), then each node's buffer model is written, then
     per port the departure program goes on its peer's ingress and the egress program
     on the port. `apply_phy_loss`: drop with each link's PHY frame-loss ratio here; the
-    builder always asks for it, as it installs no netem (False would leave the PHY's
-    share to a netem stage). `ifindex`: node -> ifname -> ifindex, if the caller has it
-    (the builder dumped every node's links already).
+    builder asks for it only where it installs no netem stage (False leaves the PHY's
+    share to netem at the peer's ingress, netem.py). `ifindex`: node -> ifname ->
+    ifindex, if the caller has it (the builder dumped every node's links already).
     """
     obj = portprog.ensure_object()
     portprog.load_programs([portprog.pin_dir_of(plan.lab, node.name, iface.ifname)

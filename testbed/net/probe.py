@@ -43,14 +43,14 @@ IMPACT = {
     "u32": "DSCP classification into traffic classes (u32 filters); up fails without it",
     "clsact": "attaching the tc-BPF port program (queue accounting, ECN marking, tail drop, "
               "PHY loss, PFC decisions); up fails without it",
-    # The builder installs no netem on any kernel (yet): link delay is never emulated
-    # and the port program always applies the PHY's frame loss.
-    "netem": "nothing yet: no netem is installed on any kernel, so link propagation and FEC "
-             "delay are not emulated and PHY loss is applied by the BPF port program; a run "
-             "on a kernel without it notes how short the base RTT is",
+    "netem": "link propagation and FEC delay and PHY frame loss (a netem on an IFB at each "
+             "port's peer ingress, testbed/net/netem.py); without it (or ifb) links carry no "
+             "delay, the BPF port program applies the PHY loss and a run notes how short the "
+             "base RTT is",
     "red": "nothing: sch_red is not used; ECN marking is done by the BPF port program",
     "vxlan": "nothing yet: spreading a fabric over several VMs is planned, not built",
-    "ifb": "nothing: IFB devices are not used",
+    "ifb": "the link delay stage: each port's arrivals are redirected to an IFB whose root "
+           "is netem; without it links carry no delay (as without netem)",
     "rps": "keeping a flow in order when its packets are handled on several CPUs (RPS on "
            "every port, testbed/net/steering.py); without it the fabric can reorder a flow",
     "rdma_rxe": "nothing: RoCE endpoints are the user-space transport (agents/rdma), not "
@@ -99,7 +99,9 @@ def _probe_tc(ipr: IPRoute, idx: int) -> dict[str, tuple[bool, str]]:
     out["htb"] = _try(qdisc("htb", default=0x10))
     out["bfifo"] = _try(qdisc("bfifo", limit=10_000))
     out["tbf"] = _try(qdisc("tbf", rate="8mbit", burst=10_000, limit=100_000))
-    out["netem"] = _try(qdisc("netem", delay=1000))
+    from testbed.net import netem  # noqa: F401  (its netem plugin takes delay_ns)
+
+    out["netem"] = _try(qdisc("netem", delay_ns=1000, limit=1000, loss=0.0))
     out["red"] = _try(qdisc("red", limit=100_000, min=10_000, max=30_000, avpkt=1000,
                             burst=20, probability=0.02, ecn=True))
 
@@ -148,6 +150,36 @@ def probe() -> list[Feature]:
     order = list(IMPACT)
     return [Feature(name, *found.get(name, (False, "not probed")), IMPACT[name])
             for name in order]
+
+
+# Kernel config options and module files of the features `testbed plan` can tell
+# without root (kernel_config_has).
+_CONFIG = {"netem": ("CONFIG_NET_SCH_NETEM", "sch_netem.ko"), "ifb": ("CONFIG_IFB", "ifb.ko")}
+
+
+def kernel_config_has(feature: str, release: str | None = None) -> bool | None:
+    """Whether the running kernel was built with `feature` (netem, ifb), read without
+    root or a namespace: /proc/config.gz, /boot/config-RELEASE, else the module lists
+    in /lib/modules/RELEASE. None when none of them can be read. The probe (which
+    tries the feature for real) is what `up` trusts; this is for `testbed plan`."""
+    import gzip
+
+    option, module = _CONFIG[feature]
+    release = release or platform.release()
+    for path, opener in (("/proc/config.gz", gzip.open), (f"/boot/config-{release}", open)):
+        try:
+            with opener(path, "rt") as fh:
+                return any(line.startswith((f"{option}=y", f"{option}=m")) for line in fh)
+        except OSError:
+            continue
+    found = None
+    for name in ("modules.builtin", "modules.dep"):
+        try:
+            with open(f"/lib/modules/{release}/{name}") as fh:
+                found = bool(found) or any(f"/{module}" in line.split(":")[0] for line in fh)
+        except OSError:
+            continue
+    return found
 
 
 def _probe_rps() -> tuple[bool, str]:

@@ -7,8 +7,11 @@ rtnetlink directly: per namespace one raw socket, kept open for the run, and
 two dumps per sample - RTM_GETSTATS (64-bit link counters only) and
 RTM_GETQDISC (per-class counters from each class's leaf qdisc: bytes,
 packets, drops, backlog; one dump covers every port, where a class dump
-would need a request per port). Building the fabric still goes through
-pyroute2; this is read-only.
+would need a request per port). The same dump carries each link direction's
+netem stage (testbed/net/netem.py: the IFB in the receiving namespace), stored
+under the sending port as `wire_*` (packets and bytes through it, its drops:
+PHY loss and overflow, and its backlog: packets on the wire, not in a queue).
+Building the fabric still goes through pyroute2; this is read-only.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import struct
 from pyroute2 import netns as _netns
 
 from agents.wire.netlink import attrs
-from testbed.net import portprog
+from testbed.net import netem, portprog
 from testbed.net.batch import dump_link_indexes
 from testbed.net.qdisc import parse_handle
 from testbed.plan.model import Plan
@@ -84,6 +87,26 @@ class _NetlinkDumper:
         self.sock.close()
 
 
+def _wire_rows(view, off: int, end: int, node: str, port: str) -> list[Sample]:
+    """The `wire_*` counters of one netem stage's RTM_NEWQDISC message, under the
+    sending port (tclass -1: the stage takes every class)."""
+    out = []
+    for attr, start, stop in attrs(view, off + TCMSG.size, end):
+        if attr != TCA_STATS2:
+            continue
+        for sub, s0, _s1 in attrs(view, start, stop):
+            if sub == TCA_STATS_BASIC:
+                nbytes, packets = BASIC.unpack_from(view, s0)
+                out.append(Sample(node, port, -1, "wire_bytes", nbytes))
+                out.append(Sample(node, port, -1, "wire_packets", packets))
+            elif sub == TCA_STATS_QUEUE:
+                qlen, backlog, drops, _rq, _ol = QUEUE.unpack_from(view, s0)
+                out.append(Sample(node, port, -1, "wire_drops", drops))
+                out.append(Sample(node, port, -1, "wire_backlog_bytes", backlog))
+                out.append(Sample(node, port, -1, "wire_backlog_packets", qlen))
+    return out
+
+
 class KernelSampler:
     """Per-interface and per-class counters of every fabric port of a lab."""
 
@@ -92,6 +115,9 @@ class KernelSampler:
         self._dumpers: dict[str, _NetlinkDumper] = {}
         self._ifname: dict[str, dict[int, str]] = {}
         self._leaf: dict[str, dict[tuple[int, int], tuple[str, int]]] = {}
+        #: per receiving node: (IFB ifindex, netem handle) -> the sending (node, port)
+        self._wire: dict[str, dict[tuple[int, int], tuple[str, str]]] = {}
+        stages = netem.stages_by_rx_node(netem.wire_stages(plan))
         for node in plan.nodes:
             dumper = _NetlinkDumper(node.netns)
             self._dumpers[node.name] = dumper
@@ -101,6 +127,9 @@ class KernelSampler:
             self._leaf[node.name] = {
                 (index[i.ifname], parse_handle(c.leaf_handle)): (i.ifname, c.tc)
                 for i in node.interfaces if i.ifname in index for c in i.egress.classes}
+            # only where the lab has them (a kernel without netem has no IFBs)
+            self._wire[node.name] = {(index[st.ifb], netem.NETEM_HANDLE): (st.node, st.port)
+                                     for st in stages.get(node.name, ()) if st.ifb in index}
         # Port programs' maps, where the lab has them: the queue the datapath decides on
         # (admitted - departed), ECN marks, trims, drops by cause (a few us per port: mmap).
         self._bpf: dict[str, list[tuple[str, portprog.PortMaps, list[int]]]] = {}
@@ -222,12 +251,16 @@ class KernelSampler:
         out: list[Sample] = []
         append = out.append
         leaf = self._leaf[node]
+        wire = self._wire[node]
         for kind, view, off, end in dumper.dump(RTM_GETQDISC, TCMSG.pack(0, 0, 0, 0, 0, 0, 0)):
             if kind != RTM_NEWQDISC:
                 continue
             _f, _p1, _p2, ifindex, handle, _parent, _info = TCMSG.unpack_from(view, off)
             where = leaf.get((ifindex, handle))
             if where is None:
+                sender = wire.get((ifindex, handle))
+                if sender is not None:
+                    out += _wire_rows(view, off, end, *sender)
                 continue
             name, tc = where
             for attr, start, stop in attrs(view, off + TCMSG.size, end):

@@ -35,7 +35,12 @@ fabric time where a sample shows it, and its size:
   frees it uncounted) and, until routes converge, what other nodes send into the
   black hole; the timeline counts both (testbed/net/events.py), and they are the
   counted place of that many otherwise missing packets (`link_losses`, named in the
-  check's details). In such
+  check's details). Where links carry a netem stage (testbed/net/netem.py), what it
+  drops (the PHY's frame loss, or its packet limit) and what it still holds at the
+  end (on the wire) are sampled per sending port (`wire_drops`,
+  `wire_backlog_packets`) but not by flow: like a link-down's losses they are the
+  counted place of up to that many missing packets of any stream (`wire_losses` in
+  the check's details), so a lossy link is not an unexplained loss. In such
   a run, reordering is reported beside (d), not against it: flows whose path changed
   are overtaken by their own packets on the new path.
 
@@ -245,6 +250,9 @@ class InvariantMonitor:
             checks["queue"]["held"] = None
             checks["queue"]["note"] = "no port programs: nothing to compare"
         checks["conservation"]["streams"] = len(streams)
+        wire = wire_losses(last)
+        if wire:
+            checks["conservation"]["wire_losses"] = wire
         notes = _notes(out)
         if moved:
             checks["reorder"]["after_route_changes"] = {v.where: int(v.amount)
@@ -357,8 +365,11 @@ def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int
     out = []
     # packets a link-down lost are not known by flow: they explain missing packets of
     # any stream, up to their number
-    link_budget = sum(x["packets"] for x in link_losses)
-    link_where = "; ".join(x["where"] for x in link_losses)
+    # so are the packets the links' netem stages dropped or still hold (not by flow)
+    wire = wire_losses(last)
+    link_budget = sum(x["packets"] for x in link_losses) + sum(wire.values())
+    link_where = "; ".join([x["where"] for x in link_losses]
+                           + [f"{n} on the wire from {w}" for w, n in wire.items()])
     flushed: dict[tuple[str, str, int], int] = {}
     for x in link_losses:
         for key, n in x["ports"].items():
@@ -382,8 +393,9 @@ def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int
             by_link = min(link_budget, missing - covered)
             link_budget -= by_link
             if missing > covered + by_link:
-                at_link = (f", {by_link} lost where a link went down ({link_where})"
-                           if link_losses else "")
+                where = " or ".join(w for w, on in (("where a link went down", link_losses),
+                                                    ("on a link's wire", wire)) if on)
+                at_link = f", {by_link} lost {where} ({link_where})" if where else ""
                 out.append(Violation(
                     "conservation", f"stream {s['name']}", missing - covered - by_link,
                     "packets",
@@ -429,6 +441,17 @@ def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int
                 "conservation", _where(*key), row["dep_unmatched"], "packets",
                 f"the peer's ingress saw {row['dep_unmatched']} packets the port never "
                 "admitted"))
+    return out
+
+
+def wire_losses(last: dict) -> dict[str, int]:
+    """Per sending port ("node:port"), packets its link's netem stage dropped or still
+    holds at the end, from the store's last `wire_drops` / `wire_backlog_packets`."""
+    out: dict[str, int] = {}
+    for counter in ("wire_drops", "wire_backlog_packets"):
+        for (node, port, _tc), value in last.get(counter, {}).items():
+            if value:
+                out[f"{node}:{port}"] = out.get(f"{node}:{port}", 0) + int(value)
     return out
 
 

@@ -250,19 +250,28 @@ def prepare(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> Run:
 
 
 def kernel_notes(plan: Plan, probe: dict) -> list[str]:
-    """What this fabric does not emulate on the kernel it runs on (testbed probe)."""
+    """What this fabric does not emulate on the kernel it runs on (testbed probe).
+
+    Where the kernel has sch_netem and IFB devices the builder puts each link's
+    dilated delay and PHY loss on the wire (testbed/net/netem.py): nothing to note.
+    """
+    missing = [f for f in ("netem", "ifb") if f in set(probe.get("missing", []))]
+    if not missing:
+        return []
     short_ns = base_rtt_shortfall_ns(plan)
     if short_ns <= 0:
         return []
-    # The builder installs no netem stage on any kernel yet (docs/datapath.md), so that is
-    # the cause everywhere; a kernel without sch_netem is a second one, which a netem
-    # stage alone would not get past.
-    why = "no netem stage is installed"
-    if "netem" in set(probe.get("missing", [])):
-        why += f", and kernel {probe.get('kernel')} has no sch_netem either"
-    return [f"link propagation and FEC delay are not emulated ({why}), so the longest "
+    return [missing_delay_note(short_ns, f"kernel {probe.get('kernel')} has no "
+                               + " and no ".join(_FEATURE_WORDS[f] for f in missing))]
+
+
+_FEATURE_WORDS = {"netem": "sch_netem", "ifb": "IFB devices"}
+
+
+def missing_delay_note(short_ns: int, why: str) -> str:
+    return (f"link propagation and FEC delay are not emulated ({why}), so the longest "
             f"host-to-host base RTT is short by {short_ns / 1e3:.2f} us fabric; PHY frame loss "
-            "is applied by the BPF port program"]
+            "is applied by the BPF port program")
 
 
 def bring_up(run: Run) -> None:
@@ -277,6 +286,12 @@ def bring_up(run: Run) -> None:
     say(f"up: lab {plan.lab!r} in {sum(report.seconds.values()):.2f}s, "
         f"D={plan.dilation.factor}")
     run.udp_start = udp_errors(plan)
+    run.store.set_meta("link_delay", report.delay)
+    if report.delay.startswith("none") and not kernel_notes(plan, run.probe):
+        # the probe saw netem and ifb, yet the builder could not use them
+        short_ns = base_rtt_shortfall_ns(plan)
+        if short_ns > 0:
+            run.notes.add(missing_delay_note(short_ns, report.delay[6:]))
     if report.ordering.startswith("none"):
         run.notes.add(f"flows are not steered to one CPU per port ({report.ordering[6:]}): a "
                       "flow's packets can be reordered crossing the fabric when the CPUs are "
@@ -522,7 +537,8 @@ def check_invariants(run: Run, view: RunView) -> dict:
     flow_drops = snapshot["flow_drops"] if snapshot else []
     streams = stream_accounts([s for s, _ in run.agents], run.results, flow_drops, view)
     last = {name: store.last_values(name) for name in
-            ("class_drops", "class_packets", "backlog_packets", "tx_dropped")}
+            ("class_drops", "class_packets", "backlog_packets", "tx_dropped", "wire_drops",
+             "wire_backlog_packets")}
     applier = run.timeline[1] if run.timeline else None
     out = run.collector.invariants.finish(
         snapshot, last, streams, host_errors,

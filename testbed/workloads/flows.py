@@ -670,9 +670,10 @@ class FlowsKind(WorkloadKind):
             notes.append(f"{len(fast)} flows finished faster than their ideal FCT, at most "
                          f"{1 - (worst.fct_ns or 0) / worst.ideal_fct_ns:.0%} faster (flow "
                          f"{worst.flow_id}, {worst.size_bytes} B): the ideal counts the plan's "
-                         "link delay, which this fabric does not emulate (the propagation "
-                         "note), and each port's token bucket lets a burst of two frames out "
-                         "back to back after an idle spell; their slowdown reads 1")
+                         "link delay, which this fabric does not emulate where the kernel has "
+                         "no sch_netem (the propagation note), and each port's token bucket "
+                         "lets a burst of two frames out back to back after an idle spell; "
+                         "their slowdown reads 1")
         for spec in specs:
             res = results.get(spec.name) or {}
             who = self.describe(spec)

@@ -268,3 +268,20 @@ def test_what_the_fabric_agents_do_as_they_stop_is_not_judged():
          "max_hdrm_bytes": 0}]}]}
     verdict = m.finish(after, {}, [], {}, peaks_snapshot=before)
     assert "headroom" not in _names(verdict)
+
+
+def test_packets_a_links_netem_dropped_or_holds_are_a_counted_place():
+    # 100 sent, 90 received, nothing dropped by flow: 7 lost on a lossy link's wire
+    # (netem's PHY loss) and 3 still on the wire at the end explain all 10
+    streams = stream_accounts(PLAN, _udp_agents(), _udp_results(100, 90), [])
+    last = {"wire_drops": {("leaf2", "swp4", -1): 7.0},
+            "wire_backlog_packets": {("leaf2", "swp4", -1): 3.0}}
+    verdict = _finish(_monitor(), last=last, streams=streams)
+    assert not verdict["violations"]
+    assert verdict["checks"]["conservation"]["wire_losses"] == {"leaf2:swp4": 10}
+    # one fewer on the wire: one packet has no counted place, and the note says where
+    # the others went
+    last["wire_backlog_packets"] = {("leaf2", "swp4", -1): 2.0}
+    [v] = _finish(_monitor(), last=last, streams=streams)["violations"]
+    assert (v["invariant"], v["amount"]) == ("conservation", 1)
+    assert "on the wire from leaf2:swp4" in v["detail"]

@@ -36,12 +36,16 @@ def test_a_note_is_in_the_store_as_soon_as_it_is_noted(tmp_path: Path) -> None:
 def test_the_kernel_note_names_the_missing_delay_and_why() -> None:
     plan = compile_plan(load_config(REPO / "configs" / "default.yaml"))
     [note] = kernel_notes(plan, {"missing": ["netem"], "kernel": "6.1-min"})
-    # the builder's missing stage is the cause on every kernel; this one lacks sch_netem too
-    assert ("not emulated (no netem stage is installed, and kernel 6.1-min has no sch_netem "
-            "either)") in note
-    assert "short by" in note and "us fabric" in note
-    [note] = kernel_notes(plan, {"missing": []})
-    assert "(no netem stage is installed)" in note
+    assert "not emulated (kernel 6.1-min has no sch_netem)" in note
+    assert "short by 2.88 us fabric" in note
+    [note] = kernel_notes(plan, {"missing": ["netem", "ifb"], "kernel": "6.1-min"})
+    assert "(kernel 6.1-min has no sch_netem and no IFB devices)" in note
+
+
+def test_a_kernel_with_netem_gets_no_missing_delay_note() -> None:
+    # the builder puts the links' delay on the wire there (testbed/net/netem.py)
+    plan = compile_plan(load_config(REPO / "configs" / "default.yaml"))
+    assert kernel_notes(plan, {"missing": ["red"], "kernel": "6.1.0-stock"}) == []
 
 
 def _proc(name: str, code: str) -> AgentProcess:
