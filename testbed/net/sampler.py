@@ -218,11 +218,14 @@ class KernelSampler:
                     append(Sample(node, ifname, tc, "trim_errors", c.trim_errors))
             if node in self._nodes:
                 out += self._node_samples(node)
-        for host, nic, directory in self._rxe:
-            for name, value in rxe.read_hw_counters(directory).items():
-                append(Sample(host, nic, -1, f"rxe_{name}", value))
+        out += self._rxe_samples()
         self.brackets = brackets
         return out
+
+    def _rxe_samples(self) -> list[Sample]:
+        """rxe's hw_counters of every rxe host, as node=host, port=its NIC, rxe_<name>."""
+        return [Sample(host, nic, -1, f"rxe_{name}", value) for host, nic, directory
+                in self._rxe for name, value in rxe.read_hw_counters(directory).items()]
 
     def _qdisc_rows(self, node: str, dumper: _NetlinkDumper) -> list[Sample]:
         """Per-class counters of the node's leaf qdiscs, from one RTM_GETQDISC dump."""
