@@ -211,3 +211,32 @@ def test_hw_counters_directory_parses_to_counters_without_lifespan():
     assert "lifespan" not in counters and len(counters) == 15
     assert list(counters) == sorted(counters)
     assert read_hw_counters(DATA / "no-such-dir") == {}
+
+
+def test_placement_mode_refuses_before_building_on_an_old_kernel_outside_the_vm(monkeypatch):
+    from testbed.net import rxe
+
+    _, plan = _load()
+    monkeypatch.setattr(rxe, "probe", lambda refresh=False: rxe.RxeProbe(
+        (True, "ok"), (False, "initial namespace only"), (True, "ok")))
+    with pytest.raises(RxeRefused, match="--vm"):
+        rxe.placement_mode(plan, env={})
+    assert rxe.placement_mode(plan, env={"TESTBED_VM": "1"}) == INITIAL_NS
+    monkeypatch.setattr(rxe, "probe", lambda refresh=False: rxe.RxeProbe(
+        (False, "not in this kernel"), (False, "-"), (False, "-")))
+    with pytest.raises(RxeRefused, match="needs rdma_rxe"):
+        rxe.placement_mode(plan, env={"TESTBED_VM": "1"})
+
+
+def test_apply_plan_refuses_an_unplaceable_rxe_plan_before_recording_any_state(
+        monkeypatch, tmp_path):
+    from testbed.net import builder, rxe
+
+    monkeypatch.setenv("TESTBED_STATE_DIR", str(tmp_path / "labs"))
+    monkeypatch.delenv("TESTBED_VM", raising=False)
+    monkeypatch.setattr(rxe, "probe", lambda refresh=False: rxe.RxeProbe(
+        (True, "ok"), (False, "initial namespace only"), (True, "ok")))
+    _, plan = _load()
+    with pytest.raises(builder.BuildError, match="testbed run --vm"):
+        builder.apply_plan(plan)
+    assert not (tmp_path / "labs").exists()
