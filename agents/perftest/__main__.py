@@ -12,8 +12,8 @@ agent looks for its device's netdev here and, failing that, in the initial names
 - client: waits for --start-at-mono-ns (the run's common start), runs perftest against
   the server's address, and reports.
 
-perftest runs as a child that dies with the agent (PR_SET_PDEATHSIG) and is bounded by
-`timeout`, so neither a killed run nor a missing peer leaves it behind. The report (one
+perftest runs as a child that dies with the agent (PR_SET_PDEATHSIG) and is stopped after
+--timeout-s, so neither a killed run nor a missing peer leaves it behind. The report (one
 JSON line on stdout, and --out) holds the argv, the exit code, the namespace it ran in,
 the parsed rows (agents/perftest/parse.py) or the error, and the tail of perftest's output.
 """
@@ -148,11 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         report_counters(report, args.out)
         return 1
     t_start = time.monotonic_ns()
-    proc = subprocess.Popen(["timeout", "-k", "2", f"{args.timeout_s:g}", *cmd],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    # perftest itself is the child (not a wrapper), so PR_SET_PDEATHSIG ends it with the agent
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig)
+    deadline = t_start + int(args.timeout_s * 1e9)
     ready = False
     while proc.poll() is None:
+        if time.monotonic_ns() > deadline:
+            life.stop("timeout")
         if args.role == "server" and not ready and tcp_listening(args.port):
             mark_ready(args.ready_file)
             ready = True
