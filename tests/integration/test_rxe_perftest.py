@@ -42,6 +42,9 @@ topology:
   hosts_per_leaf: 1
   host_link: {{port: 100GBASE-CR1, length: 2m}}
   fabric_link: {{port: 400GBASE-DR4, length: 100m}}
+qos:
+  default:
+    pfc: {{enabled: false}}
 hosts: [{{name: h1, endpoint: rxe}}, {{name: h2, endpoint: rxe}}]
 workload:
   drain: 100us
