@@ -161,3 +161,20 @@ def test_leaf_capture_decodes_as_rocev2_with_the_kernels_icrc(ran):
     assert opcodes & {0x06, 0x07, 0x08, 0x0A} and 0x11 in opcodes, opcodes
     assert all(p[IP].tos >> 2 == 26 for p in packets if p[UDP].dport == 4791
                and p[BTH].opcode in (0x06, 0x07, 0x08, 0x0A))
+
+
+def test_down_left_nothing_in_the_initial_namespace(ran):
+    plan, _run_dir, _summary, _pcap, _port = ran
+    links = json.loads(subprocess.run(["ip", "-j", "link"], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert not [x["ifname"] for x in links if x["ifname"].startswith(rxe.SLAVE_PREFIX)]
+    rules = json.loads(subprocess.run(["ip", "-j", "rule"], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert not [r for r in rules if str(r.get("table", "")).isdigit()
+                and int(r["table"]) >= rxe.TABLE_BASE]
+    rdma = subprocess.run(["rdma", "link"], capture_output=True, text=True).stdout
+    assert f"rxe_{plan.lab}_" not in rdma
+    if not rxe.probe().netns_aware[0]:
+        # the local rule is back at preference 0 and no machine-wide record is left
+        assert any(r.get("priority") == 0 and r.get("table") == "local" for r in rules), rules
+        assert not rxe.machine_state_path().exists()
