@@ -110,8 +110,9 @@ class PerftestKind(WorkloadKind):
         "iterations": "messages perftest completed (its #iterations)",
         "qps": "queue pairs",
         "bw_gbps": "average bandwidth, fabric Gb/s: perftest's wall BW average x D (bandwidth "
-                   "tests; for ib_send_bw in duration mode, whose BW this perftest reports as "
-                   "0, bytes x iterations over the duration)",
+                   "tests; where perftest reports 0 in duration mode with messages done - always "
+                   "for ib_send_bw, and for ib_write_bw on a starved VM - bytes x iterations "
+                   "over the duration, x D)",
         "bw_peak_gbps": "perftest's BW peak x D, fabric Gb/s (bandwidth tests)",
         "msg_rate_mpps": "messages per second, fabric, millions: perftest's MsgRate x D "
                          "(bandwidth tests) or its tps x D / 10^6 (ib_write_lat with duration)",
@@ -232,7 +233,7 @@ def perftest_rows(spec: AgentSpec, res: dict, dilation: int) -> list[dict]:
     empty = {"bytes": int(arg_of(spec.argv, "--size") or 0), "iterations": None}
     for r in res.get("rows") or [empty]:
         bw = r.get("bw_avg_gbps")
-        if bw == 0 and duration_s and r.get("iterations") and test == "ib_send_bw":
+        if bw == 0 and duration_s and r.get("iterations"):
             bw = r["bytes"] * r["iterations"] * 8 / int(duration_s) / 1e9
         rate = r.get("msg_rate_mpps")
         if rate is None and r.get("tps") is not None:
