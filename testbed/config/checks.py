@@ -284,7 +284,8 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
         linked.setdefault(link.b, []).append(link.a)
     ctx = CheckContext(hosts=hosts, classes=classes, nic_bps=_host_nic_rates(expanded),
                        roles={n.name: n.role for n in expanded.nodes},
-                       neighbours=lambda node: list(dict.fromkeys(linked.get(node, []))))
+                       neighbours=lambda node: list(dict.fromkeys(linked.get(node, []))),
+                       endpoints={h.name: h.endpoint for h in fabric.hosts})
     names: set[str] = set()
     bound: dict[tuple[str, str, int], tuple[str, str]] = {}   # host, proto, port -> claim
     for i, t in enumerate(fabric.workload.traffic):
@@ -641,6 +642,23 @@ def check_routes(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, st
             yield (loc + ("dst",), f"routes[{seen[key]}] already routes {route.dst} on "
                    f"{route.node}; one static route per destination and node")
         seen.setdefault(key, i)
+
+
+def check_hosts(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:
+    """Per-host options: each names a host node, once."""
+    idx = _FabricIndex(fabric, expanded)
+    seen: dict[str, int] = {}
+    for i, opts in enumerate(fabric.hosts):
+        loc = ("hosts", i, "name")
+        if opts.name not in idx.roles:
+            more = " ..." if len(idx.hosts) > 8 else ""
+            yield loc, (f"unknown host {opts.name!r}" + (_suggest(opts.name, idx.hosts) or
+                        f"; hosts: {', '.join(idx.hosts[:8])}{more}"))
+        elif idx.roles[opts.name] != "host":
+            yield loc, f"{opts.name!r} is a switch; host options apply to hosts"
+        if opts.name in seen:
+            yield loc, f"hosts[{seen[opts.name]}] already sets the options of {opts.name!r}"
+        seen.setdefault(opts.name, i)
 
 
 def check_dscp_remap(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:

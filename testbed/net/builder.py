@@ -24,6 +24,9 @@ each over the whole plan:
      fed by a redirect at the receiving port's clsact ingress after the departure
      program (netem.py says why there). Without them the links carry no delay and
      the port programs apply the PHY loss (the report says so).
+  8. rxe endpoints: the Soft-RoCE device of every `endpoint: rxe` host on its NIC (rxe.py
+     says where, by kernel; a placement this machine refuses stops `apply_plan` before
+     anything is made).
 Each namespace's requests go out in batches over its own socket, every ack checked
 (testbed/net/batch.py says why and what it saved). Any failure tears down what was
 made and raises BuildError naming the node, the request and the kernel's reason.
@@ -39,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from testbed.net import datapath, namespaces, netem, portprog, steering
+from testbed.net import datapath, namespaces, netem, portprog, rxe, steering
 from testbed.net.batch import (
     LOOPBACK_IFINDEX,
     BatchedTc,
@@ -74,6 +77,7 @@ class BuildReport:
     routes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     datapath: str = ""     # "bpf", or "none: why" (no ECN marking, queue accounting or PFC)
+    rxe_mode: str | None = None   # rxe.NETNS_AWARE / rxe.INITIAL_NS; None: no rxe hosts
     ordering: str = ""     # "rps cpus 0-1 (how)", or "none: why" (flows may be reordered)
     delay: str = ""        # "netem", or "none: why" (links carry no propagation/FEC delay)
 
@@ -115,6 +119,10 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
                              f"run `testbed down {plan.lab}` first")
         say(f"lab {plan.lab!r} was left half-built ({existing.status}); removing it first")
         destroy_lab(plan.lab)
+    try:
+        report.rxe_mode = rxe.placement_mode(plan)
+    except rxe.RxeRefused as exc:
+        raise BuildError(str(exc)) from None
     clashes = [n.netns for n in plan.nodes if namespaces.exists(n.netns)]
     if clashes:
         raise BuildError(f"namespaces {clashes[:3]} exist but no lab state owns them; "
@@ -127,6 +135,11 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
     os.chmod(state.plan_path, 0o600)
     try:
         _build(plan, report, say, keep_order)
+        if report.rxe_mode is not None:
+            say("rxe endpoints")
+            t = time.perf_counter()
+            rxe.build(plan, report.rxe_mode, say)
+            report.seconds["rxe"] = round(time.perf_counter() - t, 4)
     except BaseException as exc:
         say(f"build failed ({exc}); removing what was made")
         state.status = "failed"
@@ -135,7 +148,7 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
         if isinstance(exc, RequestError):
             raise BuildError(f"kernel refused a request while building {plan.lab!r}: "
                              f"{exc}") from exc
-        if isinstance(exc, BatchError):
+        if isinstance(exc, BatchError | rxe.RxeError):
             raise BuildError(f"building {plan.lab!r}: {exc}") from exc
         raise
     state.status = "up"
@@ -380,6 +393,7 @@ def destroy_lab(lab: str) -> list[str]:
     state.status = "destroying"
     state.save()
     _stop_processes(state)
+    rxe.destroy(lab)     # what it made in the initial namespace, before the NICs go
     removed = []
     for ns in state.netns:
         if namespaces.exists(ns):
@@ -413,4 +427,5 @@ def destroy_all() -> tuple[list[str], list[str]]:
         orphans.append(ns)
     for lab in datapath.leftover_pinned_labs():
         datapath.detach_port_programs(lab)
+    orphans += rxe.destroy_orphans()
     return labs, orphans
