@@ -22,6 +22,7 @@ from testbed.config.checks import (
     check_dscp_remap,
     check_events,
     check_fabric,
+    check_hosts,
     check_impairments,
     check_qos,
     check_routes,
@@ -271,7 +272,7 @@ def validate_data(data: object, lines: LineMap, file: str, text: str = "") -> Lo
              *check_topology(fabric, expanded, sorted(PORT_TYPES)),
              *check_workload(fabric, expanded), *check_impairments(fabric, expanded),
              *check_events(fabric, expanded), *check_routes(fabric, expanded),
-             *check_dscp_remap(fabric, expanded)]
+             *check_dscp_remap(fabric, expanded), *check_hosts(fabric, expanded)]
     if found:
         raise ConfigError(file, [Problem(lines.line_for(loc), loc, msg) for loc, msg in found])
     return LoadedConfig(path=file, text=text, fabric=fabric, expanded=expanded, lines=lines)

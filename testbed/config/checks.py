@@ -643,6 +643,23 @@ def check_routes(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, st
         seen.setdefault(key, i)
 
 
+def check_hosts(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:
+    """Per-host options: each names a host node, once."""
+    idx = _FabricIndex(fabric, expanded)
+    seen: dict[str, int] = {}
+    for i, opts in enumerate(fabric.hosts):
+        loc = ("hosts", i, "name")
+        if opts.name not in idx.roles:
+            more = " ..." if len(idx.hosts) > 8 else ""
+            yield loc, (f"unknown host {opts.name!r}" + (_suggest(opts.name, idx.hosts) or
+                        f"; hosts: {', '.join(idx.hosts[:8])}{more}"))
+        elif idx.roles[opts.name] != "host":
+            yield loc, f"{opts.name!r} is a switch; host options apply to hosts"
+        if opts.name in seen:
+            yield loc, f"hosts[{seen[opts.name]}] already sets the options of {opts.name!r}"
+        seen.setdefault(opts.name, i)
+
+
 def check_dscp_remap(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, str]]:
     """DSCP remaps: on a switch, to a known class, one class per (switch, DSCP)."""
     idx = _FabricIndex(fabric, expanded)

@@ -265,6 +265,17 @@ class Node(Strict):
         description="host: runs traffic agents, NICs eth0..; switch: routes (ECMP), ports swp1..")
 
 
+class HostOptions(Strict):
+    """Per-host options of a host node (generated or given by hand), by name."""
+
+    name: str = Field(description="the host node these options apply to, e.g. h1")
+    endpoint: Literal["transport", "rxe"] = Field(
+        "transport", description="transport: RoCE and UET endpoints are the testbed's "
+        "user-space agents (agents/rdma); rxe: the host also gets a kernel Soft-RoCE device "
+        "(rdma_rxe) rxe_<lab>_<host> on its NIC, which `kind: perftest` traffic uses "
+        "(docs/rxe.md)")
+
+
 class Link(Strict):
     """A link given by hand between two nodes, as LinkSpec with its two ends."""
 
@@ -660,6 +671,9 @@ class Fabric(Strict):
                               description="nodes given by hand (may add to a topology)")
     links: list[Link] = Field(default_factory=list,
                               description="links given by hand (may add to a topology)")
+    hosts: list[HostOptions] = Field(
+        default_factory=list, description="per-host options (endpoint: rxe), by host name; "
+                                          "a host not listed keeps the defaults")
     impairments: list[Impairment] = Field(default_factory=list,
                                           description="extra packet loss on links")
     switch_buffer: SwitchBuffer | None = Field(

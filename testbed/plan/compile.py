@@ -565,7 +565,8 @@ def _node_plan(fabric: Fabric, node: Node, links: list[Link], phys: list[PhyResu
         buffer=_node_buffer(node.role, interfaces, pool_bytes,
                             fabric.switch_buffer or SwitchBuffer(size_bytes=pool_bytes)),
         sysctls=dict(SWITCH_SYSCTLS if node.role == "switch" else HOST_SYSCTLS),
-        interfaces=interfaces, routes=routes.get(node.name, []))
+        interfaces=interfaces, routes=routes.get(node.name, []),
+        endpoint=next((h.endpoint for h in fabric.hosts if h.name == node.name), "transport"))
 
 
 def _implied_pools(fabric: Fabric, links: list[Link],

@@ -135,6 +135,17 @@ class NodePlan(PlanModel):
     sysctls: dict[str, str]
     interfaces: list[InterfacePlan]
     routes: list[RoutePlan]
+    # A host's RoCE endpoint: "transport" (the user-space agents) or "rxe" (a kernel
+    # Soft-RoCE device on its NIC, testbed/net/rxe.py). Omitted from the JSON when
+    # "transport", so plans without rxe hosts keep their bytes and hash.
+    endpoint: str = "transport"
+
+    @model_serializer(mode="wrap")
+    def _without_default_endpoint(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if self.endpoint == "transport" and isinstance(data, dict):
+            data.pop("endpoint", None)
+        return data
 
 
 class LinkEndPlan(PlanModel):
