@@ -63,12 +63,13 @@ MIN_POLL_WALL_NS = 200_000
 
 def parse_qps(text: str, device: str | None) -> dict[int, int]:
     """{local QPN: remote QPN} of `rdma -j res show qp` output, for one device (or all).
-    QPs without a remote QPN (GSI, a QP not connected yet) are left out."""
+    Only connected QPs (state RTR or RTS) count: a GSI QP has no remote QPN, and rdma
+    also lists a QP's RESET-state twin with rqpn 0 (seen on Linux 6.1)."""
     out = {}
     for row in json.loads(text or "[]"):
         if device is not None and row.get("ifname") != device:
             continue
-        if "lqpn" in row and "rqpn" in row:
+        if "lqpn" in row and row.get("rqpn") and row.get("state") in ("RTR", "RTS"):
             out[int(row["lqpn"])] = int(row["rqpn"])
     return out
 
@@ -128,6 +129,7 @@ class Agent:
             self.src_mac = ":".join(f"{b:02x}" for b in self.sock.getsockname()[4][:6])
         self.netlink = None
         if self.rp is not None:
+            import pyroute2  # noqa: F401 - its import takes seconds under TCG: before ready
             self.netlink = Requester()
         self.qp_peers: dict[int, int] = {}
         self.next_qp_read = 0
@@ -143,10 +145,14 @@ class Agent:
     def now_ns(self) -> float:
         return self.dilation.to_fabric_ns(time.monotonic_ns() - self.t0)
 
-    def log(self, kind: str, **fields) -> None:
+    def log(self, kind: str, **detail: object) -> None:
+        """One event as a JSON line (the collector imports them into counters.sqlite)."""
         if self.events is not None:
-            self.events.write(json.dumps({"ts_fabric_ns": round(self.now_ns()), "node":
-                                          self.args.node, "event": kind, **fields}) + "\n")
+            self.events.write(json.dumps({"mono_ns": time.monotonic_ns(), "kind": kind,
+                                          "node": self.args.node, "port": self.args.ifname,
+                                          "tclass": self.args.lossless_tc if
+                                          self.args.lossless_tc is not None else -1,
+                                          **detail}) + "\n")
 
     def peer_qpn(self, lqpn: int) -> int | None:
         peer = self.qp_peers.get(lqpn)
@@ -156,7 +162,7 @@ class Agent:
                 self.qp_peers = read_qps(self.args.rxe_dev)
                 self.counters["qp_reads"] += 1
             except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
-                self.log("qp_read_error", error=str(exc))
+                self.log("rxe_cc_error", what="qp_read", error=str(exc))
             peer = self.qp_peers.get(lqpn)
         return peer
 
@@ -190,7 +196,7 @@ class Agent:
             self.counters["cnps_sent"] += 1
         except OSError as exc:
             self.counters["cnp_send_errors"] += 1
-            self.log("cnp_send_error", error=str(exc))
+            self.log("rxe_cc_error", what="cnp_send", error=str(exc))
 
     def apply(self, change: ClassRate, cuts: int = 0) -> None:
         assert self.netlink is not None
@@ -202,9 +208,9 @@ class Agent:
             self.counters["class_updates"] += 1
         except OSError as exc:
             self.counters["class_errors"] += 1
-            self.log("class_error", error=str(exc))
+            self.log("rxe_cc_error", what="class_change", error=str(exc))
             return
-        self.log("class_rate", rate_bps=round(change.fabric_rate_bps),
+        self.log("rxe_cc_rate", rate_bps=round(change.fabric_rate_bps),
                  wall_rate_bps=change.wall_rate_bps, wall_ceil_bps=change.wall_ceil_bps,
                  restore=change.restore, cuts=cuts)
 

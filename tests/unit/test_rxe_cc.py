@@ -197,8 +197,15 @@ def test_parse_qps_keeps_connected_qps_of_one_device():
         {"ifname": "rxe_h3", "port": 1, "lqpn": 1, "type": "GSI", "state": "RTS"},
         {"ifname": "rxe_h3", "port": 1, "lqpn": 17, "rqpn": 19, "type": "RC", "state": "RTS"},
         {"ifname": "rxe_h1", "port": 1, "lqpn": 17, "rqpn": 17, "type": "RC", "state": "RTS"},
+        # recorded on 6.1: a RESET twin with rqpn 0 listed beside the connected QP
+        {"ifindex": 2, "ifname": "rxe_h3", "lqpn": 18, "rqpn": 0, "type": "RC",
+         "state": "RESET"},
+        {"ifindex": 2, "ifname": "rxe_h3", "port": 1, "lqpn": 18, "rqpn": 17, "type": "RC",
+         "state": "RTR"},
+        {"ifindex": 2, "ifname": "rxe_h3", "lqpn": 20, "rqpn": 0, "type": "RC",
+         "state": "RESET"},
     ])
-    assert parse_qps(text, "rxe_h3") == {17: 19}
+    assert parse_qps(text, "rxe_h3") == {17: 19, 18: 17}
     assert parse_qps("", None) == {}
 
 
