@@ -104,15 +104,17 @@ def rxe_dcqcn_of(traffic: list) -> RxeDcqcn | None:
     return RxeDcqcn()
 
 
-def lossless_ecn_class(iface: InterfacePlan) -> ClassPlan | None:
-    """The NIC's lossless class with ECN (the one DCQCN rate-limits), if any."""
-    return next((c for c in iface.egress.classes if c.lossless and c.ecn is not None), None)
+def lossless_ecn_class(plan: Plan, iface: InterfacePlan) -> ClassPlan | None:
+    """The NIC's class of the fabric's lossless traffic class with ECN (the one DCQCN
+    rate-limits), if any. (The switches mark; a host NIC's class has no curve itself.)"""
+    tcs = {t.tc for t in plan.traffic_classes if t.lossless and t.ecn}
+    return next((c for c in iface.egress.classes if c.tc in tcs), None)
 
 
 def rxe_cc_hosts(plan: Plan) -> list[NodePlan]:
     """rxe hosts whose NIC has a lossless class with ECN: those DCQCN runs for."""
     return [n for n in plan.hosts() if getattr(n, "endpoint", "transport") == "rxe"
-            and n.interfaces and lossless_ecn_class(n.interfaces[0]) is not None]
+            and n.interfaces and lossless_ecn_class(plan, n.interfaces[0]) is not None]
 
 
 def cnp_dscp_of_plan(plan: Plan) -> int:
@@ -135,7 +137,7 @@ def rxe_cc_argv(plan: Plan, node: NodePlan, dcqcn: RxeDcqcn) -> list[str]:
     """The rxe_cc agent's arguments for one host (NP and RP both: a host may receive and
     send): its NIC, the CNP's MACs and DSCP, the lossless class it rate-limits, DCQCN."""
     iface = node.interfaces[0]
-    cls = lossless_ecn_class(iface)
+    cls = lossless_ecn_class(plan, iface)
     if cls is None:
         raise ValueError(f"{node.name}: no lossless class with ECN on {iface.ifname}")
     peer = plan.node(iface.peer.node)

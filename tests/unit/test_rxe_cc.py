@@ -243,3 +243,87 @@ def test_counter_program_btf_matches_python_layouts(tmp_path):
         assert btf["size"] == layout.size, name
         got = [(m["name"], m["bits_offset"] // 8) for m in btf["members"]]
         assert got == list(zip(fields, _offsets(layout), strict=True)), name
+
+
+# --- the control plane's side: which hosts, which arguments ----------------------------
+
+RXE_FABRIC = """
+name: rxecc
+dilation: 100
+topology:
+  kind: leaf_spine
+  spines: 1
+  leaves: 1
+  hosts_per_leaf: 3
+  host_link: {port: 100GBASE-CR1, length: 2m}
+  fabric_link: {port: 400GBASE-DR4, length: 100m}
+hosts:
+  - {name: h1, endpoint: rxe}
+  - {name: h3, endpoint: rxe}
+"""
+
+
+def _plan(text: str = RXE_FABRIC):
+    from testbed.config import load_config_text
+    from testbed.plan import compile_plan
+    return compile_plan(load_config_text(text))
+
+
+def test_rxe_cc_runs_on_rxe_hosts_with_a_lossless_ecn_class_only():
+    from testbed.run.fabric_agents import rxe_cc_hosts
+    plan = _plan()
+    assert [h.name for h in rxe_cc_hosts(plan)] == ["h1", "h3"]
+    no_ecn = RXE_FABRIC + """traffic_classes:
+  - {name: roce, tc: 3, dscp: [26], lossless: true, ecn: false}
+  - {name: cnp, tc: 6, dscp: [48], strict: true}
+  - {name: default, tc: 0, default: true}
+"""
+    assert not any(t.ecn for t in _plan(no_ecn).traffic_classes)
+    assert rxe_cc_hosts(_plan(no_ecn)) == []
+
+
+def test_rxe_cc_argv_names_the_nic_the_cnp_path_and_the_lossless_class():
+    from testbed.run.fabric_agents import RxeDcqcn, lossless_ecn_class, rxe_cc_argv
+    plan = _plan()
+    h1 = plan.node("h1")
+    argv = rxe_cc_argv(plan, h1, RxeDcqcn("hpcc-ns3-paper", (("min_rate_bps", 2e9),)))
+    opts = dict(zip(argv[::1], argv[1::1], strict=False))
+    iface = h1.interfaces[0]
+    cls = lossless_ecn_class(plan, iface)
+    peer_mac = next(i.mac for i in plan.node(iface.peer.node).interfaces
+                    if i.ifname == iface.peer.ifname)
+    assert "--np" in argv and "--rp" in argv
+    assert opts["--ifname"] == iface.ifname and opts["--gw-mac"] == peer_mac
+    assert opts["--classid"] == cls.classid and int(opts["--wall-ceil-bps"]) == cls.wall_ceil_bps
+    assert int(opts["--line-rate-bps"]) == iface.egress.rate_bps
+    assert int(opts["--dilation"]) == 100 and opts["--dcqcn-preset"] == "hpcc-ns3-paper"
+    assert int(opts["--cnp-dscp"]) == 48
+    assert json.loads(opts["--cc-params"]) == {"min_rate_bps": 2e9}
+    # the agent accepts them all
+    from agents.rxe_cc.__main__ import build_parser
+    args = build_parser().parse_args(argv)
+    assert args.np and args.rp and args.lossless_tc == cls.tc
+
+
+class _Entry:
+    def __init__(self, kind: str, cc: str = "dcqcn", preset: str | None = None,
+                 overrides: dict | None = None) -> None:
+        self.kind, self.cc, self.preset, self._o = kind, cc, preset, overrides or {}
+
+    def cc_overrides(self) -> dict:
+        return self._o
+
+
+def test_rxe_dcqcn_follows_the_perftest_entry():
+    from testbed.run.fabric_agents import RxeDcqcn, rxe_dcqcn_of
+    assert rxe_dcqcn_of([]) == RxeDcqcn("hpcc-ns3-paper")
+    assert rxe_dcqcn_of([_Entry("roce_incast", "none"), _Entry("perftest", preset="paper",
+                                                                overrides={"g": 0.5})]) == \
+        RxeDcqcn("paper", (("g", 0.5),))
+    assert rxe_dcqcn_of([_Entry("perftest", "none")]) is None
+
+
+def test_the_note_says_the_rate_is_per_host_class():
+    from testbed.run.fabric_agents import RxeDcqcn, rxe_cc_hosts, rxe_cc_note
+    note = rxe_cc_note(rxe_cc_hosts(_plan()), RxeDcqcn())
+    assert "per HOST CLASS" in note and "not per QP" in note and "h1, h3" in note
