@@ -17,7 +17,10 @@ each over the whole plan:
      otherwise wait in a neighbour queue while a later one overtakes them, and
      pay an ARP round trip;
   5. routes: /31-reachable next hops and ECMP routes;
-  6. port programs: the tc-BPF program on every port (datapath.py).
+  6. port programs: the tc-BPF program on every port (datapath.py);
+  7. rxe endpoints: the Soft-RoCE device of every `endpoint: rxe` host on its NIC (rxe.py
+     says where, by kernel; a placement this machine refuses stops `apply_plan` before
+     anything is made).
 Each namespace's requests go out in batches over its own socket, every ack checked
 (testbed/net/batch.py says why and what it saved). Any failure tears down what was
 made and raises BuildError naming the node, the request and the kernel's reason.
@@ -33,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from testbed.net import datapath, namespaces, portprog, steering
+from testbed.net import datapath, namespaces, portprog, rxe, steering
 from testbed.net.batch import (
     LOOPBACK_IFINDEX,
     BatchedTc,
@@ -68,6 +71,7 @@ class BuildReport:
     routes: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     datapath: str = ""     # "bpf", or "none: why" (no ECN marking, queue accounting or PFC)
+    rxe_mode: str | None = None   # rxe.NETNS_AWARE / rxe.INITIAL_NS; None: no rxe hosts
     ordering: str = ""     # "rps cpus 0-1 (how)", or "none: why" (flows may be reordered)
 
 
@@ -108,6 +112,10 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
                              f"run `testbed down {plan.lab}` first")
         say(f"lab {plan.lab!r} was left half-built ({existing.status}); removing it first")
         destroy_lab(plan.lab)
+    try:
+        report.rxe_mode = rxe.placement_mode(plan)
+    except rxe.RxeRefused as exc:
+        raise BuildError(str(exc)) from None
     clashes = [n.netns for n in plan.nodes if namespaces.exists(n.netns)]
     if clashes:
         raise BuildError(f"namespaces {clashes[:3]} exist but no lab state owns them; "
@@ -120,6 +128,11 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
     os.chmod(state.plan_path, 0o600)
     try:
         _build(plan, report, say, keep_order)
+        if report.rxe_mode is not None:
+            say("rxe endpoints")
+            t = time.perf_counter()
+            rxe.build(plan, report.rxe_mode, say)
+            report.seconds["rxe"] = round(time.perf_counter() - t, 4)
     except BaseException as exc:
         say(f"build failed ({exc}); removing what was made")
         state.status = "failed"
@@ -128,7 +141,7 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
         if isinstance(exc, RequestError):
             raise BuildError(f"kernel refused a request while building {plan.lab!r}: "
                              f"{exc}") from exc
-        if isinstance(exc, BatchError):
+        if isinstance(exc, BatchError | rxe.RxeError):
             raise BuildError(f"building {plan.lab!r}: {exc}") from exc
         raise
     state.status = "up"
@@ -337,6 +350,7 @@ def destroy_lab(lab: str) -> list[str]:
     state.status = "destroying"
     state.save()
     _stop_processes(state)
+    rxe.destroy(lab)     # what it made in the initial namespace, before the NICs go
     removed = []
     for ns in state.netns:
         if namespaces.exists(ns):
@@ -370,4 +384,5 @@ def destroy_all() -> tuple[list[str], list[str]]:
         orphans.append(ns)
     for lab in datapath.leftover_pinned_labs():
         datapath.detach_port_programs(lab)
+    orphans += rxe.destroy_orphans()
     return labs, orphans

@@ -1,12 +1,13 @@
 """Find out what this kernel and machine can do, by trying it.
 
-Each kernel feature is exercised for real in a scratch namespace
-(`tb-probe-PID`) that is removed afterwards; module lists are not trusted,
-because this project runs on kernels with everything built in and no modules
-at all. The tools are looked up on PATH, rdma_rxe in /sys/module, bpffs in
-/proc/self/mounts. Every feature is reported with what it is for and what its
-absence costs (IMPACT); a few are probed for uses that are not built, and
-their absence costs nothing today. README.md's feature table is IMPACT,
+Each kernel feature is exercised for real in a scratch namespace (`tb-probe-PID`) that
+is removed afterwards; module lists are not trusted, because this project runs on
+kernels with everything built in and no modules at all. The tools are looked up on PATH,
+bpffs in /proc/self/mounts; rdma_rxe by loading it and adding an rxe link in a scratch
+namespace, whose /proc/net/udp then says whether rxe is namespace aware
+(testbed/net/rxe.py). Every feature is reported with what it is for and what its absence
+costs (IMPACT); a few are probed for uses that are not built, and their absence costs
+nothing today. README.md's feature table is IMPACT,
 word for word (tests/unit/test_docs_readme.py).
 """
 
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from testbed.net import namespaces, steering
+from testbed.net import namespaces, rxe, steering
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,20 @@ IMPACT = {
     "ifb": "nothing: IFB devices are not used",
     "rps": "keeping a flow in order when its packets are handled on several CPUs (RPS on "
            "every port, testbed/net/steering.py); without it the fabric can reorder a flow",
-    "rdma_rxe": "nothing: RoCE endpoints are the user-space transport (agents/rdma), not "
-                "Soft-RoCE",
+    "rdma_rxe": "kernel Soft-RoCE endpoints (hosts with endpoint: rxe, kind: perftest); "
+                "without it a config with an rxe host is refused before anything is built "
+                "(run it with --vm); the default RoCE endpoints are the user-space transport "
+                "(agents/rdma) and need nothing",
+    "rxe_netns": "an rxe device inside its host's namespace (Linux 7.1+); without it rxe "
+                 "passes traffic only in the initial namespace, so rxe hosts are placed there "
+                 "through an ipvlan slave of their NIC, which is allowed only in the VM "
+                 "(--vm) and refused on a real host",
+    "ipvlan": "the initial-namespace placement of rxe hosts on kernels whose rxe is not "
+              "namespace aware (an ipvlan L2 slave of the host's NIC); without it such "
+              "kernels cannot run rxe hosts",
+    "perftest": "kind: perftest traffic between rxe hosts (ib_write_bw, ib_send_bw, "
+                "ib_write_lat from the perftest package); without it such a config is refused "
+                "before anything is built",
     "clang": "compiling the tc-BPF port program (once per source version, then cached); "
              "without it and a cached object the fabric is built without port programs: no "
              "ECN marking, queue accounting, PHY loss or PFC (the run says so)",
@@ -138,8 +151,13 @@ def probe() -> list[Feature]:
         finally:
             namespaces.remove(scratch)
     found["rps"] = _probe_rps()
-    rxe = os.path.exists("/sys/module/rdma_rxe")
-    found["rdma_rxe"] = (rxe, "loaded" if rxe else "not in this kernel (no /sys/module/rdma_rxe)")
+    found_rxe = rxe.probe()
+    found["rdma_rxe"] = found_rxe.rxe
+    found["rxe_netns"] = found_rxe.netns_aware
+    found["ipvlan"] = found_rxe.ipvlan
+    missing = [t for t in ("ib_write_bw", "ib_send_bw", "ib_write_lat") if not shutil.which(t)]
+    found["perftest"] = (not missing, "on PATH" if not missing else
+                         f"not installed ({', '.join(missing)}; apt install perftest)")
     for tool in ("clang", "bpftool"):
         path = shutil.which(tool)
         found[tool] = (path is not None, path or "not installed")

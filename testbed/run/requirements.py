@@ -31,3 +31,17 @@ def needed_features(plan: Plan) -> dict[str, str]:
 def missing_features(plan: Plan, present: dict[str, bool]) -> dict[str, str]:
     """The needed features that `present` (probe name -> present) does not have."""
     return {f: why for f, why in needed_features(plan).items() if not present.get(f, False)}
+
+
+def rxe_needs(plan: Plan) -> dict[str, str]:
+    """Hosts with `endpoint: rxe` need rdma_rxe, and perftest (the only traffic they run:
+    kind: perftest). Where rxe is not namespace aware the builder also needs ipvlan and VM
+    mode; it refuses that before building anything (testbed/net/rxe.py: placement_mode)."""
+    hosts = [n.name for n in plan.hosts() if n.endpoint == "rxe"]
+    if not hosts:
+        return {}
+    who = f"hosts {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''} have endpoint: rxe"
+    return {"rdma_rxe": who, "perftest": f"{who} (their traffic is kind: perftest)"}
+
+
+NEEDS.append(rxe_needs)
