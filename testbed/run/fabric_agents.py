@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from testbed.net.rxe import device_name
 from testbed.plan.model import ClassPlan, InterfacePlan, NodePlan, Plan
 from testbed.run.collector import AgentEndpoint
 from testbed.run.procs import AgentProcess, socket_path, start_process
@@ -124,15 +125,6 @@ def cnp_dscp_of_plan(plan: Plan) -> int:
     return DEFAULT_CNP_DSCP
 
 
-def rxe_device(lab: str, host: str) -> str:
-    """The host's rxe device (testbed/net/rxe.py names it; the same rule here)."""
-    try:
-        from testbed.net.rxe import device_name  # type: ignore[import-not-found]
-    except ImportError:
-        return f"rxe_{lab}_{host}"
-    return device_name(lab, host)
-
-
 def rxe_cc_argv(plan: Plan, node: NodePlan, dcqcn: RxeDcqcn) -> list[str]:
     """The rxe_cc agent's arguments for one host (NP and RP both: a host may receive and
     send): its NIC, the CNP's MACs and DSCP, the lossless class it rate-limits, DCQCN."""
@@ -145,8 +137,7 @@ def rxe_cc_argv(plan: Plan, node: NodePlan, dcqcn: RxeDcqcn) -> list[str]:
     egress = iface.egress
     argv = ["--lab", plan.lab, "--node", node.name, "--ifname", iface.ifname, "--np", "--rp",
             "--dilation", str(plan.dilation.factor), "--dcqcn-preset", dcqcn.preset,
-            "--line-rate-bps", str(egress.rate_bps), "--rxe-dev", rxe_device(plan.lab,
-                                                                            node.name),
+            "--line-rate-bps", str(egress.rate_bps), "--rxe-dev", device_name(plan.lab, node.name),
             "--gw-mac", gw_mac, "--cnp-dscp", str(cnp_dscp_of_plan(plan)),
             "--classid", cls.classid, "--parent", "1:1", "--prio", str(cls.prio),
             "--wall-rate-bps", str(cls.wall_rate_bps), "--wall-ceil-bps", str(cls.wall_ceil_bps),
