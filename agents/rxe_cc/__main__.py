@@ -54,7 +54,6 @@ from agents.rxe_cc.maps import PIN_ROOT, RxeCcMaps, pin_dir_of
 from agents.timebase import Dilation
 from agents.wire.netlink import Requester
 
-ETH_P_IP = 0x0800
 ENQ_BYTES = STATE_FIELDS.index("enq_bytes")
 QP_REFRESH_WALL_NS = 200_000_000     # rdma res show at most this often on an unknown QP
 MAX_POLL_WALL_NS = 20_000_000
@@ -124,8 +123,11 @@ class Agent:
             args.min_update_ns) if args.rp else None
         self.sock = None
         if self.np is not None:
-            self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_IP))
-            self.sock.bind((args.ifname, 0))     # bound for sending only: never read
+            # protocol 0: the socket receives nothing (sending only; a socket of ETH_P_IP
+            # would get a copy of every packet of the NIC). No PACKET_QDISC_BYPASS: the CNP
+            # goes through the NIC's egress tree, into the CNP class.
+            self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
+            self.sock.bind((args.ifname, 0))
             self.src_mac = ":".join(f"{b:02x}" for b in self.sock.getsockname()[4][:6])
         self.netlink = None
         if self.rp is not None:
