@@ -54,6 +54,7 @@ from agents.rxe_cc.maps import PIN_ROOT, RxeCcMaps, pin_dir_of
 from agents.timebase import Dilation
 from agents.wire.netlink import Requester
 
+ETH_P_IP = 0x0800
 ENQ_BYTES = STATE_FIELDS.index("enq_bytes")
 QP_REFRESH_WALL_NS = 200_000_000     # rdma res show at most this often on an unknown QP
 MAX_POLL_WALL_NS = 20_000_000
@@ -194,7 +195,9 @@ class Agent:
         frame = build_cnp_frame(self.src_mac, self.args.gw_mac, q.dst_ip, q.src_ip, peer,
                                 self.args.cnp_dscp, cnp_sport(peer))
         try:
-            self.sock.send(frame)
+            # the address names the protocol: skb->protocol must be IPv4 for the NIC's
+            # DSCP filters (protocol ip) and the port program to classify the CNP
+            self.sock.sendto(frame, (self.args.ifname, ETH_P_IP))
             self.counters["cnps_sent"] += 1
         except OSError as exc:
             self.counters["cnp_send_errors"] += 1
