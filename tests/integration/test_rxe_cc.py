@@ -244,7 +244,10 @@ def test_rxe_incast_with_ecn_gets_cnps_and_the_senders_class_rate_falls(incast, 
                                  "--tclass=106"], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
                for port in (18515, 18516)]
-    time.sleep(3)
+    listen_deadline = time.monotonic() + 60   # the servers' TCP ports (perftest's handshake)
+    while not all(f":{port} " in sh("ss", "-ltn") for port in (18515, 18516)):
+        assert time.monotonic() < listen_deadline, "ib_write_bw servers did not listen"
+        time.sleep(0.5)
     clients = [subprocess.Popen(["ib_write_bw", "-d", env["rxe"][h], "-x", "1", "-F",
                                  "--report_gbits", "-D", str(SECS), "-p", str(port),
                                  "--tclass=106", env["addr"]["r"]], stdout=subprocess.PIPE,
