@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from testbed.net.qdisc import HTB_PORT_CLASS
 from testbed.net.rxe import device_name
 from testbed.plan.model import ClassPlan, InterfacePlan, NodePlan, Plan
 from testbed.run.collector import AgentEndpoint
@@ -24,6 +25,7 @@ from testbed.workloads.rdma import DEFAULT_CC_PRESETS
 
 READY_TIMEOUT_S = 20.0
 DEFAULT_CNP_DSCP = 48
+PORT_CLASSID = f"{HTB_PORT_CLASS >> 16:x}:{HTB_PORT_CLASS & 0xFFFF:x}"   # the classes' parent
 
 
 def has_pfc(plan: Plan) -> bool:
@@ -139,7 +141,7 @@ def rxe_cc_argv(plan: Plan, node: NodePlan, dcqcn: RxeDcqcn) -> list[str]:
             "--dilation", str(plan.dilation.factor), "--dcqcn-preset", dcqcn.preset,
             "--line-rate-bps", str(egress.rate_bps), "--rxe-dev", device_name(plan.lab, node.name),
             "--gw-mac", gw_mac, "--cnp-dscp", str(cnp_dscp_of_plan(plan)),
-            "--classid", cls.classid, "--parent", "1:1", "--prio", str(cls.prio),
+            "--classid", cls.classid, "--parent", PORT_CLASSID, "--prio", str(cls.prio),
             "--wall-rate-bps", str(cls.wall_rate_bps), "--wall-ceil-bps", str(cls.wall_ceil_bps),
             "--burst-bytes", str(egress.burst_bytes), "--overhead-bytes",
             str(egress.overhead_bytes), "--quantum-bytes", str(egress.quantum_bytes),
