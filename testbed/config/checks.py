@@ -284,7 +284,8 @@ def check_workload(fabric: Fabric, expanded: Expanded) -> Iterator[tuple[tuple, 
         linked.setdefault(link.b, []).append(link.a)
     ctx = CheckContext(hosts=hosts, classes=classes, nic_bps=_host_nic_rates(expanded),
                        roles={n.name: n.role for n in expanded.nodes},
-                       neighbours=lambda node: list(dict.fromkeys(linked.get(node, []))))
+                       neighbours=lambda node: list(dict.fromkeys(linked.get(node, []))),
+                       endpoints={h.name: h.endpoint for h in fabric.hosts})
     names: set[str] = set()
     bound: dict[tuple[str, str, int], tuple[str, str]] = {}   # host, proto, port -> claim
     for i, t in enumerate(fabric.workload.traffic):

@@ -451,7 +451,33 @@ def _machine_settings_off() -> None:
     path.unlink(missing_ok=True)
 
 
+def device_holders(device: str) -> list[int]:
+    """Pids holding the device's uverbs character device open. `rdma link del` waits,
+    uninterruptibly, until every one of them has closed it."""
+    chardevs = set()
+    for ibdev in Path("/sys/class/infiniband_verbs").glob("uverbs*/ibdev"):
+        try:
+            if ibdev.read_text().strip() == device:
+                chardevs.add(f"/dev/infiniband/{ibdev.parent.name}")
+        except OSError:
+            continue
+    pids = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) in chardevs for fd in fd_dir.iterdir()):
+                pids.append(int(fd_dir.parent.name))
+        except OSError:
+            continue
+    return sorted(pids)
+
+
 def _remove_placement(p: RxePlacement) -> None:
+    holders = device_holders(p.device)
+    if holders:
+        # Never block `down` on a device in use: deleting it would wait for them.
+        raise RxeError(f"rxe device {p.device} is held open by pids "
+                       f"{', '.join(map(str, holders))} (perftest?); end them, then run "
+                       "`testbed down` again")
     if shutil.which("rdma"):
         _run(["rdma", "link", "del", p.device], "rxe del", check=False)
     if p.mode != INITIAL_NS:

@@ -19,7 +19,7 @@ import struct
 from pyroute2 import netns as _netns
 
 from agents.wire.netlink import attrs
-from testbed.net import portprog
+from testbed.net import portprog, rxe
 from testbed.net.batch import dump_link_indexes
 from testbed.net.qdisc import parse_handle
 from testbed.plan.model import Plan
@@ -122,6 +122,10 @@ class KernelSampler:
                     continue
                 self._nodes[node.name] = (nm, list(node.buffer.tracked),
                                           [i.ifname for i in node.interfaces])
+        #: rxe hosts: (host, its NIC, the device's hw_counters directory); their counters are
+        #: stored as node=host, port=NIC, counter rxe_<name> (testbed/net/rxe.py)
+        self._rxe = [(p.host, p.nic, rxe.hw_counters_dir(p.device))
+                     for p in rxe.lab_placements(plan.lab)]
         #: (node, port, tclass) -> (lowest, highest) queue the port program can have had
         #: while the last sample's qdisc dump ran (admitted and departed read before and
         #: after it): the kernel's backlog must lie in between
@@ -214,8 +218,14 @@ class KernelSampler:
                     append(Sample(node, ifname, tc, "trim_errors", c.trim_errors))
             if node in self._nodes:
                 out += self._node_samples(node)
+        out += self._rxe_samples()
         self.brackets = brackets
         return out
+
+    def _rxe_samples(self) -> list[Sample]:
+        """rxe's hw_counters of every rxe host, as node=host, port=its NIC, rxe_<name>."""
+        return [Sample(host, nic, -1, f"rxe_{name}", value) for host, nic, directory
+                in self._rxe for name, value in rxe.read_hw_counters(directory).items()]
 
     def _qdisc_rows(self, node: str, dumper: _NetlinkDumper) -> list[Sample]:
         """Per-class counters of the node's leaf qdiscs, from one RTM_GETQDISC dump."""

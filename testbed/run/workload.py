@@ -78,7 +78,7 @@ def expand_context(fabric: Fabric, plan: Plan) -> ExpandContext:
         role=lambda node: plan.node(node).role,
         classes={k: c for c in fabric.traffic_classes for k in (c.name, c.tc)},
         base_rtt_ns=_pair_memo(lambda src, dst: base_round_trip_ns(plan, src, dst)),
-        trim_dscp=plan.trim_dscp)
+        trim_dscp=plan.trim_dscp, lab=plan.lab)
 
 
 def _pair_memo(f: Callable[[str, str], int]) -> Callable[[str, str], int]:

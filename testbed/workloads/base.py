@@ -156,6 +156,7 @@ class CheckContext:
     roles: Mapping[str, str] = field(default_factory=dict)   # node -> "host" or "switch"
     neighbours: Callable[[str], list[str]] = lambda node: []  # nodes linked to a node, in
     #                                              link order, each once
+    endpoints: Mapping[str, str] = field(default_factory=dict)   # host -> "transport" | "rxe"
 
 
 @dataclass
@@ -186,6 +187,7 @@ class ExpandContext:
     base_rtt_ns: Callable[[str, str], int] = lambda src, dst: 0
     # the DSCP switch ports write into a trimmed packet of a class (by tc), None: no trim
     trim_dscp: Callable[[int], int | None] = lambda tc: None
+    lab: str = ""                                # the lab's name (names its rxe devices)
     _state: dict[str, dict] = field(default_factory=dict)
 
     def state(self, owner: str) -> dict:

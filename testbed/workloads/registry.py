@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from testbed.workloads import collective, flows, roce, training, udp, uet
+from testbed.workloads import collective, flows, perftest, roce, training, udp, uet
 from testbed.workloads.base import TrafficEntry, WorkloadKind
 
 
@@ -102,3 +102,4 @@ REGISTRY.add(collective.KIND)
 REGISTRY.add(training.KIND)
 REGISTRY.add(flows.KIND)
 REGISTRY.add(uet.KIND)
+REGISTRY.add(perftest.KIND)

@@ -24,6 +24,8 @@ topology:
   kind: single_switch
   hosts: 4
   host_link: {port: 100GBASE-CR1, length: 2m}
+hosts: [{name: h1, endpoint: rxe}, {name: h2, endpoint: rxe}, {name: h3, endpoint: rxe},
+        {name: h4, endpoint: rxe}]
 """
 
 
