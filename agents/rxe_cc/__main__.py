@@ -57,6 +57,7 @@ from agents.wire.netlink import Requester
 ETH_P_IP = 0x0800
 ENQ_BYTES = STATE_FIELDS.index("enq_bytes")
 QP_REFRESH_WALL_NS = 200_000_000     # rdma res show at most this often on an unknown QP
+QP_MAX_AGE_WALL_NS = 1_000_000_000   # ... and again once its table is this old
 MAX_POLL_WALL_NS = 20_000_000
 MIN_POLL_WALL_NS = 200_000
 
@@ -136,6 +137,7 @@ class Agent:
             self.netlink = Requester()
         self.qp_peers: dict[int, int] = {}
         self.next_qp_read = 0
+        self.qp_read_at = 0
         self.port_maps: PortMaps | None = None
         pin = PIN_ROOT / args.lab / args.node / args.ifname
         if self.rp is not None and args.lossless_tc is not None and (pin / "maps").exists():
@@ -158,8 +160,15 @@ class Agent:
                                           **detail}) + "\n")
 
     def peer_qpn(self, lqpn: int) -> int | None:
+        """The remote QPN of local QP `lqpn`. rxe reuses QP numbers (every new perftest
+        run's first QP is 17), so the table is read again when it is older than
+        QP_MAX_AGE_WALL_NS, and at once (at most every QP_REFRESH_WALL_NS) for a QP it
+        does not know."""
         peer = self.qp_peers.get(lqpn)
-        if peer is None and time.monotonic_ns() >= self.next_qp_read:
+        now = time.monotonic_ns()
+        stale = now - self.qp_read_at > QP_MAX_AGE_WALL_NS
+        if (peer is None or stale) and now >= self.next_qp_read:
+            self.qp_read_at = now
             self.next_qp_read = time.monotonic_ns() + QP_REFRESH_WALL_NS
             try:
                 self.qp_peers = read_qps(self.args.rxe_dev)
