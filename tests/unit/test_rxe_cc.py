@@ -327,3 +327,35 @@ def test_the_note_says_the_rate_is_per_host_class():
     from testbed.run.fabric_agents import RxeDcqcn, rxe_cc_hosts, rxe_cc_note
     note = rxe_cc_note(rxe_cc_hosts(_plan()), RxeDcqcn())
     assert "per HOST CLASS" in note and "not per QP" in note and "h1, h3" in note
+
+
+def test_the_run_starts_rxe_cc_on_rxe_hosts_and_notes_the_per_host_class_rate(monkeypatch):
+    """runner.start_rxe_cc: agents for the rxe hosts (the starting itself stubbed: it
+    attaches BPF and starts processes), their endpoints sampled, the fidelity note."""
+    from types import SimpleNamespace
+
+    from testbed.config import load_config_text
+    from testbed.run import runner
+    from testbed.run.collector import AgentEndpoint
+
+    loaded = load_config_text(RXE_FABRIC)
+    plan = _plan()
+    started = {}
+
+    def fake_start(plan_, directory, dcqcn):
+        started["hosts"] = [n.name for n in runner.rxe_cc_hosts(plan_)]
+        started["dcqcn"] = dcqcn
+        return [(SimpleNamespace(name=f"rxe-cc-{h}"),
+                 AgentEndpoint(f"rxe-cc-{h}", h, f"/nonexistent/{h}.sock"))
+                for h in started["hosts"]]
+
+    notes: list[str] = []
+    run = SimpleNamespace(plan=plan, loaded=loaded, agents_dir=None, fabric_procs=[],
+                          endpoints=[], notes=SimpleNamespace(add=notes.append),
+                          options=SimpleNamespace(say=lambda _m: None))
+    monkeypatch.setattr(runner, "start_rxe_cc_agents", fake_start)
+    runner.start_rxe_cc(run)
+    assert started["hosts"] == ["h1", "h3"] and started["dcqcn"].preset == "hpcc-ns3-paper"
+    assert [e.name for e in run.endpoints] == ["rxe-cc-h1", "rxe-cc-h3"]
+    assert len(run.fabric_procs) == 2
+    assert len(notes) == 1 and "not per QP" in notes[0]
