@@ -624,16 +624,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testbed.net.portprog",
                                      description="build or inspect the port program")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    build = sub.add_parser("build", help="compile port.bpf.c and rxe_cc.bpf.c into the "
-                           "cache, print the paths")
+    build = sub.add_parser("build", help="compile port.bpf.c (and rxe_cc.bpf.c) into the "
+                           "cache, print the port program's path")
     build.add_argument("--cache-dir", type=Path)
     show = sub.add_parser("counters", help="print a port's counters as JSON")
     show.add_argument("pin_dir", type=Path, help="/sys/fs/bpf/tb/<lab>/<node>/<ifname>")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "build":
+            ensure_object(args.cache_dir, RXE_CC_SOURCE)     # the rxe counters, cached beside
             print(ensure_object(args.cache_dir))
-            print(ensure_object(args.cache_dir, RXE_CC_SOURCE))
         else:
             counters = read_counters(args.pin_dir)
             print(json.dumps({str(k): v._asdict() for k, v in counters.items()}, indent=1))
