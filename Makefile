@@ -8,6 +8,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := iproute2 iputils-ping clang llvm libbpf-dev linux-libc-dev libc6-dev tcpdump iperf3 \
                 ethtool python3-venv python3-pip
+# perftest and the rxe verbs provider (ibverbs-providers): the kind `perftest` on rxe hosts,
+# run natively on a kernel with rdma_rxe or inside the VM (which uses the host's binaries).
+# VM mode installs qemu, busybox-static and kmod, and the guest kernel, on first use only.
+APT_PACKAGES += perftest ibverbs-providers
 # Packaged on Debian; on Ubuntu bpftool ships in linux-tools and is optional.
 APT_OPTIONAL := bpftool
 # Tests open the HTML report in a headless browser, and decode RoCE captures with tshark.

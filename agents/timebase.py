@@ -10,6 +10,7 @@ multiplies or divides by D.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,3 +73,27 @@ class FabricClock:
         """The reading of the wall clock (CLOCK_MONOTONIC ns by default) at which this
         clock read `fabric_ns`: how an agent stamps an event it timed in fabric time."""
         return self._origin_wall_ns + self._dilation.to_wall_ns(fabric_ns)
+
+
+SLOWDOWN_ENV = "TESTBED_MACHINE_SLOWDOWN"
+
+
+def machine_slowdown() -> float:
+    """How many times slower than an ordinary machine this one does wall-clock work
+    (process start-up, imports, netlink round trips): $TESTBED_MACHINE_SLOWDOWN, else 1.
+
+    VM mode sets it in a TCG guest, where Python runs about 20 times slower (a pure
+    Python loop: 5.8 s in the guest against 0.30 s on its 2-core host). Only timeouts
+    that wait for such work scale by it (an agent to start, a result to arrive, a
+    snapshot to be answered); fabric timers never do: they follow the dilation.
+    """
+    try:
+        value = float(os.environ.get(SLOWDOWN_ENV, "1"))
+    except ValueError:
+        return 1.0
+    return value if value >= 1.0 else 1.0
+
+
+def wall_timeout_s(seconds: float) -> float:
+    """A wall-clock timeout for work of `seconds` on an ordinary machine, on this one."""
+    return seconds * machine_slowdown()

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agents.timebase import wall_timeout_s
+
 MAX_REQUEST_BYTES = 64 * 1024     # one command line; an agent's commands are a few hundred B
 REQUEST_TIMEOUT_S = 2.0           # a client that connects and says nothing is dropped
 MAX_CLIENTS = 16                  # connections served at once; more are told to retry
@@ -140,7 +142,7 @@ class CommandServer(_UnixServer):
 
     def _client(self, conn: socket.socket) -> None:
         with conn:
-            conn.settimeout(REQUEST_TIMEOUT_S)
+            conn.settimeout(wall_timeout_s(REQUEST_TIMEOUT_S))
             try:
                 line = self._read_line(conn)
                 reply = self._reply(line)
@@ -181,7 +183,7 @@ class CommandServer(_UnixServer):
                     return _NoRequest(f"request larger than {MAX_REQUEST_BYTES} bytes",
                                       unread=True)
         except TimeoutError:
-            return _NoRequest(f"no request line within {REQUEST_TIMEOUT_S:g} s")
+            return _NoRequest(f"no request line within {wall_timeout_s(REQUEST_TIMEOUT_S):g} s")
         except OSError as exc:
             return _NoRequest(f"reading the request: {exc}")
         line = bytes(data).split(b"\n", 1)[0]

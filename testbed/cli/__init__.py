@@ -33,8 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "vm", False):
+            from testbed.cli.vmmode import run_in_vm_mode
+
+            return run_in_vm_mode(args, argv)
         return args._run(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import asdict
 
 from testbed.cli.common import EXIT_OK, CliError, require_root
+from testbed.cli.vmmode import add_vm_flag
 
 
 def add_parser(sub):
@@ -15,6 +17,7 @@ def add_parser(sub):
     p.add_argument("--hosts", type=int, default=4, help="hosts in the trial fabric (even)")
     p.add_argument("--seconds", type=float, default=2.0, help="wall seconds per trial")
     p.add_argument("--dry-run", action="store_true", help="measure, do not store")
+    add_vm_flag(p)
     return p
 
 
@@ -40,5 +43,6 @@ def run(args) -> int:
           f"({budget * loaded_ports / 1e9:.2f} Gb/s aggregate over {loaded_ports} ports)")
     if not args.dry_run:
         path = save_budget(data)
-        print(f"calibrate: stored in {path}; `dilation: auto` now uses it")
+        where = " in VM runs (--vm)" if os.environ.get("TESTBED_VM") == "1" else ""
+        print(f"calibrate: stored in {path}; `dilation: auto` now uses it{where}")
     return EXIT_OK

@@ -26,11 +26,19 @@ def run(args) -> int:
     except CliError as exc:
         print(exc, file=sys.stderr)
         return exc.code
+    from testbed.vm.runner import stop_all, stop_lab
+
     if args.all:
+        vms = stop_all()
+        if vms:
+            print(f"down: stopped {len(vms)} VM(s): {', '.join(vms)}")
         labs, orphans = destroy_all()
         print(f"down: removed {len(labs)} lab(s){': ' + ', '.join(labs) if labs else ''}; "
               f"{len(orphans)} leftover namespace(s)"
               f"{': ' + ', '.join(orphans) if orphans else ''}")
+        return EXIT_OK
+    if stop_lab(args.name):
+        print(f"down: lab {args.name!r} was up inside a VM; the VM is down")
         return EXIT_OK
     known = [s.lab for s in list_states()]
     if args.name not in known:

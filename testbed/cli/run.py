@@ -18,6 +18,7 @@ from rich.table import Table
 
 from agents.runtime.argtypes import nonneg_int
 from testbed.cli.common import EXIT_OK, CliError, load_and_plan, require_root, wide_console
+from testbed.cli.vmmode import add_vm_flag, require_kernel_features
 from testbed.units import format_rate, format_size
 from testbed.workloads.registry import REGISTRY
 
@@ -37,6 +38,7 @@ def add_parser(sub):
                         "the longest RoCE packet and makes the files ~30x smaller)")
     p.add_argument("--keep", action="store_true", help="leave the fabric up afterwards")
     p.add_argument("--quiet", action="store_true", help="print only the run directory")
+    add_vm_flag(p)
     return p
 
 
@@ -106,6 +108,7 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
     budget, _ = load_budget_bps()
     try:
         loaded, plan = load_and_plan(path)
+        require_kernel_features(plan, "run", path)
     except CliError as exc:
         print(exc, file=sys.stderr)
         return exc.code

@@ -13,6 +13,7 @@ import tempfile
 from rich.table import Table
 
 from testbed.cli.common import EXIT_OK, CliError, load_and_plan, require_root, wide_console
+from testbed.cli.vmmode import add_vm_flag, require_kernel_features
 from testbed.units import format_rate
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -24,6 +25,7 @@ def add_parser(sub):
                    help=f"fabric YAML file (default {DEFAULT_CONFIG})")
     p.add_argument("--keep", action="store_true", help="leave the fabric up afterwards")
     p.add_argument("--seconds", type=float, default=3.0, help="wall seconds of the rate test")
+    add_vm_flag(p)
     return p
 
 
@@ -35,6 +37,7 @@ def run(args) -> int:
     try:
         _, plan = load_and_plan(args.file)
         require_root("smoke")
+        require_kernel_features(plan, "smoke", args.file)
     except CliError as exc:
         print(exc, file=sys.stderr)
         return exc.code

@@ -13,6 +13,7 @@ from testbed.cli.common import (
     wide_console,
 )
 from testbed.cli.plan import print_plan_table
+from testbed.cli.vmmode import add_vm_flag, require_kernel_features
 
 if TYPE_CHECKING:     # testbed.net pulls in pyroute2: imported where a verb runs, not here
     from testbed.net import BuildReport
@@ -23,6 +24,7 @@ def add_parser(sub):
     p = sub.add_parser("up", help="build a fabric (idempotent); needs root")
     p.add_argument("file", help="fabric YAML file")
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    add_vm_flag(p)
     return p
 
 
@@ -35,6 +37,7 @@ def run(args) -> int:
             print_plan_table(plan, wide_console())
             return EXIT_OK
         require_root("up")
+        require_kernel_features(plan, "up", args.file)
         report = apply_plan(plan, progress=lambda m: print(f"up: {m}", flush=True))
     except CliError as exc:
         print(exc, file=sys.stderr)

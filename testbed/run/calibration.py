@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from agents.timebase import machine_slowdown
 from testbed.plan import DEFAULT_MAX_WALL_PORT_RATE_BPS
 
 
@@ -20,7 +21,14 @@ def load_budget_bps() -> tuple[int, str]:
         data = json.loads(path.read_text())
         return int(data["max_wall_port_rate_bps"]), f"calibrated ({path})"
     except (OSError, ValueError, KeyError):
-        return DEFAULT_MAX_WALL_PORT_RATE_BPS, "default (run `testbed calibrate` to measure)"
+        pass
+    slowdown = machine_slowdown()
+    if slowdown > 1:
+        # A slow machine (a TCG guest) carries far less: scale the default down with it.
+        return (int(DEFAULT_MAX_WALL_PORT_RATE_BPS / slowdown),
+                f"default for a machine {slowdown:g}x slower (run `testbed calibrate"
+                f"{' --vm' if os.environ.get('TESTBED_VM') == '1' else ''}` to measure)")
+    return DEFAULT_MAX_WALL_PORT_RATE_BPS, "default (run `testbed calibrate` to measure)"
 
 
 def save_budget(data: dict) -> Path:

@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from agents.timebase import wall_timeout_s
 from testbed.plan import Plan
 from testbed.run.procs import AgentProcess, start_process
 
@@ -69,7 +70,7 @@ def stop_captures(procs: list[AgentProcess], run_dir: Path) -> list[str]:
     for proc in procs:
         proc.stop()
         try:
-            _out, err = proc.popen.communicate(timeout=5)
+            _out, err = proc.popen.communicate(timeout=wall_timeout_s(5))
         except subprocess.TimeoutExpired:
             err = ""
         # the plan's interface names have no '-' (eth0, swp3); a host's name may

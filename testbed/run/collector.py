@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from agents.runtime.control import read_snapshot
+from agents.timebase import wall_timeout_s
 from testbed.net.sampler import KernelSampler
 from testbed.plan.model import Plan
 from testbed.results.store import Event, Sample, Store
@@ -42,14 +43,15 @@ class AgentEndpoint:
 
 
 def read_agent_samples(agent: AgentEndpoint,
-                       timeout_s: float = SNAPSHOT_TIMEOUT_S) -> list[Sample]:
+                       timeout_s: float | None = None) -> list[Sample]:
     """One agent's live snapshot as samples; [] (and a failed read counted) if it does not
     answer in time. An agent without a socket (not started yet, or gone) is not asked."""
     if not os.path.exists(agent.sock_path):
         return []
     agent.reads += 1
     try:
-        snap = read_snapshot(agent.sock_path, timeout_s=timeout_s)
+        snap = read_snapshot(agent.sock_path, timeout_s=wall_timeout_s(SNAPSHOT_TIMEOUT_S)
+                             if timeout_s is None else timeout_s)
     except FileNotFoundError:
         agent.reads -= 1                # it exited between the check and the connect
         return []
@@ -77,8 +79,8 @@ def agent_read_notes(agents: list[AgentEndpoint]) -> list[str]:
     shown = ", ".join(f"{a.name} {a.failed_reads}/{a.reads}" for a in failed[:5])
     more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
     return [f"{len(failed)} agent(s) did not answer the collector within "
-            f"{SNAPSHOT_TIMEOUT_S:g} s wall for some samples ({shown}{more}): their time "
-            "series have gaps there"]
+            f"{wall_timeout_s(SNAPSHOT_TIMEOUT_S):g} s wall for some samples ({shown}{more}): "
+            "their time series have gaps there"]
 
 
 @dataclass

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from agents.timebase import wall_timeout_s
 from testbed.net.qdisc import HTB_PORT_CLASS
 from testbed.net.rxe import device_name
 from testbed.plan.model import ClassPlan, InterfacePlan, NodePlan, Plan
@@ -63,7 +64,7 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
         proc = start_process(plan.lab, node.netns, argv, f"pfc-{node.name}", keep_mounts=True)
         out.append((proc, AgentEndpoint(f"pfc-{node.name}", node.name, sock,
                                         events_path=str(events))))
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + wall_timeout_s(READY_TIMEOUT_S)
     for proc, endpoint in out:
         ready = directory / f"{endpoint.node}-pfc.ready"
         while not ready.exists():
@@ -72,7 +73,7 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
                 raise RuntimeError(f"PFC agent on {endpoint.node} exited: {err.strip()[-400:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"PFC agent on {endpoint.node} did not start in "
-                                   f"{READY_TIMEOUT_S:.0f} s")
+                                   f"{wall_timeout_s(READY_TIMEOUT_S):.0f} s")
             time.sleep(0.01)
     return out
 
@@ -185,7 +186,7 @@ def start_rxe_cc_agents(plan: Plan, directory: Path, dcqcn: RxeDcqcn,
                              keep_mounts=True)
         out.append((proc, AgentEndpoint(f"rxe-cc-{node.name}", node.name, sock,
                                         events_path=str(events))))
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + wall_timeout_s(READY_TIMEOUT_S)
     for proc, endpoint in out:
         ready = directory / f"{endpoint.node}-rxe-cc.ready"
         while not ready.exists():
@@ -195,6 +196,6 @@ def start_rxe_cc_agents(plan: Plan, directory: Path, dcqcn: RxeDcqcn,
                                    f"{err.strip()[-400:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rxe_cc agent on {endpoint.node} did not start in "
-                                   f"{READY_TIMEOUT_S:.0f} s")
+                                   f"{wall_timeout_s(READY_TIMEOUT_S):.0f} s")
             time.sleep(0.01)
     return out

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agents.timebase import wall_timeout_s
 from testbed.config import LoadedConfig
 from testbed.net import apply_plan, destroy_lab
 from testbed.net.counters import QueueProbe, datapath_snapshot, udp_errors
@@ -403,7 +404,7 @@ def wait_ready(run: Run, stop: threading.Event) -> list[str]:
     waiting = {spec.name: (spec, proc) for spec, proc in run.agents
                if REGISTRY.of(spec.kind).waits_ready(spec)}
     exited: list[tuple[AgentSpec, AgentProcess]] = []
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + wall_timeout_s(READY_TIMEOUT_S)
     while waiting and time.monotonic() < deadline and not stop.is_set():
         for name, (spec, proc) in list(waiting.items()):
             if ready_file(run.agents_dir, spec).exists():
@@ -412,7 +413,8 @@ def wait_ready(run: Run, stop: threading.Event) -> list[str]:
                 exited.append((spec, proc))
                 del waiting[name]
         stop.wait(0.02)
-    notes = [f"{_who(spec)} on {spec.node} was not ready {READY_TIMEOUT_S:g} s (wall) after "
+    ready_s = wall_timeout_s(READY_TIMEOUT_S)
+    notes = [f"{_who(spec)} on {spec.node} was not ready {ready_s:g} s (wall) after "
              "it was started" for spec, _ in waiting.values()]
     notes += [f"{_who(spec)} on {spec.node} exited during set-up (code "
               f"{proc.popen.returncode})" for spec, proc in exited]
@@ -465,7 +467,7 @@ def stop_agents(run: Run) -> None:
     for spec, proc in run.agents:
         proc.stop()
         try:
-            run.results[spec.name] = proc.result(timeout_s=5)
+            run.results[spec.name] = proc.result(timeout_s=wall_timeout_s(5))
         except RuntimeError as exc:
             run.notes.add(f"agent {spec.name} on {spec.node}: {exc}")
     run.notes.extend(stop_captures(run.captures, run.run_dir))

@@ -11,6 +11,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from agents.timebase import wall_timeout_s
 from testbed.net.counters import read_counters
 from testbed.plan.model import Plan
 from testbed.plan.paths import host_address
@@ -103,7 +104,7 @@ def stream(plan: Plan, src: str, dst: str, tmpdir: str, wall_seconds: float = 3.
                               "--dscp", str(dscp), "--dilation", str(d.factor)],
                              f"send-{src}")
         sent = sender.result(timeout_s=wall_seconds * 3 + 10)
-        received = receiver.result(timeout_s=15)
+        received = receiver.result(timeout_s=wall_timeout_s(15))
     finally:
         receiver.stop()
         forget_exited(plan.lab)

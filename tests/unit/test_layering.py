@@ -24,8 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # Higher imports lower; equal ranks are siblings, which may not import each other.
-LAYERS = {"cli": 10, "incident": 9, "run": 8, "report": 7, "net": 7, "results": 6, "plan": 5,
-          "interop": 4,
+LAYERS = {"cli": 10, "incident": 9, "vm": 9, "run": 8, "report": 7, "net": 7, "results": 6,
+          "plan": 5, "interop": 4,
           "config": 4, "workloads": 3, "phy": 2, "fields": 1, "units": 0}
 # The package root and `python -m testbed` only wire the CLI together.
 ENTRY_POINTS = {"testbed/__init__.py", "testbed/__main__.py"}

@@ -1,0 +1,87 @@
+"""The stock-kernel lane: the integration tests marked `stock_kernel` (rxe endpoints,
+netem delay, the RED marker), run inside a qemu VM booting Debian's stock kernel when
+this kernel lacks what they need. On a kernel that has it all they ran natively with
+the rest of the suite and this test skips; it skips with the named reason only when
+qemu cannot run here. What the lane covered is printed as a table.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+LANE_FEATURES = ("rdma_rxe", "netem", "red")
+LANE_TIMEOUT_S = 15 * 60
+
+
+def _host_has_everything() -> tuple[bool, list[str]]:
+    from testbed.net.probe import probe
+
+    found = {f.name: f.present for f in probe()}
+    missing = [f for f in LANE_FEATURES if not found.get(f)]
+    return not missing, missing
+
+
+def _outcomes(junit: Path) -> list[tuple[str, str, float, str]]:
+    rows = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome, detail = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "error"}.get(tag, tag)
+                detail = (el.get("message") or "")[:120]
+        rows.append((name, outcome, float(case.get("time", 0) or 0), detail))
+    return rows
+
+
+def test_stock_kernel_lane(tmp_path, request, monkeypatch):
+    if os.environ.get("TESTBED_VM") == "1":
+        pytest.skip("this is the VM: the stock_kernel tests run here directly")
+    complete, missing = _host_has_everything()
+    if complete:
+        pytest.skip("this kernel has rdma_rxe, netem and red: the stock_kernel tests ran "
+                    "natively in this session")
+    from testbed.vm.kernel import VmSetupError
+    from testbed.vm.runner import run_in_vm
+
+    junit = tmp_path / "lane.xml"
+    log = tmp_path / "console.txt"
+    argv = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+            "-m", "stock_kernel", f"--junitxml={junit}", "tests/integration"]
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+
+    def say(msg: str) -> None:
+        if reporter is not None:
+            reporter.write_line(msg)
+
+    say(f"\nVM lane: this kernel lacks {', '.join(missing)}; running the stock_kernel "
+        "tests inside a VM (Debian's stock kernel, qemu)")
+    monkeypatch.chdir(REPO)
+    try:
+        with open(log, "w") as out:
+            rc = run_in_vm(argv, rw=[tmp_path], out=out, say=say, label="lane",
+                           timeout_s=LANE_TIMEOUT_S)
+    except VmSetupError as exc:
+        pytest.skip(f"qemu cannot run here: {exc}")
+    text = log.read_text(errors="replace")
+    assert junit.exists(), f"the lane wrote no results (exit {rc}); console:\n{text[-4000:]}"
+    rows = _outcomes(junit)
+    say(f"VM lane covered {len(rows)} test(s) on the stock kernel:")
+    for name, outcome, seconds, detail in rows:
+        say(f"  {outcome:7s} {seconds:7.1f}s  {name}" + (f"  ({detail})" if detail else ""))
+    assert rc != 5 and rows, "the VM lane collected no stock_kernel test"
+    bad = [r for r in rows if r[1] in ("failed", "error")]
+    assert rc == 0 and not bad, f"VM lane failures {bad}; console tail:\n{text[-6000:]}"
+    # inside the VM every feature is there: a skip there means a test could not run
+    skipped = [r for r in rows if r[1] == "skipped"]
+    assert not skipped, f"tests skipped inside the VM: {skipped}"
