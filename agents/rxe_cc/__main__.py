@@ -35,6 +35,7 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from agents.portmaps import STATE_FIELDS, PortMaps
@@ -99,6 +100,10 @@ def class_message(ifindex: int, classid: int, parent: int, rate: ClassRate, prio
         ipb.close()
 
 
+def _import_pyroute2() -> None:
+    import pyroute2  # noqa: F401
+
+
 def handle(text: str) -> int:
     major, _, minor = text.partition(":")
     return (int(major, 16) << 16) | (int(minor, 16) if minor else 0)
@@ -133,7 +138,9 @@ class Agent:
             self.src_mac = ":".join(f"{b:02x}" for b in self.sock.getsockname()[4][:6])
         self.netlink = None
         if self.rp is not None:
-            import pyroute2  # noqa: F401 - its import takes seconds under TCG: before ready
+            # pyroute2 (the message compiler) takes seconds to import under TCG: in the
+            # background, so the agent is ready at once; the first class change waits for it
+            threading.Thread(target=_import_pyroute2, name="import", daemon=True).start()
             self.netlink = Requester()
         self.qp_peers: dict[int, int] = {}
         self.next_qp_read = 0

@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agents.rdma.cc import DcqcnNp, DcqcnParams, DcqcnRp
-from agents.rdma.transport import rxe_sport
 from agents.wire.icrc import (
     IPPROTO_UDP,
     IPV4_HEADER_BYTES,
@@ -235,7 +234,13 @@ def build_cnp_frame(src_mac: str, dst_mac: str, src_ip: str, dst_ip: str, dest_q
     return eth + ip + udp + payload
 
 
+ROCE_SPORT_BASE = 0xC000
+GOLDEN_RATIO_32 = 0x61C88647
+
+
 def cnp_sport(dest_qp: int) -> int:
-    """UDP source port of a CNP: rxe's rule for a QP (0xC000 | 14-bit hash of the QPN),
-    applied to the QP the CNP goes to, so CNPs of different QPs spread like their data."""
-    return rxe_sport(dest_qp)
+    """UDP source port of a CNP: rxe's rule for a QP (0xC000 | hash_32(qpn, 14)), applied
+    to the QP the CNP goes to, so CNPs of different QPs spread like their data. The same
+    rule as agents.rdma.transport.rxe_sport (a test keeps them equal), written out here so
+    the agent does not import the whole transport: its start-up under TCG is minutes."""
+    return ROCE_SPORT_BASE | (((dest_qp * GOLDEN_RATIO_32) & 0xFFFFFFFF) >> 18)

@@ -192,6 +192,11 @@ def test_class_message_is_an_htb_change_of_the_class_only():
     assert msg[kind_attr[0]:kind_attr[1]].rstrip(b"\0") == b"htb"
 
 
+def test_cnp_source_port_is_rxes_rule():
+    from agents.rdma.transport import rxe_sport
+    assert all(cnp_sport(q) == rxe_sport(q) for q in (1, 17, 18, 0x123456, 0xFFFFFF))
+
+
 def test_parse_qps_keeps_connected_qps_of_one_device():
     text = json.dumps([
         {"ifname": "rxe_h3", "port": 1, "lqpn": 1, "type": "GSI", "state": "RTS"},
