@@ -277,6 +277,10 @@ def test_rxe_incast_with_ecn_gets_cnps_and_the_senders_class_rate_falls(incast, 
         if snap["cnps_rx"] == 0:
             continue                 # this sender's QP was never marked (its run was short)
         assert snap["cnps_received"] == snap["cnps_rx"] and snap["rate_cuts"] > 0, snap
+        # rxe's traffic (through the ipvlan slave) is in the class the agent rate-limits
+        stats = ns(env["names"][h], "tc", "-s", "class", "show", "dev", "eth0", "classid",
+                   "1:13")
+        assert int(re.search(r"Sent (\d+) bytes", stats).group(1)) > 0, stats
         cuts = [e for e in events[h] if e["kind"] == "rxe_cc_rate" and not e["restore"]]
         assert cuts and min(e["wall_ceil_bps"] for e in cuts) < PLANNED_CEIL_BPS, events[h]
     assert s1["cnps_rx"] + s2["cnps_rx"] > 0
