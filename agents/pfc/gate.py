@@ -25,11 +25,11 @@ the compiled message's tc_ratespec.
 
 from __future__ import annotations
 
-import os
-import socket
 import struct
 
-from agents.wire.netlink import attrs
+from agents.wire.netlink import Requester, attrs
+
+__all__ = ["Requester", "set_rate_mpu", "tbf_messages"]   # Requester: agents.wire.netlink's
 
 PAUSED_RATE_BPS = 20_000
 PAUSED_MPU_BYTES = 0xFFFF           # tc_ratespec.mpu is 16 bits
@@ -38,7 +38,6 @@ TCMSG = 20
 TCA_OPTIONS = 2
 TCA_TBF_PARMS = 1
 RATESPEC_MPU_OFFSET = 6             # cell_log u8, linklayer u8, overhead u16, cell_align s16
-NLMSG_ERROR, NLM_F_ACK = 2, 0x4
 
 
 def set_rate_mpu(message: bytes, mpu: int) -> bytes:
@@ -72,35 +71,3 @@ def tbf_messages(ifindex: int, leaf_handle: int, parent: int, wall_rate_bps: int
         return out[0], out[1]
     finally:
         ipb.close()
-
-
-class Requester:
-    """Sends compiled rtnetlink requests on one socket (of the namespace it was opened
-    in) and waits for each ack; raises OSError with the kernel's reason."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
-        self.sock.bind((0, 0))
-        self.sock.settimeout(2.0)
-        self.seq = 0
-
-    def request(self, message: bytes) -> None:
-        self.seq = (self.seq + 1) & 0x7FFFFFFF
-        data = bytearray(message)
-        struct.pack_into("=HI", data, 6, struct.unpack_from("=H", data, 6)[0] | NLM_F_ACK,
-                         self.seq)
-        self.sock.send(data)
-        while True:
-            reply = self.sock.recv(65536)
-            offset = 0
-            while offset + 16 <= len(reply):
-                length, kind, _flags, seq = struct.unpack_from("=IHHI", reply, offset)
-                if kind == NLMSG_ERROR and seq == self.seq:
-                    code = struct.unpack_from("=i", reply, offset + 16)[0]
-                    if code:
-                        raise OSError(-code, f"tbf change refused: {os.strerror(-code)}")
-                    return
-                offset += max(16, (length + 3) & ~3)
-
-    def close(self) -> None:
-        self.sock.close()

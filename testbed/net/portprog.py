@@ -66,7 +66,7 @@ from agents.portmaps import (  # re-exported (see __all__): one module for the p
     obj_get,
     probability_fp,
 )
-from testbed.net.bpf import PORT_SOURCE
+from testbed.net.bpf import PORT_SOURCE, RXE_CC_SOURCE
 from testbed.plan.model import EgressPlan, NodePlan
 
 __all__ = [
@@ -90,7 +90,10 @@ PIN_ROOT = BPFFS / "tb"
 CACHE_DIR = Path("/var/cache/testbed/bpf")
 CLSACT_EGRESS = 0xFFFFFFF3      # "ffff:fff3"
 CLSACT_INGRESS = 0xFFFFFFF2     # "ffff:fff2"
-FILTER_PRIO = 1
+# clsact filter priority of the port program. Other filters on the same hook sit around
+# it: the rxe congestion counters at FILTER_PRIO - 1 (they run first), netem's redirect
+# at FILTER_PRIO + 1. 2, not 1: a tc priority of 0 means "let the kernel pick".
+FILTER_PRIO = 2
 FILTER_HANDLE = 1
 ETH_P_ALL = 0x0003
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")
@@ -205,7 +208,8 @@ def compile_flags() -> list[str]:
 def object_path(cache_dir: Path | None = None, source: Path = PORT_SOURCE) -> Path:
     """Where the object for the current source and flags lives (built or not)."""
     digest = hashlib.sha256(source.read_bytes() + b"\0" + " ".join(compile_flags()).encode())
-    return (cache_dir or _cache_dir()) / f"port-{digest.hexdigest()[:16]}.o"
+    stem = source.name.split(".", 1)[0]         # "port" (port.bpf.c), "rxe_cc", ...
+    return (cache_dir or _cache_dir()) / f"{stem}-{digest.hexdigest()[:16]}.o"
 
 
 def _cache_dir() -> Path:
@@ -620,13 +624,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testbed.net.portprog",
                                      description="build or inspect the port program")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    build = sub.add_parser("build", help="compile port.bpf.c into the cache, print the path")
+    build = sub.add_parser("build", help="compile port.bpf.c (and rxe_cc.bpf.c) into the "
+                           "cache, print the port program's path")
     build.add_argument("--cache-dir", type=Path)
     show = sub.add_parser("counters", help="print a port's counters as JSON")
     show.add_argument("pin_dir", type=Path, help="/sys/fs/bpf/tb/<lab>/<node>/<ifname>")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "build":
+            ensure_object(args.cache_dir, RXE_CC_SOURCE)     # the rxe counters, cached beside
             print(ensure_object(args.cache_dir))
         else:
             counters = read_counters(args.pin_dir)

@@ -1,4 +1,5 @@
-"""Agents that are part of the fabric itself, not of a workload: PFC on every node.
+"""Agents that are part of the fabric itself, not of a workload: PFC on every node, and
+DCQCN around kernel Soft-RoCE on rxe hosts (agents/rxe_cc, docs/rxe-cc.md).
 
 They start right after the fabric is built and before any traffic, and stop
 after the workload; their control sockets and event files live in the
@@ -9,19 +10,26 @@ rate and drain: testbed/run/timeline.py) on `pfc_command_socket(directory, node)
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from agents.timebase import wall_timeout_s
-from testbed.plan.model import Plan
+from testbed.net.qdisc import HTB_PORT_CLASS
+from testbed.net.rxe import device_name
+from testbed.plan.model import ClassPlan, InterfacePlan, NodePlan, Plan
 from testbed.run.collector import AgentEndpoint
 from testbed.run.procs import AgentProcess, socket_path, start_process
+from testbed.workloads.rdma import DEFAULT_CC_PRESETS
 
 READY_TIMEOUT_S = 20.0
 # SCHED_FIFO priority of the PFC agents (agents/pfc: their reaction time is headroom)
 PFC_RT_PRIORITY = 10
+DEFAULT_CNP_DSCP = 48
+PORT_CLASSID = f"{HTB_PORT_CLASS >> 16:x}:{HTB_PORT_CLASS & 0xFFFF:x}"   # the classes' parent
 
 
 def has_pfc(plan: Plan) -> bool:
@@ -80,4 +88,127 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
                                   os.sched_param(PFC_RT_PRIORITY))
         except OSError:
             pass    # RT not allowed here: normal priority (nice -10), the run still works
+    return out
+
+
+# --- DCQCN around rxe --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RxeDcqcn:
+    """The DCQCN parameters the rxe hosts' NICs run with (those of the RoCE kinds)."""
+
+    preset: str = DEFAULT_CC_PRESETS["dcqcn"]
+    overrides: tuple[tuple[str, object], ...] = ()
+
+
+def rxe_dcqcn_of(traffic: list) -> RxeDcqcn | None:
+    """DCQCN for the rxe hosts, from the workload's traffic entries: off (None) when an
+    entry of the perftest kind says `cc: none`; its `cc_preset` / `cc_params` when it
+    gives them, else the RoCE kinds' default preset. (An rxe host's NIC runs one DCQCN
+    whatever runs over it, so the first perftest entry that says something decides.)"""
+    for entry in traffic:
+        if getattr(entry, "kind", None) != "perftest":
+            continue
+        cc = getattr(entry, "cc", "dcqcn")
+        if cc == "none":
+            return None
+        if cc != "dcqcn":
+            continue
+        preset = getattr(entry, "preset", None) or getattr(entry, "cc_preset", None)
+        overrides = entry.cc_overrides() if hasattr(entry, "cc_overrides") else {}
+        return RxeDcqcn(preset or DEFAULT_CC_PRESETS["dcqcn"], tuple(sorted(overrides.items())))
+    return RxeDcqcn()
+
+
+def lossless_ecn_class(plan: Plan, iface: InterfacePlan) -> ClassPlan | None:
+    """The NIC's class of the fabric's lossless traffic class with ECN (the one DCQCN
+    rate-limits), if any. (The switches mark; a host NIC's class has no curve itself.)"""
+    tcs = {t.tc for t in plan.traffic_classes if t.lossless and t.ecn}
+    return next((c for c in iface.egress.classes if c.tc in tcs), None)
+
+
+def rxe_cc_hosts(plan: Plan) -> list[NodePlan]:
+    """rxe hosts whose NIC has a lossless class with ECN: those DCQCN runs for."""
+    return [n for n in plan.hosts() if getattr(n, "endpoint", "transport") == "rxe"
+            and n.interfaces and lossless_ecn_class(plan, n.interfaces[0]) is not None]
+
+
+def cnp_dscp_of_plan(plan: Plan) -> int:
+    for t in plan.traffic_classes:
+        if t.name == "cnp" and t.dscp:
+            return t.dscp[0]
+    return DEFAULT_CNP_DSCP
+
+
+def rxe_cc_argv(plan: Plan, node: NodePlan, dcqcn: RxeDcqcn) -> list[str]:
+    """The rxe_cc agent's arguments for one host (NP and RP both: a host may receive and
+    send): its NIC, the CNP's MACs and DSCP, the lossless class it rate-limits, DCQCN."""
+    iface = node.interfaces[0]
+    cls = lossless_ecn_class(plan, iface)
+    if cls is None:
+        raise ValueError(f"{node.name}: no lossless class with ECN on {iface.ifname}")
+    peer = plan.node(iface.peer.node)
+    gw_mac = next(i.mac for i in peer.interfaces if i.ifname == iface.peer.ifname)
+    egress = iface.egress
+    argv = ["--lab", plan.lab, "--node", node.name, "--ifname", iface.ifname, "--np", "--rp",
+            "--dilation", str(plan.dilation.factor), "--dcqcn-preset", dcqcn.preset,
+            "--line-rate-bps", str(egress.rate_bps), "--rxe-dev", device_name(plan.lab, node.name),
+            "--gw-mac", gw_mac, "--cnp-dscp", str(cnp_dscp_of_plan(plan)),
+            "--classid", cls.classid, "--parent", PORT_CLASSID, "--prio", str(cls.prio),
+            "--wall-rate-bps", str(cls.wall_rate_bps), "--wall-ceil-bps", str(cls.wall_ceil_bps),
+            "--burst-bytes", str(egress.burst_bytes), "--overhead-bytes",
+            str(egress.overhead_bytes), "--quantum-bytes", str(egress.quantum_bytes),
+            "--lossless-tc", str(cls.tc)]
+    if dcqcn.overrides:
+        argv += ["--cc-params", json.dumps(dict(dcqcn.overrides), sort_keys=True)]
+    return argv
+
+
+def rxe_cc_note(hosts: list[NodePlan], dcqcn: RxeDcqcn) -> str:
+    """The fidelity note of a run whose rxe hosts run DCQCN around rxe."""
+    names = ", ".join(h.name for h in hosts)
+    return (f"rxe hosts ({names}) have no congestion control of their own: DCQCN "
+            f"({dcqcn.preset}) is emulated around rxe, and its rate applies per HOST CLASS "
+            "(the lossless class of each rxe host's NIC, an HTB ceil), not per QP: every QP "
+            "of a host shares one rate; CNPs are sent at most once per CNP interval per QP, "
+            "up to one agent poll late (docs/rxe-cc.md)")
+
+
+def start_rxe_cc_agents(plan: Plan, directory: Path, dcqcn: RxeDcqcn,
+                        parent_watch: bool = True
+                        ) -> list[tuple[AgentProcess, AgentEndpoint]]:
+    """The counter program on each rxe host's NIC and an rxe_cc agent beside it; returns
+    once every agent is listening."""
+    from testbed.net.rxecc import attach_rxe_cc
+
+    out = []
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for node in rxe_cc_hosts(plan):
+        attach_rxe_cc(plan.lab, node.name, node.netns, node.interfaces[0].ifname)
+        sock = socket_path(directory, f"{node.name}-rxe-cc", plan.lab)
+        events = directory / f"{node.name}-rxe-cc.events.jsonl"
+        ready = directory / f"{node.name}-rxe-cc.ready"
+        ready.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "agents.rxe_cc", *rxe_cc_argv(plan, node, dcqcn),
+                "--control-sock", str(sock), "--events", str(events), "--ready-file",
+                str(ready)]
+        if not parent_watch:
+            argv.append("--no-parent-watch")
+        proc = start_process(plan.lab, node.netns, argv, f"rxe-cc-{node.name}",
+                             keep_mounts=True)
+        out.append((proc, AgentEndpoint(f"rxe-cc-{node.name}", node.name, sock,
+                                        events_path=str(events))))
+    deadline = time.monotonic() + wall_timeout_s(READY_TIMEOUT_S)
+    for proc, endpoint in out:
+        ready = directory / f"{endpoint.node}-rxe-cc.ready"
+        while not ready.exists():
+            if proc.popen.poll() is not None:
+                _out, err = proc.popen.communicate()
+                raise RuntimeError(f"rxe_cc agent on {endpoint.node} exited: "
+                                   f"{err.strip()[-400:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rxe_cc agent on {endpoint.node} did not start in "
+                                   f"{wall_timeout_s(READY_TIMEOUT_S):.0f} s")
+            time.sleep(0.01)
     return out

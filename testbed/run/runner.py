@@ -38,7 +38,14 @@ from testbed.results.store import Store
 from testbed.results.tables import DROP_COUNTERS
 from testbed.run.capture import start_captures, stop_captures
 from testbed.run.collector import AgentEndpoint, Collector, LiveTotals, agent_read_notes
-from testbed.run.fabric_agents import has_pfc, start_pfc_agents
+from testbed.run.fabric_agents import (
+    has_pfc,
+    rxe_cc_hosts,
+    rxe_cc_note,
+    rxe_dcqcn_of,
+    start_pfc_agents,
+    start_rxe_cc_agents,
+)
 from testbed.run.fidelity import base_rtt_shortfall_ns
 from testbed.run.pinning import pin_paths
 from testbed.run.procs import AgentProcess, socket_path, start_agent
@@ -302,10 +309,36 @@ def bring_up(run: Run) -> None:
 
 
 def start_fabric_agents(run: Run) -> None:
-    """Captures (if asked for) and a PFC agent per node with a lossless class."""
+    """Captures (if asked for), a PFC agent per node with a lossless class, and DCQCN
+    around rxe on rxe hosts whose lossless class has ECN."""
     plan = run.plan
     if run.options.capture:
         run.captures = start_captures(plan, run.run_dir, run.options.capture_snaplen)
+    start_pfc(run)
+    start_rxe_cc(run)
+
+
+def start_rxe_cc(run: Run) -> None:
+    """DCQCN around kernel Soft-RoCE (agents/rxe_cc), unless the workload turns it off."""
+    hosts = rxe_cc_hosts(run.plan)
+    if not hosts:
+        return
+    workload = run.loaded.fabric.workload
+    dcqcn = rxe_dcqcn_of(list(workload.traffic) if workload else [])
+    if dcqcn is None:
+        run.notes.add(f"rxe hosts ({', '.join(h.name for h in hosts)}) run without "
+                      "congestion control (cc: none): rxe has none of its own")
+        return
+    started = start_rxe_cc_agents(run.plan, run.agents_dir, dcqcn)
+    run.fabric_procs += [p for p, _ in started]
+    run.endpoints += [e for _, e in started]
+    run.notes.add(rxe_cc_note(hosts, dcqcn))
+    run.options.say(f"rxe_cc: DCQCN ({dcqcn.preset}) around rxe on {len(started)} hosts, "
+                    "per host class")
+
+
+def start_pfc(run: Run) -> None:
+    plan = run.plan
     if not has_pfc(plan):
         return
     if not has_port_programs(plan):
@@ -313,8 +346,8 @@ def start_fabric_agents(run: Run) -> None:
                       "datapath), so no PFC agent runs and lossless classes can drop")
         return
     started = start_pfc_agents(plan, run.run_dir / "plan.json", run.agents_dir)
-    run.fabric_procs = [p for p, _ in started]
-    run.endpoints = [e for _, e in started]
+    run.fabric_procs += [p for p, _ in started]
+    run.endpoints += [e for _, e in started]
     run.options.say(f"pfc: agents on {len(started)} nodes")
 
 

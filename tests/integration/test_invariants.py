@@ -32,6 +32,7 @@ import threading
 import pytest
 
 from testbed.config import load_config_text
+from testbed.net.portprog import FILTER_PRIO
 from testbed.plan import compile_plan
 from testbed.run import runner
 from testbed.run.runner import RunOptions, run_config
@@ -109,7 +110,8 @@ def test_a_lost_departure_hook_breaks_the_queue_invariant(tmp_path):
         port = next(i for i in sw.interfaces if i.peer.node == "h4")
         peer = plan.node("h4")
         subprocess.run(["nsenter", f"--net=/var/run/netns/{peer.netns}", "tc", "filter",
-                        "del", "dev", port.peer.ifname, "ingress", "prio", "1"], check=True)
+                        "del", "dev", port.peer.ifname, "ingress", "prio", str(FILTER_PRIO)],
+                       check=True)
 
     summary = _run(tmp_path, on_up=unhook)
     assert _held(summary)["queue"] is False

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import REPO
 
-AGENTS = frozenset({"udp", "pfc", "roce", "aggregator", "collectives"})
+AGENTS = frozenset({"udp", "pfc", "roce", "aggregator", "collectives", "rxe_cc"})
 AGENTS_DIR = REPO / "agents"
 
 
