@@ -17,7 +17,7 @@ from pathlib import Path
 from agents.portmaps import _Bpf, obj_get
 
 BPF_PROG_TEST_RUN = 10
-TC_ACT_OK, TC_ACT_SHOT = 0, 2
+TC_ACT_UNSPEC, TC_ACT_OK, TC_ACT_SHOT = 0xFFFFFFFF, 0, 2  # retval as the kernel's u32
 SKB_SIZE = 192                  # sizeof(struct __sk_buff) on 6.x kernels (covers every field)
 OFF_PRIORITY = 32               # __u32 priority
 OFF_INGRESS_IFINDEX = 36        # __u32 ingress_ifindex

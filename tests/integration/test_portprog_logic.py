@@ -22,7 +22,7 @@ import pytest
 
 from agents import portmaps
 from testbed.net import portprog
-from tests.integration.bpfrun import TC_ACT_OK, TC_ACT_SHOT, Program, frame
+from tests.integration.bpfrun import TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC, Program, frame
 
 pytestmark = pytest.mark.root
 
@@ -44,7 +44,9 @@ class Port:
         return verdict
 
     def depart(self, length: int = FRAME, **kw) -> None:
-        self.departure.run(frame(length, **kw))
+        verdict, _ = self.departure.run(frame(length, **kw))
+        # the departure program only counts: the peer's next ingress filter decides
+        assert verdict == TC_ACT_UNSPEC
 
     def queue(self) -> int:
         return self.maps.vq_bytes(TC)
@@ -145,6 +147,18 @@ def test_the_queue_is_admitted_minus_departed_in_frame_bytes(node):
     p.depart(2500)          # nothing admitted: not counted, the queue cannot go negative
     c = p.counters()
     assert p.queue() == 0 and c.dep_unmatched == 1 and c.dep_packets == 5
+
+
+def test_departure_passes_every_frame_on_to_the_next_filter(node):
+    """TC_ACT_UNSPEC, not OK: a later clsact-ingress filter of the peer (netem's
+    redirect) must still run, for IPv4 and for other frames alike."""
+    node.configure(static_node(xoff=0, xon=0))
+    p = node.ports[1]
+    arp = bytes(12) + b"\x08\x06" + bytes(46)
+    assert p.departure.run(arp)[0] == TC_ACT_UNSPEC
+    p.arrive(2)
+    assert p.departure.run(frame(FRAME))[0] == TC_ACT_UNSPEC
+    assert p.queue() == 0
 
 
 def test_marks_follow_the_curve_at_the_exact_depth(node):

@@ -302,6 +302,18 @@ struct {
 	__type(value, struct flow_drops);
 } flow_drops SEC(".maps");
 
+/* An index into a map value, bounded where it is used: `v & mask` (mask = 2^k - 1)
+ * after a barrier, so the compiler cannot drop the AND as redundant with an earlier
+ * one, and the verifier sees the bound in the register that forms the address.
+ * Older verifiers (Linux 6.1) forget the bounds of a value kept on the stack (as a
+ * 32-bit field of a struct, or spilled), so every array index goes through this
+ * right before its use. Behaviour is unchanged: every index is already in range. */
+static __always_inline __u64 bound(__u64 v, __u64 mask)
+{
+	barrier_var(v);
+	return v & mask;
+}
+
 static __always_inline void count_other(struct __sk_buff *skb)
 {
 	__u32 key = OTHER_SLOT;
@@ -522,7 +534,7 @@ int port_egress(struct __sk_buff *skb)
 	__u64 ev_bytes = 0, ev2_bytes = 0;
 
 	bpf_spin_lock(&c.nl->lock);
-	__u32 tr = c.n->tracked[c.tc];
+	__u32 tr = c.n->tracked[bound(c.tc, NUM_TC - 1)];
 	c.st->packets += 1;
 	c.st->bytes += len;
 	__u64 q = c.st->enq_bytes - c.st->dep_bytes;   /* real queue ahead of this packet */
@@ -541,7 +553,7 @@ int port_egress(struct __sk_buff *skb)
 	struct ingress_acct *a = 0;
 	__u64 thresh = 0;
 	if (tr < MAX_TRACKED) {
-		a = &c.n->in[tr & (MAX_TRACKED - 1)][slot];
+		a = &c.n->in[bound(tr, MAX_TRACKED - 1)][bound(slot, MAX_SLOTS - 1)];
 		if (c.st->ring_tail - c.st->ring_head >= RING) {
 			c.st->desc_drops += 1;
 			dropped = DROP_DESC;
@@ -599,9 +611,10 @@ int port_egress(struct __sk_buff *skb)
 
 	if (a) {
 		__u32 t = tr & (MAX_TRACKED - 1);
-		c.rg->e[t][c.st->ring_tail & (RING - 1)] = (slot << 16) | (__u32)(len & 0xffff);
+		c.rg->e[bound(t, MAX_TRACKED - 1)][bound(c.st->ring_tail, RING - 1)] =
+			(slot << 16) | (__u32)(len & 0xffff);
 		c.st->ring_tail += 1;
-		c.pin->adm[t][slot] += len;
+		c.pin->adm[bound(t, MAX_TRACKED - 1)][bound(slot, MAX_SLOTS - 1)] += len;
 		int want;
 		if (c.n->mode == MODE_SHARED && !c.cc->limit_bytes) {
 			/* HPCC UpdateIngressAdmission, then CheckShouldPause */
@@ -675,13 +688,16 @@ unlock:
 	return TC_ACT_OK;
 }
 
+/* Returns TC_ACT_UNSPEC (direct-action: go on with the next filter of the peer's
+ * clsact ingress, e.g. a netem redirect at a higher prio number; at the end of the
+ * chain the same as TC_ACT_OK): this program only counts, it never decides. */
 SEC("tc")
 int port_departure(struct __sk_buff *skb)
 {
 	struct port_ctx c;
 
 	if (port_ctx(skb, &c) != CTX_OK)
-		return TC_ACT_OK;
+		return TC_ACT_UNSPEC;
 	__u64 now = bpf_ktime_get_ns();
 	__u64 len = skb->len;
 	int ev = 0, ev2 = 0;
@@ -689,14 +705,14 @@ int port_departure(struct __sk_buff *skb)
 	__u64 ev_bytes = 0, ev2_bytes = 0;
 
 	bpf_spin_lock(&c.nl->lock);
-	__u32 tr = c.n->tracked[c.tc];
+	__u32 tr = c.n->tracked[bound(c.tc, NUM_TC - 1)];
 	if (tr < MAX_TRACKED) {
 		__u32 t = tr & (MAX_TRACKED - 1);
 		if (c.st->ring_head == c.st->ring_tail) {
 			c.st->dep_unmatched += 1;
 			goto unlock;
 		}
-		__u32 e = c.rg->e[t][c.st->ring_head & (RING - 1)];
+		__u32 e = c.rg->e[bound(t, MAX_TRACKED - 1)][bound(c.st->ring_head, RING - 1)];
 		c.st->ring_head += 1;
 		slot = (e >> 16) & (MAX_SLOTS - 1);
 		__u64 plen = e & 0xffff;
@@ -704,8 +720,9 @@ int port_departure(struct __sk_buff *skb)
 			c.st->dep_mismatch += 1;
 		c.st->dep_bytes += plen;
 		c.st->dep_packets += 1;
-		c.pin->dep[t][slot] += plen;
-		struct ingress_acct *a = &c.n->in[t][slot];
+		c.pin->dep[bound(t, MAX_TRACKED - 1)][bound(slot, MAX_SLOTS - 1)] += plen;
+		struct ingress_acct *a = &c.n->in[bound(t, MAX_TRACKED - 1)]
+						[bound(slot, MAX_SLOTS - 1)];
 		int resume;
 		if (c.n->mode == MODE_SHARED && !c.cc->limit_bytes) {
 			/* HPCC RemoveFromIngressAdmission, then CheckShouldResume */
@@ -754,7 +771,7 @@ unlock:
 		emit(ev, now, c.tc, slot, c.pc->port_slot, ev_bytes, c.n);
 	if (ev2)
 		emit(ev2, now, c.tc, slot, c.pc->port_slot, ev2_bytes, c.n);
-	return TC_ACT_OK;
+	return TC_ACT_UNSPEC;
 }
 
 char LICENSE[] SEC("license") = "GPL";
