@@ -54,7 +54,13 @@ def test_probe_claims_nothing_the_code_does_not_do() -> None:
     # the findings: no pfifo fallback, no RED marker, no Soft-RoCE endpoints
     text = " ".join(IMPACT.values()).lower()
     assert "pfifo" not in text
-    assert IMPACT["red"].startswith("nothing") and IMPACT["rdma_rxe"].startswith("nothing")
+    assert IMPACT["rdma_rxe"].startswith("nothing")
+    # the RED marker it names exists: the config field, and the qdisc the builder adds
+    from testbed.config.models import EcnConfig
+    from testbed.net.qdisc import _tc_plugins
+    assert "ecn.marker: red" in IMPACT["red"]
+    assert "red" in EcnConfig.model_fields["marker"].annotation.__args__
+    assert "red" in _tc_plugins
     assert "not emulated" in IMPACT["netem"]
 
 
