@@ -61,7 +61,7 @@ def red_options(red: RedPlan) -> dict:
     return {"parent": parse_handle(red.parent), "limit": red.limit_bytes,
             "qth_min": red.qth_min_bytes, "qth_max": red.qth_max_bytes,
             "max_p": red.max_p_fp, "plog": red.plog, "wlog": 0, "scell_log": 0,
-            "stab": bytes([IDLE_SHIFT]) * RED_STAB_SIZE, "flags": RED_FLAGS}
+            "red_stab": bytes([IDLE_SHIFT]) * RED_STAB_SIZE, "flags": RED_FLAGS}
 
 
 def install_port_queues(ipr, ifindex: int, egress: EgressPlan) -> int:

@@ -13,7 +13,7 @@ IPBatch and the builder's batched netlink (testbed/net/batch.py) all encode it, 
 tc strings. Its values come from testbed/plan/red.py (a RedPlan).
 
     ipr.tc("add", "red", ifindex, handle, parent=parent, limit=..., qth_min=...,
-           qth_max=..., max_p=..., plog=..., wlog=0, scell_log=0, stab=bytes(256),
+           qth_max=..., max_p=..., plog=..., wlog=0, scell_log=0, red_stab=bytes(256),
            flags=TC_RED_ECN | TC_RED_NODROP)
 """
 
@@ -30,7 +30,9 @@ from testbed.plan.red import RED_STAB_SIZE, TC_RED_HISTORIC_FLAGS, TC_RED_NODROP
 parent = TC_H_ROOT
 #: the flags this plugin lets the kernel change (TCA_RED_FLAGS selector)
 FLAGS_SELECTOR = TC_RED_HISTORIC_FLAGS | TC_RED_NODROP
-REQUIRED = ("limit", "qth_min", "qth_max", "max_p", "stab", "flags")
+# `red_stab`, not `stab`: pyroute2 sends a `stab` argument as the qdisc-level size table
+# (TCA_STAB), which the kernel then refuses ("Size table base attribute is missing").
+REQUIRED = ("limit", "qth_min", "qth_max", "max_p", "red_stab", "flags")
 
 
 def get_parameters(kwarg: dict) -> dict:
@@ -38,7 +40,7 @@ def get_parameters(kwarg: dict) -> dict:
     missing = [k for k in REQUIRED if k not in kwarg]
     if missing:
         raise ValueError(f"red qdisc: {', '.join(missing)} not given")
-    stab = bytes(kwarg["stab"])
+    stab = bytes(kwarg["red_stab"])
     if len(stab) != RED_STAB_SIZE:
         raise ValueError(f"red qdisc: stab has {len(stab)} entries, not {RED_STAB_SIZE}")
     return {"attrs": [
@@ -50,7 +52,7 @@ def get_parameters(kwarg: dict) -> dict:
                            "Scell_log": kwarg.get("scell_log", 0), "flags": 0}],
         ["TCA_RED_STAB", stab],
         ["TCA_RED_MAX_P", kwarg["max_p"]],
-        ["TCA_RED_FLAGS", {"value": kwarg["flags"], "selector": FLAGS_SELECTOR}],
+        ["TCA_RED_FLAGS", {"bits": kwarg["flags"], "selector": FLAGS_SELECTOR}],
     ]}
 
 
@@ -82,7 +84,8 @@ class options(nla):
             nla_string.encode(self)
 
     class bitfield32(nla):
-        fields = (("value", "I"), ("selector", "I"))
+        # not "value": pyroute2 treats that key as the payload of a one-value nla
+        fields = (("bits", "I"), ("selector", "I"))
 
 
 class stats(nla):

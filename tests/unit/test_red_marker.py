@@ -124,7 +124,7 @@ def test_the_qdisc_is_encoded_by_pyroute2_with_every_value_as_planned():
         == (roce.red.limit_bytes, roce.red.qth_min_bytes, roce.red.qth_max_bytes, 0, 0)
     assert opts.get_attr("TCA_RED_MAX_P") == roce.red.max_p_fp
     flags = opts.get_attr("TCA_RED_FLAGS")
-    assert flags["value"] == red.TC_RED_ECN | red.TC_RED_NODROP
+    assert flags["bits"] == red.TC_RED_ECN | red.TC_RED_NODROP
     assert msg["parent"] == 0x1030001
 
 
