@@ -447,6 +447,12 @@ def test_non_ect_packets_are_never_marked(curve_pair):
 
 
 @pytest.mark.slow
+# The BPF marker only: the expected rate is computed from the depths the port program's
+# queue shows in 10 ms samples, which is what the BPF marker decides on packet by packet;
+# sch_red decides on its own queue between those samples. In the TCG guest the sender ran
+# up to 17 ms late, the queue came in bursts between samples, and RED marked 0.051 of the
+# packets against 0.012 from the sampled depths: a comparison this test cannot make for RED.
+@pytest.mark.parametrize("curve_pair", ["bpf"], indirect=True)
 def test_standing_queue_is_marked_at_the_curve_rate(curve_pair, capsys):
     pair = curve_pair
     # Fill the closed class to depth D with non-ECT packets, then open the gate and
