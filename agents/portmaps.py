@@ -57,6 +57,10 @@ MAX_TRIM_BYTES = 0xFFFF
 PAGE = mmap.PAGESIZE
 
 MODES = {"none": 0, "static": 1, "shared": 2}
+#: class_cfg.ecn_enabled: off; the program marks (bpf); sch_red marks and the program
+#: counts its ECT -> CE marks at departure (red)
+ECN_OFF = 0
+ECN_MARKERS = {"bpf": 1, "red": 2}
 EV_XOFF, EV_XON, EV_EGRESS_HOT, EV_EGRESS_COOL, EV_DROP = 1, 2, 3, 4, 5
 EVENT_NAMES = {EV_XOFF: "xoff", EV_XON: "xon", EV_EGRESS_HOT: "egress_hot",
                EV_EGRESS_COOL: "egress_cool", EV_DROP: "drop"}
@@ -74,7 +78,7 @@ STATE_FIELDS = ("enq_bytes", "enq_packets", "dep_bytes", "dep_packets", "packets
                 "ect_packets", "ce_arrivals", "ce_marks", "would_mark", "drops", "tail_drops",
                 "mmu_drops", "desc_drops", "max_queue_bytes", "mark_errors", "ring_head",
                 "ring_tail", "dep_mismatch", "dep_unmatched", "flags", "trims", "trim_errors",
-                "pad")
+                "ce_queued")
 INGRESS_ACCT = struct.Struct("=7Q6I")
 INGRESS_ACCT_FIELDS = ("bytes", "hdrm_bytes", "max_bytes", "max_hdrm_bytes", "drops",
                        "xoff_events", "xon_events", "headroom_bytes", "xoff_bytes", "xon_bytes",
@@ -139,6 +143,8 @@ class ClassParams:
     kmin_bytes: int = 0
     kmax_bytes: int = 0
     pmax: float | None = None        # None: this class never marks
+    marker: str = "bpf"              # "bpf": the program marks with the curve; "red": the
+                                     # class's sch_red marks, the program counts its marks
     drop_probability: float = 0.0    # PHY frame loss or explicit impairment
     limit_bytes: int = 0             # this port's buffer for the class; 0: none (shared pool)
     egress_xoff_bytes: int = 0       # static mode: a queue this deep pauses its contributors
@@ -175,6 +181,8 @@ class PortParams:
             if not 0 <= dscp < NUM_DSCP or not 0 <= tc < NUM_TC:
                 out.append(f"dscp_to_tc[{dscp}] = {tc}: DSCP 0..63 to class 0..7")
         out += self._trims_problems()
+        out += [f"classes[{tc}].marker must be one of {', '.join(ECN_MARKERS)}"
+                for tc, cls in self.classes.items() if cls.marker not in ECN_MARKERS]
         for tc, cls in self.classes.items():
             where = f"classes[{tc}]"
             if not 0 <= tc < NUM_TC:
@@ -330,7 +338,8 @@ def encode_class_cfg(cls: ClassParams | None, trim: TrimParams | None = None) ->
     return CLASS_CFG.pack(cls.kmin_bytes if ecn else 0, cls.kmax_bytes if ecn else 0,
                           0 if cls.pmax is None else probability_fp(cls.pmax),
                           probability_fp(cls.drop_probability), cls.limit_bytes,
-                          cls.egress_xoff_bytes, cls.egress_xon_bytes, int(ecn), *t)
+                          cls.egress_xoff_bytes, cls.egress_xon_bytes,
+                          ECN_MARKERS[cls.marker] if ecn else ECN_OFF, *t)
 
 
 def encode_node_head(params: NodeParams) -> bytes:
@@ -564,7 +573,7 @@ class ClassCounters(NamedTuple):
 def _class_counters(row: tuple) -> ClassCounters:
     (enq_b, enq_p, dep_b, dep_p, packets, nbytes, ect, ce_in, marks, would, drops, tail, mmu,
      desc, max_q, mark_err, _head, _tail, mismatch, unmatched, _flags, trims, trim_err,
-     _pad) = row
+     _ce_queued) = row
     return ClassCounters(packets, nbytes, ect, ce_in, marks, would, drops, tail, mmu, desc,
                          max_q, mark_err, max(0, enq_b - dep_b), max(0, enq_p - dep_p),
                          enq_b, enq_p, dep_b, dep_p, mismatch, unmatched, trims, trim_err)

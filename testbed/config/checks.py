@@ -13,7 +13,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from testbed.config.errors import format_loc
 from testbed.config.models import (
     MIN_TRIM_BYTES,
-    EcnConfig,
+    EcnCurve,
     EcnEvent,
     Fabric,
     HostDrainEvent,
@@ -88,7 +88,7 @@ def check_traffic_classes(fabric: Fabric) -> Iterator[tuple[tuple, str]]:
                "the default class; exactly one class may have default: true")
 
 
-def ecn_curve_problems(ecn: EcnConfig, loc: tuple,
+def ecn_curve_problems(ecn: EcnCurve, loc: tuple,
                        required: bool = False) -> Iterator[tuple[tuple, str]]:
     """One ECN curve's form: one of preset, kmin/kmax(/pmax) or k (`required`: one must be
     given; a port class's ecn without any is the dcqcn-paper preset)."""
@@ -553,6 +553,21 @@ def _check_port_class_event(ev: PfcEvent | EcnEvent, loc: tuple,
         if idx.roles.get(ev.node) == "host":
             yield (loc + ("node",), f"{ev.node!r} is a host; host NICs never mark ECN, name "
                    "a switch")
+        red = sorted({link.qos for links in idx.links.values() for link in links
+                      if ev.node in (link.a, link.b)
+                      and (ev.port is None or ev.port in (link.a, link.b))
+                      and idx.fabric.qos[link.qos].ecn.marker == "red"}
+                     if link_qos_known(idx) else set())
+        if red:
+            yield (loc + ("kind",), f"{ev.node!r} marks with sch_red on the ports of port "
+                   f"class {', '.join(red)} (qos.{red[0]}.ecn.marker: red), and an ecn event "
+                   "changes only the port program's curve; use marker: bpf there, or "
+                   "name a port of another class")
+
+
+def link_qos_known(idx: _FabricIndex) -> bool:
+    """Every link names a port class the fabric has (else the qos checks report it)."""
+    return all(link.qos in idx.fabric.qos for links in idx.links.values() for link in links)
 
 
 def _check_host_drain(ev: HostDrainEvent, loc: tuple,

@@ -27,6 +27,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from testbed.config.ecn import EcnCurve, EcnMarkerName
 from testbed.fields import (
     NAME_RE,
     DurationNs,
@@ -81,29 +82,16 @@ def default_traffic_classes() -> list[TrafficClass]:
     ]
 
 
-EcnPresetName = Literal["hpcc-ns3", "dcqcn-paper", "ns3-rdma"]
+class EcnConfig(EcnCurve):
+    """DCQCN CP marking curve of a port class, and what marks. A preset, or
+    kmin/kmax/pmax, or a step at k."""
 
-
-class EcnConfig(Strict):
-    """DCQCN CP marking curve. A preset, or kmin/kmax/pmax, or a step at k."""
-
-    preset: EcnPresetName | None = Field(
-        None, description="a named curve (kmin / kmax / pmax): hpcc-ns3 (100 KB / 400 KB per "
-                          "25 Gb/s of port rate / 0.2), dcqcn-paper (5 KB / 200 KB / 0.01), "
-                          "ns3-rdma (40 KB / 1000 KB / 1); not with kmin/kmax or k. An ecn "
-                          "mapping with none of them is dcqcn-paper")
-    kmin_bytes: SizeBytes | None = Field(
-        None, alias="kmin", description="queue at which marking starts (no marks at or below "
-                                        "it); goes with kmax")
-    kmax_bytes: SizeBytes | None = Field(
-        None, alias="kmax", description="queue at which the mark probability reaches pmax; "
-                                        "every packet is marked above it")
-    pmax: float | None = Field(None, gt=0, le=1, description="mark probability at kmax, rising "
-                                                             "linearly from kmin (unset: 1)")
-    k_bytes: SizeBytes | None = Field(None, alias="k", description="step marking (DCTCP style): "
-                                      "every packet is marked above this queue")
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    marker: EcnMarkerName = Field(
+        "bpf", description="what marks: bpf, the tc-BPF port program, at enqueue, with an "
+                           "independent draw per packet (any kernel with clsact); red, the "
+                           "kernel's sch_red in the class's queue, given the same curve "
+                           "(kernels with sch_red; docs/datapath.md says how its count-based "
+                           "marking is matched to the curve)")
 
 
 class PfcConfig(Strict):
@@ -520,9 +508,10 @@ class PfcEvent(Strict):
                                       "class (a held pause is released); true: restored")
 
 
-class EcnEvent(EcnConfig):
+class EcnEvent(EcnCurve):
     """A new ECN marking curve for one ECN class on a node's ports: one of preset,
-    kmin/kmax/pmax or k, as in qos.<class>.ecn."""
+    kmin/kmax/pmax or k, as in qos.<class>.ecn (the BPF marker's curve: a port whose
+    class marks with red is refused)."""
 
     model_config = _EVENT_CONFIG
 

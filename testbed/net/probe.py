@@ -48,7 +48,10 @@ IMPACT = {
              "port's peer ingress, testbed/net/netem.py); without it (or ifb) links carry no "
              "delay, the BPF port program applies the PHY loss and a run notes how short the "
              "base RTT is",
-    "red": "nothing: sch_red is not used; ECN marking is done by the BPF port program",
+    "red": "the RED marker (qos.<class>.ecn.marker: red): sch_red holds a class's buffer and "
+           "marks its queue with the class's curve; a config that asks for it stops before "
+           "building without it (testbed run --vm runs it in a VM); the default BPF marker "
+           "does not need it",
     "vxlan": "nothing yet: spreading a fabric over several VMs is planned, not built",
     "ifb": "the link delay stage: each port's arrivals are redirected to an IFB whose root "
            "is netem; without it links carry no delay (as without netem)",
@@ -107,7 +110,9 @@ def _probe_tc(ipr: IPRoute, idx: int) -> dict[str, tuple[bool, str]]:
                 clear_root()
         return run
 
-    from testbed.net.qdisc import _tc_plugins  # noqa: F401  (registers bfifo)
+    from testbed.net.qdisc import red_options  # (importing it registers bfifo and red)
+    from testbed.plan.model import RedPlan
+    from testbed.plan.red import red_params
 
     out["htb"] = _try(qdisc("htb", default=0x10))
     out["bfifo"] = _try(qdisc("bfifo", limit=10_000))
@@ -115,8 +120,13 @@ def _probe_tc(ipr: IPRoute, idx: int) -> dict[str, tuple[bool, str]]:
     from testbed.net import netem  # noqa: F401  (its netem plugin takes delay_ns)
 
     out["netem"] = _try(qdisc("netem", delay_ns=1000, limit=1000, loss=0.0))
-    out["red"] = _try(qdisc("red", limit=100_000, min=10_000, max=30_000, avpkt=1000,
-                            burst=20, probability=0.02, ecn=True))
+    # what the builder sends for the RED marker (testbed/net/sched_red.py): Wlog 0, the
+    # idle table, max_p given, flags ecn + nodrop (TCA_RED_FLAGS, Linux 5.7 and later)
+    red = red_params(10_000, 30_000, 0.1, 100_000)
+    out["red"] = _try(qdisc("red", **{**red_options(RedPlan(
+        handle="1:", parent="ffff:ffff", limit_bytes=red.limit_bytes,
+        qth_min_bytes=red.qth_min_bytes, qth_max_bytes=red.qth_max_bytes,
+        max_p_fp=red.max_p_fp, plog=red.plog)), "parent": 0xFFFFFFFF}))
 
     def u32():
         ipr.tc("add", "htb", idx, 0x10000, default=0x10)

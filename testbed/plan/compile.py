@@ -35,6 +35,7 @@ from testbed.plan.model import (
     PeerPlan,
     PfcPlan,
     Plan,
+    RedPlan,
     RoutePlan,
     TrafficClassPlan,
     TrimPlan,
@@ -47,6 +48,7 @@ from testbed.plan.qos import (
     headroom_bytes,
     resolve_port_qos,
 )
+from testbed.plan.red import red_params
 from testbed.units import format_size
 
 # A conservative wall-rate budget per port for `dilation: auto` when the
@@ -179,22 +181,42 @@ def _egress(rate_bps: int, dilation: Dilation, classes_qos, tclasses, mtu_bytes:
                 egress_xon = max(0, egress_xoff - 2 * frame) if egress_xoff else 0
             pfc = PfcPlan(**vars(q.pfc), egress_xoff_bytes=egress_xoff,
                           egress_xon_bytes=egress_xon)
+        leaf_handle = f"{0x100 + tclass.tc:x}:"
+        limit = end.pool_bytes if shared else q.limit_bytes
+        ecn = EcnPlan(**vars(q.ecn)) if q.ecn and not end.host else None
+        red = _red_plan(tclass.tc, classid, leaf_handle, bool(q.pfc), ecn, limit)
         classes.append(ClassPlan(
             tc=tclass.tc, name=tclass.name, dscp=sorted(tclass.dscp), classid=classid,
-            leaf_handle=f"{0x100 + tclass.tc:x}:", prio=0 if tclass.strict else 1,
-            # A PFC class gets a TBF leaf: the pause gate (testbed/net/qdisc.py).
-            leaf_kind="tbf" if q.pfc else "bfifo",
+            leaf_handle=leaf_handle, prio=0 if tclass.strict else 1,
+            # A PFC class gets a TBF leaf: the pause gate (testbed/net/qdisc.py); a class
+            # marked by sch_red has it under the gate, or as its leaf.
+            leaf_kind="tbf" if q.pfc else ("red" if red else "bfifo"),
             wall_rate_bps=share, wall_ceil_bps=wall,
-            limit_bytes=end.pool_bytes if shared else q.limit_bytes, shared=shared,
+            limit_bytes=limit, shared=shared,
             lossless=tclass.lossless,
-            ecn=EcnPlan(**vars(q.ecn)) if q.ecn and not end.host else None,
+            ecn=ecn,
             pfc=pfc,
             # host NICs never trim (a NIC does not cut its own packets)
             trim=TrimPlan(**vars(q.trim)) if q.trim and not end.host else None,
+            red=red,
         ))
     return EgressPlan(rate_bps=rate_bps, wall_rate_bps=wall, overhead_bytes=HTB_OVERHEAD_BYTES,
                       burst_bytes=_burst_bytes(wall, frame), quantum_bytes=frame,
                       default_classid=default_classid, classes=classes)
+
+
+def _red_plan(tc: int, classid: str, leaf_handle: str, gated: bool, ecn: EcnPlan | None,
+              limit_bytes: int) -> RedPlan | None:
+    """The sch_red of a class marked by it: under the PFC gate (the TBF's class, so the
+    gate still stops the class and RED's queue is the class's), else the class's leaf."""
+    if ecn is None or ecn.marker != "red":
+        return None
+    params = red_params(ecn.kmin_bytes, ecn.kmax_bytes, ecn.pmax, limit_bytes)
+    return RedPlan(handle=f"{0x200 + tc:x}:" if gated else leaf_handle,
+                   parent=f"{leaf_handle}1" if gated else classid,
+                   limit_bytes=params.limit_bytes, qth_min_bytes=params.qth_min_bytes,
+                   qth_max_bytes=params.qth_max_bytes, max_p_fp=params.max_p_fp,
+                   plog=params.plog)
 
 
 def _class_shares(wall_bps: int, tclasses) -> dict[int, int]:

@@ -25,6 +25,28 @@ class EcnPlan(PlanModel):
     kmin_bytes: int
     kmax_bytes: int
     pmax: float
+    marker: str = "bpf"     # "bpf": the port program marks; "red": the class's sch_red
+
+    @model_serializer(mode="wrap")
+    def _without_bpf_marker(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # The BPF marker serialises as before the RED marker existed (same plan hash).
+        data = handler(self)
+        if self.marker == "bpf" and isinstance(data, dict):
+            data.pop("marker", None)
+        return data
+
+
+class RedPlan(PlanModel):
+    """The sch_red qdisc that holds a class's buffer and marks it (ecn marker red;
+    testbed/plan/red.py says how the curve becomes these)."""
+
+    handle: str             # its qdisc handle, "213:"
+    parent: str             # the HTB class ("1:13") or, under a PFC gate, the TBF's class
+    limit_bytes: int        # the class's buffer (its bfifo child's limit)
+    qth_min_bytes: int      # no mark below
+    qth_max_bytes: int      # every packet marked at or above
+    max_p_fp: int           # mark probability at qth_max, units of 2^-32 (TCA_RED_MAX_P)
+    plog: int
 
 
 class PfcPlan(PlanModel):
@@ -54,7 +76,8 @@ class ClassPlan(PlanModel):
     dscp: list[int]
     classid: str          # HTB class, "1:13"
     leaf_handle: str      # leaf qdisc handle, "113:"
-    leaf_kind: str        # "tbf": a pausable gate (PFC classes); "bfifo": a plain buffer
+    leaf_kind: str        # "tbf": a pausable gate (PFC classes); "bfifo": a plain buffer;
+                          # "red": sch_red holding the buffer and marking (ecn marker red)
     prio: int             # HTB priority: strict classes 0, weighted classes 1
     wall_rate_bps: int    # guaranteed share
     wall_ceil_bps: int    # may borrow up to the port rate
@@ -64,14 +87,18 @@ class ClassPlan(PlanModel):
     ecn: EcnPlan | None
     pfc: PfcPlan | None
     trim: TrimPlan | None = None    # switch ports of a class with trim: true
+    red: RedPlan | None = None      # ecn marker red: the class's sch_red (switch ports)
 
     @model_serializer(mode="wrap")
     def _without_no_trim(self, handler: SerializerFunctionWrapHandler) -> Any:
-        # A class that does not trim serialises as before trimming existed (same bytes,
-        # same plan hash).
+        # A class that does not trim (or mark with red) serialises as before trimming
+        # (and the RED marker) existed (same bytes, same plan hash).
         data = handler(self)
-        if self.trim is None and isinstance(data, dict):
-            data.pop("trim", None)
+        if isinstance(data, dict):
+            if self.trim is None:
+                data.pop("trim", None)
+            if self.red is None:
+                data.pop("red", None)
         return data
 
 

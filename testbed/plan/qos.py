@@ -7,9 +7,10 @@ unchanged. The ECN presets live in one table here, each with its source.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from testbed.config.models import EcnConfig, PortClass, TrafficClass, trim_target
+from testbed.config.models import EcnCurve, PortClass, TrafficClass, trim_target
+from testbed.plan.red import red_problems
 from testbed.units import format_size
 
 # Per traffic-class buffer when the port class does not say (bytes).
@@ -46,6 +47,7 @@ class EcnSettings:
     kmin_bytes: int
     kmax_bytes: int
     pmax: float
+    marker: str = "bpf"     # what marks: the port program (bpf) or the class's sch_red (red)
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,10 @@ def headroom_bytes(rate_bps: int, one_way_delay_ns: int, mtu_bytes: int,
 
 
 def resolve_ecn(port_class: PortClass, rate_bps: int) -> EcnSettings:
-    return resolve_ecn_curve(port_class.ecn, rate_bps)
+    return replace(resolve_ecn_curve(port_class.ecn, rate_bps), marker=port_class.ecn.marker)
 
 
-def resolve_ecn_curve(ecn: EcnConfig, rate_bps: int) -> EcnSettings:
+def resolve_ecn_curve(ecn: EcnCurve, rate_bps: int) -> EcnSettings:
     """A marking curve at a port of `rate_bps` (per-25G presets scale with it)."""
     if ecn.k_bytes is not None:
         return EcnSettings(ecn.k_bytes, ecn.k_bytes, 1.0)
@@ -203,6 +205,11 @@ def resolve_port_qos(port_class: PortClass, tclasses: list[TrafficClass], rate_b
                 "ecn.kmin", f"{format_size(ecn_here.kmin_bytes)} is above the TC{tclass.tc} "
                 f"buffer {format_size(limit)} at {rate_bps / 1e9:g} Gb/s, so the class drops "
                 "before it marks; lower ecn.kmin or raise the buffer"))
+        if ecn_here is not None and ecn_here.marker == "red":
+            for field, message in red_problems(ecn_here.kmin_bytes, ecn_here.kmax_bytes,
+                                               ecn_here.pmax, limit):
+                problems.append(QosProblem(field, f"marker red on TC{tclass.tc} at "
+                                           f"{rate_bps / 1e9:g} Gb/s: {message}"))
         out.append(ClassQos(tclass.tc, tclass.name, limit, ecn_here, pfc_here,
                             resolve_trim(port_class, tclasses, tclass, limit)))
     return out, problems

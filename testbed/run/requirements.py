@@ -45,3 +45,18 @@ def rxe_needs(plan: Plan) -> dict[str, str]:
 
 
 NEEDS.append(rxe_needs)
+
+
+def red_marker_needs(plan: Plan) -> dict[str, str]:
+    """ecn marker red: the classes marked by sch_red need it (owner: the RED marker)."""
+    where = sorted({f"{node.name}:{iface.ifname}" for node in plan.nodes
+                    for iface in node.interfaces for c in iface.egress.classes
+                    if c.red is not None})
+    if not where:
+        return {}
+    more = f" and {len(where) - 3} more ports" if len(where) > 3 else ""
+    return {"red": f"qos ecn marker red: sch_red marks the classes at {', '.join(where[:3])}"
+                   f"{more}"}
+
+
+NEEDS.append(red_marker_needs)

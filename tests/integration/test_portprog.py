@@ -17,6 +17,7 @@ count), a false failure about once in 16 000 runs per check.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -30,11 +31,13 @@ from pathlib import Path
 
 import pytest
 from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
 
 from agents.pfc import gate as gates
 from testbed.net import namespaces, portprog
-from testbed.net.qdisc import install_port_queues, parse_handle
-from testbed.plan.model import ClassPlan, EcnPlan, EgressPlan, PfcPlan
+from testbed.net.qdisc import install_port_queues, parse_handle, red_options
+from testbed.plan.model import ClassPlan, EcnPlan, EgressPlan, PfcPlan, RedPlan
+from testbed.plan.red import red_params
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.root
@@ -46,6 +49,7 @@ KMIN, KMAX, PMAX = 30_000, 150_000, 0.5
 TC = 3
 DSCP = 26
 LEAF = "103:"
+RED_HANDLE = "203:"                # the RED marker's qdisc, under the TBF gate (TBF's class 1)
 A_IP, B_IP = "198.18.0.0", "198.18.0.1"
 HDR = 14 + 20 + 8                  # Ethernet + IPv4 + UDP: skb->len = payload + HDR
 
@@ -55,7 +59,14 @@ def frame(payload: int) -> int:
     return payload + HDR
 
 
-def egress_plan() -> EgressPlan:
+def red_plan(kmin: int, kmax: int, pmax: float, limit: int = 4_000_000) -> RedPlan:
+    r = red_params(kmin, kmax, pmax, limit)
+    return RedPlan(handle=RED_HANDLE, parent=f"{LEAF}1", limit_bytes=r.limit_bytes,
+                   qth_min_bytes=r.qth_min_bytes, qth_max_bytes=r.qth_max_bytes,
+                   max_p_fp=r.max_p_fp, plog=r.plog)
+
+
+def egress_plan(marker: str = "bpf") -> EgressPlan:
     def cls(tc, name, dscp, ecn, pfc):
         return ClassPlan(tc=tc, name=name, dscp=dscp, classid=f"1:1{tc}",
                          leaf_handle=f"10{tc}:", leaf_kind="tbf" if pfc else "bfifo", prio=1,
@@ -64,13 +75,14 @@ def egress_plan() -> EgressPlan:
                          ecn=ecn, pfc=PfcPlan(priority=tc, xoff_bytes=2_000_000,
                                               xon_bytes=1_900_000, headroom_bytes=50_000,
                                               watchdog_ns=None, mode="static",
-                                              alpha=0.125) if pfc else None)
+                                              alpha=0.125) if pfc else None,
+                         red=red_plan(KMIN, KMAX, PMAX) if ecn and marker == "red" else None)
     return EgressPlan(rate_bps=WALL_RATE_BPS, wall_rate_bps=WALL_RATE_BPS,
                       overhead_bytes=OVERHEAD, burst_bytes=BURST, quantum_bytes=1514,
                       default_classid="1:10", classes=[
                           cls(0, "default", [], None, False),
                           cls(TC, "roce", [DSCP], EcnPlan(kmin_bytes=KMIN, kmax_bytes=KMAX,
-                                                          pmax=PMAX), True)])
+                                                          pmax=PMAX, marker=marker), True)])
 
 
 RECEIVER = r"""
@@ -160,6 +172,8 @@ class Pair:
     tmp: Path
     gate: Gate
     port: int = 20000
+    marker: str = "bpf"
+    red_curve: tuple[int, int, float] = (KMIN, KMAX, PMAX)
 
     def params(self, **cls_overrides) -> portprog.PortParams:
         base = portprog.params_from_egress(self.egress)
@@ -170,13 +184,31 @@ class Pair:
     def configure(self, closed: bool = False, **cls_overrides) -> None:
         """Class TC as planned but for the overrides; gate open or closed; empty queue
         (waits for it to drain), zero counters."""
-        portprog.update_params(self.handle, self.params(**cls_overrides))
-        self.gate.set(False)
-        deadline = time.monotonic() + 5
-        while self.counters().vq_bytes and time.monotonic() < deadline:
-            time.sleep(0.01)
+        params = self.params(**cls_overrides)
+        portprog.update_params(self.handle, params)
+        self.drain()
+        if self.marker == "red":
+            c = params.classes[TC]
+            self.set_red(c.kmin_bytes, c.kmax_bytes, c.pmax)
         self.gate.set(closed)
         portprog.reset_state(self.handle)
+
+    def drain(self) -> None:
+        """Open the gate and wait for the class's queue to empty."""
+        self.gate.set(False)
+        deadline = time.monotonic() + 10
+        while self.counters().vq_bytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def set_red(self, kmin: int, kmax: int, pmax: float) -> None:
+        """The RED marker's qdisc for this curve (replaced only when the curve changes: a
+        RED change empties its queue)."""
+        if (kmin, kmax, pmax) == self.red_curve:
+            return
+        with IPRoute(netns=self.a) as ipr:
+            ipr.tc("replace", "red", self.ifindex, parse_handle(RED_HANDLE),
+                   **red_options(red_plan(kmin, kmax, pmax)))
+        self.red_curve = (kmin, kmax, pmax)
 
     def receiver(self) -> Receiver:
         self.port += 1
@@ -260,11 +292,10 @@ class LeafQueue:
         self.sock.close()
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def _make_pair(tmp_path_factory, marker: str):
     pid = os.getpid()
-    a, b, lab = f"tb-bpf{pid}-a", f"tb-bpf{pid}-b", f"bpftest{pid}"
-    egress = egress_plan()
+    a, b, lab = f"tb-bpf{pid}{marker}-a", f"tb-bpf{pid}{marker}-b", f"bpftest{pid}{marker}"
+    egress = egress_plan(marker)
     handle = gate = None
     try:
         for ns in (a, b):
@@ -273,7 +304,12 @@ def pair(tmp_path_factory):
             ipr.link("add", ifname="va", kind="veth", peer={"ifname": "vb", "net_ns_fd": b})
             ifindex = ipr.link_lookup(ifname="va")[0]
             ipr.addr("add", index=ifindex, address=A_IP, prefixlen=31)
-            install_port_queues(ipr, ifindex, egress)
+            try:
+                install_port_queues(ipr, ifindex, egress)
+            except NetlinkError as exc:
+                if marker == "red" and exc.code in (errno.ENOENT, errno.EOPNOTSUPP):
+                    pytest.skip("needs red: runs in the VM lane")
+                raise
             ipr.link("set", index=ifindex, state="up")
         with IPRoute(netns=b) as ipr:
             idx = ipr.link_lookup(ifname="vb")[0]
@@ -283,7 +319,7 @@ def pair(tmp_path_factory):
                                       peer=(b, "vb"))
         gate = Gate(a, ifindex, egress)
         pair = Pair(a, b, lab, handle, egress, ifindex, tmp_path_factory.mktemp("portprog"),
-                    gate)
+                    gate, marker=marker)
         pair.send(count=3, size=100, rate_bps=1_000_000)     # resolves B's address (ARP)
         yield pair
     finally:
@@ -295,6 +331,22 @@ def pair(tmp_path_factory):
         for ns in (a, b):
             namespaces.remove(ns)
         assert not (portprog.PIN_ROOT / lab).exists()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The port with the BPF marker (every test but the marking curve's)."""
+    yield from _make_pair(tmp_path_factory, "bpf")
+
+
+@pytest.fixture(scope="module", params=["bpf", pytest.param("red", marks=pytest.mark.stock_kernel)])
+def curve_pair(request, tmp_path_factory):
+    """The marking-curve tests run with either marker: the port program's (bpf) or sch_red
+    under the gate (red; skipped on a kernel without sch_red)."""
+    if request.param == "bpf":
+        yield request.getfixturevalue("pair")
+    else:
+        yield from _make_pair(tmp_path_factory, request.param)
 
 
 def binomial_ok(observed: int, probs: list[float], sigmas: float = 4.0) -> tuple[bool, str]:
@@ -320,9 +372,12 @@ def ramps(pair: Pair, *, count: int, size: int, n_ramps: int, ecn: str = "ect0")
         sport = res["flows"]["0"]["sport"]
         seen[sport] = True
         c = pair.counters()
+        assert c.vq_bytes == count * frame(size)     # closed: nothing left
+        if pair.marker == "red":
+            pair.drain()                    # sch_red's marks are counted as they depart
+            c = pair.counters()
         for k in totals:
             totals[k] += getattr(c, k)
-        assert c.vq_bytes == count * frame(size)     # closed: nothing left
     pair.gate.set(False)
     rows = rx.stop()
     w = frame(size)
@@ -331,7 +386,8 @@ def ramps(pair: Pair, *, count: int, size: int, n_ramps: int, ecn: str = "ect0")
     return out, totals
 
 
-def test_ect_marking_follows_the_dcqcn_curve(pair, capsys):
+def test_ect_marking_follows_the_dcqcn_curve(curve_pair, capsys):
+    pair = curve_pair
     size = 1000
     rows, totals = ramps(pair, count=170, size=size, n_ramps=30)
     marked_at_b = sum(1 for _q, tos in rows if tos & 3 == 3)
@@ -350,11 +406,13 @@ def test_ect_marking_follows_the_dcqcn_curve(pair, capsys):
                       f"{marked / len(in_bin):.3f} vs curve {sum(probs) / len(probs):.3f}; {text}")
         assert ok, report[-1]
     with capsys.disabled():
-        print("\nmarking curve (frozen ramps, Kmin 30 KB, Kmax 150 KB, Pmax 0.5):")
+        print(f"\nmarking curve, {pair.marker} marker (frozen ramps, Kmin 30 KB, "
+              "Kmax 150 KB, Pmax 0.5):")
         print("\n".join("  " + line for line in report))
 
 
-def test_step_marking_when_kmin_equals_kmax(pair):
+def test_step_marking_when_kmin_equals_kmax(curve_pair):
+    pair = curve_pair
     k = 40_000
     for ecn in ("ect0", "ect1"):
         pair.configure(kmin_bytes=k, kmax_bytes=k, pmax=1.0)
@@ -374,17 +432,29 @@ def _ramps_with(pair: Pair, overrides: dict, ecn: str):
         pair.params = original
 
 
-def test_non_ect_packets_are_never_marked(pair):
+def test_non_ect_packets_are_never_marked(curve_pair):
+    pair = curve_pair
     rows, totals = ramps(pair, count=170, size=1000, n_ramps=5, ecn="notect")
-    assert all(tos & 3 == 0 for _q, tos in rows)
+    assert all(tos & 3 == 0 for _q, tos in rows)     # and none dropped: ramps() counts
     assert totals["ce_marks"] == 0 and totals["ect_packets"] == 0
+    if pair.marker == "red":
+        # sch_red (nodrop) queues a non-ECT packet it picks; the program does not know
+        assert totals["would_mark"] == 0
+        return
     probs = [portprog.mark_probability(q, KMIN, KMAX, PMAX) for q, _ in rows]
     ok, text = binomial_ok(totals["would_mark"], probs)
     assert ok, f"would-mark count off the curve: {text}"
 
 
 @pytest.mark.slow
-def test_standing_queue_is_marked_at_the_curve_rate(pair, capsys):
+# The BPF marker only: the expected rate is computed from the depths the port program's
+# queue shows in 10 ms samples, which is what the BPF marker decides on packet by packet;
+# sch_red decides on its own queue between those samples. In the TCG guest the sender ran
+# up to 17 ms late, the queue came in bursts between samples, and RED marked 0.051 of the
+# packets against 0.012 from the sampled depths: a comparison this test cannot make for RED.
+@pytest.mark.parametrize("curve_pair", ["bpf"], indirect=True)
+def test_standing_queue_is_marked_at_the_curve_rate(curve_pair, capsys):
+    pair = curve_pair
     # Fill the closed class to depth D with non-ECT packets, then open the gate and
     # send ECT(0) at exactly the port rate: the queue stands at D.
     size = 1400
@@ -435,7 +505,7 @@ def test_standing_queue_is_marked_at_the_curve_rate(pair, capsys):
                      f"{res['max_late_ns'] / 1e6:.2f} ms")
         assert abs(marked - p * len(ect)) <= allowed, lines[-1]
     with capsys.disabled():
-        print("\nstanding queue (live drain):")
+        print(f"\nstanding queue (live drain), {pair.marker} marker:")
         print("\n".join("  " + line for line in lines))
 
 

@@ -186,6 +186,33 @@ def test_marks_follow_the_curve_at_the_exact_depth(node):
     assert p.counters().ce_marks == sum(m for ms in marked_at.values() for m in ms)
 
 
+@pytest.mark.parametrize("tracked", [True, False])
+def test_red_marker_the_program_never_marks_and_counts_sch_reds_marks_at_departure(
+        node, tracked):
+    """marker red: sch_red (after this hook) marks; the program passes ECT packets on
+    unmarked however deep the queue, and counts a CE departure as a mark unless a CE
+    arrival may be it. Here the departures carry the CE bits sch_red would have set."""
+    node.configure(static_node(xoff=0, xon=0) if tracked else portmaps.NodeParams(
+        mode="static", tracked=(), slots={v: k for k, v in IFINDEX.items()}),
+        {TC: portmaps.ClassParams(kmin_bytes=0, kmax_bytes=0, pmax=1.0, marker="red")})
+    p = node.ports[1]
+    arrivals = [2, 3, 2, 2, 1]      # ECN bits: ECT(0), CE, ECT(0), ECT(0), ECT(1)
+    for ecn in arrivals:
+        verdict, out = p.egress.run(frame(FRAME, ecn=ecn), IFINDEX[2])
+        assert verdict == TC_ACT_OK and out[15] & 3 == ecn     # a step at 0: BPF would mark
+    c = p.counters()
+    assert (c.ce_marks, c.would_mark, c.ce_arrivals, c.ect_packets) == (0, 0, 1, 4)
+    # sch_red marked the 1st and 4th; in FIFO order they depart as CE, CE, ECT, CE, ECT
+    departing = [3, 3, 2, 3, 1]
+    seen = []
+    for ecn in departing:
+        p.depart(ecn=ecn)
+        seen.append(p.counters().ce_marks)
+    # the 1st may have been the CE arrival: not counted until the 2nd shows it was not
+    assert seen == [0, 1, 1, 2, 2]
+    assert p.queue() == 0
+
+
 def test_the_port_limit_tail_drops_and_counts_by_flow(node):
     node.configure(static_node(xoff=0, xon=0), {TC: portmaps.ClassParams(
         limit_bytes=5 * FRAME + 10)})

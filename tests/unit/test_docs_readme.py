@@ -54,14 +54,18 @@ def test_probe_claims_nothing_the_code_does_not_do() -> None:
     # the findings: no pfifo fallback, no RED marker, no Soft-RoCE endpoints
     text = " ".join(IMPACT.values()).lower()
     assert "pfifo" not in text
-    assert IMPACT["red"].startswith("nothing")
     # the delay stage exists where the probe says netem is for
     assert "testbed/net/netem.py" in IMPACT["netem"]
     assert (REPO / "testbed/net/netem.py").exists()
     # rxe endpoints exist now: the text names the config field that asks for them
-    from testbed.config.models import HostOptions
+    from testbed.config.models import EcnConfig, HostOptions
     assert "endpoint: rxe" in IMPACT["rdma_rxe"] and "rxe" in str(
         HostOptions.model_fields["endpoint"].annotation)
+    # the RED marker it names exists: the config field, and the qdisc the builder adds
+    from testbed.net.qdisc import _tc_plugins
+    assert "ecn.marker: red" in IMPACT["red"]
+    assert "red" in EcnConfig.model_fields["marker"].annotation.__args__
+    assert "red" in _tc_plugins
 
 
 PLANNED_RE = re.compile(r"\s\(planned: [^)]*\)\s*$")

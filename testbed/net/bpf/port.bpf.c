@@ -37,6 +37,11 @@
  * packet's qdisc length before the egress hook runs), and this program admits
  * it as an arrival of the trim class, whose departures it then matches.
  *
+ * ECN marking is this program's (ECN_BPF: the curve, drawn per packet at enqueue)
+ * or, with the RED marker (ECN_RED), the class's sch_red's: the kernel qdisc marks
+ * after this hook, so here the class only counts, and its ce_marks are counted at the
+ * peer, from the CE packets that depart (see port_departure).
+ *
  * PFC decisions are taken here, at the packet that crosses a threshold, and
  * sent to the node's PFC agent through a ring buffer (`events`): the agent
  * sleeps on it and sends the frame at once instead of polling queues.
@@ -75,6 +80,12 @@
 #define EV_EGRESS_COOL 4               /* ... fell to its XON */
 #define EV_DROP 5                      /* a lossless (tracked) class refused a packet */
 
+#define ECN_OFF 0                      /* class_cfg.ecn_enabled: no marking */
+#define ECN_BPF 1                      /* this program marks with the curve */
+#define ECN_RED 2                      /* the class's sch_red marks (the kernel qdisc, after
+                                        * this hook); this program counts its marks when
+                                        * the packets depart (ce_marks) */
+
 #define F_WANT_PAUSE 1                 /* node ingress entry: XOFF state */
 #define F_HOT 1                        /* class state: egress protection active */
 
@@ -94,7 +105,7 @@ struct class_cfg {
 	                         * (a shared-pool class: the node's MMU admits) */
 	__u64 egress_xoff_bytes; /* static mode: queue that pauses every contributor; 0: off */
 	__u64 egress_xon_bytes;
-	__u32 ecn_enabled;
+	__u32 ecn_enabled;      /* ECN_OFF, ECN_BPF or ECN_RED */
 	__u32 trim_len;         /* trimming on: IP bytes a trimmed UET packet keeps; 0: off */
 	__u64 trim_threshold_bytes; /* a UET packet that would take the queue above this is
 	                         * trimmed instead of admitted */
@@ -114,7 +125,9 @@ struct class_state {
 	__u64 bytes;            /* skb->len of arrivals, drops included */
 	__u64 ect_packets;      /* arrivals with ECT(0) or ECT(1) */
 	__u64 ce_arrivals;      /* arrivals already CE */
-	__u64 ce_marks;         /* ECT -> CE done here */
+	__u64 ce_marks;         /* ECT -> CE done here (ECN_RED: by the class's sch_red, counted
+	                         * at departure: exact once the CE arrivals queued ahead have
+	                         * left, never above the true count) */
 	__u64 would_mark;       /* non-ECT arrivals the curve picked (not changed) */
 	__u64 drops;            /* TC_ACT_SHOT by drop_fp (PHY loss, impairment) */
 	__u64 tail_drops;       /* refused: the port's limit_bytes */
@@ -130,7 +143,9 @@ struct class_state {
 	__u64 trims;            /* UET arrivals over trim_threshold_bytes: cut and sent in
 	                         * trim_tc instead of admitted here (not drops) */
 	__u64 trim_errors;      /* of those, dropped because a helper failed to cut them */
-	__u64 pad;
+	__u64 ce_queued;        /* ECN_RED: admitted CE arrivals not yet matched by a CE
+	                         * departure (a CE departure takes one of these before it
+	                         * counts as a mark of sch_red) */
 };
 
 /* Per-node, per-(tracked class, ingress slot) accounting. */
@@ -516,7 +531,7 @@ int port_egress(struct __sk_buff *skb)
 	/* Everything that needs a helper happens before the lock. */
 	__u64 now = bpf_ktime_get_ns();
 	__u32 r_drop = c.cc->drop_fp ? bpf_get_prandom_u32() : 0;
-	__u32 r_mark = c.cc->ecn_enabled ? bpf_get_prandom_u32() : 0;
+	__u32 r_mark = c.cc->ecn_enabled == ECN_BPF ? bpf_get_prandom_u32() : 0;
 	__u32 in = skb->ingress_ifindex, slot = 0;
 	if (in) {
 		__u32 *s = bpf_map_lookup_elem(&ifslot, &in);
@@ -585,7 +600,7 @@ int port_egress(struct __sk_buff *skb)
 		goto unlock;
 	}
 
-	if (c.cc->ecn_enabled) {
+	if (c.cc->ecn_enabled == ECN_BPF) {
 		__u64 kmin = c.cc->kmin_bytes, kmax = c.cc->kmax_bytes;
 		if (q > kmax)
 			mark = 1;
@@ -602,9 +617,11 @@ int port_egress(struct __sk_buff *skb)
 	if (ecn == 1 || ecn == 2) {
 		c.st->ect_packets += 1;
 	} else {
-		if (ecn == 3)
+		if (ecn == 3) {
 			c.st->ce_arrivals += 1;
-		else if (mark)
+			if (c.cc->ecn_enabled == ECN_RED)
+				c.st->ce_queued += 1;
+		} else if (mark)
 			c.st->would_mark += 1;
 		mark = 0;
 	}
@@ -764,6 +781,16 @@ int port_departure(struct __sk_buff *skb)
 		}
 		c.st->dep_bytes += len;
 		c.st->dep_packets += 1;
+	}
+	/* ECN_RED: a CE departure is a mark of the class's sch_red unless a CE arrival is
+	 * still unmatched (it may be that one). So ce_marks never exceeds sch_red's ECT -> CE
+	 * marks that have departed, and equals them once the CE arrivals ahead have left:
+	 * unmatched CE arrivals never outnumber the CE arrivals in the queue. */
+	if (c.cc->ecn_enabled == ECN_RED && (c.tos & 3) == 3) {
+		if (c.st->ce_queued)
+			c.st->ce_queued -= 1;
+		else
+			c.st->ce_marks += 1;
 	}
 unlock:
 	bpf_spin_unlock(&c.nl->lock);
