@@ -26,6 +26,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
+from agents.timebase import Dilation
 from testbed.fields import NAME_RE, DurationNs, SizeBytes
 from testbed.workloads.base import (
     AgentFiles,
@@ -150,7 +151,7 @@ class PerftestKind(WorkloadKind):
         assert isinstance(entry, PerftestTraffic)
         state = ctx.state("perftest")
         tos = tos_byte(ctx.dscp(self._tclass(entry, ctx)))
-        wall_s = (max(1, math.ceil(ctx.dilation * entry.duration_ns / 1e9))
+        wall_s = (max(1, math.ceil(Dilation(ctx.dilation).to_wall_s(entry.duration_ns)))
                   if entry.duration_ns else None)
         timeout_s = (wall_s or ITERATIONS_WALL_S) + TIMEOUT_MARGIN_S
         specs: list[AgentSpec] = []
@@ -201,7 +202,7 @@ class PerftestKind(WorkloadKind):
                 continue
             res = results.get(spec.name) or {}
             rows += [ResultRow(spec.traffic, spec.kind, fields)
-                     for fields in perftest_rows(spec, res, view.dilation.factor)]
+                     for fields in perftest_rows(spec, res, view.dilation)]
         return rows
 
     def stream_accounts(self, specs: Sequence[AgentSpec], results: Results,
@@ -223,9 +224,10 @@ class PerftestKind(WorkloadKind):
         return notes
 
 
-def perftest_rows(spec: AgentSpec, res: dict, dilation: int) -> list[dict]:
+def perftest_rows(spec: AgentSpec, res: dict, dilation: Dilation) -> list[dict]:
     """A client's report (agents/perftest) as result rows in fabric units, in
-    result_fields' order. Pure."""
+    result_fields' order: perftest measures wall time, so rates are multiplied and times
+    divided by D (through the Dilation). Pure."""
     test = arg_of(spec.argv, "--test") or ""
     duration_s = arg_of(spec.argv, "--duration-s")
     out = []
@@ -240,15 +242,17 @@ def perftest_rows(spec: AgentSpec, res: dict, dilation: int) -> list[dict]:
             rate = r["tps"] / 1e6
 
         def fabric_us(v: float | None) -> float | None:
-            return None if v is None else v / dilation
+            return None if v is None else dilation.to_fabric_ns(v * 1e3) / 1e3
+
+        def fabric_rate(v: float | None) -> float | None:   # Gb/s or Mpps alike
+            return None if v is None else dilation.to_fabric_bps(v)
 
         out.append({
             "test": test, "src": spec.src, "dst": spec.dst, "bytes": r["bytes"],
             "iterations": r["iterations"], "qps": int(arg_of(spec.argv, "--qps") or 1),
-            "bw_gbps": None if bw is None else bw * dilation,
-            "bw_peak_gbps": (None if r.get("bw_peak_gbps") is None
-                             else r["bw_peak_gbps"] * dilation),
-            "msg_rate_mpps": None if rate is None else rate * dilation,
+            "bw_gbps": fabric_rate(bw),
+            "bw_peak_gbps": fabric_rate(r.get("bw_peak_gbps")),
+            "msg_rate_mpps": fabric_rate(rate),
             "lat_avg_us": fabric_us(r.get("t_avg_us")),
             "lat_min_us": fabric_us(r.get("t_min_us")),
             "lat_max_us": fabric_us(r.get("t_max_us")),

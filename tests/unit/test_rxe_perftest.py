@@ -10,6 +10,7 @@ import pytest
 
 from agents.perftest.__main__ import perftest_argv
 from agents.perftest.parse import PerftestOutputError, parse_report
+from agents.timebase import Dilation
 from testbed.config import ConfigError, load_config_text
 from testbed.net.rxe import (
     INITIAL_NS,
@@ -178,7 +179,7 @@ def test_rows_are_fabric_units_in_declared_order():
     _, client = expand_workload(loaded.fabric, plan)
     res = {"rows": [r.as_dict() for r in parse_report(_report("ib_write_bw_client.txt"))],
            "netns": "initial"}
-    [row] = perftest_rows(client, res, 1000)
+    [row] = perftest_rows(client, res, Dilation(1000))
     assert list(row) == list(KIND.result_fields)
     assert row["bw_gbps"] == pytest.approx(79.632)          # 0.079632 wall Gb/s x D=1000
     assert row["msg_rate_mpps"] == pytest.approx(0.152) and row["lat_avg_us"] is None
@@ -190,7 +191,7 @@ def test_send_bw_in_duration_mode_gets_its_rate_from_iterations():
                          " size: 64KB, duration: 2ms}")
     _, client = expand_workload(loaded.fabric, plan)
     res = {"rows": [r.as_dict() for r in parse_report(_report("ib_send_bw_client.txt"))]}
-    [row] = perftest_rows(client, res, 1000)
+    [row] = perftest_rows(client, res, Dilation(1000))
     assert row["bw_gbps"] == pytest.approx(65536 * 118 * 8 / 2 / 1e9 * 1000)
 
 
@@ -199,7 +200,7 @@ def test_lat_rows_have_fabric_latency():
                          " size: 64, iterations: 200}")
     _, client = expand_workload(loaded.fabric, plan)
     res = {"rows": [r.as_dict() for r in parse_report(_report("ib_write_lat_client.txt"))]}
-    [row] = perftest_rows(client, res, 1000)
+    [row] = perftest_rows(client, res, Dilation(1000))
     assert row["lat_avg_us"] == pytest.approx(0.11089) and row["bw_gbps"] is None
 
 

@@ -437,7 +437,7 @@ def test_udp_problems_still_name_udp_fields():
                          "qps: 2}")
     assert problems == ["roce.yaml:12: workload.traffic[0].qps: unknown field 'qps': only "
                         "roce_incast, roce_all_to_all, roce_pairs, allreduce, reducescatter, "
-                        "allgather, broadcast, alltoall, training traffic has it; fields "
+                        "allgather, broadcast, alltoall, training, perftest traffic has it; fields "
                         "here: "
                         "duration, ecn, flows, hosts, kind, name, pairs, rate, receiver, "
                         "senders, size, start, tclass"]
