@@ -39,7 +39,7 @@ import threading
 import time
 
 from agents.portmaps import STATE_FIELDS, PortMaps
-from agents.rdma.cc import effective_params
+from agents.rdma.cc import DcqcnParams, effective_params
 from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
@@ -51,7 +51,7 @@ from agents.rxe_cc.logic import (
     build_cnp_frame,
     cnp_sport,
 )
-from agents.rxe_cc.maps import PIN_ROOT, RxeCcMaps, pin_dir_of
+from agents.rxe_cc.maps import PIN_ROOT, RxeCcMaps, Totals, pin_dir_of
 from agents.timebase import Dilation
 from agents.wire.netlink import Requester
 
@@ -121,7 +121,7 @@ class Agent:
                          "class_updates": 0, "class_errors": 0, "polls": 0, "qp_reads": 0}
         params = effective_params("dcqcn", args.dcqcn_preset, args.line_rate_bps,
                                   json.loads(args.cc_params) if args.cc_params else None)
-        assert params is not None
+        assert isinstance(params, DcqcnParams)      # the preset of a DCQCN kind
         self.params = params
         self.np = NotificationPoint(params.cnp_interval_ns, params.np_mode) if args.np else None
         self.rp = ReactionPoint(params, args.line_rate_bps, 0.0) if args.rp else None
@@ -149,7 +149,7 @@ class Agent:
         pin = PIN_ROOT / args.lab / args.node / args.ifname
         if self.rp is not None and args.lossless_tc is not None and (pin / "maps").exists():
             self.port_maps = PortMaps(pin)
-        self.last_totals = None
+        self.last_totals: Totals | None = None
         interval_wall = self.dilation.to_wall_ns(params.cnp_interval_ns)
         self.poll_wall_ns = args.poll_wall_ns or min(
             MAX_POLL_WALL_NS, max(MIN_POLL_WALL_NS, interval_wall // 4))
@@ -236,6 +236,7 @@ class Agent:
                  restore=change.restore, cuts=cuts)
 
     def snapshot(self) -> dict:
+        totals: Totals | None
         try:
             totals = self.maps.totals()
             self.last_totals = totals

@@ -28,6 +28,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from agents.rdma.cc import DcqcnNp, DcqcnParams, DcqcnRp
 from agents.wire.icrc import (
@@ -68,7 +69,8 @@ class NotificationPoint:
     program starts with the run.
     """
 
-    def __init__(self, cnp_interval_ns: float, mode: str = "interval") -> None:
+    def __init__(self, cnp_interval_ns: float,
+                 mode: Literal["interval", "timer"] = "interval") -> None:
         DcqcnNp(cnp_interval_ns, mode)      # check the arguments once
         self.cnp_interval_ns = cnp_interval_ns
         self.mode = mode
@@ -79,7 +81,7 @@ class NotificationPoint:
         for qpn, count in sorted(ce_counts.items()):
             qp = self.qps.get(qpn)
             if qp is None:
-                qp = self.qps[qpn] = NpQp(DcqcnNp(self.cnp_interval_ns, self.mode))  # type: ignore[arg-type]
+                qp = self.qps[qpn] = NpQp(DcqcnNp(self.cnp_interval_ns, self.mode))
             new = count - qp.ce_seen if count >= qp.ce_seen else count
             qp.ce_seen = count
             if new <= 0:

@@ -158,7 +158,9 @@ def kernel_release_netns_aware(release: str) -> bool:
     """Whether a kernel release string is at least NETNS_AWARE_SINCE (a hint only: the
     probe decides, because distributions backport)."""
     m = re.match(r"(\d+)\.(\d+)", release)
-    return bool(m) and (int(m[1]), int(m[2])) >= NETNS_AWARE_SINCE
+    if m is None:
+        return False
+    return (int(m[1]), int(m[2])) >= NETNS_AWARE_SINCE
 
 
 def choose_mode(netns_aware: bool, kernel: str, env: Mapping[str, str]) -> str:

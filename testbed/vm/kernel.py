@@ -85,8 +85,9 @@ def _cached() -> GuestKernel | None:
     manifest = cache_dir() / "guest.json"
     try:
         data = json.loads(manifest.read_text())["kernel"]
-        kernel = GuestKernel(**{k: (Path(v) if k in ("vmlinuz", "modules", "initrd") else v)
-                                for k, v in data.items()})
+        kernel = GuestKernel(release=str(data["release"]), package=str(data["package"]),
+                             version=str(data["version"]), vmlinuz=Path(data["vmlinuz"]),
+                             modules=Path(data["modules"]), initrd=Path(data["initrd"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not (kernel.vmlinuz.is_file() and (kernel.modules / "modules.dep").is_file()):

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
@@ -213,7 +213,7 @@ def _relay(stream: IO[bytes], out: IO[str], log: IO[str] | None) -> list[str]:
     return early
 
 
-def run_in_vm(argv: list[str], *, copy_back: list[Path] = (), rw: list[Path] = (),
+def run_in_vm(argv: list[str], *, copy_back: Sequence[Path] = (), rw: Sequence[Path] = (),
               modules: tuple[str, ...] = GUEST_MODULES, env: dict[str, str] | None = None,
               label: str = "run", out: IO[str] | None = None,
               say: Callable[[str], None] | None = None,
@@ -282,7 +282,7 @@ def run_in_vm(argv: list[str], *, copy_back: list[Path] = (), rw: list[Path] = (
 
 
 def start_detached(argv: list[str], stop_argv: list[str], *, lab: str,
-                   rw: list[Path] = (), modules: tuple[str, ...] = GUEST_MODULES,
+                   rw: Sequence[Path] = (), modules: tuple[str, ...] = GUEST_MODULES,
                    out: IO[str] | None = None,
                    say: Callable[[str], None] | None = None) -> int:
     """`up --vm`: start a VM that runs `argv` (testbed up) and then stays up holding the

@@ -77,7 +77,8 @@ class PerftestTraffic(TrafficEntry):
     iterations: int | None = Field(None, ge=1, description="messages (perftest -n) instead of "
                                    "a duration")
     qps: int = Field(1, ge=1, le=64, description="queue pairs (perftest -q; bandwidth tests)")
-    tclass: str | int | None = Field(
+    # None (not the base's "default" class): the first lossless class
+    tclass: str | int | None = Field(  # type: ignore[assignment]
         None, description="traffic class name or number (default: the first lossless class); "
         "perftest's --tclass is its DSCP with ECT(0)")
     start_ns: DurationNs = Field(0, alias="start", description="when the clients start, "

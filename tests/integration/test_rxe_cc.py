@@ -276,7 +276,9 @@ def test_rxe_incast_with_ecn_gets_cnps_and_the_senders_class_rate_falls(incast, 
     for h, snap in (("s1", s1), ("s2", s2)):
         if snap["cnps_rx"] == 0:
             continue                 # this sender's QP was never marked (its run was short)
-        assert snap["cnps_received"] == snap["cnps_rx"] and snap["rate_cuts"] > 0, snap
+        # the agent reads the counter map at its poll period: on a slow machine (the TCG
+        # lane) it may not have read the last CNPs yet (3 of 54 seen once), never more
+        assert 0 < snap["cnps_received"] <= snap["cnps_rx"] and snap["rate_cuts"] > 0, snap
         # rxe's traffic (through the ipvlan slave) is in the class the agent rate-limits
         stats = ns(env["names"][h], "tc", "-s", "class", "show", "dev", "eth0", "classid",
                    "1:13")
