@@ -2,7 +2,7 @@
 
 Stage 1 (testbed/vm/initramfs.py) mounted the host's root read-only under a tmpfs
 overlay and switched to it. This stage makes that a machine a testbed run can use:
-the kernel filesystems (/run, /tmp and /dev/shm as tmpfs, bpffs, devpts), the
+the kernel filesystems (/run and /dev/shm as tmpfs, bpffs, devpts, cgroup2), the
 modules the stock-kernel paths need (rdma_rxe wants crc32_generic first, or it fails
 with "failed to init crc32 algorithm"), the job share and the read-write shares. It
 then runs the job's command with its output on the console (the host relays it),
@@ -51,7 +51,8 @@ def mount(src: str, target: str, fstype: str, opts: str = "") -> bool:
 
 def prepare_machine() -> None:
     mount("tmpfs", "/run", "tmpfs", "mode=755")
-    mount("tmpfs", "/tmp", "tmpfs", "mode=1777")
+    # /tmp stays the overlay's (writable, gone at power-off): a project or a test's
+    # directory may live under the host's /tmp, and the guest must see it there.
     mount("tmpfs", "/dev/shm", "tmpfs", "mode=1777")
     mount("devpts", "/dev/pts", "devpts")
     mount("bpf", "/sys/fs/bpf", "bpf")

@@ -51,9 +51,14 @@ def test_stock_kernel_lane(tmp_path, request, monkeypatch):
     if complete:
         pytest.skip("this kernel has rdma_rxe, netem and red: the stock_kernel tests ran "
                     "natively in this session")
+    # The BPF objects are compiled here, once: clang under TCG would take minutes.
+    from testbed.net.portprog import ensure_object
+    from testbed.net.rxecc import ensure_rxe_cc_object
     from testbed.vm.kernel import VmSetupError
     from testbed.vm.runner import run_in_vm
 
+    ensure_object()
+    ensure_rxe_cc_object()
     junit = tmp_path / "lane.xml"
     log = tmp_path / "console.txt"
     # Only the modules that hold stock_kernel tests: collecting the rest costs a minute
