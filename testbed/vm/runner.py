@@ -124,7 +124,9 @@ def _kill(pid: int) -> None:
 
 def stop_all() -> list[str]:
     """End every recorded VM (`down --all`); the ids of those that were running."""
-    return [rec.id for rec in records() if stop(rec, grace_s=20.0)]
+    # A run VM asked to stop interrupts its run, which still cleans up and copies its
+    # directory back: under TCG that takes a minute or two, so it gets that long.
+    return [rec.id for rec in records() if stop(rec, grace_s=STOP_GRACE_S)]
 
 
 def stop_lab(lab: str, grace_s: float = 60.0) -> bool:
