@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
+from testbed.net.state import process_start_time
 from testbed.vm import kernel as guest_kernel
 from testbed.vm.job import RC_FILE, RC_GUEST_FAILED, STOP_FILE, UP_RC_FILE, Job, Share
 from testbed.vm.qemu import VmSpec, choose_accel, qemu_argv, run_probe
@@ -62,12 +63,7 @@ class VmRecord:
         return path
 
 
-def _start_time(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
+_start_time = process_start_time     # /proc/PID/stat field 22, as the labs' records
 
 
 def records() -> list[VmRecord]:
