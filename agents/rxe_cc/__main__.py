@@ -35,7 +35,6 @@ import select
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 from agents.portmaps import STATE_FIELDS, PortMaps
@@ -138,9 +137,15 @@ class Agent:
             self.src_mac = ":".join(f"{b:02x}" for b in self.sock.getsockname()[4][:6])
         self.netlink = None
         if self.rp is not None:
-            # pyroute2 (the message compiler) takes seconds to import under TCG: in the
-            # background, so the agent is ready at once; the first class change waits for it
-            threading.Thread(target=_import_pyroute2, name="import", daemon=True).start()
+            # pyroute2 (the message compiler) is imported and a class message compiled
+            # once before the agent says it is ready: in a TCG guest that takes tens of
+            # seconds, and done lazily (or in a thread) it held the first rate cut back
+            # past the end of a short run (the lane saw a cut decided and never applied).
+            _import_pyroute2()
+            class_message(self.ifindex, handle(args.classid), handle(args.parent),
+                          ClassRate(args.wall_rate_bps, args.wall_ceil_bps, args.line_rate_bps,
+                                    True), args.prio, args.burst_bytes, args.overhead_bytes,
+                          args.quantum_bytes)
             self.netlink = Requester()
         self.qp_peers: dict[int, int] = {}
         self.next_qp_read = 0
