@@ -41,13 +41,15 @@ TESTS = ("ib_write_bw", "ib_send_bw", "ib_write_lat")
 
 def perftest_argv(test: str, device: str, *, size_bytes: int, qps: int, tclass: int,
                   gid_index: int, port: int, duration_s: int | None, iterations: int | None,
-                  server: str | None) -> list[str]:
+                  server: str | None, qp_timeout_exp: int | None = None) -> list[str]:
     """perftest's command line (both sides take the same options; the client adds the
     server's address)."""
     if test not in TESTS:
         raise ValueError(f"unknown perftest test {test!r}; one of {', '.join(TESTS)}")
     argv = [test, "-d", device, "-x", str(gid_index), "-F", "-s", str(size_bytes),
             "-p", str(port), f"--tclass={tclass}"]
+    if qp_timeout_exp is not None:
+        argv += ["-u", str(qp_timeout_exp)]
     if not test.endswith("_lat"):
         argv += ["--report_gbits", "-q", str(qps)]
     argv += ["-D", str(duration_s)] if duration_s else ["-n", str(iterations or 1000)]
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tclass", type=int, default=0, help="the IP TOS byte (DSCP << 2 | ECN)")
     ap.add_argument("--gid-index", type=int, default=1)
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--qp-timeout-exp", type=int, default=None,
+                    help="perftest -u: the QP's ACK timeout is 4.096 us x 2^exp (wall)")
     ap.add_argument("--duration-s", type=int, default=None)
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--server", default=None, help="client: the server's address")
@@ -163,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = perftest_argv(args.test, args.device, size_bytes=args.size, qps=args.qps,
                         tclass=args.tclass, gid_index=args.gid_index, port=args.port,
                         duration_s=args.duration_s, iterations=args.iterations,
-                        server=args.server if args.role == "client" else None)
+                        server=args.server if args.role == "client" else None,
+                        qp_timeout_exp=args.qp_timeout_exp)
     report["argv"] = cmd
     if args.role == "client":
         wait_until_mono(args.start_at_mono_ns, life)

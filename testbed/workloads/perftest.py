@@ -51,6 +51,13 @@ ECT0 = 0b10
 GID_INDEX = 1                     # the RoCEv2 IPv4 GID (testbed/net/rxe.py: GID_INDEX)
 TIMEOUT_MARGIN_S = 30             # wall seconds perftest may take beyond its schedule
 ITERATIONS_WALL_S = 60            # the longest an iterations-bounded test may run (wall)
+# The QP's transport (ACK) timeout is 4.096 us x 2^exp. perftest's default exponent, 14, is
+# 67 ms - in wall time, undilated: at D = 1000 it is 67 us of fabric, shorter than the
+# queueing delay of one full class buffer (2 MB at 100 Gb/s is 160 us), so rxe timed out
+# and resent whole windows that were only queued (the VM lane measured 15.5 MB on leaf1
+# for 7.0 MB written). The exponent is raised by log2(D), so the timeout is 67 ms of fabric.
+QP_TIMEOUT_EXP_DEFAULT = 14
+QP_TIMEOUT_EXP_MAX = 31           # the 5-bit field's largest value (2.4 hours)
 Test = Literal["ib_write_bw", "ib_send_bw", "ib_write_lat"]
 
 
@@ -85,8 +92,19 @@ class PerftestTraffic(TrafficEntry):
                                  "fabric time after the run's common start t0")
     gid_index: int = Field(GID_INDEX, ge=0, description="the GID index (perftest -x; 1: the "
                            "RoCEv2 IPv4 GID of an rxe port)")
+    qp_timeout_exp: int | None = Field(
+        None, ge=1, le=QP_TIMEOUT_EXP_MAX, description="the QP's ACK timeout exponent "
+        "(perftest -u; the timeout is 4.096 us x 2^exp of wall time). Default: 14 (67 ms) "
+        "raised by ceil(log2 D), so the timeout is 67 ms of fabric time, as on a NIC")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+def dilated_qp_timeout_exp(dilation: float,
+                           fabric_exp: int = QP_TIMEOUT_EXP_DEFAULT) -> int:
+    """The wall-time QP timeout exponent whose timeout, divided by D, is at least the
+    fabric timeout 4.096 us x 2^fabric_exp (at most 31). Pure."""
+    return min(QP_TIMEOUT_EXP_MAX, fabric_exp + max(0, math.ceil(math.log2(max(1.0, dilation)))))
 
 
 def tos_byte(dscp: int) -> int:
@@ -154,6 +172,7 @@ class PerftestKind(WorkloadKind):
         tos = tos_byte(ctx.dscp(self._tclass(entry, ctx)))
         wall_s = (max(1, math.ceil(Dilation(ctx.dilation).to_wall_s(entry.duration_ns)))
                   if entry.duration_ns else None)
+        qp_exp = entry.qp_timeout_exp or dilated_qp_timeout_exp(ctx.dilation)
         timeout_s = (wall_s or ITERATIONS_WALL_S) + TIMEOUT_MARGIN_S
         specs: list[AgentSpec] = []
         for src, dst in streams(entry, Shape.PAIRS, ctx.hosts):
@@ -164,8 +183,8 @@ class PerftestKind(WorkloadKind):
                                  f"{PORTS.start}..{PORTS.stop - 1}, one each; too many pairs")
             common = ["--test", entry.test, "--size", str(entry.size_bytes), "--qps",
                       str(entry.qps), "--tclass", str(tos), "--gid-index",
-                      str(entry.gid_index), "--port", str(port), "--timeout-s",
-                      str(timeout_s)]
+                      str(entry.gid_index), "--qp-timeout-exp", str(qp_exp), "--port",
+                      str(port), "--timeout-s", str(timeout_s)]
             common += (["--duration-s", str(wall_s)] if wall_s
                        else ["--iterations", str(entry.iterations)])
             name = f"{entry.name}-{src}-{dst}"

@@ -26,7 +26,7 @@ from testbed.net.rxe import (
 from testbed.plan import compile_plan
 from testbed.run.requirements import missing_features, needed_features
 from testbed.run.workload import expand_workload
-from testbed.workloads.perftest import KIND, perftest_rows
+from testbed.workloads.perftest import KIND, dilated_qp_timeout_exp, perftest_rows
 
 DATA = Path(__file__).parent / "data"
 FABRIC = """\
@@ -123,6 +123,9 @@ def test_expansion_server_on_dst_client_on_src_with_lossless_tos_and_devices():
         "h3").interfaces[0].address.split("/")[0]
     # 2 ms fabric at D=1000: perftest -D 2 (wall seconds)
     assert client.argv[client.argv.index("--duration-s") + 1] == "2"
+    # both sides' QPs time out after 67 ms of fabric: 4.096 us x 2^24 wall at D=1000
+    for spec in (client, server):
+        assert spec.argv[spec.argv.index("--qp-timeout-exp") + 1] == "24"
     assert KIND.waits_ready(server) and not KIND.waits_ready(client)
 
 
@@ -135,6 +138,20 @@ def test_perftest_argv_matches_the_recorded_command_lines():
     lat = perftest_argv("ib_write_lat", "rxe_h2", size_bytes=64, qps=1, tclass=106,
                         gid_index=1, port=17001, duration_s=None, iterations=200, server=None)
     assert "--report_gbits" not in lat and lat[-2:] == ["-n", "200"]
+    slow = perftest_argv("ib_write_bw", "rxe_h1", size_bytes=65536, qps=1, tclass=106,
+                         gid_index=1, port=17000, duration_s=2, iterations=None,
+                         server="10.0.0.3", qp_timeout_exp=24)
+    assert slow[slow.index("-u") + 1] == "24"
+
+
+def test_the_qp_timeout_is_dilated_to_67_ms_of_fabric():
+    # 4.096 us x 2^14 = 67 ms at D = 1; at D = 1000 the wall timeout is 2^10 >= 1000 times it
+    assert dilated_qp_timeout_exp(1) == 14
+    assert dilated_qp_timeout_exp(1000) == 24
+    assert dilated_qp_timeout_exp(1024) == 24 and dilated_qp_timeout_exp(1025) == 25
+    for d in (1, 3, 100, 2000, 50_000):
+        assert 4.096e-6 * 2 ** dilated_qp_timeout_exp(d) / d >= 4.096e-6 * 2 ** 14
+    assert dilated_qp_timeout_exp(1e9) == 31          # the field's largest value
 
 
 # ---- the parser on recorded outputs ---------------------------------------------------
