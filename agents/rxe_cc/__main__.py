@@ -117,6 +117,7 @@ class Agent:
         self.ifindex = socket.if_nametoindex(args.ifname)
         self.events = open(args.events, "a") if args.events else None
         self.counters = {"cnps_sent": 0, "cnp_send_errors": 0, "cnps_unresolved": 0,
+                         "cnps_deferred": 0,
                          "class_updates": 0, "class_errors": 0, "polls": 0, "qp_reads": 0}
         params = effective_params("dcqcn", args.dcqcn_preset, args.line_rate_bps,
                                   json.loads(args.cc_params) if args.cc_params else None)
@@ -148,6 +149,8 @@ class Agent:
                           args.quantum_bytes)
             self.netlink = Requester()
         self.qp_peers: dict[int, int] = {}
+        # CNPs due for a QP the table did not know yet: sent once it does (one per QP)
+        self.held_cnps: dict[int, object] = {}
         self.next_qp_read = 0
         self.qp_read_at = 0
         self.port_maps: PortMaps | None = None
@@ -195,6 +198,8 @@ class Agent:
         qps = self.maps.qps()
         self.counters["polls"] += 1
         if self.np is not None:
+            if self.held_cnps and time.monotonic_ns() >= self.next_qp_read:
+                self.send_held_cnps()
             for lqpn in self.np.observe({q: c.ce_packets for q, c in qps.items()}, now):
                 self.send_cnp(qps[lqpn])
         if self.rp is not None and self.limiter is not None:
@@ -208,11 +213,28 @@ class Agent:
                 self.apply(change, cuts=self.rp.rate_cuts - before)
 
     def send_cnp(self, q) -> None:
-        assert self.sock is not None
         peer = self.peer_qpn(q.dest_qp)
         if peer is None:
-            self.counters["cnps_unresolved"] += 1
+            # A new QP is marked before the table lists it (the first marks of a run come
+            # within one table refresh on a slow machine): hold the CNP and send it once
+            # the QP is known. A newer one for the same QP replaces it: that one is lost.
+            if q.dest_qp in self.held_cnps:
+                self.counters["cnps_unresolved"] += 1
+            else:
+                self.counters["cnps_deferred"] += 1
+            self.held_cnps[q.dest_qp] = q
             return
+        self._send_cnp_to(q, peer)
+
+    def send_held_cnps(self) -> None:
+        for lqpn, q in list(self.held_cnps.items()):
+            peer = self.peer_qpn(lqpn)
+            if peer is not None:
+                del self.held_cnps[lqpn]
+                self._send_cnp_to(q, peer)
+
+    def _send_cnp_to(self, q, peer: int) -> None:
+        assert self.sock is not None
         frame = build_cnp_frame(self.src_mac, self.args.gw_mac, q.dst_ip, q.src_ip, peer,
                                 self.args.cnp_dscp, cnp_sport(peer))
         try:
@@ -247,7 +269,10 @@ class Agent:
             self.last_totals = totals
         except OSError:
             totals = self.last_totals
-        snap: dict = {"mode": "rxe_cc", "node": self.args.node, **self.counters,
+        counters = dict(self.counters)
+        # held CNPs whose QP never became known are lost: unresolved, as of now
+        counters["cnps_unresolved"] += len(self.held_cnps)
+        snap: dict = {"mode": "rxe_cc", "node": self.args.node, **counters,
                       "np": int(self.np is not None), "rp": int(self.rp is not None)}
         if totals is not None:
             snap.update(roce_packets_rx=totals.roce_packets, ce_packets_rx=totals.ce_packets,

@@ -364,3 +364,30 @@ def test_the_run_starts_rxe_cc_on_rxe_hosts_and_notes_the_per_host_class_rate(mo
     assert [e.name for e in run.endpoints] == ["rxe-cc-h1", "rxe-cc-h3"]
     assert len(run.fabric_procs) == 2
     assert len(notes) == 1 and "not per QP" in notes[0]
+
+
+def test_a_cnp_for_a_qp_not_yet_in_the_table_is_held_and_sent_once_it_is():
+    from types import SimpleNamespace
+
+    from agents.rxe_cc.__main__ import Agent
+
+    agent = Agent.__new__(Agent)          # only the CNP bookkeeping, no sockets or maps
+    agent.counters = {"cnps_sent": 0, "cnps_unresolved": 0, "cnps_deferred": 0}
+    agent.held_cnps = {}
+    table: dict[int, int] = {}
+    agent.peer_qpn = table.get
+    sent = []
+    agent._send_cnp_to = lambda q, peer: sent.append((q.dest_qp, peer))
+    q17 = SimpleNamespace(dest_qp=17)
+    agent.send_cnp(q17)                   # marked before rdma lists QP 17: held
+    agent.send_cnp(q17)                   # a newer one replaces it: the first is lost
+    assert sent == [] and agent.counters["cnps_deferred"] == 1
+    assert agent.counters["cnps_unresolved"] == 1
+    agent.send_held_cnps()                # the table still does not know it
+    assert sent == [] and agent.held_cnps
+    table[17] = 33
+    agent.send_held_cnps()
+    assert sent == [(17, 33)] and not agent.held_cnps
+    agent.send_cnp(SimpleNamespace(dest_qp=18))
+    # one never resolved counts as unresolved in the agent's snapshot
+    assert agent.counters["cnps_unresolved"] + len(agent.held_cnps) == 2
