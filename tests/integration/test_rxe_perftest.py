@@ -31,6 +31,7 @@ from testbed.run.runner import RunOptions, run_config
 from tests.conftest import unique_lab
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.stock_kernel]
+CHECKED_PACKETS = 600          # of the capture, from its start: writes and their ACKs
 
 CONFIG = """\
 name: {lab}
@@ -101,13 +102,21 @@ def test_ib_write_bw_row_has_bytes_and_fabric_bandwidth(ran):
     row = rows[0]
     print("perftest row:", row)
     # 64KB is 64000 bytes (the config's sizes are SI)
-    assert row["test"] == "ib_write_bw" and row["bytes"] == 64000 and row["iterations"] > 0
+    assert row["test"] == "ib_write_bw" and row["bytes"] == 64000
+    # a client without a report has iterations None: say why (its note and its report)
+    assert row["iterations"], (summary.get("fidelity"), _agent_reports(_run_dir))
     assert row["bw_gbps"] > 0 and row["tos"] == 106
+
+
+def _agent_reports(run_dir) -> dict:
+    """The perftest agents' reports (exit code, error, perftest's output tail)."""
+    return {p.name: p.read_text()[-3000:] for p in sorted((run_dir / "agents").glob("*.json"))}
 
 
 def test_leaf_and_spine_ports_carry_the_bytes(ran):
     plan, run_dir, summary, _pcap, leaf_port = ran
     row = [r for w in summary["workloads"] for r in w["results"]][0]
+    assert row["iterations"], "no perftest report (see the row test)"
     moved = row["bytes"] * row["iterations"]
     db = sqlite3.connect(run_dir / "counters.sqlite")
 
@@ -144,7 +153,9 @@ def test_leaf_capture_decodes_as_rocev2_with_the_kernels_icrc(ran):
     _plan, _run_dir, _summary, pcap, _port = ran
     bind_layers(UDP, BTH, sport=4791)
     try:
-        packets = [p for p in rdpcap(str(pcap)) if p.haslayer(BTH)]
+        # the first packets are enough to check (scapy reads slowly under TCG, and the
+        # whole capture cost the lane two minutes)
+        packets = [p for p in rdpcap(str(pcap), count=CHECKED_PACKETS) if p.haslayer(BTH)]
     finally:
         split_layers(UDP, BTH, sport=4791)
     print("captured RoCE packets on leaf1:", len(packets))

@@ -39,7 +39,7 @@ def _outcomes(junit: Path) -> list[tuple[str, str, float, str]]:
             el = case.find(tag)
             if el is not None:
                 outcome = {"failure": "failed", "error": "error"}.get(tag, tag)
-                detail = (el.get("message") or "")[:120]
+                detail = el.get("message") or ""
         rows.append((name, outcome, float(case.get("time", 0) or 0), detail))
     return rows
 
@@ -71,7 +71,10 @@ def test_stock_kernel_lane(tmp_path, request, monkeypatch):
             "-m", "stock_kernel", f"--junitxml={junit}", *modules]
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
 
+    said: list[str] = []          # the VM's own lines (accelerator, vCPUs) for a failure
+
     def say(msg: str) -> None:
+        said.append(msg)
         if reporter is not None:
             reporter.write_line(msg)
 
@@ -89,10 +92,15 @@ def test_stock_kernel_lane(tmp_path, request, monkeypatch):
     rows = _outcomes(junit)
     say(f"VM lane covered {len(rows)} test(s) on the stock kernel:")
     for name, outcome, seconds, detail in rows:
-        say(f"  {outcome:7s} {seconds:7.1f}s  {name}" + (f"  ({detail})" if detail else ""))
+        short = detail.splitlines()[0][:120] if detail else ""
+        say(f"  {outcome:7s} {seconds:7.1f}s  {name}" + (f"  ({short})" if short else ""))
     assert rc != 5 and rows, "the VM lane collected no stock_kernel test"
     bad = [r for r in rows if r[1] in ("failed", "error")]
-    assert rc == 0 and not bad, f"VM lane failures {bad}; console tail:\n{text[-6000:]}"
+    # each failure's own message last, where CI's log tail keeps it
+    why = "\n".join(f"--- {name}:\n{detail[-2500:]}" for name, _o, _s, detail in bad)
+    assert rc == 0 and not bad, (f"VM lane failures; console tail:\n{text[-3000:]}\n"
+                                 f"{chr(10).join(m for m in said if m.startswith('vm:'))}"
+                                 f"\nfailures (exit {rc}):\n{why}")
     # inside the VM every feature is there: a skip there means a test could not run
     skipped = [r for r in rows if r[1] == "skipped"]
     assert not skipped, f"tests skipped inside the VM: {skipped}"
