@@ -132,7 +132,8 @@ class PerftestKind(WorkloadKind):
         "bw_gbps": "average bandwidth, fabric Gb/s: perftest's wall BW average x D (bandwidth "
                    "tests; where perftest reports 0 in duration mode with messages done - always "
                    "for ib_send_bw, and for ib_write_bw on a starved VM - bytes x iterations "
-                   "over the duration, x D)",
+                   "over the duration, x D; empty when such a row has no duration: the "
+                   "run's fidelity notes say so)",
         "bw_peak_gbps": "perftest's BW peak x D, fabric Gb/s (bandwidth tests)",
         "msg_rate_mpps": "messages per second, fabric, millions: perftest's MsgRate x D "
                          "(bandwidth tests) or its tps x D / 10^6 (ib_write_lat with duration)",
@@ -241,6 +242,13 @@ class PerftestKind(WorkloadKind):
             if res.get("error") or res.get("rc") not in (0, None):
                 notes.append(f"perftest {spec.role} {spec.name} on {spec.node} failed (exit "
                              f"{res.get('rc')}): {res.get('error') or 'see its output'}")
+            if spec.role == "sender" and not arg_of(spec.argv, "--duration-s"):
+                unmeasured = [r for r in res.get("rows") or []
+                              if r.get("bw_avg_gbps") == 0 and r.get("iterations")]
+                for r in unmeasured:
+                    notes.append(f"perftest {spec.name} completed {r['iterations']} messages "
+                                 "but reported 0 Gb/s (its cycle clock did not measure them: "
+                                 "seen on a starved VM); its row's bandwidth is left empty")
         return notes
 
 
@@ -255,8 +263,11 @@ def perftest_rows(spec: AgentSpec, res: dict, dilation: Dilation) -> list[dict]:
     empty = {"bytes": int(arg_of(spec.argv, "--size") or 0), "iterations": None}
     for r in res.get("rows") or [empty]:
         bw = r.get("bw_avg_gbps")
-        if bw == 0 and duration_s and r.get("iterations"):
-            bw = r["bytes"] * r["iterations"] * 8 / int(duration_s) / 1e9
+        if bw == 0 and r.get("iterations"):
+            # messages were done, so 0 is perftest's failed measure, not the rate: over the
+            # duration when there is one, else unknown (a note says so), never a made-up 0
+            bw = (r["bytes"] * r["iterations"] * 8 / int(duration_s) / 1e9 if duration_s
+                  else None)
         rate = r.get("msg_rate_mpps")
         if rate is None and r.get("tps") is not None:
             rate = r["tps"] / 1e6

@@ -108,7 +108,13 @@ def test_ib_write_bw_row_has_bytes_and_fabric_bandwidth(ran):
     assert row["test"] == "ib_write_bw" and row["bytes"] == 64000
     # a client without a report has iterations None: say why (its note and its report)
     assert row["iterations"] == ITERATIONS, (summary.get("fidelity"), _agent_reports(_run_dir))
-    assert row["bw_gbps"] > 0 and row["tos"] == 106
+    assert row["tos"] == 106
+    # perftest's cycle clock failed on a starved VM once (0 Gb/s for 100 messages): then
+    # the row has no bandwidth and the run says why, never a made-up 0
+    if row["bw_gbps"] is None:
+        assert any("reported 0 Gb/s" in n for n in summary["fidelity"]), summary["fidelity"]
+    else:
+        assert row["bw_gbps"] > 0
 
 
 def _agent_reports(run_dir) -> dict:

@@ -212,6 +212,19 @@ def test_send_bw_in_duration_mode_gets_its_rate_from_iterations():
     assert row["bw_gbps"] == pytest.approx(65536 * 118 * 8 / 2 / 1e9 * 1000)
 
 
+def test_a_zero_bandwidth_for_done_messages_without_a_duration_is_empty_and_noted():
+    loaded, plan = _load("    - {name: n, kind: perftest, test: ib_write_bw, pairs: [[h1, h3]],"
+                         " size: 64KB, iterations: 100}")
+    _, client = expand_workload(loaded.fabric, plan)
+    starved = {"bytes": 64000, "iterations": 100, "bw_peak_gbps": 0.0, "bw_avg_gbps": 0.0,
+               "msg_rate_mpps": 0.0}
+    res = {"rc": 0, "rows": [starved]}
+    [row] = perftest_rows(client, res, Dilation(1000))
+    assert row["iterations"] == 100 and row["bw_gbps"] is None
+    [note] = KIND.fidelity_notes([client], {client.name: res}, None)
+    assert "completed 100 messages but reported 0 Gb/s" in note
+
+
 def test_lat_rows_have_fabric_latency():
     loaded, plan = _load("    - {name: l, kind: perftest, test: ib_write_lat, pairs: [[h1, h3]],"
                          " size: 64, iterations: 200}")
