@@ -16,12 +16,14 @@ until servers are ready, set-up time, result rows, stream accounts and their own
 from __future__ import annotations
 
 import signal
+import sqlite3
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from agents.timebase import wall_timeout_s
 from testbed.config import LoadedConfig
@@ -52,6 +54,7 @@ from testbed.run.procs import AgentProcess, socket_path, start_agent
 from testbed.run.rundir import create_run_dir, machine_metadata
 from testbed.run.summary import build_summary
 from testbed.run.timeline import FabricApplier, Timeline, start_timeline
+from testbed.run.watch import RunWatch, WatchedAgent
 from testbed.run.workload import (
     DEFAULT_DRAIN_WALL_NS,
     DEFAULT_SAMPLE_PERIOD_WALL_NS,
@@ -102,6 +105,7 @@ class RunResult:
     summary: dict
     interrupted: bool
     collector_overhead: float
+    fault: str = ""        # the fault that ended the run (its fidelity note), if one did
 
 
 class Notes:
@@ -114,7 +118,12 @@ class Notes:
 
     def add(self, note: str) -> None:
         self.items.append(note)
-        self._store.add_event(self._clock(), time.monotonic_ns(), "fidelity", message=note)
+        try:
+            self._store.add_event(self._clock(), time.monotonic_ns(), "fidelity", message=note)
+        except (sqlite3.Error, OSError):
+            # The disk is full (or the store failed): the note is kept for summary.json
+            # and the run's output; the watch names the store's failure itself.
+            pass
 
     def extend(self, notes: Iterable[str]) -> None:
         for note in notes:
@@ -153,6 +162,7 @@ class Run:
     invariants: dict | None = None
     peaks_snapshot: dict | None = None   # the port programs just before the fabric agents stop
     interrupted: bool = False
+    watch: RunWatch | None = None        # faults during the run (testbed/run/watch.py)
 
     @property
     def agents_dir(self) -> Path:
@@ -209,7 +219,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
             if run.interrupted:
                 options.say(f"run: interrupted by {stop.signal_name}; stopping agents, taking "
                             "the fabric down, writing the report")
-                run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "interrupted",
+                _event(run, "interrupted",
                                     signal=stop.signal_name)
             stop_agents(run)
             write_results(run)
@@ -219,7 +229,17 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
         options.before_report(run.run_dir)
     write_report(run.run_dir, options.say)
     overhead = run.collector.overhead_fraction() if run.collector else 0.0
-    return RunResult(run.run_dir, summary, run.interrupted, overhead)
+    ended = next((f.message for f in run.watch.faults if f.ends_run), "") if run.watch else ""
+    return RunResult(run.run_dir, summary, run.interrupted, overhead, ended)
+
+
+def _event(run: Run, kind: str, **detail: Any) -> None:
+    """An event of the run now; a store that cannot be written (the disk full) loses it,
+    not the run (the watch names the failure)."""
+    try:
+        run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), kind, **detail)
+    except (sqlite3.Error, OSError):
+        pass
 
 
 # --- stages ------------------------------------------------------------------------
@@ -284,7 +304,7 @@ def missing_delay_note(short_ns: int, why: str) -> str:
 def bring_up(run: Run) -> None:
     """Build the fabric; note what its datapath could not do."""
     plan, say = run.plan, run.options.say
-    run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="up")
+    _event(run, "phase", phase="up")
     report = apply_plan(plan, progress=lambda m: say(f"up: {m}"))
     state = LabState.load(plan.lab)
     if state is not None:
@@ -356,7 +376,7 @@ def pin_sender_paths(run: Run) -> None:
     kernel now that the fabric is up (testbed/run/pinning.py); a path_pinned event each."""
     run.specs, pinned = pin_paths(run.plan, run.specs)
     for p in pinned:
-        run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "path_pinned",
+        _event(run, "path_pinned",
                             node=p.src, traffic=p.traffic, sender=p.sender, dst=p.dst,
                             dport=p.dport, via=list(p.via), sports=list(p.sports),
                             paths=list(p.paths))
@@ -406,11 +426,44 @@ def start_workload(run: Run, stop: threading.Event) -> None:
                                                        time.monotonic() - run.t_start)
     run.collector = collector
     run.phase = "workload"
-    run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="workload",
+    _event(run, "phase", phase="workload",
                         agents=len(run.specs))
     collector.start()
+    run.watch = start_watch(run, collector)
     run.timeline = start_timeline(run.plan, run.store, run.agents_dir, run.t0_mono_ns,
                                   run.notes.add, collector)
+
+
+def start_watch(run: Run, collector: Collector) -> RunWatch:
+    """The watch over every agent, the collector, the namespaces and the clock."""
+    endpoints = {e.name: e for e in run.endpoints}
+    watched = []
+    for proc in run.fabric_procs:
+        role = "pfc" if proc.name.startswith("pfc-") else "rxe_cc"
+        node = proc.name.removeprefix("pfc-").removeprefix("rxe-cc-")
+        watched.append(WatchedAgent(proc.name, node, role, proc, endpoints.get(proc.name),
+                                    lossless=role == "pfc"))
+    for spec, proc in run.agents:
+        watched.append(WatchedAgent(spec.name, spec.node, spec.role, proc,
+                                    endpoints.get(spec.name)))
+    return RunWatch(watched, {n.netns: n.name for n in run.plan.nodes},
+                    collector.fabric_now_ns, collector)
+
+
+def watch_tick(run: Run) -> bool:
+    """Check for faults (testbed/run/watch.py); note and record each one found. Whether
+    one of them ends the run."""
+    if run.watch is None:
+        return False
+    for fault in run.watch.check():
+        run.notes.add(fault.message)
+        try:
+            run.store.add_event(fault.ts_fabric_ns, fault.detected_mono_ns, "run_fault",
+                                node=fault.node, port=fault.who, **fault.detail())
+        except (sqlite3.Error, OSError):
+            pass
+        run.options.say(f"run: {fault.message}")
+    return run.watch.ends_run()
 
 
 def wait_ready(run: Run, stop: threading.Event) -> list[str]:
@@ -447,6 +500,8 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
     senders = [p for s, p in run.agents if s.role == "sender"]
     end_wall = run.t0_mono_ns + dilation.to_wall_ns(run.span_ns)
     while not stop.is_set():
+        if watch_tick(run):
+            return
         if senders and all(p.popen.poll() is not None for p in senders):
             break
         if not senders and time.monotonic_ns() >= end_wall:
@@ -460,13 +515,15 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
     if stop.is_set():
         return
     run.phase = "drain"
-    run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="drain")
+    _event(run, "phase", phase="drain")
     drain_end = time.monotonic_ns() + dilation.to_wall_ns(run.drain_ns)
     while time.monotonic_ns() < drain_end and not stop.is_set():
+        if watch_tick(run):
+            return
         stop.wait(0.05)
     # Receivers stop only once the fabric is empty: a datagram that arrives after its
     # receiver closed would be lost to the measurement, not the fabric.
-    run.notes.extend(drain_fabric(run.plan, stop, run.drain_ns))
+    run.notes.extend(drain_fabric(run.plan, stop, run.drain_ns, lambda: watch_tick(run)))
 
 
 def stop_agents(run: Run) -> None:
@@ -475,6 +532,9 @@ def stop_agents(run: Run) -> None:
     asked first and then waited for, so each gets the whole grace period to wind down and
     write its counters (one after the other, the last would have waited for all). The
     fault timeline stops first: no event is applied to a fabric whose agents are going."""
+    if run.watch is not None:
+        watch_tick(run)            # what died last, before the exits we cause
+        run.watch.stopping = True
     if run.timeline is not None:
         run.timeline[0].stop()
     for _spec, proc in run.agents:
@@ -502,6 +562,7 @@ def stop_agents(run: Run) -> None:
         proc.stop()
     if run.collector is not None:
         run.collector.stop()
+        watch_tick(run)            # the final sample may have found the disk full
 
 
 def write_results(run: Run) -> None:
@@ -586,7 +647,7 @@ def take_down(run: Run) -> None:
     if not run.options.keep_up:
         removed = destroy_lab(run.plan.lab)
         run.options.say(f"down: removed {len(removed)} namespaces")
-    run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="down")
+    _event(run, "phase", phase="down")
 
 
 def write_summary(run: Run) -> dict:
@@ -603,10 +664,21 @@ def write_summary(run: Run) -> dict:
                              "period_fabric_ns": run.period_ns,
                              "cpu_fraction_of_one_core": round(overhead, 4)},
                "results_complete": run.results_written,
+               "run_faults": [f.detail() | {"node": f.node, "ts_fabric_ns": f.ts_fabric_ns}
+                              for f in (run.watch.faults if run.watch else [])],
                **({"invariants": {k: v for k, v in invariants.items() if k != "notes"}}
                   if invariants else {})})
-    write_json(run.run_dir / "summary.json", summary)
-    run.store.close()
+    try:
+        write_json(run.run_dir / "summary.json", summary)
+    except OSError as exc:   # the disk full: the database and the output say what happened
+        run.options.say(f"run: could not write summary.json ({exc}); the run's data is in "
+                        "counters.sqlite")
+    finally:
+        try:
+            run.store.close()
+        except (sqlite3.Error, OSError) as exc:
+            run.options.say(f"run: counters.sqlite could not be finished ({exc}); it holds "
+                            "every sample written before, in time order")
     return summary
 
 
@@ -623,8 +695,10 @@ DRAIN_CAP_FACTOR = 20
 DRAIN_CAP_WALL_S = 30.0
 
 
-def drain_fabric(plan: Plan, stop: threading.Event, drain_ns: int) -> list[str]:
-    """Wait until no port program holds a queued byte; a note if that never happened."""
+def drain_fabric(plan: Plan, stop: threading.Event, drain_ns: int,
+                 should_end: Callable[[], bool] = lambda: False) -> list[str]:
+    """Wait until no port program holds a queued byte; a note if that never happened.
+    `should_end` (the run's watch) cuts the wait short when a fault ends the run."""
     if not has_port_programs(plan):
         return []
     dilation = plan.timebase
@@ -632,7 +706,7 @@ def drain_fabric(plan: Plan, stop: threading.Event, drain_ns: int) -> list[str]:
     try:
         start = time.monotonic()
         cap_s = min(DRAIN_CAP_WALL_S, DRAIN_CAP_FACTOR * dilation.to_wall_s(drain_ns))
-        while not stop.is_set():
+        while not stop.is_set() and not should_end():
             left = probe.queued_bytes()
             if left == 0:
                 return []
