@@ -447,7 +447,7 @@ def start_watch(run: Run, collector: Collector) -> RunWatch:
         watched.append(WatchedAgent(spec.name, spec.node, spec.role, proc,
                                     endpoints.get(spec.name)))
     return RunWatch(watched, {n.netns: n.name for n in run.plan.nodes},
-                    collector.fabric_now_ns, collector)
+                    collector.fabric_now_ns, collector, run_dir=str(run.run_dir))
 
 
 def watch_tick(run: Run) -> bool:

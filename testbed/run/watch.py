@@ -11,6 +11,9 @@ check looks at:
 - the collector thread: an exception (the disk full under counters.sqlite among them)
   or no sample for STALL_PERIODS periods;
 - each of the lab's named namespaces (a stat of /var/run/netns/NAME);
+- the free space of the run directory's file system (statvfs): below DISK_FULL_BYTES
+  the disk counts as full before SQLite's next write fails (agents writing their event
+  files may fail first; either way the disk is named);
 - CLOCK_REALTIME against CLOCK_MONOTONIC: a step of the machine's clock.
 
 Each fault is found once and says whether it ends the run (`ends_run`). Fabric time is
@@ -42,6 +45,14 @@ STALL_PERIODS = 20
 # far slower; ntpd steps only beyond 128 ms).
 CLOCK_STEP_NS = 100_000_000
 NETNS_DIR = "/var/run/netns"
+# Free bytes of the run directory's file system below which the disk counts as full.
+DISK_FULL_BYTES = 256 * 1024
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding `path`."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 @dataclass(frozen=True)
@@ -109,10 +120,12 @@ class RunWatch:
     netns: dict[str, str]                        # namespace -> its node
     fabric_now_ns: Callable[[int], int]          # monotonic ns -> fabric ns
     collector: Collector | None = None
+    run_dir: str = ""                            # its file system is watched for space
     mono_ns: Callable[[], int] = time.monotonic_ns
     real_ns: Callable[[], int] = time.time_ns
     netns_exists: Callable[[str], bool] = field(
         default=lambda ns: os.path.exists(os.path.join(NETNS_DIR, ns)))
+    disk_free: Callable[[str], int] = free_bytes
     faults: list[RunFault] = field(default_factory=list)
     stopping: bool = False       # set once the runner stops agents: exits are expected
     _seen: set[tuple[str, str]] = field(default_factory=set)
@@ -125,6 +138,7 @@ class RunWatch:
         """The faults found since the last check (each fault once)."""
         now = self.mono_ns()
         found: list[RunFault] = []
+        found += self._check_disk(now)
         if not self.stopping:
             found += self._check_agents(now)
             found += self._check_netns(now)
@@ -197,6 +211,27 @@ class RunWatch:
                                   f"run, at {self.fabric_now_ns(now) / 1e3:.0f} us fabric: "
                                   "the run was ended there")
 
+    def _check_disk(self, now: int) -> Iterable[RunFault]:
+        if not self.run_dir or ("disk", "full") in self._seen:
+            return
+        try:
+            free = self.disk_free(self.run_dir)
+        except OSError:
+            return
+        if free < DISK_FULL_BYTES:
+            self._seen.add(("disk", "full"))
+            yield self._disk_full(now, f"{free} bytes free")
+
+    def _disk_full(self, now: int, why: str) -> RunFault:
+        self._seen.add(("disk", "full"))
+        c = self.collector
+        upto = (f"{c.totals.last_sample_fabric_ns / 1e3:.0f} us fabric" if c is not None
+                else "the fault")
+        return self._fault(now, "disk_full", "disk", "", "fabric", True,
+                           f"the disk holding the run directory is full ({why}), at "
+                           f"{self.fabric_now_ns(now) / 1e3:.0f} us fabric: the run was "
+                           f"ended; counters.sqlite holds every sample up to {upto}")
+
     def _check_collector(self, now: int) -> Iterable[RunFault]:
         c = self.collector
         if c is None:
@@ -204,11 +239,8 @@ class RunWatch:
         at = f"{self.fabric_now_ns(now) / 1e3:.0f} us fabric"
         if c.error is not None and self._new(("collector", "error")):
             if is_disk_full(c.error):
-                yield self._fault(now, "disk_full", "collector", "", "collector", True,
-                                  f"the disk holding the run directory is full ({c.error}), "
-                                  f"at {at}: the run was ended; counters.sqlite holds every "
-                                  f"sample up to {c.totals.last_sample_fabric_ns / 1e3:.0f} "
-                                  "us fabric")
+                if ("disk", "full") not in self._seen:
+                    yield self._disk_full(now, f"counters.sqlite: {c.error}")
             else:
                 yield self._fault(now, "collector_failed", "collector", "", "collector", True,
                                   f"the collector failed ({c.error!r}) at {at}: the run was "
@@ -225,7 +257,9 @@ class RunWatch:
                               f"{c.period_wall_ns / 1e6:.1f} ms), at {at}: the run was ended")
 
     def _check_clock(self, now: int) -> Iterable[RunFault]:
-        offset = self.real_ns() - now
+        # both clocks read back to back: `now` is from before the other checks
+        mono = self.mono_ns()
+        offset = self.real_ns() - mono
         assert self._clock_offset_ns is not None
         step = offset - self._clock_offset_ns
         if abs(step) < CLOCK_STEP_NS:
