@@ -29,6 +29,7 @@ from testbed.run.invariants import InvariantMonitor
 
 SNAPSHOT_WORKERS = 8
 SNAPSHOT_TIMEOUT_S = 0.2      # wall: a slower agent's sample is skipped (and counted)
+STOP_WAIT_S = 10.0            # wall: how long stop() waits for the sampling thread
 
 
 @dataclass
@@ -147,7 +148,12 @@ class Collector:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            # A collector stuck in a read (the watch named it stalled) must not hold the
+            # run: after STOP_WAIT_S its sockets are closed under it and it is left.
+            self._thread.join(wall_timeout_s(STOP_WAIT_S))
+            if self._thread.is_alive() and self.error is None:
+                self.error = RuntimeError(f"the collector thread did not stop within "
+                                          f"{wall_timeout_s(STOP_WAIT_S):g} s wall")
         try:
             if self.error is None:
                 self.sample_once(final=True)    # the final state, after everything stopped
@@ -155,7 +161,7 @@ class Collector:
             self.error = exc
         finally:
             self.sampler.close()
-            self._pool.shutdown()
+            self._pool.shutdown(wait=self.error is None)
 
     def _loop(self) -> None:
         started = time.monotonic_ns()
