@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from agents.timebase import wall_timeout_s
 from testbed.config import LoadedConfig
@@ -219,8 +218,11 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
             if run.interrupted:
                 options.say(f"run: interrupted by {stop.signal_name}; stopping agents, taking "
                             "the fabric down, writing the report")
-                _event(run, "interrupted",
-                                    signal=stop.signal_name)
+                try:
+                    run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(),
+                                        "interrupted", signal=stop.signal_name)
+                except (sqlite3.Error, OSError):
+                    pass    # the disk full: the watch named it; stopping comes first
             stop_agents(run)
             write_results(run)
             take_down(run)
@@ -231,15 +233,6 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
     overhead = run.collector.overhead_fraction() if run.collector else 0.0
     ended = next((f.message for f in run.watch.faults if f.ends_run), "") if run.watch else ""
     return RunResult(run.run_dir, summary, run.interrupted, overhead, ended)
-
-
-def _event(run: Run, kind: str, **detail: Any) -> None:
-    """An event of the run now; a store that cannot be written (the disk full) loses it,
-    not the run (the watch names the failure)."""
-    try:
-        run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), kind, **detail)
-    except (sqlite3.Error, OSError):
-        pass
 
 
 # --- stages ------------------------------------------------------------------------
@@ -304,7 +297,7 @@ def missing_delay_note(short_ns: int, why: str) -> str:
 def bring_up(run: Run) -> None:
     """Build the fabric; note what its datapath could not do."""
     plan, say = run.plan, run.options.say
-    _event(run, "phase", phase="up")
+    run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="up")
     report = apply_plan(plan, progress=lambda m: say(f"up: {m}"))
     state = LabState.load(plan.lab)
     if state is not None:
@@ -376,7 +369,7 @@ def pin_sender_paths(run: Run) -> None:
     kernel now that the fabric is up (testbed/run/pinning.py); a path_pinned event each."""
     run.specs, pinned = pin_paths(run.plan, run.specs)
     for p in pinned:
-        _event(run, "path_pinned",
+        run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "path_pinned",
                             node=p.src, traffic=p.traffic, sender=p.sender, dst=p.dst,
                             dport=p.dport, via=list(p.via), sports=list(p.sports),
                             paths=list(p.paths))
@@ -426,7 +419,7 @@ def start_workload(run: Run, stop: threading.Event) -> None:
                                                        time.monotonic() - run.t_start)
     run.collector = collector
     run.phase = "workload"
-    _event(run, "phase", phase="workload",
+    run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="workload",
                         agents=len(run.specs))
     collector.start()
     run.watch = start_watch(run, collector)
@@ -459,7 +452,10 @@ def watch_tick(run: Run) -> bool:
         run.notes.add(fault.message)
         try:
             run.store.add_event(fault.ts_fabric_ns, fault.detected_mono_ns, "run_fault",
-                                node=fault.node, port=fault.who, **fault.detail())
+                                node=fault.node, port=fault.who, fault=fault.kind,
+                                who=fault.who, role=fault.role,
+                                action="ended the run" if fault.ends_run else "continued",
+                                message=fault.message)
         except (sqlite3.Error, OSError):
             pass
         run.options.say(f"run: {fault.message}")
@@ -515,7 +511,7 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
     if stop.is_set():
         return
     run.phase = "drain"
-    _event(run, "phase", phase="drain")
+    run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="drain")
     drain_end = time.monotonic_ns() + dilation.to_wall_ns(run.drain_ns)
     while time.monotonic_ns() < drain_end and not stop.is_set():
         if watch_tick(run):
@@ -647,7 +643,10 @@ def take_down(run: Run) -> None:
     if not run.options.keep_up:
         removed = destroy_lab(run.plan.lab)
         run.options.say(f"down: removed {len(removed)} namespaces")
-    _event(run, "phase", phase="down")
+    try:
+        run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="down")
+    except (sqlite3.Error, OSError):
+        pass    # the disk full (named by the watch): the fabric is down all the same
 
 
 def write_summary(run: Run) -> dict:
