@@ -129,6 +129,12 @@ def _every_sample_before(run_dir: Path, fault: Fault) -> Store:
     return store
 
 
+def _drained(run_dir: Path) -> bool:
+    """Whether the run reached its drain: a run a fault ended stops before it."""
+    with Store(run_dir / "counters.sqlite") as store:
+        return any(e["phase"] == "drain" for e in store.events("phase"))
+
+
 def _faults(result: RunResult) -> list[dict]:
     return json.loads((result.run_dir / "summary.json").read_text())["run_faults"]
 
@@ -154,8 +160,9 @@ def test_a_dead_pfc_agent_ends_the_run(tmp_path, sig):
     assert "no longer lossless" in note
     assert ("SIGKILL" if sig == signal.SIGKILL else "stopped by a signal") in note
     assert result.fault == note
-    # ended there: well before the 3 ms schedule's end
-    assert summary["duration_fabric_ns"] < 3_000_000
+    # ended there: found before the 3 ms schedule's end, and never drained
+    assert faults[0]["ts_fabric_ns"] < 3_000_000
+    assert not _drained(result.run_dir)
     _detection_ms(result, fault, kind)
     _every_sample_before(result.run_dir, fault).close()
     _nothing_left(result, fault)
@@ -169,7 +176,7 @@ def test_a_killed_traffic_agent_is_named_and_the_run_goes_on(tmp_path, who):
         ("agent_exited", who, "continued")]
     assert result.fault == ""
     assert any(who in n and "SIGKILL" in n for n in result.summary["fidelity"])
-    assert result.summary["duration_fabric_ns"] >= 3_000_000    # the schedule ran out
+    assert _drained(result.run_dir)      # the schedule ran out, and the fabric drained
     _detection_ms(result, fault, "agent_exited")
     _every_sample_before(result.run_dir, fault).close()
     _nothing_left(result, fault)
@@ -197,6 +204,7 @@ def test_a_removed_namespace_ends_the_run(tmp_path):
     assert [(f["fault"], f["node"], f["action"]) for f in faults][:1] == [
         ("netns_removed", "h2", "ended the run")]
     assert result.fault.startswith("the namespace ")
+    assert not _drained(result.run_dir)
     _detection_ms(result, fault, "netns_removed")
     _every_sample_before(result.run_dir, fault).close()
     _nothing_left(result, fault)
@@ -250,6 +258,7 @@ def test_a_failing_collector_ends_the_run(tmp_path, monkeypatch):
     assert [(f["fault"], f["action"]) for f in _faults(result)] == [
         ("collector_failed", "ended the run")]
     assert "netlink dump failed" in result.fault
+    assert not _drained(result.run_dir)
     _detection_ms(result, fault, "collector_failed")
     _every_sample_before(result.run_dir, fault).close()
     _nothing_left(result, fault)
@@ -274,6 +283,6 @@ def test_a_slow_collector_is_noted_and_the_run_goes_on(tmp_path, monkeypatch):
     with Store(result.run_dir / "counters.sqlite") as store:
         late = store.events("collector_late")
     assert len(late) == 1 and late[0]["ts_fabric_ns"] <= fault.last_ts_ns + 400_000
-    assert result.summary["duration_fabric_ns"] >= 3_000_000
+    assert _drained(result.run_dir)
     _every_sample_before(result.run_dir, fault).close()
     _nothing_left(result, fault)
