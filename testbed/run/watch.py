@@ -165,8 +165,10 @@ class RunWatch:
             code = a.proc.popen.poll()
             at = f"at {self.fabric_now_ns(now) / 1e3:.0f} us fabric"
             if code is not None:
-                # A sender that finished its schedule exits 0: that is not a fault.
-                if code == 0 and a.role == "sender":
+                # A workload agent that exits 0 ended as its kind has it (a sender at the
+                # end of its schedule, a RoCE server once its client is done): no fault.
+                # The fabric's agents run until they are stopped.
+                if code == 0 and a.role not in ("pfc", "rxe_cc"):
                     continue
                 if self._new((a.name, "exited")):
                     yield self._fault(now, "agent_exited", a.name, a.node, a.role, a.lossless,

@@ -73,14 +73,15 @@ def test_a_killed_pfc_agent_ends_the_run_and_is_named_once():
 @pytest.mark.parametrize("role,code,found", [
     ("sender", 0, False),          # finished its schedule
     ("sender", 1, True),
-    ("receiver", 0, True),         # a receiver ends only when told to
+    ("receiver", 0, False),        # a RoCE server whose client is done
+    ("pfc", 0, True),              # the fabric's agents run until stopped
     ("receiver", -signal.SIGKILL, True),
 ])
 def test_workload_agent_exits_are_faults_except_a_finished_sender(role, code, found):
-    w = _watch([_agent("a", role, code=code)])
+    w = _watch([_agent("a", role, code=code, lossless=role == "pfc")])
     faults = w.check()
     assert bool(faults) is found
-    assert not w.ends_run()        # a workload agent's death never ends the run
+    assert w.ends_run() is (found and role == "pfc")    # only a PFC agent's death ends it
 
 
 def test_a_dcqcn_agent_death_is_noted_and_the_run_goes_on():
