@@ -17,7 +17,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from agents.runtime.argtypes import nonneg_int
-from testbed.cli.common import EXIT_OK, CliError, load_and_plan, require_root, wide_console
+from testbed.cli.common import (
+    EXIT_FAIL,
+    EXIT_OK,
+    CliError,
+    load_and_plan,
+    require_root,
+    wide_console,
+)
 from testbed.cli.vmmode import add_vm_flag, require_kernel_features
 from testbed.units import format_rate, format_size
 from testbed.workloads.registry import REGISTRY
@@ -156,7 +163,11 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
     print(result.run_dir)
     if done is not None and not result.interrupted:
         done.append(result.run_dir)
-    return 130 if result.interrupted else EXIT_OK
+    if result.interrupted:
+        return 130
+    # a fault ended the run (an agent died, the disk filled): its data is kept, but it is
+    # not the run asked for (docs/run-format.md, Faults during a run)
+    return EXIT_FAIL if result.fault else EXIT_OK
 
 
 def _cell(field: str, value: object) -> str:

@@ -29,6 +29,7 @@ from testbed.run.invariants import InvariantMonitor
 
 SNAPSHOT_WORKERS = 8
 SNAPSHOT_TIMEOUT_S = 0.2      # wall: a slower agent's sample is skipped (and counted)
+STOP_WAIT_S = 10.0            # wall: how long stop() waits for the sampling thread
 
 
 @dataclass
@@ -40,6 +41,9 @@ class AgentEndpoint:
     events_offset: int = 0
     reads: int = 0                     # snapshot requests while its socket existed
     failed_reads: int = 0              # ... that timed out or returned garbage
+    failed_in_row: int = 0             # failed reads since the last good one (hang check)
+    first_read_mono_ns: int = 0        # CLOCK_MONOTONIC of the first request
+    last_ok_mono_ns: int = 0           # ... and of the last answered one
 
 
 def read_agent_samples(agent: AgentEndpoint,
@@ -49,6 +53,8 @@ def read_agent_samples(agent: AgentEndpoint,
     if not os.path.exists(agent.sock_path):
         return []
     agent.reads += 1
+    if not agent.first_read_mono_ns:
+        agent.first_read_mono_ns = time.monotonic_ns()
     try:
         snap = read_snapshot(agent.sock_path, timeout_s=wall_timeout_s(SNAPSHOT_TIMEOUT_S)
                              if timeout_s is None else timeout_s)
@@ -57,7 +63,10 @@ def read_agent_samples(agent: AgentEndpoint,
         return []
     except (OSError, ValueError):
         agent.failed_reads += 1
+        agent.failed_in_row += 1
         return []
+    agent.failed_in_row = 0
+    agent.last_ok_mono_ns = time.monotonic_ns()
     mode = snap.get("mode", "agent")
     out = [Sample(agent.node, agent.name, -1, f"{mode}.{k}", float(v))
            for k, v in snap.items() if isinstance(v, int | float) and not isinstance(v, bool)]
@@ -115,6 +124,10 @@ class Collector:
         # fabric time of the first and last late tick, and the longest tick's wall time
         self.late_span_fabric_ns: tuple[int, int] | None = None
         self.longest_tick_wall_ns = 0
+        # the exception that ended the sampling thread (the disk full, ...), and when the
+        # last sample was taken: the run's watch (testbed/run/watch.py) reads both
+        self.error: BaseException | None = None
+        self.last_sample_mono_ns = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -135,17 +148,33 @@ class Collector:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
-        self.sample_once(final=True)    # the final state, after everything stopped
-        self.sampler.close()
-        self._pool.shutdown()
+            # A collector stuck in a read (the watch named it stalled) must not hold the
+            # run: after STOP_WAIT_S its sockets are closed under it and it is left.
+            self._thread.join(wall_timeout_s(STOP_WAIT_S))
+            if self._thread.is_alive() and self.error is None:
+                self.error = RuntimeError(f"the collector thread did not stop within "
+                                          f"{wall_timeout_s(STOP_WAIT_S):g} s wall")
+        try:
+            if self.error is None:
+                self.sample_once(final=True)    # the final state, after everything stopped
+        except Exception as exc:   # the disk full: what was written stays readable
+            self.error = exc
+        finally:
+            self.sampler.close()
+            self._pool.shutdown(wait=self.error is None)
 
     def _loop(self) -> None:
         started = time.monotonic_ns()
         next_tick = started
         while not self._stop.is_set():
             tick = time.monotonic_ns()
-            self.sample_once()
+            try:
+                self.sample_once()
+            except Exception as exc:
+                # The watch names it and ends the run; the store's failed transaction was
+                # rolled back, so every sample before stays readable.
+                self.error = exc
+                break
             next_tick += self.period_wall_ns
             now = time.monotonic_ns()
             if now > next_tick:
@@ -155,12 +184,22 @@ class Collector:
                 if now >= self.t0_mono_ns:
                     self.late_ticks += 1
                     at = self.fabric_now_ns(tick)
+                    if self.late_ticks == 1:
+                        self._late_event(at, tick, now - tick)
                     first = self.late_span_fabric_ns[0] if self.late_span_fabric_ns else at
                     self.late_span_fabric_ns = (first, at)
                     self.longest_tick_wall_ns = max(self.longest_tick_wall_ns, now - tick)
                 next_tick = now
             self._stop.wait(max(0.0, (next_tick - now) / 1e9))
         self.wall_active_ns = time.monotonic_ns() - started
+
+    def _late_event(self, at_ns: int, tick_mono_ns: int, took_wall_ns: int) -> None:
+        """A `collector_late` event at the first tick that missed its period."""
+        try:
+            self.store.add_event(at_ns, tick_mono_ns, "collector_late", port="collector",
+                                 took_wall_ns=took_wall_ns, period_wall_ns=self.period_wall_ns)
+        except Exception as exc:   # the next sample fails the same way and is named
+            self.error = exc
 
     def late_notes(self) -> list[str]:
         """A fidelity note if the collector missed its period during the workload."""
@@ -192,6 +231,7 @@ class Collector:
             self.invariants.observe(ts_fabric, samples, getattr(self.sampler, "brackets", {}))
             self._update_totals(ts_fabric, samples)
             self.cpu_ns += time.thread_time_ns() - cpu0
+            self.last_sample_mono_ns = mono
         if self.on_sample is not None:
             self.on_sample(self.totals)
 

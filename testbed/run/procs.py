@@ -34,10 +34,14 @@ class AgentProcess:
         """SIGTERM, without waiting: agents stopped together wind down in parallel."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
+            self.popen.send_signal(signal.SIGCONT)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
+            # A stopped (SIGSTOP: hung) agent acts on the SIGTERM only once continued,
+            # and then winds down as usual (a PFC agent opens its gates).
+            self.popen.send_signal(signal.SIGCONT)
             try:
                 self.popen.wait(timeout_s)
             except subprocess.TimeoutExpired:

@@ -16,6 +16,7 @@ until servers are ready, set-up time, result rows, stream accounts and their own
 from __future__ import annotations
 
 import signal
+import sqlite3
 import sys
 import threading
 import time
@@ -52,6 +53,7 @@ from testbed.run.procs import AgentProcess, socket_path, start_agent
 from testbed.run.rundir import create_run_dir, machine_metadata
 from testbed.run.summary import build_summary
 from testbed.run.timeline import FabricApplier, Timeline, start_timeline
+from testbed.run.watch import RunWatch, WatchedAgent
 from testbed.run.workload import (
     DEFAULT_DRAIN_WALL_NS,
     DEFAULT_SAMPLE_PERIOD_WALL_NS,
@@ -102,6 +104,7 @@ class RunResult:
     summary: dict
     interrupted: bool
     collector_overhead: float
+    fault: str = ""        # the fault that ended the run (its fidelity note), if one did
 
 
 class Notes:
@@ -114,7 +117,12 @@ class Notes:
 
     def add(self, note: str) -> None:
         self.items.append(note)
-        self._store.add_event(self._clock(), time.monotonic_ns(), "fidelity", message=note)
+        try:
+            self._store.add_event(self._clock(), time.monotonic_ns(), "fidelity", message=note)
+        except (sqlite3.Error, OSError):
+            # The disk is full (or the store failed): the note is kept for summary.json
+            # and the run's output; the watch names the store's failure itself.
+            pass
 
     def extend(self, notes: Iterable[str]) -> None:
         for note in notes:
@@ -153,6 +161,7 @@ class Run:
     invariants: dict | None = None
     peaks_snapshot: dict | None = None   # the port programs just before the fabric agents stop
     interrupted: bool = False
+    watch: RunWatch | None = None        # faults during the run (testbed/run/watch.py)
 
     @property
     def agents_dir(self) -> Path:
@@ -209,8 +218,11 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
             if run.interrupted:
                 options.say(f"run: interrupted by {stop.signal_name}; stopping agents, taking "
                             "the fabric down, writing the report")
-                run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "interrupted",
-                                    signal=stop.signal_name)
+                try:
+                    run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(),
+                                        "interrupted", signal=stop.signal_name)
+                except (sqlite3.Error, OSError):
+                    pass    # the disk full: the watch named it; stopping comes first
             stop_agents(run)
             write_results(run)
             take_down(run)
@@ -219,7 +231,8 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
         options.before_report(run.run_dir)
     write_report(run.run_dir, options.say)
     overhead = run.collector.overhead_fraction() if run.collector else 0.0
-    return RunResult(run.run_dir, summary, run.interrupted, overhead)
+    ended = next((f.message for f in run.watch.faults if f.ends_run), "") if run.watch else ""
+    return RunResult(run.run_dir, summary, run.interrupted, overhead, ended)
 
 
 # --- stages ------------------------------------------------------------------------
@@ -409,8 +422,44 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="workload",
                         agents=len(run.specs))
     collector.start()
+    run.watch = start_watch(run, collector)
     run.timeline = start_timeline(run.plan, run.store, run.agents_dir, run.t0_mono_ns,
                                   run.notes.add, collector)
+
+
+def start_watch(run: Run, collector: Collector) -> RunWatch:
+    """The watch over every agent, the collector, the namespaces and the clock."""
+    endpoints = {e.name: e for e in run.endpoints}
+    watched = []
+    for proc in run.fabric_procs:
+        role = "pfc" if proc.name.startswith("pfc-") else "rxe_cc"
+        node = proc.name.removeprefix("pfc-").removeprefix("rxe-cc-")
+        watched.append(WatchedAgent(proc.name, node, role, proc, endpoints.get(proc.name),
+                                    lossless=role == "pfc"))
+    for spec, proc in run.agents:
+        watched.append(WatchedAgent(spec.name, spec.node, spec.role, proc,
+                                    endpoints.get(spec.name)))
+    return RunWatch(watched, {n.netns: n.name for n in run.plan.nodes},
+                    collector.fabric_now_ns, collector, run_dir=str(run.run_dir))
+
+
+def watch_tick(run: Run) -> bool:
+    """Check for faults (testbed/run/watch.py); note and record each one found. Whether
+    one of them ends the run."""
+    if run.watch is None:
+        return False
+    for fault in run.watch.check():
+        run.notes.add(fault.message)
+        try:
+            run.store.add_event(fault.ts_fabric_ns, fault.detected_mono_ns, "run_fault",
+                                node=fault.node, port=fault.who, fault=fault.kind,
+                                who=fault.who, role=fault.role,
+                                action="ended the run" if fault.ends_run else "continued",
+                                message=fault.message)
+        except (sqlite3.Error, OSError):
+            pass
+        run.options.say(f"run: {fault.message}")
+    return run.watch.ends_run()
 
 
 def wait_ready(run: Run, stop: threading.Event) -> list[str]:
@@ -447,6 +496,8 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
     senders = [p for s, p in run.agents if s.role == "sender"]
     end_wall = run.t0_mono_ns + dilation.to_wall_ns(run.span_ns)
     while not stop.is_set():
+        if watch_tick(run):
+            return
         if senders and all(p.popen.poll() is not None for p in senders):
             break
         if not senders and time.monotonic_ns() >= end_wall:
@@ -463,10 +514,12 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
     run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="drain")
     drain_end = time.monotonic_ns() + dilation.to_wall_ns(run.drain_ns)
     while time.monotonic_ns() < drain_end and not stop.is_set():
+        if watch_tick(run):
+            return
         stop.wait(0.05)
     # Receivers stop only once the fabric is empty: a datagram that arrives after its
     # receiver closed would be lost to the measurement, not the fabric.
-    run.notes.extend(drain_fabric(run.plan, stop, run.drain_ns))
+    run.notes.extend(drain_fabric(run.plan, stop, run.drain_ns, lambda: watch_tick(run)))
 
 
 def stop_agents(run: Run) -> None:
@@ -475,6 +528,9 @@ def stop_agents(run: Run) -> None:
     asked first and then waited for, so each gets the whole grace period to wind down and
     write its counters (one after the other, the last would have waited for all). The
     fault timeline stops first: no event is applied to a fabric whose agents are going."""
+    if run.watch is not None:
+        watch_tick(run)            # what died last, before the exits we cause
+        run.watch.stopping = True
     if run.timeline is not None:
         run.timeline[0].stop()
     for _spec, proc in run.agents:
@@ -502,6 +558,7 @@ def stop_agents(run: Run) -> None:
         proc.stop()
     if run.collector is not None:
         run.collector.stop()
+        watch_tick(run)            # the final sample may have found the disk full
 
 
 def write_results(run: Run) -> None:
@@ -586,7 +643,10 @@ def take_down(run: Run) -> None:
     if not run.options.keep_up:
         removed = destroy_lab(run.plan.lab)
         run.options.say(f"down: removed {len(removed)} namespaces")
-    run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="down")
+    try:
+        run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="down")
+    except (sqlite3.Error, OSError):
+        pass    # the disk full (named by the watch): the fabric is down all the same
 
 
 def write_summary(run: Run) -> dict:
@@ -603,10 +663,21 @@ def write_summary(run: Run) -> dict:
                              "period_fabric_ns": run.period_ns,
                              "cpu_fraction_of_one_core": round(overhead, 4)},
                "results_complete": run.results_written,
+               "run_faults": [f.detail() | {"node": f.node, "ts_fabric_ns": f.ts_fabric_ns}
+                              for f in (run.watch.faults if run.watch else [])],
                **({"invariants": {k: v for k, v in invariants.items() if k != "notes"}}
                   if invariants else {})})
-    write_json(run.run_dir / "summary.json", summary)
-    run.store.close()
+    try:
+        write_json(run.run_dir / "summary.json", summary)
+    except OSError as exc:   # the disk full: the database and the output say what happened
+        run.options.say(f"run: could not write summary.json ({exc}); the run's data is in "
+                        "counters.sqlite")
+    finally:
+        try:
+            run.store.close()
+        except (sqlite3.Error, OSError) as exc:
+            run.options.say(f"run: counters.sqlite could not be finished ({exc}); it holds "
+                            "every sample written before, in time order")
     return summary
 
 
@@ -623,8 +694,10 @@ DRAIN_CAP_FACTOR = 20
 DRAIN_CAP_WALL_S = 30.0
 
 
-def drain_fabric(plan: Plan, stop: threading.Event, drain_ns: int) -> list[str]:
-    """Wait until no port program holds a queued byte; a note if that never happened."""
+def drain_fabric(plan: Plan, stop: threading.Event, drain_ns: int,
+                 should_end: Callable[[], bool] = lambda: False) -> list[str]:
+    """Wait until no port program holds a queued byte; a note if that never happened.
+    `should_end` (the run's watch) cuts the wait short when a fault ends the run."""
     if not has_port_programs(plan):
         return []
     dilation = plan.timebase
@@ -632,7 +705,7 @@ def drain_fabric(plan: Plan, stop: threading.Event, drain_ns: int) -> list[str]:
     try:
         start = time.monotonic()
         cap_s = min(DRAIN_CAP_WALL_S, DRAIN_CAP_FACTOR * dilation.to_wall_s(drain_ns))
-        while not stop.is_set():
+        while not stop.is_set() and not should_end():
             left = probe.queued_bytes()
             if left == 0:
                 return []
