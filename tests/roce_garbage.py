@@ -94,3 +94,16 @@ def feed(host: str, port: int, data: bytes, timeout_s: float = 10.0) -> dict | N
             chunks.append(chunk)
     text = b"".join(chunks).decode(errors="replace").strip()
     return json.loads(text.splitlines()[0]) if text else None
+
+
+def main(argv: list[str]) -> int:
+    """`python -m tests.roce_garbage HOST PORT`: feed every case (run inside a namespace);
+    prints one JSON line: the answers in CASES order."""
+    host, port = argv[0], int(argv[1])
+    print(json.dumps([feed(host, port, data) for _, data, _ in CASES]))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main(sys.argv[1:]))
