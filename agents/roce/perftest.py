@@ -203,6 +203,9 @@ class Live:
               file=sys.stderr, flush=True)
 
     def refusals(self) -> dict:
+        """The server's set-up refusal counters (a client has none)."""
+        if self.role != "server":
+            return {}
         return {"setup_refused": dict(self.setup_refused),
                 "setup_refused_total": sum(self.setup_refused.values())}
 

@@ -13,8 +13,7 @@ Socket files are created 0600 inside the run directory: counters and control
 stay with whoever ran the fabric. Peers are identified by their credentials
 (SO_PEERCRED): only a process of the agent's own user, or root, is served; any
 other is refused. Every refusal is said once per reason on stderr and counted
-per reason in the server's `refused` (docs/agents.md "Refused control
-messages"); the PFC agent reports its command socket's as
+per reason in the server's `refused` (docs/pfc.md "Commands"); the PFC agent reports its command socket's as
 `command_refused` in its snapshot and --out. Servers are daemon threads, so
 they never keep an agent alive.
 """
@@ -76,7 +75,7 @@ class _UnixServer:
     def __init__(self, path: str, name: str, backlog: int = 8) -> None:
         self.path = path
         self.name = name
-        #: refusals per reason (counter keys: docs/agents.md "Refused control messages")
+        #: refusals per reason (counter keys: docs/pfc.md "Commands")
         self.refused: dict[str, int] = {}
         self._refused_lock = threading.Lock()
         self._uid = os.geteuid()
