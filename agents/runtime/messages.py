@@ -4,8 +4,9 @@ Every agent channel that takes JSON from another process (the RoCE set-up
 connection, the command sockets) decodes it here, so a hostile or broken peer
 gets the same refusals everywhere: `BadMessage` with a short `reason` (the
 counter key an agent reports; docs/roce.md "The set-up channel refuses garbage
-and serves on", docs/pfc.md "Commands") and a human-readable detail. The depth is checked by a linear scan BEFORE
-`json.loads`, so deep nesting can never reach the parser's recursion limit.
+and serves on", docs/pfc.md "Commands") and a human-readable detail. The depth
+is checked by a linear scan BEFORE `json.loads`, so deep nesting can never reach
+the parser's recursion limit.
 """
 
 from __future__ import annotations
