@@ -15,8 +15,7 @@ stay with whoever ran the fabric. Peers are identified by their credentials
 other is refused. Every refusal is said once per reason on stderr and counted
 per reason in the server's `refused` (docs/pfc.md "Commands"); the PFC agent
 reports its command socket's as `command_refused` in its snapshot and --out.
-Servers are daemon threads, so
-they never keep an agent alive.
+Servers are daemon threads, so they never keep an agent alive.
 """
 
 from __future__ import annotations
