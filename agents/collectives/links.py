@@ -27,9 +27,9 @@ from agents.collectives.roce import (
     SetupError,
     Stopped,
     TransportError,
-    _accept,
     _dial,
     _Line,
+    _take_hello,
     listen,
 )
 
@@ -79,10 +79,9 @@ def connect_links(rank: int, peers: list[PeerAddress], settings: dict, *,
                 raise
             links.add(peer, sock)
         for _ in range(rank):
-            sock = _accept(lsock, deadline, stop)
+            sock, line, msg = _take_hello(rank, peers, links.setup_refused, lsock, deadline,
+                                          stop, int_keys=("rank",), qp_list=False)
             try:
-                line = _Line(sock, "a lower rank")
-                msg = line.recv(deadline, stop)
                 try:
                     peer = _check_hello(mine, msg, rank, size, None)
                     if peer > rank:

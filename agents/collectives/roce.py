@@ -84,6 +84,7 @@ import random
 import select
 import socket
 import struct
+import sys
 import time
 from argparse import Namespace
 from collections.abc import Callable, Iterator
@@ -101,6 +102,8 @@ from agents.rdma.qp import (
     WcStatus,
 )
 from agents.rdma.transport import Binding, Endpoint, Engine, Stopped
+from agents.runtime.messages import MAX_MESSAGE_BYTES as MAX_SETUP_LINE_BYTES
+from agents.runtime.messages import BadMessage, decode_message
 from agents.runtime.sockets import dial_tcp
 from agents.timebase import Dilation, FabricClock
 from agents.wire.roce import PSN_MASK, icrc_context
@@ -134,6 +137,15 @@ class TransportError(Exception):
 
 class SetupError(Exception):
     """The ranks could not connect (timeout, refused, or mismatched settings)."""
+
+
+class SetupRefused(SetupError):
+    """An accepted set-up connection that is not a peer's well-formed hello; `reason` is
+    its counter key in `setup_refused`. A dialled peer's is raised as a SetupError."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 # --------------------------------------------------------------------------- addresses
@@ -425,6 +437,8 @@ class PeerLinks:
         self.size = size
         self._links: dict[int, socket.socket] = {}
         self._said: dict[int, str] = {}            # peer -> the reason it gave for leaving
+        #: accepted set-up connections refused, per reason (docs/collectives-roce.md)
+        self.setup_refused: dict[str, int] = {}
         self._left: str | None = None              # the reason we gave
         self.next_check = 0.0                      # time.monotonic() of the next look
 
@@ -499,6 +513,8 @@ class RoceTransport:
         if not 0 <= rank < len(peers):
             raise ValueError(f"rank {rank} is not in 0..{len(peers) - 1}")
         self._rank = rank
+        #: accepted set-up connections refused, per reason (docs/collectives-roce.md)
+        self.setup_refused: dict[str, int] = {}
         self.peers = peers
         self.config = config
         self.dilation = Dilation(config.dilation)
@@ -708,6 +724,8 @@ class RoceTransport:
                     totals[k] = totals.get(k, 0) + v
         args = self.config.args
         return {**totals, "per_peer": per_peer, "endpoint": self.endpoint.counters(),
+                "setup_refused": dict(self.setup_refused),
+                "setup_refused_total": sum(self.setup_refused.values()),
                 "qps_per_peer": self.config.qps, "chunk_bytes": self.config.chunk_bytes,
                 "recv_depth": self.recv_depth, "engine": {"steps": self.engine.steps,
                                                           "waits": self.engine.waits},
@@ -787,18 +805,21 @@ class _Line:
             ready, _, _ = select.select([self.sock], [], [], min(left, 0.05))
             if not ready:
                 continue
-            data = self.sock.recv(65536)
+            try:
+                data = self.sock.recv(65536)
+            except OSError:
+                data = b""
             if not data:
-                raise SetupError(f"{self.what} closed the set-up connection")
+                raise SetupRefused("closed", f"{self.what} closed the set-up connection")
             self._buf += data
+            if b"\n" not in self._buf and len(self._buf) > MAX_SETUP_LINE_BYTES:
+                raise SetupRefused("too_large", f"a set-up line from {self.what} over "
+                                   f"{MAX_SETUP_LINE_BYTES} bytes")
         line, _, self._buf = self._buf.partition(b"\n")
         try:
-            msg = json.loads(line)
-        except ValueError:
-            raise SetupError(f"bad set-up message from {self.what}: {line[:80]!r}") from None
-        if not isinstance(msg, dict):
-            raise SetupError(f"bad set-up message from {self.what}: {line[:80]!r}")
-        return msg
+            return decode_message(line)
+        except BadMessage as e:
+            raise SetupRefused(e.reason, f"bad set-up message from {self.what}: {e}") from None
 
 
 def _hello(t: RoceTransport, peer: int) -> dict:
@@ -901,7 +922,10 @@ def _setup_dialled(t: RoceTransport, peer: int, deadline: float,
         line = _Line(sock, f"rank {peer}")
         hello = _hello(t, peer)
         line.send(hello)
-        reply = line.recv(deadline, stop)
+        try:
+            reply = line.recv(deadline, stop)
+        except SetupRefused as e:
+            raise SetupError(str(e)) from None
         if reply.get("error"):
             raise SetupError(f"rank {peer} refused: {reply['error']}")
         _check_hello(t, reply, peer)
@@ -913,13 +937,79 @@ def _setup_dialled(t: RoceTransport, peer: int, deadline: float,
         raise
 
 
+_HELLO_INTS = ("version", "rank", "size", "qps", "chunk_bytes", "mtu")
+
+
+def _hello_shape(msg: dict, peers: list[PeerAddress], source_ip: str,
+                 int_keys: tuple[str, ...] = _HELLO_INTS, qp_list: bool = True) -> None:
+    """SetupRefused unless `msg` is shaped as a hello from the rank it names, sent from
+    that rank's own address (a run's peers are its --peers list)."""
+    size = len(peers)
+    for key in int_keys:
+        if key not in msg:
+            raise SetupRefused("missing_field", f"a set-up hello without {key!r}")
+        v = msg[key]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise SetupRefused("wrong_type", f"hello.{key} is {type(v).__name__}, "
+                               "not an integer")
+    rank = msg["rank"]
+    if not 0 <= rank < size:
+        raise SetupRefused("out_of_range", f"hello.rank = {rank} is outside 0..{size - 1}")
+    if qp_list and not isinstance(msg.get("qp"), list):
+        raise SetupRefused("wrong_type", "hello.qp is not a list")
+    if source_ip != peers[rank].ip:
+        raise SetupRefused("peer", f"a hello naming rank {rank} from {source_ip}, not from "
+                           f"rank {rank}'s address {peers[rank].ip}")
+
+
+def _refuse(rank: int, refused: dict[str, int], sock: socket.socket, e: SetupRefused,
+            source: str) -> None:
+    refused[e.reason] = refused.get(e.reason, 0) + 1
+    print(f"rank {rank}: refused set-up from {source} ({e.reason}): {e}", file=sys.stderr,
+          flush=True)
+    try:
+        sock.sendall(json.dumps({"error": str(e)}).encode() + b"\n")
+    except OSError:
+        pass
+    sock.close()
+
+
+def _take_hello(rank: int, peers: list[PeerAddress], refused: dict[str, int],
+                lsock: socket.socket, deadline: float, stop: Callable[[], bool],
+                int_keys: tuple[str, ...] = _HELLO_INTS, qp_list: bool = True
+                ) -> tuple[socket.socket, _Line, dict]:
+    """The next accepted connection whose first line is a well-formed hello from the
+    address of the rank it names; others are refused, counted in `refused` and closed."""
+    while True:
+        try:
+            sock = _accept(lsock, deadline, stop)
+        except SetupError as e:
+            if refused:
+                raise SetupError(f"{e} (refused set-up connections: {refused})") from None
+            raise
+        try:
+            source = sock.getpeername()[0]
+        except OSError:
+            sock.close()
+            continue
+        line = _Line(sock, f"a lower rank ({source})")
+        try:
+            msg = line.recv(deadline, stop)
+            _hello_shape(msg, peers, source, int_keys, qp_list)
+        except SetupRefused as e:
+            _refuse(rank, refused, sock, e, source)
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return sock, line, msg
+
+
 def _setup_accepted(t: RoceTransport, lsock: socket.socket, deadline: float,
                     stop: Callable[[], bool]) -> None:
     """A lower rank connected: its hello, attach, our hello, wait for its 'attached'."""
-    sock = _accept(lsock, deadline, stop)
+    sock, line, msg = _take_hello(t.rank, t.peers, t.setup_refused, lsock, deadline, stop)
     try:
-        line = _Line(sock, "a lower rank")
-        msg = line.recv(deadline, stop)
         try:
             peer = _check_hello(t, msg, None)
             if peer > t.rank:
@@ -932,7 +1022,10 @@ def _setup_accepted(t: RoceTransport, lsock: socket.socket, deadline: float,
         hello = _hello(t, peer)
         t.attach(peer, hello["qp"], list(msg["qp"]))
         line.send(hello)
-        ack = line.recv(deadline, stop)
+        try:
+            ack = line.recv(deadline, stop)
+        except SetupRefused as e:
+            raise SetupError(str(e)) from None
         if not ack.get("attached"):
             raise SetupError(f"rank {peer} did not attach its QPs: {ack}")
         t.add_link(peer, sock)

@@ -309,6 +309,8 @@ class UetTransport:
         return {**totals, **flat,
                 "wire_bytes_sent": tx_bytes + tx_packets * WIRE_OVERHEAD_BYTES,
                 "stray_messages": self.stray_messages, "per_peer": per_peer, "uet": nic,
+                "setup_refused": dict(self.links.setup_refused),
+                "setup_refused_total": sum(self.links.setup_refused.values()),
                 "transport": "uet", "chunk_bytes": self.chunk_bytes,
                 "engine": {"steps": self.steps, "waits": self.waits},
                 "settings": self._settings}

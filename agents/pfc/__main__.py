@@ -59,7 +59,13 @@ from agents.pfc.logic import (
     egress_reason,
 )
 from agents.portmaps import NODE_DIR, STATE_FIELDS, NodeMaps, PortMaps
-from agents.runtime.control import CommandInbox, serve_commands, serve_snapshots
+from agents.runtime.control import (
+    CommandInbox,
+    CommandServer,
+    command_refusals,
+    serve_commands,
+    serve_snapshots,
+)
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
 from agents.timebase import Dilation, machine_slowdown
@@ -223,6 +229,8 @@ class Agent:
         self.overflow_bytes: dict[tuple[str, int], float] = {}   # kept after a model ends
         self.next_drain_poll: float | None = None                # fabric ns
         self.inbox = CommandInbox()
+        #: the --command-sock server, once started (its refusals go into the snapshot)
+        self.command_server: CommandServer | None = None
 
     def now_fabric_ns(self) -> float:
         return self.dilation.to_fabric_ns(time.monotonic_ns() - self.t0)
@@ -579,6 +587,7 @@ class Agent:
                 rows.append(row)
         return {"mode": "pfc", "node": self.node, "ports": rows, "wakeups": self.wakeups,
                 "rescans": self.rescans, "commands": self.commands,
+                **command_refusals(self.command_server),
                 "send_errors": sum(c.send_errors for p in self.ports
                                    for c in p.counters.values())}
 
@@ -700,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = Agent(args)
     server = serve_snapshots(args.control_sock, agent.snapshot)
     commands = serve_commands(args.command_sock, agent.inbox.submit)
+    agent.command_server = commands
     mark_ready(args.ready_file)
     try:
         agent.run(life)

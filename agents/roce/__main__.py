@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="check the received data against the client's pattern (the client "
                         "can ask for it too)")
+    p.add_argument("--peer-subnet", type=argtypes.ip_network, action="append", default=None,
+                   metavar="CIDR", help="accept set-up connections only from these subnets "
+                   "(once per subnet; default: from anywhere); others are refused and "
+                   "counted (setup_refused.peer)")
     # a second server in one namespace (tests): another UDP port, told to the client
     p.add_argument("--roce-port", type=argtypes.port, default=ROCE_UDP_PORT, help=argparse.SUPPRESS)
 
@@ -153,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     except (TestError, OSError) as e:
         print(f"agents.roce {args.role}: {e}", file=sys.stderr)
         counters, rc = {"role": args.role, "test": args.test, "error": str(e),
-                        "stopped_by": "error"}, 1
+                        "stopped_by": "error", **live.refusals()}, 1
     except Stopped:
         counters, rc = {"role": args.role, "test": args.test,
-                        "stopped_by": life.stop_reason or "stopped"}, 0
+                        "stopped_by": life.stop_reason or "stopped", **live.refusals()}, 0
     finally:
         if server is not None:
             server.close()

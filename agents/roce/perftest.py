@@ -20,6 +20,7 @@ the server can recompute what must be there byte for byte.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import math
 import os
@@ -44,8 +45,10 @@ from agents.rdma.options import (
 )
 from agents.rdma.qp import MemoryRegion, RcQp, WcStatus
 from agents.rdma.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
+from agents.roce.hello import check_hello
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
+from agents.runtime.messages import MAX_MESSAGE_BYTES, BadMessage, decode_message
 from agents.runtime.output import mark_ready
 from agents.runtime.sockets import dial_tcp
 from agents.runtime.waiting import wait_until_mono
@@ -61,6 +64,14 @@ CONTROL_CHECK_STEPS = 256
 
 class TestError(Exception):
     """A test that cannot go on: the message goes to stderr and into the JSON."""
+
+
+class ControlRefused(TestError):
+    """A control message that is not a bounded JSON object; `reason` is its counter key."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"bad control message: {detail}")
+        self.reason = reason
 
 
 # --- small helpers ----------------------------------------------------------------------
@@ -125,6 +136,10 @@ class ControlChannel:
 
     def poll(self) -> dict | None:
         """The next whole message if one is there (never blocks)."""
+        if b"\n" not in self._buf and len(self._buf) > MAX_MESSAGE_BYTES:
+            self._buf = b""
+            self.closed = True
+            raise ControlRefused("too_large", f"a line longer than {MAX_MESSAGE_BYTES} bytes")
         if b"\n" not in self._buf and not self.closed:
             try:
                 data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
@@ -139,9 +154,9 @@ class ControlChannel:
         if b"\n" in self._buf:
             line, _, self._buf = self._buf.partition(b"\n")
             try:
-                return json.loads(line)
-            except ValueError:
-                raise TestError(f"bad control message: {line[:80]!r}") from None
+                return decode_message(line)
+            except BadMessage as e:
+                raise ControlRefused(e.reason, str(e)) from None
         return None
 
     def recv(self, life: Lifecycle, timeout_s: float, engine: Engine | None = None) -> dict:
@@ -178,10 +193,26 @@ class Live:
         self.bindings: list[Binding] = []
         self.endpoints: list[Endpoint] = []
         self.phase = "setup"
+        #: set-up connections refused (server), per reason; docs/roce.md "The set-up channel"
+        self.setup_refused: dict[str, int] = {}
+
+    def refuse(self, reason: str, detail: str, peer: str) -> None:
+        """Count and log one refused set-up connection; the server goes on serving."""
+        self.setup_refused[reason] = self.setup_refused.get(reason, 0) + 1
+        print(f"agents.roce server: refused set-up from {peer} ({reason}): {detail}",
+              file=sys.stderr, flush=True)
+
+    def refusals(self) -> dict:
+        """The server's set-up refusal counters (a client has none)."""
+        if self.role != "server":
+            return {}
+        return {"setup_refused": dict(self.setup_refused),
+                "setup_refused_total": sum(self.setup_refused.values())}
 
     def snapshot(self) -> dict:
         qps = [b.counters() for b in list(self.bindings)]
         return {"role": self.role, "test": self.test, "phase": self.phase,
+                **self.refusals(),
                 "qps": {str(c["qpn"]): c for c in qps},
                 "endpoints": [ep.counters() for ep in list(self.endpoints)],
                 **flat_counters(self.role, qps)}
@@ -602,7 +633,7 @@ def _client_lat(args: Namespace, life: Lifecycle, engine: Engine, b: Binding, bu
 # --- server -----------------------------------------------------------------------------
 
 
-def _accept(args: Namespace, life: Lifecycle) -> tuple[socket.socket, socket.socket]:
+def _listen(args: Namespace) -> socket.socket:
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     lsock.bind((args.bind or "", args.port))
@@ -616,38 +647,89 @@ def _accept(args: Namespace, life: Lifecycle) -> tuple[socket.socket, socket.soc
         probe.close()
     mark_ready(args.ready_file, {"port": lsock.getsockname()[1], "roce_port": args.roce_port,
                              "pid": os.getpid()})
+    return lsock
+
+
+def peer_allowed(peer_ip: str, subnets: list[str] | None) -> bool:
+    """Whether a set-up connection from `peer_ip` comes from one of `subnets`
+    (--peer-subnet; None: from anywhere)."""
+    if not subnets:
+        return True
+    try:
+        ip = ipaddress.ip_address(peer_ip)
+    except ValueError:
+        return False
+    return any(ip in ipaddress.ip_network(n, strict=False) for n in subnets)
+
+
+def _accept(lsock: socket.socket, life: Lifecycle) -> socket.socket:
     while True:
         if life.should_stop():
             lsock.close()
             raise Stopped()
         ready, _, _ = select.select([lsock], [], [], 0.05)
         if ready:
-            conn, _ = lsock.accept()
+            try:
+                conn, _ = lsock.accept()
+            except OSError:
+                continue        # the peer went before we took it (ECONNABORTED)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return lsock, conn
+            return conn
+
+
+def _take_hello(args: Namespace, life: Lifecycle, live: Live,
+                lsock: socket.socket) -> tuple[ControlChannel, dict]:
+    """The first set-up connection with a well-formed hello from an allowed peer.
+
+    Anything else (a peer outside --peer-subnet, silence, a closed connection, a line
+    that is not a bounded JSON object, a hello with a missing, mistyped or
+    out-of-range field) is answered `{"ok": false, "error": ...}` when it can be,
+    logged on stderr, counted in `setup_refused` and closed; the server goes on
+    waiting for a real client."""
+    while True:
+        conn = _accept(lsock, life)
+        try:
+            peer = conn.getpeername()[0]
+        except OSError:
+            conn.close()
+            continue
+        ctl = ControlChannel(conn)
+        try:
+            if not peer_allowed(peer, args.peer_subnet):
+                raise BadMessage("peer", f"{peer} is outside --peer-subnet "
+                                 f"{', '.join(args.peer_subnet)}")
+            try:
+                hello = ctl.recv(life, args.connect_timeout_s)
+            except ControlRefused as e:
+                raise BadMessage(e.reason, str(e)) from None
+            except TestError as e:
+                raise BadMessage("closed" if ctl.closed else "silent", str(e)) from None
+            check_hello(hello, args.test, PROTOCOL_VERSION)
+            return ctl, hello
+        except Stopped:
+            ctl.close()
+            lsock.close()
+            raise
+        except BadMessage as e:
+            live.refuse(e.reason, str(e), peer)
+            ctl.send({"ok": False, "error": str(e)})
+            ctl.close()
 
 
 def run_server(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]:
     dilation = Dilation(args.dilation)
     cc = cc_settings(args)
     params = cc_params(args, cc)
+    lsock = _listen(args)
     try:
-        lsock, conn = _accept(args, life)
+        ctl, hello = _take_hello(args, life, live, lsock)
     except Stopped:
+        lsock.close()
         return {"role": "server", "test": args.test, "stopped_by": life.stop_reason,
-                "verified": None, "qps": {}, "malformed": {}}, 0
-    ctl = ControlChannel(conn)
+                "verified": None, "qps": {}, "malformed": {}, **live.refusals()}, 0
+    conn = ctl.sock
     ep = None
     try:
-        hello = ctl.recv(life, args.connect_timeout_s)
-        problem = None
-        if hello.get("version") != PROTOCOL_VERSION:
-            problem = f"protocol version {hello.get('version')} (server speaks {PROTOCOL_VERSION})"
-        elif hello.get("test") != args.test:
-            problem = f"client runs {hello.get('test')}, this server {args.test}"
-        if problem:
-            ctl.send({"ok": False, "error": problem})
-            raise TestError(problem)
         clock = FabricClock(dilation)
         local_ip = args.bind or conn.getsockname()[0]
         peer_ip = conn.getpeername()[0]
@@ -725,6 +807,7 @@ def run_server(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
             "qp_attrs": attrs.to_dict(), "window_packets": attrs.window_packets,
             "engine": {"steps": engine.steps, "waits": engine.waits},
             "stopped_by": life.stop_reason or "done", "error": error,
+            **live.refusals(),
         }
         rc = 0 if counters["verified"] is not False and error is None else 1
         return counters, rc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 
 
@@ -57,3 +58,13 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
+
+
+def ip_network(text: str) -> str:
+    """An IP subnet in CIDR form (`10.0.0.0/16`; host bits allowed), kept as text."""
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an IP subnet (CIDR, e.g. 10.0.0.0/16): "
+                                         f"{text!r}") from None
+    return text

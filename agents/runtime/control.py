@@ -10,8 +10,12 @@
   bad client can never stop the agent.
 
 Socket files are created 0600 inside the run directory: counters and control
-stay with whoever ran the fabric. Servers are daemon threads, so they never
-keep an agent alive.
+stay with whoever ran the fabric. Peers are identified by their credentials
+(SO_PEERCRED): only a process of the agent's own user, or root, is served; any
+other is refused. Every refusal is said once per reason on stderr and counted
+per reason in the server's `refused` (docs/pfc.md "Commands"); the PFC agent
+reports its command socket's as `command_refused` in its snapshot and --out.
+Servers are daemon threads, so they never keep an agent alive.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agents.runtime.messages import MAX_MESSAGE_DEPTH, BadMessage, decode_message
 from agents.timebase import wall_timeout_s
 
 MAX_REQUEST_BYTES = 64 * 1024     # one command line; an agent's commands are a few hundred B
@@ -47,15 +54,43 @@ def _bind_private(path: str, backlog: int = 8) -> socket.socket:
     return sock
 
 
+_UCRED = struct.Struct("3i")        # struct ucred: pid, uid, gid
+
+
+def peer_uid(conn: socket.socket) -> int | None:
+    """The uid of the process at the other end of a UNIX socket (None if unknown)."""
+    try:
+        _, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  _UCRED.size))
+    except (OSError, struct.error):
+        return None
+    return uid
+
+
 class _UnixServer:
     """A private listening socket at `path` and a daemon thread accepting on it; each
-    connection goes to `_accepted`. `close()` stops it and removes the socket file."""
+    connection from an allowed peer (same uid, or root) goes to `_accepted`, others are
+    refused (`refused["peer"]`). `close()` stops it and removes the socket file."""
 
     def __init__(self, path: str, name: str, backlog: int = 8) -> None:
         self.path = path
+        self.name = name
+        #: refusals per reason (counter keys: docs/pfc.md "Commands")
+        self.refused: dict[str, int] = {}
+        self._refused_lock = threading.Lock()
+        self._uid = os.geteuid()
         self._sock = _bind_private(path, backlog)
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+
+    def refuse(self, reason: str, detail: str) -> None:
+        """Count a refusal; the first of each reason is said on stderr."""
+        with self._refused_lock:
+            first = reason not in self.refused
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+        if first:
+            print(f"{self.name} socket {self.path}: refused ({reason}): {detail} "
+                  "(further ones of this reason are counted only)", file=sys.stderr, flush=True)
 
     def _serve(self) -> None:
         while True:
@@ -63,6 +98,11 @@ class _UnixServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            uid = peer_uid(conn)
+            if uid is None or uid not in (self._uid, 0):
+                self.refuse("peer", f"a process of uid {uid} (served: {self._uid} and root)")
+                conn.close()
+                continue
             self._accepted(conn)
 
     def _accepted(self, conn: socket.socket) -> None:
@@ -112,10 +152,12 @@ def read_snapshot(path: str, timeout_s: float = 0.5) -> dict:
 
 @dataclass(frozen=True)
 class _NoRequest:
-    """Why a connection gave no request line; `unread`: the client is still sending."""
+    """Why a connection gave no request line; `unread`: the client is still sending.
+    `reason`: its counter key."""
 
     error: str
     unread: bool = False
+    reason: str = "read_error"
 
 
 class CommandServer(_UnixServer):
@@ -134,6 +176,7 @@ class CommandServer(_UnixServer):
 
     def _accepted(self, conn: socket.socket) -> None:
         if not self._slots.acquire(blocking=False):
+            self.refuse("busy", f"more than {MAX_CLIENTS} clients at once")
             self._answer(conn, {"ok": False, "error": "busy: too many clients"})
             conn.close()
             return
@@ -181,33 +224,42 @@ class CommandServer(_UnixServer):
                 data += chunk
                 if len(data) > MAX_REQUEST_BYTES:
                     return _NoRequest(f"request larger than {MAX_REQUEST_BYTES} bytes",
-                                      unread=True)
+                                      unread=True, reason="too_large")
         except TimeoutError:
-            return _NoRequest(f"no request line within {wall_timeout_s(REQUEST_TIMEOUT_S):g} s")
+            return _NoRequest(f"no request line within {wall_timeout_s(REQUEST_TIMEOUT_S):g} s",
+                              reason="silent")
         except OSError as exc:
             return _NoRequest(f"reading the request: {exc}")
         line = bytes(data).split(b"\n", 1)[0]
         if len(line) > MAX_REQUEST_BYTES:
-            return _NoRequest(f"request larger than {MAX_REQUEST_BYTES} bytes", unread=True)
+            return _NoRequest(f"request larger than {MAX_REQUEST_BYTES} bytes", unread=True,
+                              reason="too_large")
         return line
 
     def _reply(self, line: bytes | _NoRequest) -> dict:
+        reply = self._checked_reply(line)
+        if not reply.get("ok"):
+            self.refuse(reply.pop("_reason", "refused_by_handler"), str(reply.get("error")))
+        return reply
+
+    def _checked_reply(self, line: bytes | _NoRequest) -> dict:
         if isinstance(line, _NoRequest):
-            return {"ok": False, "error": line.error}
+            return {"ok": False, "error": line.error, "_reason": line.reason}
         try:
-            request = json.loads(line)
-        except ValueError as exc:      # UnicodeDecodeError included
-            return {"ok": False, "error": f"not JSON: {exc}"}
-        if not isinstance(request, dict):
-            return {"ok": False, "error": "a request is a JSON object"}
+            request = decode_message(line, MAX_REQUEST_BYTES, MAX_MESSAGE_DEPTH)
+        except BadMessage as exc:
+            error = ("a request is a JSON object" if exc.reason == "not_object" else str(exc))
+            return {"ok": False, "error": error, "_reason": exc.reason}
         if not isinstance(request.get("op"), str):
-            return {"ok": False, "error": 'a request names its "op"'}
+            return {"ok": False, "error": 'a request names its "op"', "_reason": "no_op"}
         try:
             reply = self._handler(request)
         except Exception as exc:   # noqa: BLE001 - a bad request must never stop the agent
-            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                    "_reason": "handler_error"}
         if not isinstance(reply, dict):
-            return {"ok": False, "error": "handler returned no object"}
+            return {"ok": False, "error": "handler returned no object",
+                    "_reason": "handler_error"}
         return {"ok": True, **reply}
 
     @staticmethod
@@ -216,6 +268,13 @@ class CommandServer(_UnixServer):
             conn.sendall(json.dumps(reply, sort_keys=True, default=str).encode() + b"\n")
         except OSError:
             pass           # the client left; nothing to tell
+
+
+def command_refusals(server: _UnixServer | None) -> dict:
+    """`command_refused` (per reason) and `command_refused_total` of a command socket,
+    for an agent's snapshot and --out (empty and 0 without one)."""
+    refused = dict(server.refused) if server is not None else {}
+    return {"command_refused": refused, "command_refused_total": sum(refused.values())}
 
 
 def serve_commands(path: str | None, handler: Callable[[dict], dict]) -> CommandServer | None:

@@ -134,14 +134,27 @@ def ipv6_header_for_icrc(src: str, dst: str, payload_len: int, *, traffic_class:
 
 
 def masked_pseudo_header(ip_header: BytesLike, udp_header: BytesLike) -> bytes:
-    """8 x 0xFF + IP header + UDP header, with the fields the ICRC ignores set to all ones."""
+    """8 x 0xFF + IP header + UDP header, with the fields the ICRC ignores set to all ones.
+
+    Raises ValueError on an IP header that is not IPv4 (20 to 60 bytes, as its IHL
+    says) or IPv6 (40 bytes), or a UDP header that is not 8 bytes."""
     ip = bytearray(ip_header)
+    if not ip:
+        raise ValueError("empty IP header")
     version = ip[0] >> 4
+    if len(udp_header) != UDP_HEADER_BYTES:
+        raise ValueError(f"UDP header of {len(udp_header)} bytes (must be {UDP_HEADER_BYTES})")
     if version == 4:
+        ihl = (ip[0] & 0x0F) * 4
+        if ihl < 20 or len(ip) != ihl:
+            raise ValueError(f"IPv4 header of {len(ip)} bytes with IHL {ihl // 4} "
+                             "(IHL 5..15, header IHL x 4 bytes)")
         ip[1] = 0xFF                    # TOS (DSCP + ECN)
         ip[8] = 0xFF                    # TTL
         ip[10:12] = b"\xff\xff"         # header checksum
     elif version == 6:
+        if len(ip) != IPV6_HEADER_BYTES:
+            raise ValueError(f"IPv6 header of {len(ip)} bytes (must be {IPV6_HEADER_BYTES})")
         ip[0:4] = b"\x6f\xff\xff\xff"   # traffic class + flow label
         ip[7] = 0xFF                    # hop limit
     else:
@@ -273,6 +286,10 @@ def icrc_of_ip_packet(packet: SupportsBytes | BytesLike) -> tuple[int, int]:
     version = data[0] >> 4
     if version == 4:
         ihl = (data[0] & 0x0F) * 4
+        if ihl < 20:
+            raise ValueError(f"bad IPv4 IHL {ihl // 4} (must be 5..15)")
+        if len(data) < ihl:
+            raise ValueError(f"truncated IPv4 header: {len(data)} of {ihl} bytes")
         if data[9] != IPPROTO_UDP:
             raise ValueError("not UDP")
         end = struct.unpack_from("!H", data, 2)[0]
