@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import json
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -268,7 +269,9 @@ class RoceKind(WorkloadKind):
             servers.append(AgentSpec(
                 name=f"{name}-srv", node=dst, role="receiver", traffic=t.name, kind=t.kind,
                 src=src, dst=dst, module=self.agent_module,
+                # only its own client may set up (the client binds its NIC's address)
                 argv=["server", t.test, "--bind", ctx.address(dst), "--port", str(tcp_port),
+                      "--peer-subnet", str(ipaddress.ip_network(ctx.address(src))),
                       "--roce-port", str(udp_port), *verify, *cnp_interval, "--line-rate-bps",
                       str(ctx.line_rate_bps(dst)), "--window-packets", str(window), *common]))
             stop = (["--iters", str(t.messages)] if t.messages is not None

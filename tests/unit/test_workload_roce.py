@@ -110,6 +110,8 @@ def test_incast_expands_to_one_server_per_stream_on_distinct_ports():
             "/")[0]
         assert (client.src, client.dst, server.src, server.dst) == (
             client.node, "h8", client.node, "h8")
+        # the server takes set-up connections from its own client only
+        assert _opt(server.argv, "--peer-subnet") == _opt(client.argv, "--bind") + "/32"
 
 
 def test_argv_carries_the_config_in_fabric_units_and_parses():
