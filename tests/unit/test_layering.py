@@ -3,7 +3,8 @@
     cli -> incident -> run -> report | net -> results -> plan -> config -> workloads -> phy
     -> fields -> units
 
-`export` (plan -> other tools' files) sits just above `plan`. `report` and `net` are siblings that do not import each other. `results` holds the run
+`report` and `net` are siblings that do not import each other;
+`export` (a plan as another tool's files) sits just above `plan`. `results` holds the run
 directory's formats, which the run writes and the report reads. The config validates
 traffic entries with the workload kinds' models, so the kinds sit below it and see the
 plan and the run only through the views they are handed. `incident` drives whole
