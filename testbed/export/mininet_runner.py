@@ -11,22 +11,25 @@ whatever happens net.stop() runs and any shell still alive is killed, which take
 (unnamed) namespace and veth ends with it.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import signal
 import sys
 import time
+from typing import Any
 
 
 class _QuietQuantum:
     """TCIntf logs tc's harmless "quantum of class 50001 is big" as an error on every
     interface (Mininet sets no r2q); leave it out."""
 
-    def filter(self, record):
+    def filter(self, record: Any) -> bool:
         return "quantum of class" not in record.getMessage()
 
 
-def load(path):
+def load(path: str) -> dict[str, Any]:
     """The exported module's globals (as `mn --custom` reads it)."""
     namespace = {"__file__": path, "__name__": "mininet_topo"}
     with open(path) as fh:
@@ -34,12 +37,12 @@ def load(path):
     return namespace
 
 
-def track(namespace, shells):
+def track(namespace: dict[str, Any], shells: list[Any]) -> None:
     """Record every shell the module's FabricNode starts (so none outlives us)."""
-    base = namespace["FabricNode"]
+    base: Any = namespace["FabricNode"]
 
     class Tracked(base):
-        def _popen(self, cmd, **params):
+        def _popen(self, cmd: Any, **params: Any) -> Any:
             popen = super()._popen(cmd, **params)
             shells.append(popen)
             return popen
@@ -47,7 +50,8 @@ def track(namespace, shells):
     namespace["FabricNode"] = Tracked
 
 
-def kill_leftovers(shells, timeout_s=10.0):
+def kill_leftovers(shells: list[Any], timeout_s: float = 10.0) -> int:
+    """Kill node shells still running; how many were still alive after the timeout."""
     for popen in shells:
         if popen.poll() is None:
             try:
@@ -63,7 +67,7 @@ def kill_leftovers(shells, timeout_s=10.0):
     return sum(1 for p in shells if p.poll() is None)
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     from mininet.log import lg, setLogLevel
     from mininet.net import Mininet
 
@@ -76,9 +80,11 @@ def main(argv):
     Mininet.inited = True        # skip fixLimits(): initial-namespace sysctls
     setLogLevel("error" if batch else "info")
     lg.addFilter(_QuietQuantum())
-    namespace, shells = load(path), []
+    namespace = load(path)
+    shells: list[Any] = []
     track(namespace, shells)
-    net, result = None, {"name": name, "netem": netem}
+    net = None
+    result: dict[str, Any] = {"name": name, "netem": netem}
     try:
         t0 = time.perf_counter()
         net = Mininet(topo=namespace["topos"][name](netem=int(netem)), controller=None,

@@ -66,3 +66,23 @@ def test_dilation_is_raised_until_every_link_fits_mininet() -> None:
 def test_plan_dilation_kept_when_it_fits() -> None:
     plan = _plan("default")
     assert mininet_dilation(plan) == plan.dilation.factor
+
+
+def test_cli_export_writes_the_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from testbed.cli import main
+
+    monkeypatch.setattr("testbed.run.calibration.load_budget_bps", lambda: (BUDGET_BPS, "test"))
+    out = tmp_path / "topo.py"
+    assert main(["export", "mininet", str(GOLDEN / "explicit.yaml"), "-o", str(out)]) == 0
+    assert out.read_text() == export_mininet(_plan("explicit"), source="explicit.yaml")
+    assert "--topo explicit --controller none" in capsys.readouterr().out
+
+
+def test_cli_export_bad_config_is_a_usage_error(tmp_path: Path) -> None:
+    from testbed.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntopology: {kind: nonsense}\n")
+    assert main(["export", "mininet", str(bad), "-o", str(tmp_path / "t.py")]) == 2
+    assert not (tmp_path / "t.py").exists()
