@@ -71,12 +71,12 @@ def _link_lines(plan: Plan, link: LinkPlan, d: int, nodes: dict[str, NodePlan]) 
     ib = next(i for i in b.interfaces if i.ifname == link.b.ifname)
     loss_pct = link.frame_loss_ratio * 100
     queue = max(_queue_packets(plan, a, ia.ifname), _queue_packets(plan, b, ib.ifname))
-    loss_note = (f"loss {loss_pct:.3g} %" if loss_pct >= NETEM_MIN_LOSS_PCT else
-                 f"PHY loss {loss_pct:.2g} % is below netem's 0.00001 %: left out")
+    loss_note = (f"PHY loss {loss_pct:.3g} %" if loss_pct >= NETEM_MIN_LOSS_PCT else
+                 f"PHY loss {loss_pct:.2g} %, below netem's 0.00001 %: left out")
     lines = [
         f"        # link {link.index}: {link.a.node}:{link.a.ifname} - "
-        f"{link.b.node}:{link.b.ifname}, {link.port_type} {link.length_m:g} m: "
-        f"{link.rate_bps / 1e9:g} Gb/s, {link.delay_ns} ns one way; {loss_note}",
+        f"{link.b.node}:{link.b.ifname}, {link.port_type} {link.length_m:g} m",
+        f"        # {link.rate_bps / 1e9:g} Gb/s, {link.delay_ns} ns one way; {loss_note}",
         f"        self.link({link.a.node!r}, {ia.ifname!r}, {ia.mac!r}, {ia.address!r},",
         f"                  {link.b.node!r}, {ib.ifname!r}, {ib.mac!r}, {ib.address!r},",
         f"                  mtu={ia.mtu_bytes}, bw={_fmt_bw(link.rate_bps / d)}, "
@@ -94,6 +94,11 @@ def _node_lines(node: NodePlan) -> list[str]:
     lines += [f"            {_route(r)!r}," for r in node.routes]
     lines.append("        ])")
     return lines
+
+
+def _dict_lines(name: str, values: dict[str, str], comment: str) -> list[str]:
+    return ([f"{name} = {{   # {comment}"] + [f"    {k!r}: {v!r}," for k, v in values.items()]
+            + ["}"])
 
 
 def _sysctls(plan: Plan, role: str) -> dict[str, str]:
@@ -153,8 +158,9 @@ def export_mininet(plan: Plan, source: str = "") -> str:
         "",
         f"D = {d}    # time dilation: wall time runs D times slower than fabric time",
         f"HOSTS = {hosts!r}",
-        f"HOST_SYSCTLS = {_sysctls(plan, 'host')!r}",
-        f"ROUTER_SYSCTLS = {_sysctls(plan, 'switch')!r}",
+        *_dict_lines("HOST_SYSCTLS", _sysctls(plan, "host"), "hosts: the plan's sysctls"),
+        *_dict_lines("ROUTER_SYSCTLS", _sysctls(plan, "switch"),
+                     "switches as routers: the plan's sysctls, ip_forward on"),
         "",
         "",
         "class FabricNode(Host):",
