@@ -15,7 +15,9 @@ APT_PACKAGES += perftest ibverbs-providers
 # Packaged on Debian; on Ubuntu bpftool ships in linux-tools and is optional.
 APT_OPTIONAL := bpftool
 # Tests open the HTML report in a headless browser, and decode RoCE captures with tshark.
-TEST_APT_PACKAGES := chromium tshark
+# Debian's Mininet (system Python) runs the exported fabric (testbed mininet); without
+# recommends: its switches are routers (Mininet hosts), so no Open vSwitch is needed.
+TEST_APT_PACKAGES := chromium tshark mininet
 BENCH_APT_PACKAGES := mininet
 
 .PHONY: setup system-deps test-deps demo test test-unit lint docs bench clean

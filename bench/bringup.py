@@ -5,7 +5,8 @@
 
 For each size it compiles our plan, times apply_plan() (up) and destroy_lab() (down),
 then has Debian's Mininet (bench/mininet_build.py under /usr/bin/python3) build the
-same nodes and links from that plan and times its up and down. It prints a table
+module `testbed export mininet` writes for that plan (the same fabric) and times its
+up and down. It prints a table
 (medians over --repeat), our per-phase breakdown of `up`, Mininet's, and a cProfile
 of our `up` at the largest size. See bench/README.md for what is and is not compared.
 
@@ -28,12 +29,15 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from testbed.config import load_config_text
+from testbed.export.mininet_topo import export_mininet, topo_name
 from testbed.net import LabState, apply_plan, destroy_lab
+from testbed.net.probe import kernel_config_has
 from testbed.plan import compile_plan
 from testbed.plan.model import Plan
 
@@ -183,34 +187,30 @@ def run_ours(shape: Shape, profile: cProfile.Profile | None = None) -> tuple[Pla
 
 # ---------------------------------------------------------------- Mininet
 
-def mininet_spec(plan: Plan, parity: bool) -> dict:
-    """The same nodes and links as our plan, in the terms mininet_build.py takes."""
-    iface = {(n.name, i.ifname): i for n in plan.nodes for i in n.interfaces}
-    links = []
-    for link in plan.links:
-        a, b = iface[(link.a.node, link.a.ifname)], iface[(link.b.node, link.b.ifname)]
-        links.append({"a": link.a.node, "a_if": a.ifname, "a_mac": a.mac, "a_ip": a.address,
-                      "b": link.b.node, "b_if": b.ifname, "b_mac": b.mac, "b_ip": b.address,
-                      "bw_mbit": link.wall_rate_bps / 1e6,
-                      "mtu": a.mtu_bytes if parity else None})
-    nodes = [{"name": n.name, "role": n.role, "sysctls": n.sysctls,
-              "routes": [[r.dst, [[h.gateway, h.ifname] for h in r.nexthops]]
-                         for r in n.routes]}
-             for n in plan.nodes]
-    return {"nodes": nodes, "links": links, "routes": parity}
+def export_topology(plan: Plan, directory: str) -> Path:
+    """Our plan as the Mininet module `testbed export mininet` writes: Mininet builds
+    that very module, so both columns are the same fabric."""
+    path = Path(directory) / f"{topo_name(plan)}.py"
+    path.write_text(export_mininet(plan, source="bench/bringup.py"))
+    return path
 
 
 def run_mininet(plan: Plan, parity: bool) -> dict:
-    spec = json.dumps(mininet_spec(plan, parity))
-    # Same process group: a Ctrl-C at the terminal reaches the child too, and it
-    # tears its network down itself (net.stop(), then kills any shell left).
-    proc = subprocess.Popen([MININET_PYTHON, str(MININET_SCRIPT)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        out, _ = proc.communicate(spec)
-    finally:
-        if proc.poll() is None:
-            _stop_child(proc)
+    # netem only where the kernel has it (our `up` does the same); elsewhere Mininet's
+    # netem commands would fail on every link and time nothing useful.
+    netem = kernel_config_has("netem") is not False
+    with tempfile.TemporaryDirectory(prefix="bringup-mininet-") as tmp:
+        topo = export_topology(plan, tmp)
+        # Same process group: a Ctrl-C at the terminal reaches the child too, and it
+        # tears its network down itself (net.stop(), then kills any shell left).
+        proc = subprocess.Popen([MININET_PYTHON, str(MININET_SCRIPT), str(topo), topo_name(plan),
+                                 "1" if parity else "0", "1" if netem else "0"],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            out, _ = proc.communicate()
+        finally:
+            if proc.poll() is None:
+                _stop_child(proc)
     if proc.returncode != 0:
         raise RuntimeError(f"mininet_build.py failed (exit {proc.returncode}); "
                            "its stderr is above")
@@ -339,10 +339,12 @@ notes:
           down = destroy_lab(): stop recorded processes, delete the namespaces (their
           veths and qdiscs go with them; the kernel finishes that asynchronously).
           compile_plan() is not in `up` (it is the `compile` column below).
-  mininet up = Mininet() + addHost per node (a bash shell in a new namespace) + addLink
-          per link (TCLink: veth pair made inside the node, plan MACs, plan /31 on both
-          ends, ethtool offloads, HTB root + one class at bw = plan wall rate) + build()
-          (node config: lo up, plan sysctls incl. ip_forward=1 on routers) + start().
+  mininet up = the exported topology (testbed export mininet) built by Mininet():
+          addHost per node (a bash shell in a new namespace) + addLink per link
+          (TCLink: veth pair made inside the node, plan MACs, plan /31 and MTU on both
+          ends, ethtool offloads, HTB root + one class at bw = plan wall rate; netem
+          delay/loss only on a kernel with sch_netem) + build() (node config: lo up,
+          plan sysctls incl. ip_forward=1 on routers) + start().
           {parity}
           down = net.stop(): `ip link del` per interface, then every shell is ended.
   ratio = mininet total / ours total; up ratio = mininet up / ours up (medians over
@@ -350,10 +352,10 @@ notes:
           namespaces in the background, so `ratio` leans on Mininet's slow `down`;
           `up ratio` is the like-for-like figure for bringing a fabric up."""
 
-PARITY_ON = ("--mininet-parity: also MTU per interface and every plan route (ECMP as\n"
-             "          nexthop lists). Still no per-class queues, bfifo leaves or DSCP filters.")
-PARITY_OFF = ("No routes, no MTU, no per-class queues/filters (--mininet-parity adds\n"
-              "          routes and MTU).")
+PARITY_ON = ("--mininet-parity: also every plan route (ECMP as nexthop lists).\n"
+             "          Still no per-class queues, bfifo leaves or DSCP filters.")
+PARITY_OFF = ("No routes, no per-class queues/filters (--mininet-parity adds the\n"
+              "          routes: the exported Topo's routes=1).")
 
 
 # ---------------------------------------------------------------- main

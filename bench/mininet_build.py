@@ -1,20 +1,18 @@
-"""Mininet side of bench/bringup.py: build a fabric spec with Mininet, time up and down.
+"""Mininet side of bench/bringup.py: build an exported fabric with Mininet, time up and down.
 
-Runs under Debian's /usr/bin/python3 (Mininet is not in the venv). Reads one JSON
-spec on stdin (written by bringup.py from our plan: nodes, links, addresses, MACs,
-per-link bandwidth, sysctls, routes) and prints one JSON result line on stdout.
+    /usr/bin/python3 bench/mininet_build.py TOPO.py NAME ROUTES NETEM
 
-What Mininet is asked to do, per the spec:
-- every node is a Mininet `Host` (hosts) or a plain `Node` (routers), each a bash
-  shell in its own network namespace (no controller, no switches);
-- on every node, one `sysctl -w` with the plan's sysctls (ip_forward=1 on routers);
-- every link is a `TCLink` with the plan's interface names and MACs, the plan's /31
-  on each end, and `bw=` the plan's wall rate in Mb/s (HTB root + one class);
-- with "routes": true (--mininet-parity), every plan route as one `ip route add` (ECMP
-  as nexthop lists), and with a link's "mtu" set, `ifconfig IF mtu N` on both ends.
+Runs under Debian's /usr/bin/python3 (Mininet is not in the venv). TOPO.py is the
+module `testbed export mininet` writes for bringup.py's plan (testbed/export/
+mininet_topo.py), so Mininet builds the very fabric our builder does: every node a
+Mininet Host running the module's FabricNode (plan sysctls, ip_forward=1 on routers;
+the plan's routes, ECMP as nexthop lists, when ROUTES is 1), every link a TCLink with
+the plan's interface names, MACs, /31s and MTU and `bw=` the wall rate in Mb/s (HTB
+root + one class); with NETEM 1 also netem delay/loss/queue (bringup passes 0 on a
+kernel without sch_netem). Prints one JSON result line on stdout.
 
-`up` is Mininet(...) + addHost + addLink + build() + start(): Mininet does its node
-and link work in addHost/addLink, so build()/start() alone would time almost nothing.
+`up` is Mininet(...) + the Topo's build + addHost/addLink per node and link (what
+Mininet.buildFromTopo does, spelled out here to time the phases) + build() + start().
 `down` is net.stop().
 
 Mininet.init() is skipped on purpose (root is checked here instead): it would raise
@@ -36,10 +34,8 @@ import signal
 import sys
 import time
 
-from mininet.link import TCLink
 from mininet.log import lg, setLogLevel
 from mininet.net import Mininet
-from mininet.node import Host, Node
 
 _SHELLS = []      # every Popen a node started, so nothing outlives this script
 _COMMANDS = [0]   # shell commands Mininet sent to nodes (node.cmd calls)
@@ -57,39 +53,29 @@ class _QuietQuantum(logging.Filter):
         return True
 
 
-class _Tracked:
-    """Mixin: record each node's shell and count the commands sent to it."""
+def _tracked(base):
+    """The exported module's FabricNode, recording each shell and counting commands."""
 
-    def _popen(self, cmd, **params):
-        popen = super()._popen(cmd, **params)
-        _SHELLS.append(popen)
-        return popen
+    class Tracked(base):
+        def _popen(self, cmd, **params):
+            popen = super()._popen(cmd, **params)
+            _SHELLS.append(popen)
+            return popen
 
-    def cmd(self, *args, **kwargs):
-        _COMMANDS[0] += 1
-        return super().cmd(*args, **kwargs)
+        def cmd(self, *args, **kwargs):
+            _COMMANDS[0] += 1
+            return super().cmd(*args, **kwargs)
 
-    def config(self, sysctls=None, routes=None, **params):
-        result = super().config(**params)
-        if sysctls:
-            self.cmd("sysctl -q -w " + " ".join(f"{k}={v}" for k, v in sysctls.items()))
-        for dst, hops in routes or []:
-            if len(hops) == 1:
-                gateway, ifname = hops[0]
-                self.cmd(f"ip route add {dst} via {gateway} dev {ifname}")
-            else:
-                self.cmd(f"ip route add {dst} " + " ".join(
-                    f"nexthop via {gateway} dev {ifname}" for gateway, ifname in hops))
-        return result
+    return Tracked
 
 
-class BenchHost(_Tracked, Host):
-    pass
-
-
-class BenchRouter(_Tracked, Node):
-    """A router as Mininet's examples build one: a plain Node; ip_forward comes with
-    the plan's sysctls."""
+def load_topo(path: str) -> dict:
+    """The exported module's globals, read as `mn --custom` reads it."""
+    namespace = {"__file__": path, "__name__": "mininet_topo"}
+    with open(path) as fh:
+        exec(compile(fh.read(), path, "exec"), namespace)
+    namespace["FabricNode"] = _tracked(namespace["FabricNode"])
+    return namespace
 
 
 def _kill_leftover_shells(timeout_s: float = 10.0) -> int:
@@ -122,28 +108,23 @@ def _on_sigterm(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run(spec: dict) -> dict:
+def run(path: str, name: str, routes: bool, netem: bool) -> dict:
     phases: dict[str, float] = {}
-    with_routes = bool(spec.get("routes"))
+    module = load_topo(path)
     net = None
     up_s = down_s = None
+    up_commands = 0
     t0 = time.perf_counter()
     try:
-        net = Mininet(topo=None, controller=None, build=False, link=TCLink,
-                      autoSetMacs=False, autoStaticArp=False)
-        for node in spec["nodes"]:
-            cls = BenchRouter if node["role"] == "switch" else BenchHost
-            net.addHost(node["name"], cls=cls, ip=None, sysctls=node["sysctls"],
-                        routes=node["routes"] if with_routes else None)
+        topo = module["topos"][name](netem=int(netem), routes=int(routes))
+        net = Mininet(topo=None, controller=None, build=False, autoSetMacs=False,
+                      autoStaticArp=False)
+        for node in topo.hosts():
+            net.addHost(node, **topo.nodeInfo(node))
         t1 = time.perf_counter()
         phases["nodes (shells)"] = t1 - t0
-        for link in spec["links"]:
-            params1, params2 = {"ip": link["a_ip"]}, {"ip": link["b_ip"]}
-            if link.get("mtu"):
-                params1["ifconfig"] = params2["ifconfig"] = f"mtu {link['mtu']}"
-            net.addLink(link["a"], link["b"], intfName1=link["a_if"], intfName2=link["b_if"],
-                        addr1=link["a_mac"], addr2=link["b_mac"], params1=params1,
-                        params2=params2, bw=link["bw_mbit"])
+        for _a, _b, info in topo.links(sort=True, withInfo=True):
+            net.addLink(**info)
         t2 = time.perf_counter()
         phases["links (veth+ip+tc)"] = t2 - t1
         net.build()
@@ -167,11 +148,11 @@ def run(spec: dict) -> dict:
         leftover = _kill_leftover_shells()
         if leftover:
             print(f"mininet_build: {leftover} node shells would not die", file=sys.stderr)
-    return {"up_s": up_s, "down_s": down_s, "phases": phases, "nodes": len(spec["nodes"]),
-            "links": len(spec["links"]), "up_commands": up_commands,
+    return {"up_s": up_s, "down_s": down_s, "phases": phases, "nodes": len(topo.hosts()),
+            "links": len(topo.links()), "up_commands": up_commands,
             "down_commands": _COMMANDS[0] - up_commands, "leftover_shells": leftover,
             "htb_quantum_warnings": _QUIET[0],
-            "routes": with_routes}
+            "routes": routes, "netem": netem}
 
 
 def main() -> int:
@@ -186,9 +167,9 @@ def main() -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     setLogLevel("error")
     lg.addFilter(_QuietQuantum())
-    spec = json.load(sys.stdin)
+    path, name, routes, netem = sys.argv[1:5]
     try:
-        result = run(spec)
+        result = run(path, name, routes == "1", netem == "1")
     except KeyboardInterrupt:
         print("mininet_build: interrupted; network stopped", file=sys.stderr)
         return 130

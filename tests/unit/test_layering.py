@@ -3,7 +3,8 @@
     cli -> incident -> run -> report | net -> results -> plan -> config -> workloads -> phy
     -> fields -> units
 
-`report` and `net` are siblings that do not import each other. `results` holds the run
+`report` and `net` are siblings that do not import each other;
+`export` (a plan as another tool's files) sits just above `plan`. `results` holds the run
 directory's formats, which the run writes and the report reads. The config validates
 traffic entries with the workload kinds' models, so the kinds sit below it and see the
 plan and the run only through the views they are handed. `incident` drives whole
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Higher imports lower; equal ranks are siblings, which may not import each other.
 LAYERS = {"cli": 10, "incident": 9, "vm": 9, "run": 8, "report": 7, "net": 7, "results": 6,
-          "plan": 5, "interop": 4,
+          "plan": 5, "export": 6, "interop": 4,
           "config": 4, "workloads": 3, "phy": 2, "fields": 1, "units": 0}
 # The package root and `python -m testbed` only wire the CLI together.
 ENTRY_POINTS = {"testbed/__init__.py", "testbed/__main__.py"}
