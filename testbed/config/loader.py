@@ -198,7 +198,7 @@ def _build(events: Any, lines: LineMap) -> Any:
                 raise _tag_problem(line, event.tag, path)
             if len(stack) >= MAX_DEPTH:
                 raise YamlProblem(line, f"nesting is deeper than {MAX_DEPTH} levels; a fabric "
-                                        "config needs only a few, so flatten this value", path)
+                                        "config needs only a few, so flatten this value", path[:4])
             lines.lines.setdefault(path, line)
             stack.append(_Frame({} if is_map else [], path, event.anchor))
         elif isinstance(event, yaml.MappingEndEvent | yaml.SequenceEndEvent):
