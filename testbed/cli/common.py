@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Annotated, Any
 
+from pydantic import BaseModel
 from rich.console import Console
 
 from testbed.config import ConfigError, LoadedConfig, load_config
@@ -60,7 +61,7 @@ def add_format(parser, choices=("table", "json"), default="table") -> None:
                         help=f"output format (default {default})")
 
 
-def check_arg(option: str, value: object, model: type, field: str) -> Any:
+def check_arg(option: str, value: object, model: type[BaseModel], field: str) -> Any:
     """`value` validated exactly as `field` of config model `model`; CliError (exit 2) if bad.
 
     CLI options and config fields share one validator, so the command line is never
@@ -71,8 +72,8 @@ def check_arg(option: str, value: object, model: type, field: str) -> Any:
     from testbed.config import describe_input
 
     info = model.model_fields[field]
-    adapter: TypeAdapter[Any] = TypeAdapter(
-        Annotated[info.annotation, *info.metadata])  # type: ignore[name-defined]
+    annotated: Any = Annotated[info.annotation, *info.metadata]
+    adapter: TypeAdapter[Any] = TypeAdapter(annotated)
     try:
         return adapter.validate_python(value)
     except ValidationError as exc:

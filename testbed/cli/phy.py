@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from testbed.phy import PORT_TYPES, PhyResult, UnknownPortType, evaluate
 from testbed.cli.common import CliError, check_arg
 from testbed.config.models import Fabric, Link
+from testbed.phy import PORT_TYPES, PhyResult, UnknownPortType, evaluate
 from testbed.units import UnitError
 
 

@@ -92,7 +92,7 @@ def _tag_problem(line: int, tag: str, path: tuple) -> YamlProblem:
 _CONSTRUCTOR = yaml.constructor.SafeConstructor()
 
 
-def _scalar(event: yaml.ScalarEvent, path: tuple, resolver: yaml.resolver.Resolver) -> Any:
+def _scalar(event: Any, path: tuple, resolver: yaml.resolver.Resolver) -> Any:
     line = event.start_mark.line + 1
     tag = event.tag
     if tag is None or tag == "!":
@@ -130,98 +130,114 @@ def _key_problem(line: int, what: str, path: tuple) -> YamlProblem:
     return YamlProblem(line, f"mapping keys must be plain names, got {what}", path)
 
 
-def _build(events: Any, lines: LineMap) -> Any:
+class _Builder:
     """Plain Python data from a YAML event stream, iteratively, recording lines."""
-    resolver = yaml.resolver.Resolver()
-    stack: list[_Frame] = []
-    anchors: dict[str, tuple[Any, int]] = {}    # anchor -> (value, values inside)
-    alias_values = 0
-    documents = 0
-    result: Any = None
 
-    def place(value: Any, line: int, count: int, as_key_ok: bool, shown: str) -> None:
-        nonlocal result
-        if not stack:
-            result = value
+    def __init__(self, lines: LineMap) -> None:
+        self.lines = lines
+        self.resolver = yaml.resolver.Resolver()
+        self.stack: list[_Frame] = []
+        self.anchors: dict[str, tuple[Any, int]] = {}    # anchor -> (value, values inside)
+        self.alias_values = 0
+        self.documents = 0
+        self.result: Any = None
+
+    def run(self, events: Any) -> Any:
+        handlers = {yaml.DocumentStartEvent: self._document, yaml.ScalarEvent: self._scalar,
+                    yaml.MappingStartEvent: self._start, yaml.SequenceStartEvent: self._start,
+                    yaml.MappingEndEvent: self._end, yaml.SequenceEndEvent: self._end,
+                    yaml.AliasEvent: self._alias}
+        for event in events:
+            handler = handlers.get(type(event))
+            if handler is not None:
+                handler(event, event.start_mark.line + 1 if event.start_mark else 1)
+        return self.result
+
+    def _child_path(self) -> tuple:
+        if not self.stack:
+            return ()
+        top = self.stack[-1]
+        return top.path + ((len(top.value),) if isinstance(top.value, list) else (top.key,))
+
+    def _expects_key(self) -> bool:
+        return bool(self.stack) and isinstance(self.stack[-1].value, dict) \
+            and not self.stack[-1].has_key
+
+    def _place(self, value: Any, line: int, count: int, shown: str) -> None:
+        if not self.stack:
+            self.lines.lines.setdefault((), line)
+            self.result = value
             return
-        top = stack[-1]
+        top = self.stack[-1]
         top.values += count
         if isinstance(top.value, list):
-            path = top.path + (len(top.value),)
-            lines.lines.setdefault(path, line)
+            self.lines.lines.setdefault(top.path + (len(top.value),), line)
             top.value.append(value)
         elif not top.has_key:
-            if not as_key_ok:
-                raise _key_problem(line, shown, top.path)
-            key = value
-            if not isinstance(key, str | int) or isinstance(key, bool):
-                raise _key_problem(line, repr(shown), top.path)
-            if key in top.value:
-                raise YamlProblem(line, f"duplicate key {key!r} (first at line "
-                                        f"{lines.lines[top.path + (key,)]}); remove one of "
-                                        "them", top.path + (key,))
-            lines.lines[top.path + (key,)] = line
-            top.key, top.has_key = key, True
+            self._key(top, value, line, shown)
         else:
-            lines.lines.setdefault(top.path + (top.key,), line)
+            self.lines.lines.setdefault(top.path + (top.key,), line)
             top.value[top.key] = value
             top.has_key = False
 
-    def child_path() -> tuple:
-        if not stack:
-            return ()
-        top = stack[-1]
-        return top.path + ((len(top.value),) if isinstance(top.value, list) else (top.key,))
+    def _key(self, top: _Frame, key: Any, line: int, shown: str) -> None:
+        if not isinstance(key, str | int) or isinstance(key, bool):
+            raise _key_problem(line, shown, top.path)
+        if key in top.value:
+            raise YamlProblem(line, f"duplicate key {key!r} (first at line "
+                                    f"{self.lines.lines[top.path + (key,)]}); remove one of "
+                                    "them", top.path + (key,))
+        self.lines.lines[top.path + (key,)] = line
+        top.key, top.has_key = key, True
 
-    for event in events:
-        line = event.start_mark.line + 1 if event.start_mark else 1
-        if isinstance(event, yaml.DocumentStartEvent):
-            documents += 1
-            if documents > 1:
-                raise YamlProblem(line, "the file holds more than one YAML document (---); "
-                                        "keep one fabric per file")
-        elif isinstance(event, yaml.ScalarEvent):
-            path = child_path()
-            is_key = bool(stack) and isinstance(stack[-1].value, dict) and not stack[-1].has_key
-            value = _scalar(event, path if not is_key else stack[-1].path, resolver)
-            if event.anchor:
-                anchors[event.anchor] = (value, 1)
-            if not stack:
-                lines.lines.setdefault((), line)
-            place(value, line, 1, True, event.value)
-        elif isinstance(event, yaml.MappingStartEvent | yaml.SequenceStartEvent):
-            is_map = isinstance(event, yaml.MappingStartEvent)
-            path = child_path()
-            if stack and isinstance(stack[-1].value, dict) and not stack[-1].has_key:
-                raise _key_problem(line, "a mapping" if is_map else "a list", stack[-1].path)
-            if event.tag not in (None, "!", _MAP_TAG if is_map else _SEQ_TAG):
-                raise _tag_problem(line, event.tag, path)
-            if len(stack) >= MAX_DEPTH:
-                raise YamlProblem(line, f"nesting is deeper than {MAX_DEPTH} levels; a fabric "
-                                        "config needs only a few, so flatten this value", path[:4])
-            lines.lines.setdefault(path, line)
-            stack.append(_Frame({} if is_map else [], path, event.anchor))
-        elif isinstance(event, yaml.MappingEndEvent | yaml.SequenceEndEvent):
-            done = stack.pop()
-            if done.anchor:
-                anchors[done.anchor] = (done.value, done.values)
-            place(done.value, line, done.values, False,
-                  "a mapping" if isinstance(done.value, dict) else "a list")
-        elif isinstance(event, yaml.AliasEvent):
-            if event.anchor not in anchors:
-                raise YamlProblem(line, f"alias *{event.anchor} names no anchor "
-                                        f"(&{event.anchor}) above it; define the anchor "
-                                        "first", child_path())
-            value, count = anchors[event.anchor]
-            alias_values += count
-            if alias_values > MAX_ALIAS_VALUES:
-                raise YamlProblem(line, f"aliases (*name) expand to more than "
-                                        f"{MAX_ALIAS_VALUES} values; write the values out "
-                                        "or use fewer aliases", child_path())
-            if not stack:
-                lines.lines.setdefault((), line)
-            place(value, line, count, isinstance(value, str | int), describe(value))
-    return result
+    def _document(self, event: Any, line: int) -> None:
+        self.documents += 1
+        if self.documents > 1:
+            raise YamlProblem(line, "the file holds more than one YAML document (---); "
+                                    "keep one fabric per file")
+
+    def _scalar(self, event: Any, line: int) -> None:
+        path = self.stack[-1].path if self._expects_key() else self._child_path()
+        value = _scalar(event, path, self.resolver)
+        if event.anchor:
+            self.anchors[event.anchor] = (value, 1)
+        self._place(value, line, 1, repr(event.value))
+
+    def _start(self, event: Any, line: int) -> None:
+        is_map = isinstance(event, yaml.MappingStartEvent)
+        path = self._child_path()
+        if self._expects_key():
+            raise _key_problem(line, "a mapping" if is_map else "a list", self.stack[-1].path)
+        if event.tag not in (None, "!", _MAP_TAG if is_map else _SEQ_TAG):
+            raise _tag_problem(line, event.tag, path)
+        if len(self.stack) >= MAX_DEPTH:
+            raise YamlProblem(line, f"nesting is deeper than {MAX_DEPTH} levels; a fabric "
+                                    "config needs only a few, so flatten this value", path[:4])
+        self.lines.lines.setdefault(path, line)
+        self.stack.append(_Frame({} if is_map else [], path, event.anchor))
+
+    def _end(self, event: Any, line: int) -> None:
+        done = self.stack.pop()
+        if done.anchor:
+            self.anchors[done.anchor] = (done.value, done.values)
+        self._place(done.value, line, done.values, describe(done.value))
+
+    def _alias(self, event: Any, line: int) -> None:
+        if event.anchor not in self.anchors:
+            raise YamlProblem(line, f"alias *{event.anchor} names no anchor "
+                                    f"(&{event.anchor}) above it; define the anchor first",
+                              self._child_path())
+        value, count = self.anchors[event.anchor]
+        self.alias_values += count
+        if self.alias_values > MAX_ALIAS_VALUES:
+            raise YamlProblem(line, f"aliases (*name) expand to more than {MAX_ALIAS_VALUES} "
+                                    "values; write the values out or use fewer aliases",
+                              self._child_path())
+        self._place(value, line, count, describe(value))
+
+
+def _build(events: Any, lines: LineMap) -> Any:
+    return _Builder(lines).run(events)
 
 
 def describe(value: Any) -> str:
