@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Annotated, Any
 
+from pydantic import BaseModel
 from rich.console import Console
 
 from testbed.config import ConfigError, LoadedConfig, load_config
@@ -57,3 +59,28 @@ def print_json(data: object) -> None:
 def add_format(parser, choices=("table", "json"), default="table") -> None:
     parser.add_argument("--format", choices=choices, default=default,
                         help=f"output format (default {default})")
+
+
+def check_arg(option: str, value: object, model: type[BaseModel], field: str) -> Any:
+    """`value` validated exactly as `field` of config model `model`; CliError (exit 2) if bad.
+
+    CLI options and config fields share one validator, so the command line is never
+    looser than a config (`testbed phy --length 0` is refused as `length: 0` is).
+    """
+    from pydantic import TypeAdapter, ValidationError
+
+    from testbed.config import describe_input
+
+    info = model.model_fields[field]
+    annotated: Any = Annotated[info.annotation, *info.metadata]
+    adapter: TypeAdapter[Any] = TypeAdapter(annotated)
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] in ("greater_than", "greater_than_equal", "less_than",
+                           "less_than_equal"):
+            msg = f"{describe_input(value)}: {msg.lower()}"
+        raise CliError(f"{option}: {msg} (the same check as `{info.alias or field}:` "
+                       "in a config)", EXIT_USAGE) from None

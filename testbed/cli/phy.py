@@ -11,8 +11,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from testbed.cli.common import CliError, check_arg
+from testbed.config.models import Fabric, Link
 from testbed.phy import PORT_TYPES, PhyResult, UnknownPortType, evaluate
-from testbed.units import UnitError, parse_length_m, parse_size_bytes
+from testbed.units import UnitError
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -42,8 +44,11 @@ def run(args: argparse.Namespace) -> int:
     if args.length is None:
         return _fail(f"--length is required, e.g. testbed phy {args.port_type} --length 2m")
     try:
-        length_m = parse_length_m(args.length)
-        mtu_bytes = parse_size_bytes(args.mtu)
+        length_m = check_arg("--length", args.length, Link, "length_m")
+        mtu_bytes = check_arg("--mtu", args.mtu, Fabric, "mtu_bytes")
+    except CliError as exc:
+        return _fail(str(exc))
+    try:
         result = evaluate(args.port_type, length_m, mtu_bytes)
     except (UnitError, UnknownPortType, ValueError) as exc:
         return _fail(str(exc))

@@ -31,7 +31,14 @@ from testbed.config.checks import (
     check_workload,
 )
 from testbed.config.errors import ConfigError, Problem, format_loc
-from testbed.config.loader import LineMap, YamlProblem, parse_yaml_with_lines
+from testbed.config.loader import (
+    MAX_BYTES,
+    LineMap,
+    YamlProblem,
+    decode_config_bytes,
+    parse_yaml_with_lines,
+    too_big,
+)
 from testbed.config.models import FORMAT_VERSION, LAB_NAME_RE, NAME_RE, Fabric
 from testbed.config.topology import Expanded, expand
 
@@ -290,7 +297,11 @@ def load_config(path: str | Path) -> LoadedConfig:
     """Load and validate a fabric config file."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        if path.stat().st_size > MAX_BYTES:    # refuse before reading a huge file into memory
+            raise YamlProblem(1, too_big(path.stat().st_size))
+        text = decode_config_bytes(path.read_bytes())
     except OSError as exc:
         raise ConfigError(str(path), [Problem(0, (), f"cannot read: {exc.strerror}")]) from None
+    except YamlProblem as exc:
+        raise ConfigError(str(path), [Problem(exc.line, exc.loc, exc.message)]) from None
     return load_config_text(text, str(path))

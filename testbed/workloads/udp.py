@@ -10,16 +10,19 @@ streams of the entry) over `flows` source ports.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, RateBps, SizeBytes
+from testbed.units import format_rate
 from testbed.workloads.base import (
     AgentSpec,
+    CheckContext,
     ExpandContext,
+    Problem,
     ResultRow,
     Results,
     RunView,
@@ -98,6 +101,27 @@ class UdpKind(WorkloadKind):
                          "receiver's active window (first to last arrival of any stream), "
                          "fabric bit/s",
     }
+
+    def check(self, entry: TrafficEntry, loc: tuple,
+              ctx: CheckContext) -> Iterator[Problem]:
+        """A set rate above a sender's line rate could never be sent: refuse it, naming both."""
+        assert isinstance(entry, UdpTraffic)
+        if entry.rate_bps is None:
+            return
+        if entry.kind == "udp_incast":
+            senders = entry.senders or []
+        elif entry.kind == "udp_pairs":
+            senders = [src for src, _dst in entry.pairs or []]
+        else:
+            senders = list(entry.hosts or ctx.hosts)
+        for src in dict.fromkeys(senders):
+            line_bps = ctx.nic_bps.get(src)
+            if line_bps is not None and entry.rate_bps > line_bps:
+                yield ((*loc, "rate"),
+                       f"rate {format_rate(entry.rate_bps)} is above sender {src}'s line rate "
+                       f"{format_rate(line_bps)}; lower rate to at most "
+                       f"{format_rate(line_bps)} or leave it out (default: line rate)")
+                return
 
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         assert isinstance(entry, UdpTraffic)
