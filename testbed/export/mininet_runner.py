@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
         result["up_s"] = time.perf_counter() - t0
         if batch:
             failed = namespace["fabricping"](net)
-            hosts = namespace["HOSTS"]
+            hosts = namespace["FABRIC_HOSTS"]
             result.update(pairs=len(hosts) * (len(hosts) - 1), failed=failed)
         else:
             from mininet.cli import CLI

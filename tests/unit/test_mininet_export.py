@@ -86,3 +86,32 @@ def test_cli_export_bad_config_is_a_usage_error(tmp_path: Path) -> None:
     bad.write_text("name: x\ntopology: {kind: nonsense}\n")
     assert main(["export", "mininet", str(bad), "-o", str(tmp_path / "t.py")]) == 2
     assert not (tmp_path / "t.py").exists()
+
+
+# mn 2.3's own module-level names: `mn --custom FILE` copies every top-level name of FILE
+# into mn's globals, so a custom file must not rebind one to something else (an exported
+# HOSTS list replaced mn's HOSTS dict and `mn` failed: 'list' object has no attribute 'get')
+MN_GLOBALS = {"TOPOS", "SWITCHES", "HOSTS", "CONTROLLERS", "LINKS", "TESTS", "CLI",
+              "ALTSPELLING", "MininetRunner", "runTests", "addDictOption", "version",
+              "custom", "buildTopo", "Mininet", "MininetWithControlNet", "TESTNAMES"}
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+    return names
+
+
+@pytest.mark.parametrize("name", ["default", "explicit"])
+def test_export_rebinds_none_of_mns_globals(name: str) -> None:
+    mn_names = set(MN_GLOBALS)
+    mn = Path("/usr/bin/mn")
+    if mn.exists():             # the installed mn's own names too, where Mininet is there
+        mn_names |= _top_level_names(ast.parse(mn.read_text()))
+    exported = _top_level_names(ast.parse(export_mininet(_plan(name), f"{name}.yaml")))
+    # topos and tests are the names mn reads on purpose
+    assert not (exported - {"topos", "tests"}) & mn_names
