@@ -40,6 +40,7 @@ from testbed.plan.model import (
     TrafficClassPlan,
     TrimPlan,
 )
+from testbed.plan.paths import unreachable_host_pairs
 from testbed.plan.qos import (
     DEFAULT_BUFFER_BYTES,
     ECN_ABOVE_XOFF,
@@ -302,12 +303,33 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
                                         for loc, msg in timeline.problems])
     if timeline.allowed:
         warnings.append(allowance_warning(ECN_ABOVE_XOFF, timeline.allowed))
-    return Plan(
+    plan = Plan(
         lab=fabric.name, netns_prefix=netns_name(fabric.name, ""),
         address_pool=str(fabric.address_pool), mtu_bytes=fabric.mtu_bytes,
         roce_mtu_bytes=fabric.roce_mtu_bytes, dilation=dplan,
         traffic_classes=[TrafficClassPlan(**t.model_dump()) for t in fabric.traffic_classes],
         nodes=node_plans, links=ports.links, warnings=warnings, events=timeline.events)
+    unreachable = unreachable_host_pairs(plan)
+    if unreachable:
+        raise ConfigError(loaded.path, [_unreachable_problem(loaded, unreachable)])
+    return plan
+
+
+MAX_PAIRS_SHOWN = 5
+
+
+def _unreachable_problem(loaded: LoadedConfig, pairs: list[tuple[str, str, str]]) -> Problem:
+    """One problem for every host pair the routes do not deliver, at the links (or the
+    static routes, when a route is what breaks the path)."""
+    fabric = loaded.fabric
+    loc: tuple = ("routes",) if fabric.routes else ("links",) if fabric.links else ("topology",)
+    shown = "; ".join(f"{s} -> {d}: {why}" for s, d, why in pairs[:MAX_PAIRS_SHOWN])
+    extra = len(pairs) - MAX_PAIRS_SHOWN
+    more = f" (and {extra} more pairs)" if extra > 0 else ""
+    return Problem(loaded.lines.line_for(loc), loc,
+                   f"{len(pairs)} host pairs cannot reach each other on the plan's routes: "
+                   f"{shown}{more}; connect the fabric (every switch must reach every other) "
+                   "or fix the static routes")
 
 
 def _static_routes(fabric: Fabric, links: list[Link],

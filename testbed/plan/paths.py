@@ -182,3 +182,52 @@ def base_round_trip_ns(plan: Plan, src: str, dst: str, *,
             total += plan.links[iface.link].delay_ns + Fraction(
                 wire_bytes * 8 * 10**9, iface.egress.rate_bps)
     return round(total)
+
+
+def unreachable_host_pairs(plan: Plan, routes: Routes | None = None
+                           ) -> list[tuple[str, str, str]]:
+    """Every (src, dst, why) of hosts whose packets the plan's routes do not all deliver:
+    walked hop by hop over every equal-cost next hop, so a dead end on one ECMP branch
+    counts too. A host other than the destination does not forward. Pure; per destination
+    each node is judged once (memoized), so the cost is hosts x nodes x fan-out."""
+    routes = routes or Routes(plan)
+    hosts = [n.name for n in plan.nodes if n.role == "host"]
+    out: list[tuple[str, str, str]] = []
+    for dst in hosts:
+        if not plan.node(dst).interfaces:
+            continue
+        address = host_address(plan, dst)
+        verdict: dict[str, str | None] = {dst: None}      # None: delivers
+        for src in hosts:
+            if src != dst and not plan.node(src).interfaces:
+                out.append((src, dst, f"{src} has no interface"))
+                continue
+            stack, on_path = [src], set()
+            while stack:
+                node = stack[-1]
+                if node in verdict:
+                    stack.pop()
+                    on_path.discard(node)
+                    continue
+                if node != src and routes.nodes[node].role == "host":
+                    verdict[node] = f"the route reaches host {node}, which does not forward"
+                    continue
+                hops = routes.egress_toward(node, address)
+                if not hops:
+                    verdict[node] = f"{node} has no route toward {dst} ({address})"
+                    continue
+                on_path.add(node)
+                peers = [h.peer.node for h in hops]
+                looped = [p for p in peers if p in on_path and p not in verdict]
+                if looped:
+                    verdict[node] = f"routing loop through {node} and {looped[0]}"
+                    continue
+                pending = [p for p in dict.fromkeys(peers) if p not in verdict]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                verdict[node] = next((verdict[p] for p in peers if verdict[p]), None)
+            why = verdict[src]
+            if src != dst and why is not None:
+                out.append((src, dst, why))
+    return out
