@@ -43,6 +43,10 @@ def run(args) -> int:
     except RunDirError as exc:
         print(f"testbed compare: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as exc:          # noqa: BLE001 - never a traceback on a damaged run dir
+        print(f"testbed compare: cannot read the runs: {type(exc).__name__}: {exc} (a damaged "
+              "file the reader does not check yet; please report it)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         out = Path(args.out) if args.out else create_run_dir(Path(args.runs_dir), "compare")
         paths = write_comparison(comparison, out)

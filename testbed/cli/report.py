@@ -44,4 +44,11 @@ def run(args) -> int:
     except OSError as exc:
         print(f"testbed report: cannot write: {exc}", file=sys.stderr)
         return EXIT_FAIL
+    except Exception as exc:          # noqa: BLE001 - never a traceback on a damaged run dir
+        # load_run checks every file; damage it does not know reaches here. Name the
+        # directory and the error rather than print a traceback (docs/report.md).
+        print(f"testbed report: {run_dir}: cannot make a report: {type(exc).__name__}: {exc} "
+              "(a damaged file the reader does not check yet; please report it)",
+              file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK

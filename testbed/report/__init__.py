@@ -60,6 +60,7 @@ def write_prometheus(run_dir: Path, out: Path) -> None:
 
     run_dir, out = Path(run_dir), Path(out)
     with load_run(run_dir) as run:
-        text = prometheus_text(run.summary, run.metadata, incomplete=run.rebuilt)
+        text = prometheus_text(run.summary, run.metadata, incomplete=run.rebuilt,
+                               reader_notes=len(run.notes))
     inside = out.resolve().parent == run_dir.resolve()
     write_text_file(out, text, 0o600 if inside else 0o644)

@@ -189,8 +189,10 @@ def header(run: RunData) -> dict:
         ("started", _created(run)),
         ("dilation D", f"{d} (the fabric ran {d}x slower than real time; all figures are "
                        "fabric units)"),
-        ("duration (fabric)", fmt_duration(s.get("duration_fabric_ns") or 0)),
-        ("duration (wall)", f"{float(s.get('duration_wall_s') or 0):.2f} s"),
+        ("duration (fabric)", "unknown" if s.get("duration_fabric_ns") is None
+         else fmt_duration(s["duration_fabric_ns"])),
+        ("duration (wall)", "unknown" if s.get("duration_wall_s") is None
+         else f"{float(s['duration_wall_s']):.2f} s"),
         ("kernel", f"{m.get('kernel') or probe.get('kernel') or 'unknown'} "
                    f"{m.get('machine') or probe.get('machine') or ''}".strip()),
     ]
@@ -1238,6 +1240,9 @@ def invariants(run: RunData) -> Table | None:
 
 def fidelity(run: RunData) -> dict:
     notes = [str(n) for n in run.summary.get("fidelity") or []]
+    # What the reader found missing, damaged or inconsistent limits what the report can
+    # say, so it is a fidelity note too (docs/report.md, "Damaged run directories").
+    notes += [f"run directory: {n}" for n in run.notes]
     warnings = list(run.plan.warnings) if run.plan else []
     return {"notes": notes, "plan_warnings": warnings, "invariants": invariants(run)}
 

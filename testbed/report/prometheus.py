@@ -79,7 +79,8 @@ class _Writer:
             self.lines.append(f"{name}{_labels(labels)} {format_value(value)}")
 
 
-def prometheus_text(summary: dict, metadata: dict | None = None, incomplete: bool = False) -> str:
+def prometheus_text(summary: dict, metadata: dict | None = None, incomplete: bool = False,
+                    reader_notes: int = 0) -> str:
     """The exposition text for one run's summary."""
     metadata = metadata or {}
     lab = str(summary.get("lab", ""))
@@ -100,13 +101,21 @@ def prometheus_text(summary: dict, metadata: dict | None = None, incomplete: boo
     w.family("testbed_run_incomplete", "gauge",
              "1 if summary.json was missing and the totals were rebuilt from counters.sqlite.",
              [(run, bool(incomplete))])
-    w.family("testbed_run_duration_fabric_seconds", "gauge", "Duration of the run in fabric time.",
-             [(run, (summary.get("duration_fabric_ns") or 0) / 1e9)])
-    w.family("testbed_run_duration_wall_seconds", "gauge", "Duration of the run in wall time.",
-             [(run, float(summary.get("duration_wall_s") or 0))])
+    # A duration the reader found missing or bad is None: no sample, not a made-up 0.
+    if summary.get("duration_fabric_ns") is not None:
+        w.family("testbed_run_duration_fabric_seconds", "gauge",
+                 "Duration of the run in fabric time.",
+                 [(run, summary["duration_fabric_ns"] / 1e9)])
+    if summary.get("duration_wall_s") is not None:
+        w.family("testbed_run_duration_wall_seconds", "gauge", "Duration of the run in wall time.",
+                 [(run, float(summary["duration_wall_s"]))])
     w.family("testbed_run_fidelity_notes", "gauge",
              "Number of places where the run could not keep fabric fidelity.",
              [(run, len(summary.get("fidelity") or []))])
+    w.family("testbed_run_reader_notes", "gauge",
+             "Number of files or fields of the run directory that were missing, damaged or "
+             "inconsistent (the HTML report's notes name them).",
+             [(run, reader_notes)])
     delivered = (summary.get("totals") or {}).get("delivered_bytes")
     if delivered is not None:
         w.family("testbed_run_delivered_bytes_total", "counter",

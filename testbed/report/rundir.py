@@ -10,6 +10,7 @@ Every reader checks `format_version` and refuses a newer one.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sqlite3
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ def _open_store(path: Path) -> Store | None:
         raise _newer(path, version, STORE_FORMAT_VERSION) from None
     except sqlite3.Error as exc:
         raise RunDirError(f"{path}: not a readable counters database: {exc}") from None
+    except ValueError:
+        raise RunDirError(f"{path}: meta format_version is not a number") from None
 
 
 @dataclass
@@ -103,7 +106,8 @@ class RunData:
 
     @property
     def dilation(self) -> int:
-        return int(self.summary.get("dilation") or 1)
+        # load_run leaves a checked factor >= 1 in the summary (check_summary)
+        return int(self.summary["dilation"])
 
 
 def load_run(run_dir: Path) -> RunData:
@@ -128,28 +132,222 @@ def load_run(run_dir: Path) -> RunData:
     try:
         if store is None:
             notes.append(f"{COUNTERS} is missing: no time series")
+        else:
+            check_store(store)
         rebuilt = summary is None
         if summary is None:
             summary = rebuild_summary(run_dir, plan, store, metadata)
+        check_summary(run_dir / SUMMARY, summary, metadata, plan, store, notes)
     except BaseException:
         if store is not None:
             store.close()
         raise
-    _check_ports(summary, notes)
     return RunData(run_dir, summary, metadata, plan, store, rebuilt, notes)
 
 
-def _check_ports(summary: dict, notes: list[str]) -> None:
-    """Keep the port entries a report can place (node, port and tclass present)."""
-    ports = summary.get("ports")
-    if not isinstance(ports, list):
-        summary["ports"] = []
-        return
-    good = [p for p in ports if isinstance(p, dict) and {"node", "port", "tclass"} <= p.keys()]
-    if len(good) != len(ports):
-        notes.append(f"{SUMMARY}: {len(ports) - len(good)} port entries without node, port "
-                     "and tclass were left out")
+# --- consistency checks (docs/report.md, "Damaged run directories") ---------------------
+#
+# The rule: a file the report is built from that cannot be read as what it should be
+# (not JSON / not SQLite, a table missing, a row that is not JSON, a value of the wrong
+# type in the database) is refused: RunDirError naming the file, table and row, exit 2.
+# A summary.json field that is missing, of the wrong type, not finite or negative is
+# left out of the report (shown as "unknown", never as a made-up 0 or 1) and named
+# in the report's notes; so is metadata that disagrees with the summary. Every output
+# format reads through load_run, so one directory gives the same answer in each.
+
+# table -> columns that must hold integers (or NULL where the schema allows it)
+_INT_COLUMNS = {
+    "events": ("ts_fabric_ns", "ts_wall_ns", "tclass"),
+    "series": ("id", "tclass"),
+    "sample_times": ("ts_fabric_ns", "ts_wall_ns"),
+    "points": ("series_id", "ts_fabric_ns"),
+    "flows": ("flow_id", "sport", "dport", "size_bytes", "start_ns", "fct_ns",
+              "ideal_fct_ns", "tc"),
+}
+_TEXT_COLUMNS = {"events": ("node", "port", "kind"), "series": ("node", "port", "counter"),
+                 "results": ("workload", "kind"), "flows": ("workload", "src", "dst")}
+_JSON_COLUMNS = {"events": "detail", "results": "row", "flows": "extra"}
+
+
+def check_store(store: Store) -> None:
+    """Refuse a counters database a report cannot be built from (RunDirError)."""
+    path = store.path
+    try:
+        with store.lock:
+            db = store.db
+            tables = {r[0] for r in db.execute(
+                "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")}
+            needed = ["meta", "events", "results"] + (
+                ["samples"] if store.version < 2 else ["series", "sample_times", "points"])
+            for table in needed:
+                if table not in tables:
+                    raise RunDirError(f"{path}: table {table} is missing; the database was "
+                                      "damaged or written by another program")
+            for table, columns in _INT_COLUMNS.items():
+                if table not in tables:
+                    continue
+                for column in columns:
+                    _check_column(db, path, table, column, "integer", ("integer", "null"))
+            for table, columns in _TEXT_COLUMNS.items():
+                for column in columns if table in tables else ():
+                    _check_column(db, path, table, column, "text", ("text",))
+            values = "points" if store.version >= 2 else "samples"
+            _check_column(db, path, values, "value", "number", ("integer", "real", "null"))
+            row = db.execute(f"SELECT * FROM {values} WHERE typeof(value) = 'real' "
+                             "AND (value > 1e308 OR value < -1e308) LIMIT 1").fetchone()
+            if row is not None:
+                raise RunDirError(f"{path}: table {values} row {tuple(row)}: value is not a "
+                                  "finite number")
+            for table, column in _JSON_COLUMNS.items():
+                if table not in tables:
+                    continue
+                rows = db.execute(f"SELECT {column} FROM {table}")
+                for rowid, (text,) in enumerate(rows, 1):     # rowid: position in the table
+                    try:
+                        value = json.loads(text) if isinstance(text, str) else None
+                    except ValueError as exc:
+                        raise RunDirError(f"{path}: table {table} row {rowid}: {column} is "
+                                          f"not JSON ({exc})") from None
+                    if not isinstance(value, dict):
+                        raise RunDirError(f"{path}: table {table} row {rowid}: {column} is "
+                                          "not a JSON object")
+    except sqlite3.Error as exc:
+        raise RunDirError(f"{path}: not a readable counters database: {exc}") from None
+
+
+def _check_column(db: sqlite3.Connection, path: Path, table: str, column: str, what: str,
+                  types: tuple[str, ...]) -> None:
+    marks = ", ".join("?" * len(types))
+    row = db.execute(f"SELECT {column}, * FROM {table} WHERE typeof({column}) NOT IN "
+                     f"({marks}) LIMIT 1", types).fetchone()
+    if row is not None:
+        raise RunDirError(f"{path}: table {table} row {tuple(row[1:])}: {column} {row[0]!r} "
+                          f"is not {'an' if what[0] in 'aeiou' else 'a'} {what}")
+
+
+def _number(value: object) -> bool:
+    """A finite, non-negative JSON number (bool is not one)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)
+
+
+def _factor(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value < 1 or value != int(value):
+        return None
+    return int(value)
+
+
+_PORT_FIELDS = ("tx_bytes", "tx_packets", "drops", "ecn_marks", "trims", "max_queue_bytes",
+                "pause_tx", "pause_rx", "paused_ns")
+_LIST_FIELDS = ("ports", "workloads", "links", "fidelity")
+
+
+def check_summary(path: Path, summary: dict, metadata: dict, plan: Plan | None,
+                  store: Store | None, notes: list[str]) -> None:
+    """Leave in `summary` only what a report may print, naming in `notes` what was not.
+
+    Durations that are missing or bad become None ("unknown" in the report); the
+    dilation factor is taken from the first of summary, counters meta, metadata and
+    plan that holds one, with a note when they disagree; no factor at all is refused.
+    """
+    name = path.name
+    for key in _LIST_FIELDS:
+        value = summary.get(key)
+        if key not in summary:
+            if key == "ports":
+                notes.append(f"{name}: ports is missing: no port, queue, ECN, trim or PFC "
+                             "figures")
+            summary[key] = []
+        elif not isinstance(value, list):
+            notes.append(f"{name}: {key} is {type(value).__name__}, not a list: left out")
+            summary[key] = []
+    for key in ("totals", "collector", "verdict"):
+        value = summary.get(key)
+        if value is not None and not isinstance(value, dict):
+            notes.append(f"{name}: {key} is {type(value).__name__}, not an object: left out")
+            summary[key] = {} if key != "verdict" else None
+    totals_ = summary.get("totals") or {}
+    for key, value in list(totals_.items()):
+        if not _number(value):
+            notes.append(f"{name}: totals.{key} {value!r} is not a number >= 0: left out")
+            del totals_[key]
+    summary["totals"] = totals_
+    _check_summary_ports(name, summary, notes)
+    _check_summary_workloads(name, summary, notes)
+    summary["fidelity"] = [str(n) for n in summary["fidelity"]]
+    for key in ("duration_fabric_ns", "duration_wall_s"):
+        value = summary.get(key)
+        if key not in summary:
+            notes.append(f"{name}: {key} is missing: duration unknown")
+            summary[key] = None
+        elif not _number(value):
+            notes.append(f"{name}: {key} {value!r} is not a number >= 0: duration unknown")
+            summary[key] = None
+    _check_dilation(name, summary, metadata, plan, store, notes)
+
+
+def _check_summary_ports(name: str, summary: dict, notes: list[str]) -> None:
+    """Keep the port entries a report can place (node, port and tclass present, counts
+    numbers >= 0)."""
+    ports = summary["ports"]
+    good, unplaced = [], 0
+    for p in ports:
+        if not (isinstance(p, dict) and {"node", "port", "tclass"} <= p.keys()):
+            unplaced += 1
+            continue
+        bad = [f for f in _PORT_FIELDS if f in p and p[f] is not None and not _number(p[f])]
+        if bad:
+            notes.append(f"{name}: port {p['node']}:{p['port']} class {p['tclass']}: "
+                         + ", ".join(f"{f} {p[f]!r}" for f in bad)
+                         + " not a number >= 0: port left out")
+            continue
+        good.append(p)
+    if unplaced:
+        notes.append(f"{name}: {unplaced} port entries without node, port and tclass were "
+                     "left out")
     summary["ports"] = good
+
+
+def _check_summary_workloads(name: str, summary: dict, notes: list[str]) -> None:
+    good = []
+    for w in summary["workloads"]:
+        if not isinstance(w, dict):
+            notes.append(f"{name}: a workload entry is {type(w).__name__}, not an object: "
+                         "left out")
+            continue
+        rows = w.get("results", [])
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            notes.append(f"{name}: workload {w.get('name', '?')}: results is not a list of "
+                         "objects: its rows were left out")
+            w = {**w, "results": []}
+        good.append(w)
+    summary["workloads"] = good
+    summary["links"] = [link for link in summary["links"] if isinstance(link, dict)]
+
+
+def _check_dilation(name: str, summary: dict, metadata: dict, plan: Plan | None,
+                    store: Store | None, notes: list[str]) -> None:
+    meta_store = _int(store.meta().get("dilation")) if store is not None else None
+    sources = [(name, summary.get("dilation")), (COUNTERS, meta_store),
+               (METADATA, metadata_dilation(metadata)),
+               (PLAN, plan.dilation.factor if plan is not None else None)]
+    factors = [(src, _factor(v)) for src, v in sources]
+    found = [(src, f) for src, f in factors if f is not None]
+    if "dilation" in summary and factors[0][1] is None:
+        notes.append(f"{name}: dilation {summary['dilation']!r} is not a factor >= 1"
+                     + (f"; {found[0][0]}'s {found[0][1]} was used" if found else ""))
+    if not found:
+        raise RunDirError(f"{name}: no dilation factor >= 1 in {SUMMARY}, {COUNTERS}, "
+                          f"{METADATA} or {PLAN}: the report cannot convert wall to fabric "
+                          "time")
+    src, factor = found[0]
+    others = sorted({f"{s} says {f}" for s, f in found[1:] if f != factor})
+    if others:
+        notes.append(f"inconsistent dilation: {src} says {factor}, " + ", ".join(others)
+                     + f"; the report uses {factor}")
+    summary["dilation"] = factor
 
 
 def _load_plan(path: Path, notes: list[str]) -> Plan | None:
@@ -170,10 +368,7 @@ def metadata_dilation(metadata: dict) -> int | None:
     value = metadata.get("dilation")
     if isinstance(value, dict):
         value = value.get("factor")
-    try:
-        return int(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
+    return _factor(value)
 
 
 def run_name_and_time(run_dir: Path) -> tuple[str, str | None]:
