@@ -7,15 +7,23 @@ import sys
 import time
 from dataclasses import asdict
 
-from testbed.cli.common import EXIT_OK, CliError, require_root
+from testbed.cli.common import (
+    EXIT_OK,
+    CliError,
+    even_host_count,
+    positive_seconds,
+    require_root,
+)
 from testbed.cli.vmmode import add_vm_flag
 
 
 def add_parser(sub):
     p = sub.add_parser("calibrate", help="measure the wall rate this machine sustains with "
                        "fidelity; store it as the budget dilation: auto uses")
-    p.add_argument("--hosts", type=int, default=4, help="hosts in the trial fabric (even)")
-    p.add_argument("--seconds", type=float, default=2.0, help="wall seconds per trial")
+    p.add_argument("--hosts", type=even_host_count, default=4,
+                   help="hosts in the trial fabric (even)")
+    p.add_argument("--seconds", type=positive_seconds, default=2.0,
+                   help="wall seconds per trial")
     p.add_argument("--dry-run", action="store_true", help="measure, do not store")
     add_vm_flag(p)
     return p

@@ -84,3 +84,38 @@ def check_arg(option: str, value: object, model: type[BaseModel], field: str) ->
             msg = f"{describe_input(value)}: {msg.lower()}"
         raise CliError(f"{option}: {msg} (the same check as `{info.alias or field}:` "
                        "in a config)", EXIT_USAGE) from None
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite wall time in seconds, > 0 (not nan, not inf)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
+def even_host_count(text: str) -> int:
+    """argparse type: a host count >= 2 and even (trial fabrics pair their hosts)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of hosts") from None
+    if value < 2 or value % 2:
+        raise argparse.ArgumentTypeError(f"must be an even number of hosts >= 2, got {value}")
+    return value
+
+
+def lab_name_arg(value: str, option: str = "NAME") -> str:
+    """A lab name given on the command line, checked as the config's `name:` is (it names
+    files under /run/testbed, so nothing like `../x` may get through)."""
+    from testbed.config.models import Fabric
+
+    return str(check_arg(option, value, Fabric, "name"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from testbed.cli.common import EXIT_OK, EXIT_USAGE, CliError, require_root
+from testbed.cli.common import EXIT_OK, EXIT_USAGE, CliError, lab_name_arg, require_root
 
 
 def add_parser(sub):
@@ -21,6 +21,12 @@ def run(args) -> int:
     if bool(args.name) == bool(args.all):
         print("down: give a lab name or --all", file=sys.stderr)
         return EXIT_USAGE
+    if args.name:
+        try:
+            lab_name_arg(args.name)
+        except CliError as exc:
+            print(f"down: {exc}", file=sys.stderr)
+            return exc.code
     try:
         require_root("down")
     except CliError as exc:

@@ -12,7 +12,14 @@ import tempfile
 
 from rich.table import Table
 
-from testbed.cli.common import EXIT_OK, CliError, load_and_plan, require_root, wide_console
+from testbed.cli.common import (
+    EXIT_OK,
+    CliError,
+    load_and_plan,
+    positive_seconds,
+    require_root,
+    wide_console,
+)
 from testbed.cli.vmmode import add_vm_flag, require_kernel_features
 from testbed.units import format_rate
 
@@ -24,7 +31,8 @@ def add_parser(sub):
     p.add_argument("file", nargs="?", default=DEFAULT_CONFIG,
                    help=f"fabric YAML file (default {DEFAULT_CONFIG})")
     p.add_argument("--keep", action="store_true", help="leave the fabric up afterwards")
-    p.add_argument("--seconds", type=float, default=3.0, help="wall seconds of the rate test")
+    p.add_argument("--seconds", type=positive_seconds, default=3.0,
+                   help="wall seconds of the rate test")
     add_vm_flag(p)
     return p
 

@@ -6,7 +6,7 @@ import sys
 
 from rich.table import Table
 
-from testbed.cli.common import EXIT_OK, add_format, print_json, wide_console
+from testbed.cli.common import EXIT_OK, CliError, add_format, lab_name_arg, print_json, wide_console
 
 
 def add_parser(sub):
@@ -37,6 +37,11 @@ def run(args) -> int:
 
     console = wide_console()
     if args.name:
+        try:
+            lab_name_arg(args.name)
+        except CliError as exc:
+            print(f"status: {exc}", file=sys.stderr)
+            return exc.code
         plan = load_lab_plan(args.name)
         if plan is None:
             print(f"status: no lab {args.name!r} is up", file=sys.stderr)

@@ -172,3 +172,25 @@ def test_phy_refuses_what_a_config_refuses(args: list[str],
     assert main(["phy", "100GBASE-CR1", *args]) == 2
     err = capsys.readouterr().err
     assert "same check as" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["down", "../etc"], ["down", "Lab"], ["status", "a b"],
+                                  ["status", "x" * 40]])
+def test_lab_names_on_the_command_line_are_checked_as_name_is(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # before root or any file: a name like ../etc never reaches a path under /run/testbed
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "same check as `name:`" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["calibrate", "--hosts", "3"], ["calibrate", "--hosts", "0"],
+                                  ["calibrate", "--seconds", "0"],
+                                  ["calibrate", "--seconds", "inf"],
+                                  ["smoke", "--seconds", "nan"], ["smoke", "--seconds", "-1"]])
+def test_counts_and_seconds_are_refused_before_anything_runs(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
