@@ -49,7 +49,8 @@ def test_bad_incident_reports_every_problem_and_exits_2(
 
 @pytest.mark.parametrize("name", CASES)
 def test_each_problem_is_on_the_line_that_holds_its_key(name: str) -> None:
-    source = (REPO / CASES_DIR / f"{name}.yaml").read_text(encoding="utf-8", errors="replace").splitlines()
+    source = (REPO / CASES_DIR / f"{name}.yaml").read_text(encoding="utf-8",
+                                                           errors="replace").splitlines()
     *problems, summary = _expected(name)
     assert summary == f"{len(problems)} problem(s) in {CASES_DIR}/{name}.yaml"
     for line in problems:
