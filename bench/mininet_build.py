@@ -26,6 +26,7 @@ its namespace and veth ends with it. The result says whether all shells were gon
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import resource
 import signal
 import sys
 import time
+from pathlib import Path
 
 from mininet.log import lg, setLogLevel
 from mininet.net import Mininet
@@ -69,11 +71,22 @@ def _tracked(base):
     return Tracked
 
 
+def _runner():
+    """testbed/export/mininet_runner.py, loaded by path: it imports nothing from testbed,
+    so this system-Python script shares its loading and clean-up instead of copying them."""
+    path = Path(__file__).resolve().parent.parent / "testbed" / "export" / "mininet_runner.py"
+    spec = importlib.util.spec_from_file_location("mininet_runner", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RUNNER = _runner()
+
+
 def load_topo(path: str) -> dict:
     """The exported module's globals, read as `mn --custom` reads it."""
-    namespace = {"__file__": path, "__name__": "mininet_topo"}
-    with open(path) as fh:
-        exec(compile(fh.read(), path, "exec"), namespace)
+    namespace = RUNNER.load(path)
     namespace["FabricNode"] = _tracked(namespace["FabricNode"])
     return namespace
 
@@ -81,22 +94,7 @@ def load_topo(path: str) -> dict:
 def _kill_leftover_shells(timeout_s: float = 10.0) -> int:
     """Kill shells still running (after net.stop() or a failed build); returns how many
     were still alive after the timeout."""
-    for popen in _SHELLS:
-        if popen.poll() is None:
-            try:
-                os.killpg(popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + timeout_s
-    alive = 0
-    for popen in _SHELLS:
-        try:
-            popen.wait(max(0.0, deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001 - TimeoutExpired; count it below
-            pass
-        if popen.poll() is None:
-            alive += 1
-    return alive
+    return RUNNER.kill_leftovers(_SHELLS, timeout_s)
 
 
 _MAIN_PID = os.getpid()
