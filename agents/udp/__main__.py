@@ -36,8 +36,10 @@ on payload bytes), dilation, stopped_by ('count', 'duration', 'duration_blocked'
   namespaces on one machine do), flows {"ip:sport/flow": {received,
   highest_seq, lost, reordered, duplicates, bytes}}.
 - echo: (common keys only).
-- ping: replies, lost, late_replies, rtt_wall_ns / rtt_fabric_ns {count, min,
-  avg, max}, rtts_wall_ns (first 1000).
+- ping: replies, lost, late_replies, foreign_replies (datagrams from another address
+  than the probed one: not a reply, counted and ignored), malformed_replies (from it, but
+  not a probe header), rtt_wall_ns / rtt_fabric_ns {count, min, avg, max}, rtts_wall_ns
+  (first 1000).
 
 Pacing (send): an absolute schedule (packet i due at start + i * interval,
 interval = wire time of payload + `--wire-overhead-bytes` at the wall rate),
@@ -598,7 +600,7 @@ def run_ping(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
         clock = time.monotonic_ns
         rtt = RunningStats()
         rtts: list[int] = []
-        sent = replies = late = 0
+        sent = replies = late = foreign = malformed = 0
         first_mono = last_mono = first_real = last_real = None
         start = clock()
         for seq in range(args.count):
@@ -630,8 +632,12 @@ def run_ping(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
                         continue
                     raise
                 got = clock()
+                if addr != dest:
+                    foreign += 1
+                    continue
                 hdr = unpack_header(rbuf, n)
-                if addr != dest or hdr is None:
+                if hdr is None:
+                    malformed += 1
                     continue
                 if hdr[1] != seq:
                     late += 1
@@ -661,6 +667,8 @@ def run_ping(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
             "replies": replies,
             "lost": sent - replies,
             "late_replies": late,
+            "foreign_replies": foreign,
+            "malformed_replies": malformed,
             "icmp_errors": errs.icmp_errors,
             "rtt_wall_ns": rtt.as_dict(),
             "rtt_fabric_ns": rtt.as_dict(dilation.to_fabric_ns),

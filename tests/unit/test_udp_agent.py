@@ -317,6 +317,35 @@ def test_ping_gets_every_probe_back_from_echo(tmp_path):
     assert rc == 0 and served["packets"] == 5 and served["stopped_by"] == "signal:SIGTERM"
 
 
+def test_ping_counts_foreign_and_malformed_datagrams_and_still_gets_its_reply():
+    import threading
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind((LOOPBACK, 0))
+    stranger.bind((LOOPBACK, 0))
+    server.settimeout(10)
+
+    def answer():       # junk from the probed address, the probe from another, then the echo
+        probe, addr = server.recvfrom(65536)
+        server.sendto(b"junk", addr)
+        stranger.sendto(probe, addr)
+        time.sleep(0.05)
+        server.sendto(probe, addr)
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        rc, res = _finish(_agent("ping", "--dst", LOOPBACK, "--dport",
+                                 str(server.getsockname()[1]), "--count", "1"))
+    finally:
+        t.join(5)
+        server.close()
+        stranger.close()
+    assert rc == 0 and res["replies"] == 1
+    assert (res["foreign_replies"], res["malformed_replies"]) == (1, 1)
+
+
 def test_ping_without_an_echo_server_fails():
     rc, res = _finish(_agent("ping", "--dst", LOOPBACK, "--dport", str(_free_udp_port()),
                              "--count", "2", "--timeout-ns", "50000000"))
