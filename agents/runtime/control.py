@@ -14,7 +14,9 @@ stay with whoever ran the fabric. Peers are identified by their credentials
 (SO_PEERCRED): only a process of the agent's own user, or root, is served; any
 other is refused. Every refusal is said once per reason on stderr and counted
 per reason in the server's `refused` (docs/pfc.md "Commands"); the PFC agent
-reports its command socket's as `command_refused` in its snapshot and --out.
+reports its command socket's as `command_refused` in its snapshot and --out;
+every agent's snapshot carries its snapshot socket's as `snapshot_refused` (per reason)
+and `snapshot_refused_total`, once it has refused anyone.
 Servers are daemon threads, so they never keep an agent alive.
 """
 
@@ -125,8 +127,16 @@ class SnapshotServer(_UnixServer):
 
     def _accepted(self, conn: socket.socket) -> None:
         with conn:
+            snap = self._snapshot()
+            if self.refused:
+                # every agent's snapshot says whom its socket turned away (only once it
+                # has, so the snapshots of a clean run keep their keys)
+                with self._refused_lock:
+                    refused = dict(self.refused)
+                snap = {**snap, "snapshot_refused": refused,
+                        "snapshot_refused_total": sum(refused.values())}
             try:
-                conn.sendall(json.dumps(self._snapshot(), sort_keys=True).encode() + b"\n")
+                conn.sendall(json.dumps(snap, sort_keys=True).encode() + b"\n")
             except OSError:
                 pass
 

@@ -174,3 +174,19 @@ def test_decode_message_fuzz():
             check_hello(decode_message(bytes(b)), "write_bw", 1)
         except BadMessage:
             pass
+
+
+def test_a_snapshot_says_whom_its_socket_refused_once_it_has(tmp_path):
+    from agents.runtime.control import read_snapshot
+
+    path = str(tmp_path / "snap.sock")
+    server = serve_snapshots(path, lambda: {"packets": 7})
+    assert server is not None
+    try:
+        assert read_snapshot(path, timeout_s=5) == {"packets": 7}     # clean: no new keys
+        server.refuse("peer", "uid 65534")          # what SO_PEERCRED does to a stranger
+        got = read_snapshot(path, timeout_s=5)
+        assert got["packets"] == 7 and got["snapshot_refused"] == {"peer": 1}
+        assert got["snapshot_refused_total"] == 1
+    finally:
+        server.close()
