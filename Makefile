@@ -87,6 +87,7 @@ lint: setup
 docs: $(VENV)/.installed
 	$(PY) -m testbed.config.docs --write docs/config.md
 	$(PY) -m testbed.config.schema > configs/schema/fabric.schema.json
+	$(PY) -m testbed.config.vms > configs/schema/vms.schema.json
 	$(PY) -m testbed.workloads.docs --write docs/run-format.md
 
 bench: setup

@@ -1,4 +1,5 @@
-"""`testbed plan FILE`: compile a config into the plan `up` would apply."""
+"""`testbed plan FILE`: compile a config into the plan `up` would apply; with `--vms
+VMS.yaml`, also how it is spread over those VMs (testbed/plan/partition.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,29 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from testbed.cli.common import EXIT_OK, CliError, add_format, load_and_plan, wide_console
+from testbed.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    add_format,
+    load_and_plan,
+    wide_console,
+)
+from testbed.config import ConfigError
+from testbed.config.vms import check_vms_for_fabric, load_vms
 from testbed.net.probe import kernel_config_has
 from testbed.plan import Plan
+from testbed.plan.partition import Placement, partition
 from testbed.units import format_duration, format_rate, format_size
 
 
 def add_parser(sub):
     p = sub.add_parser("plan", help="print the plan a config compiles to (no root needed)")
     p.add_argument("file", help="fabric YAML file")
+    p.add_argument("--vms", metavar="VMS.yaml",
+                   help="spread the fabric over these VMs: show each node's VM, the VXLAN "
+                        "tunnels of the links that cross VMs and each VM's share of the load "
+                        "(--format json: the placement alone; docs/scale-out.md)")
     add_format(p)
     return p
 
@@ -82,14 +97,68 @@ def delay_note(has_netem: bool | None) -> str:
             "`--vm` runs on a kernel that has them")
 
 
+def print_placement_table(placement: Placement, console: Console) -> None:
+    p = placement
+    console.print(f"placement over {len(p.vms)} VMs ({p.algorithm}): {p.cut_links} link(s) "
+                  f"cut, {format_rate(p.cut_wall_bps)} of wall rate through tunnels; underlay "
+                  f"MTU {p.underlay_mtu_bytes} needed (fabric MTU {p.fabric_mtu_bytes} + "
+                  f"{p.vxlan_overhead_bytes} VXLAN)")
+    vms = Table(title="VMs: share of the load (wall rate)")
+    for col in ("vm", "underlay", "cores", "nodes", "node ports", "tunnel ends", "load",
+                "share", "target", "budget", "use"):
+        vms.add_column(col)
+    for vm in p.vms:
+        vms.add_row(vm.name, vm.underlay, str(vm.cores), f"{len(vm.nodes)}/{vm.node_room}",
+                    format_rate(vm.node_wall_bps), format_rate(vm.tunnel_wall_bps),
+                    format_rate(vm.load_wall_bps), f"{vm.share:.0%}",
+                    format_rate(vm.target_wall_bps), format_rate(vm.budget_wall_bps),
+                    f"{vm.utilisation:.0%}")
+    console.print(vms)
+    nodes = Table(title="placement")
+    for col in ("vm", "nodes"):
+        nodes.add_column(col)
+    for vm in p.vms:
+        nodes.add_row(vm.name, " ".join(vm.nodes) or "-")
+    console.print(nodes)
+    if p.tunnels:
+        tunnels = Table(title=f"VXLAN tunnels (UDP {p.tunnels[0].udp_port})")
+        for col in ("#", "a", "b", "vms", "vni", "underlay", "wall rate"):
+            tunnels.add_column(col)
+        for t in p.tunnels:
+            tunnels.add_row(str(t.link), f"{t.a.node}:{t.a.ifname}", f"{t.b.node}:{t.b.ifname}",
+                            f"{t.a.vm} - {t.b.vm}", str(t.vni),
+                            f"{t.a.underlay} - {t.b.underlay}",
+                            format_rate(t.a.wall_rate_bps))
+        console.print(tunnels)
+    for warning in p.warnings:
+        console.print(f"[yellow]warning[/]: {escape(warning)}")
+
+
+def _placement(args, plan: Plan) -> Placement:
+    try:
+        loaded = load_vms(args.vms)
+        check_vms_for_fabric(loaded, fabric_file=args.file, fabric_mtu_bytes=plan.mtu_bytes,
+                             roce_mtu_bytes=plan.roce_mtu_bytes, n_links=len(plan.links),
+                             n_nodes=len(plan.nodes))
+    except ConfigError as exc:
+        for line in exc.lines():
+            print(line, file=sys.stderr)
+        raise CliError(f"{len(exc.problems)} problem(s) in {args.vms}", EXIT_USAGE) from None
+    return partition(plan, loaded.vms_file, fabric_file=args.file)
+
+
 def run(args) -> int:
     try:
         _, plan = load_and_plan(args.file)
+        placement = _placement(args, plan) if args.vms else None
     except CliError as exc:
         print(exc, file=sys.stderr)
         return exc.code
     if args.format == "json":
-        sys.stdout.write(plan.to_json())
+        sys.stdout.write(placement.to_json() if placement else plan.to_json())
     else:
-        print_plan_table(plan, wide_console())
+        console = wide_console()
+        print_plan_table(plan, console)
+        if placement is not None:
+            print_placement_table(placement, console)
     return EXIT_OK

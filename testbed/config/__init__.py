@@ -83,9 +83,11 @@ def _models_in(annotation: object, value: object) -> list[type[BaseModel]]:
     return []
 
 
-def _fields_of_parent(loc: tuple, data: object) -> list[str] | None:
-    """Field names allowed beside `loc[-1]`, by walking the models along `loc`; None if unsure."""
-    annotation: object = Fabric
+def _fields_of_parent(loc: tuple, data: object,
+                      root: type[BaseModel] = Fabric) -> list[str] | None:
+    """Field names allowed beside `loc[-1]`, by walking the models along `loc` from `root`;
+    None if unsure."""
+    annotation: object = root
     value: Any = data    # parsed YAML of any shape: a failed lookup is caught below
     for part in loc[:-1]:
         models = _models_in(annotation, value)
@@ -119,10 +121,11 @@ def _did_you_mean(word: str, choices: list[str]) -> str | None:
     return close[0] if close else None
 
 
-def _unknown_field(loc: tuple, data: object) -> tuple[str, str | None]:
+def _unknown_field(loc: tuple, data: object,
+                   root: type[BaseModel] = Fabric) -> tuple[str, str | None]:
     """Message for a field no model knows, and the field it most likely meant."""
     field = str(loc[-1])
-    allowed = _fields_of_parent(loc, data)
+    allowed = _fields_of_parent(loc, data, root)
     guess = _did_you_mean(field, allowed if allowed is not None else _all_field_names())
     if guess:
         return f"unknown field {field!r}; did you mean {guess!r}?", guess
@@ -241,13 +244,16 @@ def _clean_loc(err: ErrorDetails) -> tuple[int | str, ...]:
     return tuple(out)
 
 
-def _pydantic_problems(exc: ValidationError, data: object, lines: LineMap) -> list[Problem]:
+def pydantic_problems(exc: ValidationError, data: object, lines: LineMap,
+                      root: type[BaseModel] = Fabric) -> list[Problem]:
+    """pydantic's errors as problems at their lines, in the user's words; `root` is the
+    model the file validates as (the fabric, or another file such as the VMs file)."""
     problems: list[tuple[tuple, str]] = []
     meant: set[tuple] = set()    # fields an unknown field probably was a typo of
     for err in exc.errors():
         loc = _clean_loc(err)
         if err["type"] in ("extra_forbidden", "invalid_key"):   # invalid_key: `5: x`
-            message, guess = _unknown_field(loc, data)
+            message, guess = _unknown_field(loc, data, root)
             if guess:
                 meant.add((*loc[:-1], guess))
         else:
@@ -273,7 +279,7 @@ def validate_data(data: object, lines: LineMap, file: str, text: str = "") -> Lo
     try:
         fabric = Fabric.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(file, _pydantic_problems(exc, data, lines)) from None
+        raise ConfigError(file, pydantic_problems(exc, data, lines)) from None
     expanded = expand(fabric)
     found = [*check_fabric(fabric), *check_traffic_classes(fabric), *check_qos(fabric),
              *check_topology(fabric, expanded, sorted(PORT_TYPES)),
