@@ -25,8 +25,9 @@ Algorithm. Nodes move in groups: a switch with the hosts all of whose links go t
 leaf with its hosts, in a leaf-spine); every other node is a group of one. Keeping a leaf
 with its hosts cuts no host link, and the groups are few. With few groups (VMs ^ groups <=
 EXHAUSTIVE_LIMIT) every assignment is tried, so small fabrics get the best placement of
-their groups by the cost above. Otherwise three starts - a greedy (the groups, heaviest first, each on
-the VM where the cost so far is lowest), graph growing (breadth first over the links,
+their groups by the cost above. Otherwise three starts - a greedy (the groups, heaviest
+first, each on the VM where the cost so far is lowest), graph growing (breadth first over
+the links,
 filling one VM to its target before the next) and longest processing time first
 (balance alone) - are each refined by Kernighan-Lin style passes (Fiduccia-Mattheyses
 moves: the best single move of an unmoved group, even when it makes things worse, each
