@@ -27,8 +27,7 @@ with its hosts cuts no host link, and the groups are few. With few groups (VMs ^
 EXHAUSTIVE_LIMIT) every assignment is tried, so small fabrics get the best placement of
 their groups by the cost above. Otherwise three starts - a greedy (the groups, heaviest
 first, each on the VM where the cost so far is lowest), graph growing (breadth first over
-the links,
-filling one VM to its target before the next) and longest processing time first
+the links, filling one VM to its target before the next) and longest processing time first
 (balance alone) - are each refined by Kernighan-Lin style passes (Fiduccia-Mattheyses
 moves: the best single move of an unmoved group, even when it makes things worse, each
 group moving once per pass; the pass keeps its best prefix), alternating with the best
