@@ -64,7 +64,8 @@ def _ipv4_underlay(value: object) -> object:
             raise ValueError(f"{value!r} is IPv6; the underlay must be IPv4 (the MTU rule "
                              f"counts {VXLAN_OVERHEAD_BYTES} bytes of IPv4 VXLAN overhead)")
         return address
-    return value
+    raise ValueError(f"expected the VM's underlay IPv4 address as text, like 192.0.2.11, "
+                     f"got {value!r}")
 
 
 UnderlayAddress = Annotated[

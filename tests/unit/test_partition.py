@@ -283,6 +283,9 @@ def test_one_switch_with_all_hosts_is_split_over_two_vms_to_balance() -> None:
     ("vms:\n  - {name: a, underlay: '2001:db8::1', cores: 2, wall_rate_budget: 1Gbps}\n",
      "v.yaml:2: vms[0].underlay: '2001:db8::1' is IPv6; the underlay must be IPv4 (the MTU "
      "rule counts 50 bytes of IPv4 VXLAN overhead)"),
+    ("vms:\n  - {name: a, underlay: 167772161, cores: 2, wall_rate_budget: 1Gbps}\n",
+     "v.yaml:2: vms[0].underlay: expected the VM's underlay IPv4 address as text, like "
+     "192.0.2.11, got 167772161"),
     ("vms:\n  - {name: a, underlay: 10.0.0.1, cores: 2, wall_rate_budget: 1Gbps}\n"
      "  - {name: a, underlay: 10.0.0.1, cores: 2, wall_rate_budget: 1Gbps}\n",
      "v.yaml:3: vms[1].name: VM name 'a' is already vms[0]'s; give each VM its own"),
