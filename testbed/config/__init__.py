@@ -299,15 +299,20 @@ def load_config_text(text: str, file: str = "<string>") -> LoadedConfig:
     return validate_data(data, lines, file, text)
 
 
-def load_config(path: str | Path) -> LoadedConfig:
-    """Load and validate a fabric config file."""
+def read_config_file(path: str | Path) -> str:
+    """The UTF-8 text of a config-like file (fabric, VMs, incident); ConfigError for a file
+    that cannot be read, is too big or is not UTF-8 text."""
     path = Path(path)
     try:
         if path.stat().st_size > MAX_BYTES:    # refuse before reading a huge file into memory
             raise YamlProblem(1, too_big(path.stat().st_size))
-        text = decode_config_bytes(path.read_bytes())
+        return decode_config_bytes(path.read_bytes())
     except OSError as exc:
         raise ConfigError(str(path), [Problem(0, (), f"cannot read: {exc.strerror}")]) from None
     except YamlProblem as exc:
         raise ConfigError(str(path), [Problem(exc.line, exc.loc, exc.message)]) from None
-    return load_config_text(text, str(path))
+
+
+def load_config(path: str | Path) -> LoadedConfig:
+    """Load and validate a fabric config file."""
+    return load_config_text(read_config_file(path), str(path))

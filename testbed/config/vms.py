@@ -27,14 +27,11 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, Field, ValidationError, WithJsonSchema
 
-from testbed.config import ConfigError, Problem, pydantic_problems
+from testbed.config import ConfigError, Problem, pydantic_problems, read_config_file
 from testbed.config.loader import (
-    MAX_BYTES,
     LineMap,
     YamlProblem,
-    decode_config_bytes,
     parse_yaml_with_lines,
-    too_big,
 )
 from testbed.fields import RateBps, Strict
 
@@ -162,16 +159,7 @@ def load_vms_text(text: str, file: str = "<string>") -> LoadedVms:
 
 def load_vms(path: str | Path) -> LoadedVms:
     """Load and validate a VMs file."""
-    path = Path(path)
-    try:
-        if path.stat().st_size > MAX_BYTES:
-            raise YamlProblem(1, too_big(path.stat().st_size))
-        text = decode_config_bytes(path.read_bytes())
-    except OSError as exc:
-        raise ConfigError(str(path), [Problem(0, (), f"cannot read: {exc.strerror}")]) from None
-    except YamlProblem as exc:
-        raise ConfigError(str(path), [Problem(exc.line, exc.loc, exc.message)]) from None
-    return load_vms_text(text, str(path))
+    return load_vms_text(read_config_file(path), str(path))
 
 
 def underlay_mtu_bytes(fabric_mtu_bytes: int) -> int:

@@ -19,8 +19,15 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from testbed.config import ConfigError, LoadedConfig, Problem, describe_input, validate_data
-from testbed.config.loader import LineMap, YamlProblem, decode_config_bytes, parse_yaml_with_lines
+from testbed.config import (
+    ConfigError,
+    LoadedConfig,
+    Problem,
+    describe_input,
+    read_config_file,
+    validate_data,
+)
+from testbed.config.loader import LineMap, YamlProblem, parse_yaml_with_lines
 from testbed.incident.model import Evidence, Incident, Metric, Predicate
 from testbed.incident.paths import (
     Lined,
@@ -69,13 +76,9 @@ def load_incident(path: str | Path) -> LoadedIncident:
     """Load, validate the incident model and both fabric variants; ConfigError lists every
     problem found (the fabric's only once the incident's own fields are sound)."""
     file = str(path)
+    # the same refusals as a fabric config: unreadable, too big, not UTF-8, then YAML's
+    text = read_config_file(path)
     try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(file, [Problem(0, (), f"cannot read: {exc.strerror}")]) from None
-    try:
-        # the same refusals as a fabric config: not UTF-8, too big, then the YAML's own
-        text = decode_config_bytes(raw)
         data, lines = parse_yaml_with_lines(text)
     except YamlProblem as exc:
         raise ConfigError(file, [Problem(exc.line, exc.loc, exc.message)]) from None
