@@ -117,7 +117,7 @@ class Agent:
         self.ifindex = socket.if_nametoindex(args.ifname)
         self.events = open(args.events, "a") if args.events else None
         self.counters = {"cnps_sent": 0, "cnp_send_errors": 0, "cnps_unresolved": 0,
-                         "cnps_deferred": 0,
+                         "cnps_deferred": 0, "cnps_after_close": 0,
                          "class_updates": 0, "class_errors": 0, "polls": 0, "qp_reads": 0}
         params = effective_params("dcqcn", args.dcqcn_preset, args.line_rate_bps,
                                   json.loads(args.cc_params) if args.cc_params else None)
@@ -151,6 +151,7 @@ class Agent:
         self.qp_peers: dict[int, int] = {}
         # CNPs due for a QP the table did not know yet: sent once it does (one per QP)
         self.held_cnps: dict[int, object] = {}
+        self.seen_qps: set[int] = set()          # every QP a table read has listed
         self.next_qp_read = 0
         self.qp_read_at = 0
         self.port_maps: PortMaps | None = None
@@ -187,6 +188,7 @@ class Agent:
             self.next_qp_read = time.monotonic_ns() + QP_REFRESH_WALL_NS
             try:
                 self.qp_peers = read_qps(self.args.rxe_dev)
+                self.seen_qps.update(self.qp_peers)
                 self.counters["qp_reads"] += 1
             except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
                 self.log("rxe_cc_error", what="qp_read", error=str(exc))
@@ -214,6 +216,11 @@ class Agent:
 
     def send_cnp(self, q) -> None:
         peer = self.peer_qpn(q.dest_qp)
+        if peer is None and q.dest_qp in self.seen_qps:
+            # listed before, gone now: its QP closed while marked packets were still in
+            # flight; there is no sender to slow down (a NIC would drop it too)
+            self.counters["cnps_after_close"] += 1
+            return
         if peer is None:
             # A new QP is marked before the table lists it (the first marks of a run come
             # within one table refresh on a slow machine): hold the CNP and send it once

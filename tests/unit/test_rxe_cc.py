@@ -372,8 +372,10 @@ def test_a_cnp_for_a_qp_not_yet_in_the_table_is_held_and_sent_once_it_is():
     from agents.rxe_cc.__main__ import Agent
 
     agent = Agent.__new__(Agent)          # only the CNP bookkeeping, no sockets or maps
-    agent.counters = {"cnps_sent": 0, "cnps_unresolved": 0, "cnps_deferred": 0}
+    agent.counters = {"cnps_sent": 0, "cnps_unresolved": 0, "cnps_deferred": 0,
+                      "cnps_after_close": 0}
     agent.held_cnps = {}
+    agent.seen_qps = set()
     table: dict[int, int] = {}
     agent.peer_qpn = table.get
     sent = []
@@ -391,3 +393,7 @@ def test_a_cnp_for_a_qp_not_yet_in_the_table_is_held_and_sent_once_it_is():
     agent.send_cnp(SimpleNamespace(dest_qp=18))
     # one never resolved counts as unresolved in the agent's snapshot
     assert agent.counters["cnps_unresolved"] + len(agent.held_cnps) == 2
+    # a QP the table listed once and no longer does has closed: nothing held, counted apart
+    agent.seen_qps.add(19)
+    agent.send_cnp(SimpleNamespace(dest_qp=19))
+    assert agent.counters["cnps_after_close"] == 1 and 19 not in agent.held_cnps
