@@ -165,9 +165,10 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
         done.append(result.run_dir)
     if result.interrupted:
         return 130
-    # a fault ended the run (an agent died, the disk filled): its data is kept, but it is
-    # not the run asked for (docs/run-format.md, Faults during a run)
-    return EXIT_FAIL if result.fault else EXIT_OK
+    # a stage failed (an agent did not start...) or a fault ended the run (an agent died,
+    # the disk filled): its data is kept, but it is not the run asked for
+    # (docs/run-format.md, summary.json `failed` and Faults during a run)
+    return EXIT_FAIL if result.failed or result.fault else EXIT_OK
 
 
 def _cell(field: str, value: object) -> str:

@@ -109,6 +109,8 @@ def run_variant(incident: LoadedIncident, variant: str, options: RunOptions,
         out.wall_s = time.monotonic() - started
         return out
     out.run_dir, out.interrupted = result.run_dir, result.interrupted
+    if result.failed:      # the root cause, over any verdict judged on what little ran
+        out.error = f"the {variant} run failed: {result.failed}"
     out.wall_s = time.monotonic() - started
     return out
 

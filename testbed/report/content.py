@@ -220,6 +220,8 @@ def header(run: RunData) -> dict:
         "facts": facts,
         "interrupted": bool(s.get("interrupted")),
         "interrupted_detail": interrupted_detail,
+        # a stage raised (bring-up, agents): the figures below are of a run that did not run
+        "failed": str(s["failed"]) if s.get("failed") else "",
         "incomplete": run.rebuilt,
         "missing_features": missing,
         "notes": notes,

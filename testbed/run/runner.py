@@ -105,6 +105,7 @@ class RunResult:
     interrupted: bool
     collector_overhead: float
     fault: str = ""        # the fault that ended the run (its fidelity note), if one did
+    failed: str = ""       # why the run failed (a stage raised: bring-up, agents...), if it did
 
 
 class Notes:
@@ -161,6 +162,7 @@ class Run:
     invariants: dict | None = None
     peaks_snapshot: dict | None = None   # the port programs just before the fabric agents stop
     interrupted: bool = False
+    failed: str = ""                     # a stage raised: what (summary.json `failed`)
     watch: RunWatch | None = None        # faults during the run (testbed/run/watch.py)
 
     @property
@@ -209,6 +211,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
             start_workload(run, stop.event)
             sample_until_done(run, stop.event)
         except BaseException as exc:
+            run.failed = f"{type(exc).__name__}: {exc}"
             run.notes.add(f"run failed: {exc!r}")
             options.say(f"run: failed: {exc}")
             if not isinstance(exc, Exception):
@@ -232,7 +235,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
     write_report(run.run_dir, options.say)
     overhead = run.collector.overhead_fraction() if run.collector else 0.0
     ended = next((f.message for f in run.watch.faults if f.ends_run), "") if run.watch else ""
-    return RunResult(run.run_dir, summary, run.interrupted, overhead, ended)
+    return RunResult(run.run_dir, summary, run.interrupted, overhead, ended, run.failed)
 
 
 # --- stages ------------------------------------------------------------------------
@@ -663,6 +666,7 @@ def write_summary(run: Run) -> dict:
                              "period_fabric_ns": run.period_ns,
                              "cpu_fraction_of_one_core": round(overhead, 4)},
                "results_complete": run.results_written,
+               "failed": run.failed or None,
                "run_faults": [f.detail() | {"node": f.node, "ts_fabric_ns": f.ts_fabric_ns}
                               for f in (run.watch.faults if run.watch else [])],
                **({"invariants": {k: v for k, v in invariants.items() if k != "notes"}}

@@ -286,3 +286,29 @@ def test_a_slow_collector_is_noted_and_the_run_goes_on(tmp_path, monkeypatch):
     assert _drained(result.run_dir)
     _every_sample_before(result.run_dir, fault).close()
     _nothing_left(result, fault)
+
+
+def test_pfc_agents_that_do_not_start_fail_the_run_and_testbed_run_says_so(
+        tmp_path, monkeypatch, capsys):
+    # runs/20261202T065245Z-default: a PFC agent that did not start in its time made a
+    # run that wrote an empty report and exited 0. Here no agent can be ready in 1 ms.
+    from testbed.cli import main
+    from testbed.run import fabric_agents
+
+    monkeypatch.setattr(fabric_agents, "READY_TIMEOUT_S", 0.001)
+    lab = unique_lab("flt")
+    config = tmp_path / "faults.yaml"
+    config.write_text(FABRIC.format(lab=lab, traffic=UDP))
+    runs = tmp_path / "runs"
+    assert main(["run", str(config), "--runs-dir", str(runs), "--quiet"]) == 1
+    [run_dir] = runs.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["failed"].startswith("RuntimeError: PFC agent on ")
+    assert "did not start" in summary["failed"]
+    assert any(n.startswith("run failed:") for n in summary["fidelity"])
+    assert "**FAILED**" in (run_dir / "report.md").read_text()
+    assert "<strong>failed</strong>" in (run_dir / "report.html").read_text()
+    # taken down all the same
+    assert not [n for n in list_testbed_namespaces() if n.startswith(f"tb-{lab}")]
+    assert LabState.load(lab) is None
+    capsys.readouterr()
