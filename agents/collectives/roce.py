@@ -103,7 +103,7 @@ from agents.rdma.qp import (
 )
 from agents.rdma.transport import Binding, Endpoint, Engine, Stopped
 from agents.runtime.messages import MAX_MESSAGE_BYTES as MAX_SETUP_LINE_BYTES
-from agents.runtime.messages import BadMessage, decode_message
+from agents.runtime.messages import BadMessage, decode_message, int_field
 from agents.runtime.sockets import dial_tcp
 from agents.timebase import Dilation, FabricClock
 from agents.wire.roce import PSN_MASK, icrc_context
@@ -944,17 +944,12 @@ def _hello_shape(msg: dict, peers: list[PeerAddress], source_ip: str,
                  int_keys: tuple[str, ...] = _HELLO_INTS, qp_list: bool = True) -> None:
     """SetupRefused unless `msg` is shaped as a hello from the rank it names, sent from
     that rank's own address (a run's peers are its --peers list)."""
-    size = len(peers)
-    for key in int_keys:
-        if key not in msg:
-            raise SetupRefused("missing_field", f"a set-up hello without {key!r}")
-        v = msg[key]
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise SetupRefused("wrong_type", f"hello.{key} is {type(v).__name__}, "
-                               "not an integer")
-    rank = msg["rank"]
-    if not 0 <= rank < size:
-        raise SetupRefused("out_of_range", f"hello.rank = {rank} is outside 0..{size - 1}")
+    try:
+        for key in int_keys:
+            int_field(msg, key)
+        rank = int_field(msg, "rank", 0, len(peers) - 1)
+    except BadMessage as e:
+        raise SetupRefused(e.reason, str(e)) from None
     if qp_list and not isinstance(msg.get("qp"), list):
         raise SetupRefused("wrong_type", "hello.qp is not a list")
     if source_ip != peers[rank].ip:

@@ -14,6 +14,7 @@ from typing import Any
 
 from agents.rdma.qp import IB_MTUS
 from agents.runtime.messages import BadMessage
+from agents.runtime.messages import int_field as _int
 from agents.wire.roce import PSN_MASK
 
 #: QPs one hello may ask for.
@@ -26,18 +27,6 @@ MAX_SIZE_BYTES = (1 << 31) - 1
 
 #: The refusal reasons `check_hello` gives (counter keys).
 HELLO_REASONS = ("missing_field", "wrong_type", "out_of_range", "version", "test")
-
-
-def _int(obj: dict[str, Any], key: str, lo: int, hi: int, where: str = "hello") -> int:
-    if key not in obj:
-        raise BadMessage("missing_field", f"{where} has no {key!r}")
-    v = obj[key]
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise BadMessage("wrong_type", f"{where}.{key} is {type(v).__name__} {str(v)[:40]}, "
-                         "not an integer")
-    if not lo <= v <= hi:
-        raise BadMessage("out_of_range", f"{where}.{key} = {v} is outside {lo}..{hi}")
-    return v
 
 
 def check_hello(hello: dict[str, Any], test: str, version: int) -> None:

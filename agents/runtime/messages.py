@@ -68,3 +68,19 @@ def decode_message(line: bytes, max_bytes: int = MAX_MESSAGE_BYTES,
     if not isinstance(msg, dict):
         raise BadMessage("not_object", f"a JSON {type(msg).__name__}, not an object")
     return msg
+
+
+def int_field(obj: dict[str, Any], key: str, lo: int | None = None, hi: int | None = None,
+              where: str = "hello") -> int:
+    """`obj[key]` as a whole number (not a bool) within [lo, hi] where given; BadMessage
+    (`missing_field`, `wrong_type`, `out_of_range`) naming `where.key` otherwise. The
+    field check every set-up hello shares."""
+    if key not in obj:
+        raise BadMessage("missing_field", f"{where} has no {key!r}")
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadMessage("wrong_type", f"{where}.{key} is {type(v).__name__} {str(v)[:40]}, "
+                         "not an integer")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise BadMessage("out_of_range", f"{where}.{key} = {v} is outside {lo}..{hi}")
+    return v
