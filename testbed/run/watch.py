@@ -160,10 +160,14 @@ class RunWatch:
                message: str) -> RunFault:
         return RunFault(kind, who, node, role, self.fabric_now_ns(now), now, ends, message)
 
+    def _at(self, now: int) -> str:
+        """Where in fabric time a fault was found (formatted only for one: checks run
+        every tick)."""
+        return f"{self.fabric_now_ns(now) / 1e3:.0f} us fabric"
+
     def _check_agents(self, now: int) -> Iterable[RunFault]:
         for a in self.agents:
             code = a.proc.popen.poll()
-            at = f"at {self.fabric_now_ns(now) / 1e3:.0f} us fabric"
             if code is not None:
                 # A workload agent that exits 0 ended as its kind has it (a sender at the
                 # end of its schedule, a RoCE server once its client is done): no fault.
@@ -172,12 +176,12 @@ class RunWatch:
                     continue
                 if self._new((a.name, "exited")):
                     yield self._fault(now, "agent_exited", a.name, a.node, a.role, a.lossless,
-                                      self._dead_note(a, f"{exit_words(code)} {at}"))
+                                      self._dead_note(a, f"{exit_words(code)} at {self._at(now)}"))
                 continue
             hung = self._hung_for(a, now)
             if hung is not None and self._new((a.name, "hung")):
                 yield self._fault(now, "agent_hung", a.name, a.node, a.role, a.lossless,
-                                  self._dead_note(a, f"hung ({hung}) {at}"))
+                                  self._dead_note(a, f"hung ({hung}) at {self._at(now)}"))
 
     def _hung_for(self, a: WatchedAgent, now: int) -> str | None:
         state = process_state(a.proc.pid)
@@ -238,15 +242,14 @@ class RunWatch:
         c = self.collector
         if c is None:
             return
-        at = f"{self.fabric_now_ns(now) / 1e3:.0f} us fabric"
         if c.error is not None and self._new(("collector", "error")):
             if is_disk_full(c.error):
                 if ("disk", "full") not in self._seen:
                     yield self._disk_full(now, f"counters.sqlite: {c.error}")
             else:
                 yield self._fault(now, "collector_failed", "collector", "", "collector", True,
-                                  f"the collector failed ({c.error!r}) at {at}: the run was "
-                                  "ended; counters.sqlite holds every sample up to "
+                                  f"the collector failed ({c.error!r}) at {self._at(now)}: "
+                                  "the run was ended; counters.sqlite holds every sample up to "
                                   f"{c.totals.last_sample_fabric_ns / 1e3:.0f} us fabric")
             return
         if self.stopping or not c.last_sample_mono_ns:
@@ -256,7 +259,8 @@ class RunWatch:
             yield self._fault(now, "collector_stalled", "collector", "", "collector", True,
                               f"the collector took no sample for "
                               f"{(now - c.last_sample_mono_ns) / 1e9:.1f} s wall (its period is "
-                              f"{c.period_wall_ns / 1e6:.1f} ms), at {at}: the run was ended")
+                              f"{c.period_wall_ns / 1e6:.1f} ms), at {self._at(now)}: the run "
+                              "was ended")
 
     def _check_clock(self, now: int) -> Iterable[RunFault]:
         # both clocks read back to back: `now` is from before the other checks
