@@ -10,20 +10,16 @@ each tunnel; the other VM's part makes the other end.
 from __future__ import annotations
 
 from testbed.plan.model import Plan, PlanModel
-from testbed.plan.partition import Placement
+from testbed.plan.partition import Placement, TunnelEnd
 
 
 class PartTunnelEnd(PlanModel):
+    """A cut link seen from one VM: the partition's tunnel with its ends put in order."""
     link: int               # index into Plan.links
     vni: int                # vni_base + link
     udp_port: int           # 4789
-    node: str               # the local node and its port on this link
-    ifname: str
-    local_underlay: str     # this VM's underlay address
-    remote_underlay: str    # the VM of the link's other end
-    remote_vm: str
-    remote_node: str
-    remote_ifname: str
+    local: TunnelEnd        # the end on this VM (node, port, underlay address)
+    remote: TunnelEnd       # the end on the other VM
 
 
 class PartPlan(PlanModel):
@@ -45,11 +41,8 @@ def part_plan(plan: Plan, placement: Placement, vm_name: str) -> PartPlan:
     for t in placement.tunnels:
         for local, remote in ((t.a, t.b), (t.b, t.a)):
             if local.vm == vm_name:
-                tunnels.append(PartTunnelEnd(
-                    link=t.link, vni=t.vni, udp_port=t.udp_port, node=local.node,
-                    ifname=local.ifname, local_underlay=local.underlay,
-                    remote_underlay=remote.underlay, remote_vm=remote.vm,
-                    remote_node=remote.node, remote_ifname=remote.ifname))
+                tunnels.append(PartTunnelEnd(link=t.link, vni=t.vni, udp_port=t.udp_port,
+                                             local=local, remote=remote))
     return PartPlan(vm=vm_name, plan=plan,
                     nodes=[n.name for n in plan.nodes if n.name in here],
                     local_links=[li.index for li in plan.links

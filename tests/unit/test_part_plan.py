@@ -26,14 +26,14 @@ def test_parts_cover_every_node_once_and_each_cut_link_from_both_sides() -> None
     parts = [part_plan(plan, placement, vm.name) for vm in placement.vms]
     nodes = [n for p in parts for n in p.nodes]
     assert sorted(nodes) == sorted(n.name for n in plan.nodes)
-    ends = sorted((t.link, t.node) for p in parts for t in p.tunnels)
+    ends = sorted((t.link, t.local.node) for p in parts for t in p.tunnels)
     want = sorted((t.link, e.node) for t in placement.tunnels for e in (t.a, t.b))
     assert ends == want and ends
     for p in parts:
         for t in p.tunnels:
-            assert t.node in p.nodes and t.remote_node not in p.nodes
+            assert t.local.node in p.nodes and t.remote.node not in p.nodes
             assert t.vni == placement.vni_base + t.link
-            assert t.local_underlay != t.remote_underlay
+            assert t.local.underlay != t.remote.underlay
         local = set(p.local_links)
         tunnel = {t.link for t in p.tunnels}
         touching = {li.index for li in plan.links if li.a.node in p.nodes or li.b.node in p.nodes}
