@@ -35,8 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    normalize = getattr(args, "_normalize", None)
+    if normalize is not None:       # a verb whose flags argparse alone cannot tell apart
+        normalize(parser, args)
     try:
-        if getattr(args, "vm", False):
+        if getattr(args, "vm", False) is True:
             from testbed.cli.vmmode import run_in_vm_mode
 
             return run_in_vm_mode(args, argv)

@@ -134,23 +134,25 @@ def print_placement_table(placement: Placement, console: Console) -> None:
         console.print(f"[yellow]warning[/]: {escape(warning)}")
 
 
-def _placement(args, plan: Plan) -> Placement:
+def placement_of(vms_path: str, fabric_path: str, plan: Plan) -> Placement:
+    """The placement of `plan` over the VMs file's VMs; its problems printed one a line
+    and CliError (exit 2)."""
     try:
-        loaded = load_vms(args.vms)
-        check_vms_for_fabric(loaded, fabric_file=args.file, fabric_mtu_bytes=plan.mtu_bytes,
+        loaded = load_vms(vms_path)
+        check_vms_for_fabric(loaded, fabric_file=fabric_path, fabric_mtu_bytes=plan.mtu_bytes,
                              roce_mtu_bytes=plan.roce_mtu_bytes, n_links=len(plan.links),
                              n_nodes=len(plan.nodes))
     except ConfigError as exc:
         for line in exc.lines():
             print(line, file=sys.stderr)
-        raise CliError(f"{len(exc.problems)} problem(s) in {args.vms}", EXIT_USAGE) from None
-    return partition(plan, loaded.vms_file, fabric_file=args.file)
+        raise CliError(f"{len(exc.problems)} problem(s) in {vms_path}", EXIT_USAGE) from None
+    return partition(plan, loaded.vms_file, fabric_file=fabric_path)
 
 
 def run(args) -> int:
     try:
         _, plan = load_and_plan(args.file)
-        placement = _placement(args, plan) if args.vms else None
+        placement = placement_of(args.vms, args.file, plan) if args.vms else None
     except CliError as exc:
         print(exc, file=sys.stderr)
         return exc.code

@@ -1,4 +1,9 @@
-"""`testbed up FILE`: build the fabric in network namespaces (`--dry-run`: print the plan)."""
+"""`testbed up FILE`: build the fabric in network namespaces (`--dry-run`: print the plan).
+
+`testbed up FILE --vms VMS.yaml --vm NAME` builds one VM's part of a fabric spread over
+several VMs: its nodes, exactly as a single-VM build makes them, and a VXLAN tunnel end
+for each link to another VM (docs/scale-out.md). `--vm` alone still means VM mode (the
+whole run inside qemu with Debian's stock kernel)."""
 
 from __future__ import annotations
 
@@ -7,53 +12,89 @@ from typing import TYPE_CHECKING
 
 from testbed.cli.common import (
     EXIT_OK,
+    EXIT_USAGE,
     CliError,
     load_and_plan,
     require_root,
     wide_console,
 )
-from testbed.cli.plan import print_plan_table
-from testbed.cli.vmmode import add_vm_flag, require_kernel_features
+from testbed.cli.plan import placement_of, print_plan_table
+from testbed.cli.vmmode import require_kernel_features
 
 if TYPE_CHECKING:     # testbed.net pulls in pyroute2: imported where a verb runs, not here
     from testbed.net import BuildReport
     from testbed.plan import Plan
+    from testbed.plan.part import PartPlan
 
 
 def add_parser(sub):
     p = sub.add_parser("up", help="build a fabric (idempotent); needs root")
-    p.add_argument("file", help="fabric YAML file")
+    p.add_argument("file", nargs="?", help="fabric YAML file")
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
-    add_vm_flag(p)
+    p.add_argument("--vm", nargs="?", const=True, default=False, metavar="NAME",
+                   help="with --vms: build only VM NAME's part (its nodes and its ends of "
+                        "the VXLAN tunnels to the others). Alone: run it inside a qemu VM "
+                        "booting Debian's stock kernel (which has rdma_rxe, sch_netem and "
+                        "sch_red); installs qemu and the kernel package on first use")
+    p.add_argument("--vms", metavar="VMS.yaml",
+                   help="the fabric is spread over these VMs (docs/scale-out.md); needs --vm")
+    p.add_argument("--underlay-netns", metavar="NS",
+                   help="with --vms: the namespace whose address and routes carry the "
+                        "tunnels (default: the one testbed runs in, the VM's own)")
+    p.set_defaults(_normalize=_normalize)
     return p
+
+
+def _normalize(parser, args) -> None:
+    """`--vm` takes an optional NAME, so `up --vm FILE` reads FILE as the NAME: without
+    --vms that is VM mode with FILE."""
+    if isinstance(args.vm, str) and not args.vms:
+        if args.file is not None:
+            parser.error(f"--vm {args.vm}: a VM name needs --vms VMS.yaml (VM mode is "
+                         "--vm with no name)")
+        args.file, args.vm = args.vm, True
+    if args.file is None:
+        parser.error("the following arguments are required: file")
+    if args.vms and not isinstance(args.vm, str):
+        parser.error("--vms needs --vm NAME: the VM whose part to build here")
+    if args.underlay_netns and not args.vms:
+        parser.error("--underlay-netns goes with --vms and --vm NAME")
 
 
 def run(args) -> int:
     from testbed.net import BuildError, apply_plan
 
+    part = None
     try:
         _, plan = load_and_plan(args.file)
+        if args.vms:
+            part = _part(args, plan)
         if args.dry_run:
             print_plan_table(plan, wide_console())
+            if part is not None:
+                _print_part(part)
             return EXIT_OK
         require_root("up")
         require_kernel_features(plan, "up", args.file)
-        report = apply_plan(plan, progress=lambda m: print(f"up: {m}", flush=True))
+        report = apply_plan(plan, progress=lambda m: print(f"up: {m}", flush=True),
+                            part=part, underlay_netns=args.underlay_netns)
     except CliError as exc:
         print(exc, file=sys.stderr)
         return exc.code
     except BuildError as exc:
         print(f"up: {exc}", file=sys.stderr)
         return 1
+    what = f"lab {plan.lab!r}" + (f" (VM {part.vm}'s part)" if part else "")
     if report.already_up:
-        print(f"lab {plan.lab!r} is already up with this plan; nothing to do")
+        print(f"{what} is already up with this plan; nothing to do")
         return EXIT_OK
     pfc_note = _start_pfc(plan, report)
     total = sum(report.seconds.values())
     steps = ", ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items())
-    print(f"lab {plan.lab!r} is up: {report.namespaces} namespaces, {report.veth_pairs} links, "
-          f"{report.routes} routes, {report.tc_requests} tc requests in {total:.2f}s ({steps}); "
-          f"dilation D={plan.dilation.factor}")
+    tunnels = f", {report.tunnels} VXLAN tunnels" if part else ""
+    print(f"{what} is up: {report.namespaces} namespaces, {report.veth_pairs} links"
+          f"{tunnels}, {report.routes} routes, {report.tc_requests} tc requests in "
+          f"{total:.2f}s ({steps}); dilation D={plan.dilation.factor}")
     print(f"datapath: {report.datapath or 'none'}; {pfc_note}")
     print(f"flow order: {report.ordering}")
     print(f"link delay: {report.delay or 'none'}")
@@ -61,9 +102,30 @@ def run(args) -> int:
     return EXIT_OK
 
 
+def _part(args, plan: Plan) -> PartPlan:
+    from testbed.plan.part import part_plan
+
+    placement = placement_of(args.vms, args.file, plan)
+    try:
+        return part_plan(plan, placement, args.vm)
+    except ValueError as exc:
+        raise CliError(f"up: {args.vms}: {exc}", EXIT_USAGE) from None
+
+
+def _print_part(part: PartPlan) -> None:
+    print(f"VM {part.vm}: nodes {' '.join(part.nodes)}; {len(part.local_links)} local "
+          f"link(s); {len(part.tunnels)} tunnel(s), underlay MTU {part.underlay_mtu_bytes}")
+    for t in part.tunnels:
+        print(f"  link {t.link}: {t.local.node}:{t.local.ifname} -> {t.remote.vm} "
+              f"{t.remote.node}:{t.remote.ifname}  vni {t.vni}  {t.local.underlay} -> "
+              f"{t.remote.underlay}:{t.udp_port}")
+
+
 def _start_pfc(plan: Plan, report: BuildReport) -> str:
-    """PFC agents are part of the fabric: they outlive this command, `down` ends them."""
-    from testbed.net import LabState
+    """PFC agents are part of the fabric: they outlive this command, `down` ends them.
+    A part starts those of its own nodes, from the plan its lab recorded (which holds
+    those nodes only)."""
+    from testbed.net import LabState, load_lab_plan
     from testbed.run.fabric_agents import has_pfc, start_pfc_agents
 
     if not has_pfc(plan):
@@ -71,9 +133,10 @@ def _start_pfc(plan: Plan, report: BuildReport) -> str:
     if report.datapath != "bpf":
         return "PFC not running (no port programs)"
     state = LabState.load(plan.lab)
-    if state is None:       # apply_plan wrote it just now: a `down` ran in between
+    built = load_lab_plan(plan.lab)
+    if state is None or built is None:  # apply_plan wrote them just now: a `down` ran since
         return "PFC not started (the lab's state is gone; was it taken down?)"
-    started = start_pfc_agents(plan, state.plan_path, state.directory / "agents",
+    started = start_pfc_agents(built, state.plan_path, state.directory / "agents",
                                parent_watch=False)
     return (f"PFC agents on {len(started)} nodes (events in "
             f"{state.directory / 'agents'}/*-pfc.events.jsonl)")

@@ -307,6 +307,28 @@ def veth_message(ifname: str, mac: str, mtu: int, peer_ifname: str, peer_mac: st
     return _encode(msg, RTM_NEWLINK, CREATE)
 
 
+def vxlan_message(ifname: str, vni: int, local: str, remote: str, udp_port: int, mtu: int,
+                  netns_fd: int) -> bytes:
+    """Create a VXLAN device put straight into `netns_fd`'s namespace, its UDP socket in
+    the namespace the request is sent from (`ip link add NAME type vxlan id VNI local L
+    remote R dstport P nolearning; ip link set NAME netns ..`, in one step). The kernel
+    opens a VXLAN device's socket in the namespace that creates it and keeps it there
+    when the device is in another, so the underlay end and the fabric end of a tunnel
+    can live in two namespaces. `remote` is unicast: it becomes the all-zeros FDB
+    entry, so every frame (broadcast and link-local multicast such as PFC's
+    01:80:c2:00:00:01 included) goes to the other VM. No learning: there is one peer."""
+    msg = ifinfmsg()
+    msg["attrs"] = [
+        ("IFLA_IFNAME", ifname), ("IFLA_MTU", mtu), ("IFLA_NET_NS_FD", netns_fd),
+        ("IFLA_LINKINFO", {"attrs": [
+            ("IFLA_INFO_KIND", "vxlan"),
+            ("IFLA_INFO_DATA", {"attrs": [
+                ("IFLA_VXLAN_ID", vni), ("IFLA_VXLAN_LOCAL", local),
+                ("IFLA_VXLAN_GROUP", remote), ("IFLA_VXLAN_PORT", udp_port),
+                ("IFLA_VXLAN_LEARNING", 0)]})]})]
+    return _encode(msg, RTM_NEWLINK, CREATE)
+
+
 def address_message(ifindex: int, cidr: str) -> bytes:
     """Add an IPv4 address, "198.18.0.1/31", to a link."""
     address, prefixlen = cidr.split("/")

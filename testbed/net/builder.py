@@ -27,6 +27,11 @@ each over the whole plan:
   8. rxe endpoints: the Soft-RoCE device of every `endpoint: rxe` host on its NIC (rxe.py
      says where, by kernel; a placement this machine refuses stops `apply_plan` before
      anything is made).
+One VM's part of a fabric spread over several VMs (`apply_plan(plan, part=...)`, for
+`testbed up FILE --vms VMS.yaml --vm NAME`) goes through the same steps for its own
+nodes and the links between them; each link that crosses to another VM is a veth pair
+too, its far end in the part's tunnel namespace, joined to a VXLAN device there (step
+2c, tunnel.py), and its port's departures are counted at that far end.
 Each namespace's requests go out in batches over its own socket, every ack checked
 (testbed/net/batch.py says why and what it saved). Any failure tears down what was
 made and raises BuildError naming the node, the request and the kernel's reason.
@@ -42,7 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from testbed.net import datapath, namespaces, netem, portprog, rxe, steering
+from testbed.net import datapath, namespaces, netem, portprog, rxe, steering, tunnel
 from testbed.net.batch import (
     LOOPBACK_IFINDEX,
     BatchedTc,
@@ -60,7 +65,8 @@ from testbed.net.batch import (
 )
 from testbed.net.qdisc import install_port_queues
 from testbed.net.state import LabState, list_states, process_start_time
-from testbed.plan.model import Plan
+from testbed.plan.model import LinkPlan, NodePlan, Plan
+from testbed.plan.part import PartPlan
 
 
 class BuildError(RuntimeError):
@@ -78,12 +84,47 @@ class BuildReport:
     seconds: dict[str, float] = field(default_factory=dict)
     datapath: str = ""     # "bpf", or "none: why" (no ECN marking, queue accounting or PFC)
     rxe_mode: str | None = None   # rxe.NETNS_AWARE / rxe.INITIAL_NS; None: no rxe hosts
+    tunnels: int = 0       # a part's VXLAN tunnels to other VMs
     ordering: str = ""     # "rps cpus 0-1 (how)", or "none: why" (flows may be reordered)
     delay: str = ""        # "netem", or "none: why" (links carry no propagation/FEC delay)
 
 
-def plan_digest(plan: Plan) -> str:
-    return hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]
+def plan_digest(plan: Plan, part: PartPlan | None = None,
+                underlay_netns: str | None = None) -> str:
+    text = plan.to_json() if part is None else part.model_dump_json() + f"|{underlay_netns}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one build makes: every node and link of the plan, or one VM's part (its
+    nodes, the links between them, and a tunnel end for each link to another VM)."""
+    nodes: list[NodePlan]
+    links: list[LinkPlan]
+    part: PartPlan | None = None
+    tunnel_netns: str | None = None
+    underlay_netns: str | None = None
+
+    @classmethod
+    def of(cls, plan: Plan, part: PartPlan | None = None,
+           underlay_netns: str | None = None) -> Scope:
+        if part is None:
+            return cls(list(plan.nodes), list(plan.links))
+        here = set(part.nodes)
+        return cls([n for n in plan.nodes if n.name in here],
+                   [plan.links[i] for i in part.local_links], part,
+                   tunnel.tunnel_netns(plan, part.vm) if part.tunnels else None,
+                   underlay_netns)
+
+    @property
+    def netns(self) -> list[str]:
+        return [n.netns for n in self.nodes] + ([self.tunnel_netns] if self.tunnel_netns
+                                                else [])
+
+    def departure_hooks(self) -> dict[tuple[str, str], tuple[str, str]]:
+        if self.part is None or self.tunnel_netns is None:
+            return {}
+        return tunnel.departure_hooks(self.part, self.tunnel_netns)
 
 
 class _Timer:
@@ -98,16 +139,21 @@ class _Timer:
 
 
 def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
-               keep_order: bool = True) -> BuildReport:
+               keep_order: bool = True, part: PartPlan | None = None,
+               underlay_netns: str | None = None) -> BuildReport:
     """Build the lab described by `plan`. Idempotent: an identical lab already up is left as is.
 
     `keep_order=False` builds without what keeps a flow in order (RPS, steering.py;
     static neighbours, step 4), as the builder did before them, so that
     bench/ordering.py can measure the reordering they prevent; never otherwise.
+    `part`: build only this VM's part (testbed/plan/part.py), its tunnels' UDP sockets
+    in `underlay_netns` (None: the namespace this process runs in). The lab's state then
+    records the part's VM and nodes, and its plan file holds the part's nodes only.
     """
     say = progress or (lambda _msg: None)
     report = BuildReport(lab=plan.lab)
-    digest = plan_digest(plan)
+    scope = Scope.of(plan, part, underlay_netns)
+    digest = plan_digest(plan, part, underlay_netns)
     existing = LabState.load(plan.lab)
     if existing is not None:
         if (existing.status == "up" and existing.plan_digest == digest
@@ -115,30 +161,35 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
             report.already_up = True
             return report
         if existing.status == "up" and existing.plan_digest != digest:
-            raise BuildError(f"lab {plan.lab!r} is up with a different plan; "
+            what = "a different plan" if existing.vm == (part.vm if part else None) else (
+                f"VM {existing.vm}'s part" if existing.vm else "the whole fabric")
+            raise BuildError(f"lab {plan.lab!r} is up here with {what}; "
                              f"run `testbed down {plan.lab}` first")
         say(f"lab {plan.lab!r} was left half-built ({existing.status}); removing it first")
         destroy_lab(plan.lab)
+    local = part_view(plan, scope) if part is not None else plan
     try:
-        report.rxe_mode = rxe.placement_mode(plan)
+        report.rxe_mode = rxe.placement_mode(local)
     except rxe.RxeRefused as exc:
         raise BuildError(str(exc)) from None
-    clashes = [n.netns for n in plan.nodes if namespaces.exists(n.netns)]
+    clashes = [ns for ns in scope.netns if namespaces.exists(ns)]
     if clashes:
         raise BuildError(f"namespaces {clashes[:3]} exist but no lab state owns them; "
                          "run `testbed down --all` to clear leftovers")
 
-    state = LabState(lab=plan.lab, netns=[n.netns for n in plan.nodes], status="building",
-                     plan_digest=digest, builder_pid=os.getpid())
+    state = LabState(lab=plan.lab, netns=scope.netns, status="building",
+                     plan_digest=digest, builder_pid=os.getpid(),
+                     vm=part.vm if part else None,
+                     nodes=[n.name for n in scope.nodes] if part else None)
     state.save()
-    state.plan_path.write_text(plan.to_json())
+    state.plan_path.write_text(local.to_json())
     os.chmod(state.plan_path, 0o600)
     try:
-        _build(plan, report, say, keep_order)
+        _build(plan, scope, report, say, keep_order)
         if report.rxe_mode is not None:
             say("rxe endpoints")
             t = time.perf_counter()
-            rxe.build(plan, report.rxe_mode, say)
+            rxe.build(local, report.rxe_mode, say)
             report.seconds["rxe"] = round(time.perf_counter() - t, 4)
     except BaseException as exc:
         say(f"build failed ({exc}); removing what was made")
@@ -148,7 +199,7 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
         if isinstance(exc, RequestError):
             raise BuildError(f"kernel refused a request while building {plan.lab!r}: "
                              f"{exc}") from exc
-        if isinstance(exc, BatchError | rxe.RxeError):
+        if isinstance(exc, BatchError | rxe.RxeError | tunnel.TunnelError):
             raise BuildError(f"building {plan.lab!r}: {exc}") from exc
         raise
     state.status = "up"
@@ -156,52 +207,70 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
     return report
 
 
-def _build(plan: Plan, report: BuildReport, say: Callable[[str], None],
+def part_view(plan: Plan, scope: Scope) -> Plan:
+    """The plan as a part's lab records it: its own nodes only (links, addresses and
+    MACs of the whole fabric stay, since link indexes and routes refer to them)."""
+    return plan.model_copy(update={"nodes": scope.nodes})
+
+
+def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], None],
            keep_order: bool) -> None:
     timer = _Timer(report)
     steer = steering.choose(keep_order)
     report.ordering = steer.describe()
-    say(f"creating {len(plan.nodes)} namespaces")
-    sockets = _create_namespaces(plan, steer.namespace_sysctls())
-    report.namespaces = len(plan.nodes)
+    say(f"creating {len(scope.netns)} namespaces")
+    sockets = _create_namespaces(plan, scope, steer.namespace_sysctls())
+    report.namespaces = len(scope.netns)
     timer.lap("namespaces")
     try:
-        batches = {n.name: NetlinkBatch(sockets[n.name], n.name) for n in plan.nodes}
+        batches = {n.name: NetlinkBatch(sockets[n.name], n.name) for n in scope.nodes}
 
-        say(f"creating {len(plan.links)} veth pairs")
-        _create_veth_pairs(plan, batches)
-        report.veth_pairs = len(plan.links)
+        say(f"creating {len(scope.links)} veth pairs")
+        _create_veth_pairs(plan, scope.links, batches)
+        report.veth_pairs = len(scope.links)
         timer.lap("veth")
+
+        if scope.part is not None and scope.tunnel_netns is not None:
+            ends = scope.part.tunnels
+            say(f"{len(ends)} VXLAN tunnel(s) to other VMs (underlay namespace: "
+                f"{scope.underlay_netns or 'this one'})")
+            tunnel.add_port_veths(scope.part, batches, scope.tunnel_netns)
+            tunnel.add_vxlans(scope.part, scope.tunnel_netns, scope.underlay_netns)
+            report.tc_requests += tunnel.join(scope.part, scope.tunnel_netns,
+                                              sockets[scope.tunnel_netns])
+            report.tunnels = len(ends)
+            timer.lap("tunnels")
 
         if steer.method == steering.RPS_CPUS:
             say("flow steering (rps_cpus of every port)")
-            _steer_ports(plan, steer)
+            _steer_ports(scope, steer)
             timer.lap("flow steering")
 
         say("addresses, queues and links up")
-        ifindex = {n.name: dump_link_indexes(sockets[n.name], n.name) for n in plan.nodes}
-        report.tc_requests = _configure_ports(plan, batches, ifindex)
+        ifindex = {n.name: dump_link_indexes(sockets[n.name], n.name) for n in scope.nodes}
+        report.tc_requests += _configure_ports(scope, batches, ifindex)
         timer.lap("addresses+queues")
 
         if keep_order:
             say("neighbours")
-            _add_neighbours(plan, batches, ifindex)
+            _add_neighbours(plan, scope, batches, ifindex)
             timer.lap("neighbours")
 
         say("routes")
-        report.routes = _add_routes(plan, batches, ifindex)
+        report.routes = _add_routes(scope, batches, ifindex)
         timer.lap("routes")
 
-        why_no_delay = netem.preflight(sockets[plan.nodes[0].name], plan.nodes[0].name) \
-            if plan.nodes else "no nodes"
+        first = scope.nodes[0].name if scope.nodes else None
+        why_no_delay = netem.preflight(sockets[first], first) if first else "no nodes"
         say("port programs (queue accounting, ECN marking, PFC decisions"
             + (", PHY loss)" if why_no_delay else ")"))
-        report.datapath = _attach_datapath(plan, ifindex, apply_phy_loss=bool(why_no_delay))
+        report.datapath = _attach_datapath(plan, scope, ifindex,
+                                           apply_phy_loss=bool(why_no_delay))
         timer.lap("port programs")
 
         if why_no_delay is None:
             say("link delay (netem at each port's peer ingress)")
-            report.tc_requests += _add_wire_stages(plan, batches, sockets,
+            report.tc_requests += _add_wire_stages(plan, scope, batches, sockets,
                                                    clsact=report.datapath != "bpf")
             report.delay = "netem"
             timer.lap("link delay")
@@ -212,7 +281,7 @@ def _build(plan: Plan, report: BuildReport, say: Callable[[str], None],
             sock.close()
 
 
-def _attach_datapath(plan: Plan, ifindex: dict[str, dict[str, int]],
+def _attach_datapath(plan: Plan, scope: Scope, ifindex: dict[str, dict[str, int]],
                      apply_phy_loss: bool = True) -> str:
     """Step 6: the tc-BPF port program on every port, where this machine can load it.
 
@@ -224,18 +293,23 @@ def _attach_datapath(plan: Plan, ifindex: dict[str, dict[str, int]],
         portprog.ensure_object()
     except portprog.PortProgError as exc:
         return f"none: {exc}"
-    datapath.attach_port_programs(plan, apply_phy_loss=apply_phy_loss, ifindex=ifindex)
+    datapath.attach_port_programs(plan, apply_phy_loss=apply_phy_loss, ifindex=ifindex,
+                                  nodes=scope.nodes, departure_hooks=scope.departure_hooks())
     return "bpf"
 
 
-def _add_wire_stages(plan: Plan, batches: dict[str, NetlinkBatch],
+def _add_wire_stages(plan: Plan, scope: Scope, batches: dict[str, NetlinkBatch],
                      sockets: dict[str, socket.socket], clsact: bool) -> int:
     """Step 7: per receiving node its IFBs (one batch), one link dump, then per IFB its
     netem and the redirect on the port it serves (a second batch). `clsact`: the ports
-    have no clsact yet (no port programs). Returns the tc requests."""
+    have no clsact yet (no port programs). Returns the tc requests. A part makes the
+    stages whose receiving port is its own: a tunnel's incoming direction included,
+    the other VM's part makes the outgoing one."""
     requests = 0
+    here = {n.name for n in scope.nodes}
+    stages_all = [s for s in netem.wire_stages(plan) if s.rx_node in here]
     with TcTemplates() as templates:
-        for rx_node, stages in netem.stages_by_rx_node(netem.wire_stages(plan)).items():
+        for rx_node, stages in netem.stages_by_rx_node(stages_all).items():
             batch = batches[rx_node]
             for s in stages:
                 batch.add(netem.ifb_message(s.ifb), f"link add {s.ifb} type ifb up")
@@ -250,20 +324,31 @@ def _add_wire_stages(plan: Plan, batches: dict[str, NetlinkBatch],
     return requests
 
 
-def _create_namespaces(plan: Plan, extra_sysctls: dict[str, str]) -> dict[str, socket.socket]:
+# The tunnel namespace carries no IP traffic of its own: with IPv6 on, its devices would
+# send router solicitations and MLD reports out of vxp<i>, into the fabric's ports.
+TUNNEL_NETNS_SYSCTLS = {"net.ipv6.conf.all.disable_ipv6": "1",
+                        "net.ipv6.conf.default.disable_ipv6": "1"}
+
+
+def _create_namespaces(plan: Plan, scope: Scope,
+                       extra_sysctls: dict[str, str]) -> dict[str, socket.socket]:
     """Step 1: every node's namespace with its sysctls (the plan's, then `extra_sysctls`,
-    the same on every node); a netlink socket in each, by node."""
-    node_of = {n.netns: n.name for n in plan.nodes}
+    the same on every node), and a part's tunnel namespace; a netlink socket in each,
+    by node (the tunnel namespace's by its own name)."""
+    node_of = {n.netns: n.name for n in scope.nodes}
+    specs = [(n.netns, {**n.sysctls, **extra_sysctls}) for n in scope.nodes]
+    if scope.tunnel_netns is not None:
+        node_of[scope.tunnel_netns] = scope.tunnel_netns
+        specs.append((scope.tunnel_netns, {**TUNNEL_NETNS_SYSCTLS, **extra_sysctls}))
     try:
-        sockets = namespaces.create_many([(n.netns, {**n.sysctls, **extra_sysctls})
-                                          for n in plan.nodes],
-                                         open_socket=open_route_socket)
+        sockets = namespaces.create_many(specs, open_socket=open_route_socket)
     except namespaces.NamespaceError as exc:
         raise BuildError(f"building {plan.lab!r}: node {node_of[exc.name]}: {exc}") from exc
     return {node_of[ns]: sock for ns, sock in sockets.items()}
 
 
-def _create_veth_pairs(plan: Plan, batches: dict[str, NetlinkBatch]) -> None:
+def _create_veth_pairs(plan: Plan, links: list[LinkPlan],
+                       batches: dict[str, NetlinkBatch]) -> None:
     """Step 2: each link's veth pair, from the `a` node's namespace, the peer put in
     the `b` node's. Sent in plan order, so interface indexes come out as numbered."""
     iface = {(n.name, i.ifname): i for n in plan.nodes for i in n.interfaces}
@@ -271,7 +356,7 @@ def _create_veth_pairs(plan: Plan, batches: dict[str, NetlinkBatch]) -> None:
     fds: dict[str, int] = {}
     try:
         sender = None
-        for link in plan.links:
+        for link in links:
             if sender is not None and sender != link.a.node:
                 batches[sender].flush()
             sender = link.a.node
@@ -292,14 +377,18 @@ def _create_veth_pairs(plan: Plan, batches: dict[str, NetlinkBatch]) -> None:
             os.close(fd)
 
 
-def _steer_ports(plan: Plan, steer: steering.Steering) -> None:
+def _steer_ports(scope: Scope, steer: steering.Steering) -> None:
     """Step 2b, only where the kernel has no per-namespace RPS default: the RPS map on
-    every port, before any port is up (so no packet is received without it)."""
-    ports = {n.netns: [i.ifname for i in n.interfaces] for n in plan.nodes if n.interfaces}
+    every port, before any port is up (so no packet is received without it); in a part,
+    on its tunnel devices too (the tunnel namespace is a hop every crossing packet takes)."""
+    ports = {n.netns: [i.ifname for i in n.interfaces] for n in scope.nodes if n.interfaces}
+    if scope.part is not None and scope.tunnel_netns is not None:
+        ports[scope.tunnel_netns] = [name for end in scope.part.tunnels for name in
+                                     (tunnel.port_peer_ifname(end), tunnel.vxlan_ifname(end))]
     try:
         steering.write_rps_cpus(ports, steer.mask)
     except OSError as exc:
-        raise BuildError(f"building {plan.lab!r}: writing rps_cpus {steer.mask}: {exc}") from exc
+        raise BuildError(f"writing rps_cpus {steer.mask}: {exc}") from exc
 
 
 def _index(ifindex: dict[str, dict[str, int]], node: str, ifname: str) -> int:
@@ -310,12 +399,12 @@ def _index(ifindex: dict[str, dict[str, int]], node: str, ifname: str) -> int:
                          "were made") from None
 
 
-def _configure_ports(plan: Plan, batches: dict[str, NetlinkBatch],
+def _configure_ports(scope: Scope, batches: dict[str, NetlinkBatch],
                      ifindex: dict[str, dict[str, int]]) -> int:
     """Step 3: lo up; per port its address, its queues, link up. Returns tc requests."""
     tc_requests = 0
     with TcTemplates() as templates:
-        for node in plan.nodes:
+        for node in scope.nodes:
             batch = batches[node.name]
             batch.add(link_up_message(LOOPBACK_IFINDEX), "link set lo up")
             for iface in node.interfaces:
@@ -329,12 +418,13 @@ def _configure_ports(plan: Plan, batches: dict[str, NetlinkBatch],
     return tc_requests
 
 
-def _add_neighbours(plan: Plan, batches: dict[str, NetlinkBatch],
+def _add_neighbours(plan: Plan, scope: Scope, batches: dict[str, NetlinkBatch],
                     ifindex: dict[str, dict[str, int]]) -> None:
     """Step 4: each port's /31 peer as a permanent neighbour (after link up: taking a
-    link down flushes even permanent entries)."""
+    link down flushes even permanent entries). A peer on another VM has its MAC in the
+    plan as every other does."""
     mac = {(n.name, i.ifname): i.mac for n in plan.nodes for i in n.interfaces}
-    for node in plan.nodes:
+    for node in scope.nodes:
         batch = batches[node.name]
         for iface in node.interfaces:
             peer_ip = iface.peer.address.split("/")[0]
@@ -345,12 +435,12 @@ def _add_neighbours(plan: Plan, batches: dict[str, NetlinkBatch],
         batch.flush()
 
 
-def _add_routes(plan: Plan, batches: dict[str, NetlinkBatch],
+def _add_routes(scope: Scope, batches: dict[str, NetlinkBatch],
                 ifindex: dict[str, dict[str, int]]) -> int:
     """Step 5: every node's routes (after every port is up: a gateway must be on a
     connected /31). Returns how many."""
     routes = 0
-    for node in plan.nodes:
+    for node in scope.nodes:
         batch = batches[node.name]
         for route in node.routes:
             hops = [(h.gateway, _index(ifindex, node.name, h.ifname)) for h in route.nexthops]
@@ -399,7 +489,10 @@ def destroy_lab(lab: str) -> list[str]:
         if namespaces.exists(ns):
             namespaces.remove(ns)   # its veth ends go with it, and so do their peers
             removed.append(ns)
-    datapath.detach_port_programs(lab)
+    if state.nodes is None:
+        datapath.detach_port_programs(lab)
+    else:       # one VM's part: another part of the lab may be pinned on this machine
+        datapath.detach_node_programs(lab, state.nodes)
     state.remove()
     return removed
 

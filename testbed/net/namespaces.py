@@ -152,6 +152,16 @@ def inside(name: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def inside_any(name: str) -> Iterator[None]:
+    """Like inside(), for a named namespace the testbed does not own (the underlay
+    namespace of a VM's tunnels): only to open sockets there. Nothing here creates,
+    changes or removes it."""
+    with _coming_back():
+        _enter(name)
+        yield
+
+
 def write_sysctls(name: str, sysctls: Mapping[str, str]) -> None:
     paths = {_sysctl_path(key): value for key, value in sysctls.items()}
     with inside(name):

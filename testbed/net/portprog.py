@@ -567,6 +567,22 @@ def detach_lab(lab: str) -> bool:
     return True
 
 
+def detach_nodes(lab: str, nodes: list[str]) -> None:
+    """Unpin the given nodes of a lab (one VM's part), and the lab's directory once
+    nothing else is pinned in it."""
+    _check_name("lab", lab)
+    for node in nodes:
+        _check_name("node", node)
+        path = PIN_ROOT / lab / node
+        _forget(path)
+        if path.exists():
+            _rmtree(path)
+    try:
+        (PIN_ROOT / lab).rmdir()
+    except OSError:
+        pass        # another part's nodes are still pinned here, or it is gone
+
+
 def pinned_labs() -> list[str]:
     """Labs with pins under /sys/fs/bpf/tb (for `down --all` after a crash)."""
     try:

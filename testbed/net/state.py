@@ -43,6 +43,11 @@ class LabState:
     created_unix: float = field(default_factory=time.time)
     run_dir: str | None = None
     processes: list[ProcessRecord] = field(default_factory=list)
+    # One VM's part of a fabric spread over VMs (`up --vms V --vm NAME`): the VM and the
+    # nodes built here (None: the whole fabric). Its port programs are unpinned by node,
+    # since another part of the same lab may be pinned on this machine.
+    vm: str | None = None
+    nodes: list[str] | None = None
     format_version: int = STATE_FORMAT_VERSION
 
     @property

@@ -111,6 +111,49 @@ def stream(plan: Plan, src: str, dst: str, tmpdir: str, wall_seconds: float = 3.
     return StreamResult(src, dst, nic.egress.wall_rate_bps, line_bps, sent, received)
 
 
+def port_streams(plan: Plan, ports: list[tuple[str, str]], tmpdir: str,
+                 wall_seconds: float = 3.0, overdrive: float = 1.1,
+                 dscp: int = 0) -> list[StreamResult]:
+    """Saturate each port (node, ifname), all at once: a sender in the node's namespace
+    at `overdrive` x the port's rate to the address of the port's /31 peer, a receiver
+    there (each on a port of its own). What arrives measures the link in that direction
+    alone, whatever the hosts' NICs could send (a switch-to-switch link, a link that
+    crosses to another VM)."""
+    d = plan.timebase
+    duration_ns = round(d.to_fabric_ns_from_wall_s(wall_seconds))
+    size = plan.mtu_bytes - 28
+    receivers, senders, specs = [], [], []
+    try:
+        for k, (node, ifname) in enumerate(ports):
+            iface = next(i for i in plan.node(node).interfaces if i.ifname == ifname)
+            peer = iface.peer
+            ready = f"{tmpdir}/recv-{node}-{ifname}.ready"
+            receivers.append(start_agent(
+                plan.lab, plan.node(peer.node).netns, "agents.udp",
+                ["recv", "--port", str(STREAM_PORT + k), "--ready-file", ready,
+                 "--idle-exit-ns", str(round(d.to_fabric_ns_from_wall_s(1.0))),
+                 "--dilation", str(d.factor)], f"recv-{peer.node}-{k}"))
+            specs.append((node, peer.node, iface, ready, k))
+        for node, _peer, iface, ready, k in specs:
+            _ready(ready)
+            senders.append(start_agent(
+                plan.lab, plan.node(node).netns, "agents.udp",
+                ["send", "--dst", iface.peer.address.split("/")[0],
+                 "--dport", str(STREAM_PORT + k), "--sport", str(40000 + k),
+                 "--rate-bps", str(round(iface.egress.rate_bps * overdrive)),
+                 "--size", str(size), "--duration-ns", str(duration_ns),
+                 "--dscp", str(dscp), "--dilation", str(d.factor)], f"send-{node}-{k}"))
+        sent = [p.result(timeout_s=wall_seconds * 3 + 10) for p in senders]
+        received = [p.result(timeout_s=wall_timeout_s(15)) for p in receivers]
+    finally:
+        for p in receivers + senders:
+            p.stop()
+        forget_exited(plan.lab)
+    return [StreamResult(node, peer, iface.egress.wall_rate_bps, iface.egress.rate_bps,
+                         sent[i], received[i])
+            for i, (node, peer, iface, _ready_file, _k) in enumerate(specs)]
+
+
 def link_tx_bytes(plan: Plan) -> dict[tuple[str, str], int]:
     ifaces, _ = read_counters(plan)
     return {(c.node, c.ifname): c.tx_bytes for c in ifaces}
