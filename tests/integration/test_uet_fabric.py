@@ -114,7 +114,10 @@ def test_receiver_credit_keeps_the_incast_queue_within_a_bound_whatever_the_fan_
     result = _run(tmp_path, text, f"credit{senders}")
     s = result.summary
     rows = _rows(s)
-    assert len(rows) == senders and all(r["verified"] is True for r in rows), rows
+    # on failure, say why: the run's own notes and faults, each stream's error and bytes
+    why = {"fidelity": s.get("fidelity"), "run_faults": s.get("run_faults"),
+           "streams": [(r["src"], r["bytes"], r["verified"], r["error"]) for r in rows]}
+    assert len(rows) == senders and all(r["verified"] is True for r in rows), why
     port = f"swp{senders + 1}"
     bottleneck = _port(s, "sw1", port, 2)
     assert bottleneck["max_queue_bytes"] <= TRIM_THRESHOLD_BYTES + PACKET_BYTES, bottleneck
