@@ -13,7 +13,7 @@ import importlib
 import sys
 
 VERBS = ["validate", "phy", "plan", "probe", "up", "down", "status", "smoke", "run", "report",
-         "calibrate", "incident", "compare", "import", "export", "mininet"]
+         "calibrate", "incident", "compare", "import", "export", "mininet", "merge"]
 # A verb whose module name differs: `import` is a Python keyword.
 MODULES = {"import": "import_"}
 

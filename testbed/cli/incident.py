@@ -185,6 +185,16 @@ def run_options(args):
                       budget_bps=budget, say=say, on_sample=on_sample)
 
 
+def is_incident_suite(path: str, directory: str = "configs/incidents") -> bool:
+    """Whether `path` is an incident suite (one with `incidents:`); a broken one counts."""
+    from testbed.incident.suite import SuiteError, suite_incidents
+
+    try:
+        return suite_incidents(path, Path(directory)) is not None
+    except SuiteError:
+        return True
+
+
 def run_incident_suite(path: str, args, directory: str = "configs/incidents") -> int | None:
     """Run an incident suite file; None if `path` is not one (`testbed run` asks too)."""
     from testbed.incident.suite import SuiteError, run_suite, suite_incidents

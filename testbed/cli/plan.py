@@ -21,6 +21,7 @@ from testbed.config import ConfigError
 from testbed.config.vms import check_vms_for_fabric, load_vms
 from testbed.net.probe import kernel_config_has
 from testbed.plan import Plan
+from testbed.plan.part import PartPlan, part_plan
 from testbed.plan.partition import Placement, partition
 from testbed.units import format_duration, format_rate, format_size
 
@@ -147,6 +148,16 @@ def placement_of(vms_path: str, fabric_path: str, plan: Plan) -> Placement:
             print(line, file=sys.stderr)
         raise CliError(f"{len(exc.problems)} problem(s) in {vms_path}", EXIT_USAGE) from None
     return partition(plan, loaded.vms_file, fabric_file=fabric_path)
+
+
+def part_of(vms_path: str, vm: str, fabric_path: str, plan: Plan) -> PartPlan:
+    """VM `vm`'s part of `plan` placed over the VMs file's VMs; CliError (exit 2) for a
+    bad VMs file or a VM it does not name."""
+    placement = placement_of(vms_path, fabric_path, plan)
+    try:
+        return part_plan(plan, placement, vm)
+    except ValueError as exc:
+        raise CliError(f"{vms_path}: {exc}", EXIT_USAGE) from None
 
 
 def run(args) -> int:

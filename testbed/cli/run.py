@@ -25,7 +25,7 @@ from testbed.cli.common import (
     require_root,
     wide_console,
 )
-from testbed.cli.vmmode import add_vm_flag, require_kernel_features
+from testbed.cli.vmmode import add_vm_part_flags, require_kernel_features
 from testbed.units import format_rate, format_size
 from testbed.workloads.registry import REGISTRY
 
@@ -34,7 +34,7 @@ DEFAULT_CONFIG = "configs/default.yaml"
 
 def add_parser(sub):
     p = sub.add_parser("run", help="up, workload, sample, down, report; prints the run directory")
-    p.add_argument("file", nargs="?", default=DEFAULT_CONFIG,
+    p.add_argument("file", nargs="?",
                    help=f"fabric with a workload, or a suite: runs: or incidents: (default "
                         f"{DEFAULT_CONFIG})")
     p.add_argument("--runs-dir", default="runs", help="where run directories go (default runs/)")
@@ -45,7 +45,14 @@ def add_parser(sub):
                         "the longest RoCE packet and makes the files ~30x smaller)")
     p.add_argument("--keep", action="store_true", help="leave the fabric up afterwards")
     p.add_argument("--quiet", action="store_true", help="print only the run directory")
-    add_vm_flag(p)
+    add_vm_part_flags(p, default_file=DEFAULT_CONFIG)
+    p.add_argument("--start-at-unix-ns", type=nonneg_int, metavar="NS",
+                   help="with --vms: the common start instant of every VM's part, "
+                        "CLOCK_REALTIME in ns (the controller picks it a few seconds ahead)")
+    p.add_argument("--stop-file", metavar="PATH",
+                   help="with --vms: once this VM's own senders are done, keep serving the "
+                        "other VMs' senders until PATH exists (the controller writes it when "
+                        "every VM's run directory has its senders-done marker)")
     return p
 
 
@@ -116,14 +123,14 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
     try:
         loaded, plan = load_and_plan(path)
         require_kernel_features(plan, "run", path)
+        if loaded.fabric.workload is None or not loaded.fabric.workload.traffic:
+            raise CliError(f"run: {path} has no workload: section with traffic; add one "
+                           "(see configs/examples/) or use `testbed smoke` to check the "
+                           "fabric", 2)
+        part = part_run_of(path, args, loaded, plan) if getattr(args, "vms", None) else None
     except CliError as exc:
         print(exc, file=sys.stderr)
         return exc.code
-    if loaded.fabric.workload is None or not loaded.fabric.workload.traffic:
-        print(f"run: {path} has no workload: section with traffic; add one "
-              "(see configs/examples/) or use `testbed smoke` to check the fabric",
-              file=sys.stderr)
-        return 2
     quiet = args.quiet
     live_ui = console.is_terminal and not quiet
     last_line = [0.0]
@@ -145,7 +152,7 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
 
     options = RunOptions(runs_root=Path(args.runs_dir), capture=args.capture,
                          capture_snaplen=args.capture_snaplen, keep_up=args.keep,
-                         budget_bps=budget, say=say, on_sample=on_sample)
+                         budget_bps=budget, say=say, on_sample=on_sample, part=part)
     live = Live(console=console, auto_refresh=False, transient=True) if live_ui else None
     if live is not None:
         live.start()
@@ -169,6 +176,35 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
     # the disk filled): its data is kept, but it is not the run asked for
     # (docs/run-format.md, summary.json `failed` and Faults during a run)
     return EXIT_FAIL if result.failed or result.fault else EXIT_OK
+
+
+def part_run_of(path: str, args, loaded, plan):
+    """One VM's part of a run over several VMs, or CliError (exit 2) for what a part run
+    cannot do yet (each refusal says so before anything is built)."""
+    from testbed.cli.plan import part_of
+    from testbed.run.pinning import pinned_senders
+    from testbed.run.runner import PartRun
+    from testbed.run.workload import expand_workload
+
+    if args.start_at_unix_ns is None:
+        raise CliError("run: --vms needs --start-at-unix-ns: the common start instant "
+                       "every VM's part is given", 2)
+    part = part_of(args.vms, args.vm, path, plan)
+    problems = []
+    if loaded.fabric.events:
+        problems.append("a fault timeline (events:) is not applied across VMs yet")
+    rxe = [n.name for n in plan.hosts() if n.endpoint == "rxe"]
+    if rxe:
+        problems.append(f"rxe hosts ({', '.join(rxe)}) are not built across VMs yet")
+    pinned = pinned_senders(expand_workload(loaded.fabric, plan))
+    if pinned:
+        problems.append(f"paths pinned with via: ({', '.join(pinned)}) are looked up "
+                        "hop by hop, which a VM cannot do for another VM's nodes")
+    if problems:
+        raise CliError(f"run: {path} over VMs ({args.vms}): " + "; ".join(problems), 2)
+    return PartRun(part=part, start_at_unix_ns=args.start_at_unix_ns,
+                   underlay_netns=args.underlay_netns,
+                   stop_file=Path(args.stop_file) if args.stop_file else None)
 
 
 def _cell(field: str, value: object) -> str:
@@ -223,8 +259,12 @@ def run(args) -> int:
     except CliError as exc:
         print(exc, file=sys.stderr)
         return exc.code
-    from testbed.cli.incident import run_incident_suite
+    from testbed.cli.incident import is_incident_suite, run_incident_suite
 
+    if args.vms and (suite_runs(args.file) is not None or is_incident_suite(args.file)):
+        print(f"run: {args.file} is a suite; over VMs (--vms) run one config at a time",
+              file=sys.stderr)
+        return 2
     code = run_incident_suite(args.file, args)     # None: not an incident suite
     if code is not None:
         return code

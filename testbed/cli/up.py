@@ -12,14 +12,13 @@ from typing import TYPE_CHECKING
 
 from testbed.cli.common import (
     EXIT_OK,
-    EXIT_USAGE,
     CliError,
     load_and_plan,
     require_root,
     wide_console,
 )
-from testbed.cli.plan import placement_of, print_plan_table
-from testbed.cli.vmmode import require_kernel_features
+from testbed.cli.plan import part_of, print_plan_table
+from testbed.cli.vmmode import add_vm_part_flags, require_kernel_features
 
 if TYPE_CHECKING:     # testbed.net pulls in pyroute2: imported where a verb runs, not here
     from testbed.net import BuildReport
@@ -31,34 +30,8 @@ def add_parser(sub):
     p = sub.add_parser("up", help="build a fabric (idempotent); needs root")
     p.add_argument("file", nargs="?", help="fabric YAML file")
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
-    p.add_argument("--vm", nargs="?", const=True, default=False, metavar="NAME",
-                   help="with --vms: build only VM NAME's part (its nodes and its ends of "
-                        "the VXLAN tunnels to the others). Alone: run it inside a qemu VM "
-                        "booting Debian's stock kernel (which has rdma_rxe, sch_netem and "
-                        "sch_red); installs qemu and the kernel package on first use")
-    p.add_argument("--vms", metavar="VMS.yaml",
-                   help="the fabric is spread over these VMs (docs/scale-out.md); needs --vm")
-    p.add_argument("--underlay-netns", metavar="NS",
-                   help="with --vms: the namespace whose address and routes carry the "
-                        "tunnels (default: the one testbed runs in, the VM's own)")
-    p.set_defaults(_normalize=_normalize)
+    add_vm_part_flags(p)
     return p
-
-
-def _normalize(parser, args) -> None:
-    """`--vm` takes an optional NAME, so `up --vm FILE` reads FILE as the NAME: without
-    --vms that is VM mode with FILE."""
-    if isinstance(args.vm, str) and not args.vms:
-        if args.file is not None:
-            parser.error(f"--vm {args.vm}: a VM name needs --vms VMS.yaml (VM mode is "
-                         "--vm with no name)")
-        args.file, args.vm = args.vm, True
-    if args.file is None:
-        parser.error("the following arguments are required: file")
-    if args.vms and not isinstance(args.vm, str):
-        parser.error("--vms needs --vm NAME: the VM whose part to build here")
-    if args.underlay_netns and not args.vms:
-        parser.error("--underlay-netns goes with --vms and --vm NAME")
 
 
 def run(args) -> int:
@@ -68,7 +41,7 @@ def run(args) -> int:
     try:
         _, plan = load_and_plan(args.file)
         if args.vms:
-            part = _part(args, plan)
+            part = part_of(args.vms, args.vm, args.file, plan)
         if args.dry_run:
             print_plan_table(plan, wide_console())
             if part is not None:
@@ -100,16 +73,6 @@ def run(args) -> int:
     print(f"link delay: {report.delay or 'none'}")
     print(f"namespaces: {plan.netns_prefix}*   tear down: testbed down {plan.lab}")
     return EXIT_OK
-
-
-def _part(args, plan: Plan) -> PartPlan:
-    from testbed.plan.part import part_plan
-
-    placement = placement_of(args.vms, args.file, plan)
-    try:
-        return part_plan(plan, placement, args.vm)
-    except ValueError as exc:
-        raise CliError(f"up: {args.vms}: {exc}", EXIT_USAGE) from None
 
 
 def _print_part(part: PartPlan) -> None:

@@ -27,6 +27,43 @@ def add_vm_flag(parser) -> None:
                              "package on first use")
 
 
+def add_vm_part_flags(parser, default_file: str | None = None) -> None:
+    """`--vm [NAME]`, `--vms VMS.yaml`, `--underlay-netns NS` for a verb that can build one
+    VM's part of a fabric spread over VMs (`--vms` with `--vm NAME`) or run in VM mode
+    (`--vm` alone). The verb's `file` positional must be optional (nargs="?")."""
+    parser.add_argument("--vm", nargs="?", const=True, default=False, metavar="NAME",
+                        help="with --vms: only VM NAME's part of the fabric (its nodes and "
+                             "its ends of the VXLAN tunnels to the others). Alone: run it "
+                             "inside a qemu VM booting Debian's stock kernel (which has "
+                             "rdma_rxe, sch_netem and sch_red); installs qemu and the kernel "
+                             "package on first use")
+    parser.add_argument("--vms", metavar="VMS.yaml",
+                        help="the fabric is spread over these VMs (docs/scale-out.md); needs "
+                             "--vm NAME")
+    parser.add_argument("--underlay-netns", metavar="NS",
+                        help="with --vms: the namespace whose address and routes carry the "
+                             "tunnels (default: the one testbed runs in, the VM's own)")
+    parser.set_defaults(_normalize=_normalize_vm_part, _default_file=default_file)
+
+
+def _normalize_vm_part(parser, args) -> None:
+    """`--vm` takes an optional NAME, so `VERB --vm FILE` reads FILE as the NAME: without
+    --vms that is VM mode with FILE."""
+    if isinstance(args.vm, str) and not args.vms:
+        if args.file is not None:
+            parser.error(f"--vm {args.vm}: a VM name needs --vms VMS.yaml (VM mode is "
+                         "--vm with no name)")
+        args.file, args.vm = args.vm, True
+    if args.file is None:
+        args.file = args._default_file
+    if args.file is None:
+        parser.error("the following arguments are required: file")
+    if args.vms and not isinstance(args.vm, str):
+        parser.error("--vms needs --vm NAME: the VM whose part to build here")
+    if args.underlay_netns and not args.vms:
+        parser.error("--underlay-netns goes with --vms and --vm NAME")
+
+
 def require_kernel_features(plan: Plan, verb: str, path: str) -> None:
     """Stop before anything is built when the plan needs a feature this kernel lacks."""
     from testbed.run.requirements import needed_features

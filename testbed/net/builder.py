@@ -66,7 +66,7 @@ from testbed.net.batch import (
 from testbed.net.qdisc import install_port_queues
 from testbed.net.state import LabState, list_states, process_start_time
 from testbed.plan.model import LinkPlan, NodePlan, Plan
-from testbed.plan.part import PartPlan
+from testbed.plan.part import PartPlan, local_plan
 
 
 class BuildError(RuntimeError):
@@ -167,7 +167,7 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
                              f"run `testbed down {plan.lab}` first")
         say(f"lab {plan.lab!r} was left half-built ({existing.status}); removing it first")
         destroy_lab(plan.lab)
-    local = part_view(plan, scope) if part is not None else plan
+    local = local_plan(plan, part) if part is not None else plan
     try:
         report.rxe_mode = rxe.placement_mode(local)
     except rxe.RxeRefused as exc:
@@ -205,12 +205,6 @@ def apply_plan(plan: Plan, progress: Callable[[str], None] | None = None, *,
     state.status = "up"
     state.save()
     return report
-
-
-def part_view(plan: Plan, scope: Scope) -> Plan:
-    """The plan as a part's lab records it: its own nodes only (links, addresses and
-    MACs of the whole fabric stay, since link indexes and routes refer to them)."""
-    return plan.model_copy(update={"nodes": scope.nodes})
 
 
 def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], None],

@@ -110,14 +110,16 @@ def _wire_rows(view, off: int, end: int, node: str, port: str) -> list[Sample]:
 class KernelSampler:
     """Per-interface and per-class counters of every fabric port of a lab."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, whole_plan: Plan | None = None) -> None:
+        """`whole_plan`: the fabric `plan`'s nodes are part of, if more (one VM's part):
+        the link stages into its nodes are those of the whole fabric's links."""
         self.plan = plan
         self._dumpers: dict[str, _NetlinkDumper] = {}
         self._ifname: dict[str, dict[int, str]] = {}
         self._leaf: dict[str, dict[tuple[int, int], tuple[str, int]]] = {}
         #: per receiving node: (IFB ifindex, netem handle) -> the sending (node, port)
         self._wire: dict[str, dict[tuple[int, int], tuple[str, str]]] = {}
-        stages = netem.stages_by_rx_node(netem.wire_stages(plan))
+        stages = netem.stages_by_rx_node(netem.wire_stages(whole_plan or plan))
         for node in plan.nodes:
             dumper = _NetlinkDumper(node.netns)
             self._dumpers[node.name] = dumper

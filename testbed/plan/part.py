@@ -48,3 +48,12 @@ def part_plan(plan: Plan, placement: Placement, vm_name: str) -> PartPlan:
                     local_links=[li.index for li in plan.links
                                  if li.a.node in here and li.b.node in here],
                     tunnels=tunnels, underlay_mtu_bytes=placement.underlay_mtu_bytes)
+
+
+def local_plan(plan: Plan, part: PartPlan) -> Plan:
+    """The plan as one VM's part sees it: its own nodes only. The links, addresses and
+    MACs of the whole fabric stay (link indexes and routes refer to them), so what
+    iterates a plan's nodes (sampling counters, starting PFC agents, the lab's recorded
+    plan) covers this VM's nodes."""
+    here = set(part.nodes)
+    return plan.model_copy(update={"nodes": [n for n in plan.nodes if n.name in here]})

@@ -284,6 +284,53 @@ class Store:
             w.ts, w.written, w.final = (ts_fabric_ns, ts_wall_ns), set(written), final
             w.rows += len(rows)
 
+    def import_store(self, other: Path, shift_fabric_ns: int, shift_wall_ns: int) -> int:
+        """Copy every series, sample time, point and event of another run's store into this
+        one (empty or holding other nodes' series), its times moved by the shifts: how one
+        VM's part of a run joins the others on one time axis (testbed/run/merge.py). A
+        sample time both stores have keeps this store's wall time. Returns the points
+        copied. The other store is only read."""
+        with self.lock:
+            w = self._writer_state()
+            db = self.db
+            db.execute("ATTACH DATABASE ? AS other", (str(other),))
+            try:
+                with db:
+                    version = int(dict(db.execute("SELECT key, value FROM other.meta"))
+                                  .get("format_version", 0))
+                    if version != STORE_FORMAT_VERSION:
+                        raise StoreVersionError(f"{other}: counters format {version} cannot "
+                                                f"be merged (this testbed writes "
+                                                f"{STORE_FORMAT_VERSION})")
+                    base = w.next_id
+                    series = db.execute("SELECT id, node, port, tclass, counter "
+                                        "FROM other.series").fetchall()
+                    taken = {(n, p, t, c) for _i, n, p, t, c in
+                             db.execute("SELECT id, node, port, tclass, counter FROM series")}
+                    clash = [r for r in series if tuple(r[1:]) in taken]
+                    if clash:
+                        raise ValueError(f"{other}: series {clash[0][1:]} is in both stores "
+                                         "(two parts sampled the same port)")
+                    db.executemany("INSERT INTO series VALUES (?, ?, ?, ?, ?)",
+                                   [(base + i, n, p, t, c) for i, n, p, t, c in series])
+                    db.execute("INSERT OR IGNORE INTO sample_times SELECT ts_fabric_ns + ?, "
+                               "ts_wall_ns + ? FROM other.sample_times",
+                               (shift_fabric_ns, shift_wall_ns))
+                    cur = db.execute("INSERT OR REPLACE INTO points SELECT series_id + ?, "
+                                     "ts_fabric_ns + ?, value FROM other.points",
+                                     (base, shift_fabric_ns))
+                    copied = cur.rowcount
+                    db.execute("INSERT INTO events SELECT ts_fabric_ns + ?, ts_wall_ns + ?, "
+                               "node, port, tclass, kind, detail FROM other.events",
+                               (shift_fabric_ns, shift_wall_ns))
+            finally:
+                db.execute("DETACH DATABASE other")
+            for i, n, p, t, c in series:
+                w.ids.setdefault((n, p, t), {})[c] = base + i
+                w.next_id = max(w.next_id, base + i + 1)
+            w.final = True          # the end states came with the points
+            return copied
+
     def _writer_state(self) -> _Writer:
         if self._writer is None:
             if self.version != STORE_FORMAT_VERSION:

@@ -107,14 +107,18 @@ class LiveTotals:
 
 class Collector:
     def __init__(self, plan: Plan, store: Store, period_wall_ns: int, t0_mono_ns: int,
-                 agents: list[AgentEndpoint] | None = None) -> None:
+                 agents: list[AgentEndpoint] | None = None,
+                 whole_plan: Plan | None = None) -> None:
+        """`plan`: the nodes sampled (one VM's part: its own, testbed.plan.part.local_plan);
+        `whole_plan`: the fabric they belong to, when that is more (a link's other end,
+        on another VM, sends into this VM's nodes)."""
         self.plan = plan
         self.store = store
         self.period_wall_ns = period_wall_ns
         self.t0_mono_ns = t0_mono_ns
         self.dilation = plan.timebase
         self.agents = list(agents or [])
-        self.sampler = KernelSampler(plan)
+        self.sampler = KernelSampler(plan, whole_plan)
         self.watchdog = PortWatchdog(plan)
         self.invariants = InvariantMonitor(plan)
         self.totals = LiveTotals()

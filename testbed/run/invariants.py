@@ -360,8 +360,11 @@ def _reorder_violations(streams: list[dict]) -> list[Violation]:
 
 
 def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int],
-                             snapshot: dict | None, last: dict, plan: Plan,
+                             snapshot: dict | None, last: dict, plan: Plan | None,
                              link_losses: list[dict]) -> list[Violation]:
+    """Every lost packet has a counted place: per stream (its drops, its host's socket
+    drops, the links' losses) and, given a `snapshot` of the port programs (and the
+    `plan` it came from), per port class."""
     out = []
     # packets a link-down lost are not known by flow: they explain missing packets of
     # any stream, up to their number
@@ -403,7 +406,7 @@ def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int
                     f"the fabric, {s.get('socket_drops', 0) + covered} in {host}'s sockets (a "
                     f"full receive buffer, or no receiver){at_link}: "
                     f"{missing - covered - by_link} packets have no counted place"))
-    if snapshot is None:
+    if snapshot is None or plan is None:
         return out
     default_tcs = {c.tc for n in plan.nodes for i in n.interfaces for c in i.egress.classes
                    if c.classid == i.egress.default_classid}
@@ -442,6 +445,32 @@ def _conservation_violations(streams: list[dict], host_udp_errors: dict[str, int
                 f"the peer's ingress saw {row['dep_unmatched']} packets the port never "
                 "admitted"))
     return out
+
+
+def merge_part_invariants(parts: dict[str, dict | None], streams: list[dict],
+                          host_udp_errors: dict[str, int], last: dict) -> dict:
+    """The invariants of a run over several VMs (testbed/run/merge.py): each VM judged its
+    own ports (queue, headroom, lossless drops, the ports' conservation); reordering and
+    each stream's conservation need both of its ends, so they are judged here, over every
+    VM's results. `parts`: VM -> its summary's `invariants` (None: it left none)."""
+    out = [asdict(v) for v in _reorder_violations(streams) + _conservation_violations(
+        streams, host_udp_errors, None, last, None, [])]
+    violations = [dict(v, vm=vm) for vm, inv in parts.items() if inv
+                  for v in inv.get("violations", [])] + out
+    checks: dict[str, dict] = {}
+    for name, label in INVARIANTS.items():
+        held = [(inv.get("checks") or {}).get(name, {}).get("held")
+                for inv in parts.values() if inv]
+        mine = any(v["invariant"] == name for v in out)
+        checks[name] = {"label": label, "held": (
+            False if mine or False in held else
+            None if None in held or len(held) < len(parts) else True),
+            "by_vm": {vm: (inv.get("checks") or {}).get(name) if inv else None
+                      for vm, inv in parts.items()}}
+    checks["conservation"]["streams"] = len(streams)
+    return {"checks": checks, "violations": violations,
+            "notes": _notes([Violation(**{k: v[k] for k in Violation.__dataclass_fields__})
+                             for v in out])}
 
 
 def wire_losses(last: dict) -> dict[str, int]:

@@ -31,6 +31,12 @@ class Pinned:
     paths: tuple[str, ...]      # describe_path of each port's path, "h1:eth0 -> leaf1:swp3 ..."
 
 
+def pinned_senders(specs: Sequence[AgentSpec]) -> list[str]:
+    """The senders among `specs` whose kind pins them to a path (a RoCE entry's via:)."""
+    return [pin.sender for kind, group in by_kind(specs).items()
+            for pin in kind.path_pins(group)]
+
+
 def pin_paths(plan: Plan, specs: Sequence[AgentSpec]) -> tuple[list[AgentSpec], list[Pinned]]:
     """`specs` with every pinned sender given its source ports, and what each got.
     testbed.net.paths.PathError (naming the entry) when a range holds too few."""

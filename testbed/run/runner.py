@@ -11,6 +11,13 @@ fabric). Every fidelity note is written to the store as an event when it is note
 
 Workload kinds (testbed/workloads) decide what their agents need: extra files, a wait
 until servers are ready, set-up time, result rows, stream accounts and their own notes.
+
+One VM's part of a run spread over several VMs (`RunOptions.part`, docs/scale-out.md)
+goes through the same stages for its own nodes and agents: it builds the VM's part,
+starts the agents of its nodes at the common start instant, samples its ports, and
+writes a *part run directory*: the agents' raw results (agents/results.json), its ports'
+counters and invariants, and no result rows or report. `testbed merge` (merge.py) makes
+the run directory of the whole fabric from every VM's part.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from testbed.net.portprog import pin_dir_of
 from testbed.net.probe import probe_report
 from testbed.net.state import LabState
 from testbed.plan.model import Plan
+from testbed.plan.part import PartPlan, local_plan
 from testbed.report import build_report
 from testbed.results.files import write_json, write_private
 from testbed.results.flows import write_flow_files
@@ -80,6 +88,23 @@ READY_TIMEOUT_S = 20.0
 SENDER_OVERRUN_S = 30.0
 
 
+@dataclass(frozen=True)
+class PartRun:
+    """One VM's part of a run over several VMs: which part, the common start instant,
+    where the tunnels' underlay is, and the file whose appearance says every VM's
+    senders are done (the controller writes it; until then this part keeps its
+    receivers serving the other VMs' senders)."""
+    part: PartPlan
+    start_at_unix_ns: int                   # CLOCK_REALTIME of the common start t0
+    underlay_netns: str | None = None
+    stop_file: Path | None = None
+    clock: dict | None = None               # this VM's measured clock offset (clocksync)
+
+
+# The marker a part run writes in its run directory once its own senders are done.
+SENDERS_DONE = "senders-done"
+
+
 @dataclass
 class RunOptions:
     runs_root: Path = Path("runs")
@@ -96,6 +121,8 @@ class RunOptions:
     # called with the run directory once summary.json is written, before the report is
     # built: an incident run writes its verdict there, so the report is built once, with it
     before_report: Callable[[Path], None] | None = None
+    # one VM's part of a run over several VMs (None: the whole fabric here)
+    part: PartRun | None = None
 
 
 @dataclass
@@ -135,7 +162,7 @@ class Run:
     """What one run has so far; the stages below fill it in."""
 
     loaded: LoadedConfig
-    plan: Plan
+    plan: Plan                           # a part run's: its own nodes (builder.part_view)
     options: RunOptions
     run_dir: Path
     store: Store
@@ -164,6 +191,7 @@ class Run:
     interrupted: bool = False
     failed: str = ""                     # a stage raised: what (summary.json `failed`)
     watch: RunWatch | None = None        # faults during the run (testbed/run/watch.py)
+    full_plan: Plan | None = None        # a part run's whole fabric (None: `plan` is)
 
     @property
     def agents_dir(self) -> Path:
@@ -232,7 +260,11 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
     summary = write_summary(run)
     if options.before_report is not None:
         options.before_report(run.run_dir)
-    write_report(run.run_dir, options.say)
+    if options.part is None:
+        write_report(run.run_dir, options.say)
+    else:
+        options.say(f"part run of VM {options.part.part.vm}: no report of its own; "
+                    "`testbed merge` makes the whole fabric's run directory from every VM's")
     overhead = run.collector.overhead_fraction() if run.collector else 0.0
     ended = next((f.message for f in run.watch.faults if f.ends_run), "") if run.watch else ""
     return RunResult(run.run_dir, summary, run.interrupted, overhead, ended, run.failed)
@@ -261,15 +293,33 @@ def prepare(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> Run:
     drain_ns = (workload.drain_ns if workload and workload.drain_ns
                 else round(dilation.to_fabric_ns(DEFAULT_DRAIN_WALL_NS)))
     store.set_meta("sample_period_fabric_ns", str(period_ns))
-    run = Run(loaded=loaded, plan=plan, options=options, run_dir=run_dir, store=store,
+    specs = expand_workload(fabric, plan)
+    part = options.part
+    if part is not None:
+        here = set(part.part.nodes)
+        specs = [s for s in specs if s.node in here]
+        store.set_meta("part_vm", part.part.vm)
+        write_json(run_dir / "part.json", part_metadata(part))
+    run = Run(loaded=loaded, plan=plan if part is None else local_plan(plan, part.part),
+              options=options, run_dir=run_dir, store=store,
               notes=Notes(store, lambda: 0), probe=probe,
-              specs=expand_workload(fabric, plan), period_ns=period_ns, drain_ns=drain_ns,
+              specs=specs, period_ns=period_ns, drain_ns=drain_ns,
               span_ns=workload_span_ns(fabric, plan),
-              work_wall_s=workload_work_wall_s(fabric))
+              work_wall_s=workload_work_wall_s(fabric), full_plan=plan if part else None)
     run.notes = Notes(store, run.fabric_now_ns)
     run.notes.extend(plan.warnings)
     run.notes.extend(kernel_notes(plan, probe))
     return run
+
+
+def part_metadata(part: PartRun) -> dict:
+    """part.json of a part run directory (docs/scale-out.md, "A run over several VMs")."""
+    p = part.part
+    return {"format_version": 1, "vm": p.vm, "nodes": p.nodes,
+            "start_at_unix_ns": part.start_at_unix_ns,
+            "tunnels": [{"link": t.link, "vni": t.vni, "local": t.local.model_dump(),
+                         "remote": t.remote.model_dump()} for t in p.tunnels],
+            "clock": part.clock}
 
 
 def kernel_notes(plan: Plan, probe: dict) -> list[str]:
@@ -301,7 +351,13 @@ def bring_up(run: Run) -> None:
     """Build the fabric; note what its datapath could not do."""
     plan, say = run.plan, run.options.say
     run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="up")
-    report = apply_plan(plan, progress=lambda m: say(f"up: {m}"))
+    part = run.options.part
+    if part is None:
+        report = apply_plan(plan, progress=lambda m: say(f"up: {m}"))
+    else:
+        assert run.full_plan is not None
+        report = apply_plan(run.full_plan, progress=lambda m: say(f"up: {m}"), part=part.part,
+                            underlay_netns=part.underlay_netns)
     state = LabState.load(plan.lab)
     if state is not None:
         state.run_dir = str(run.run_dir)
@@ -310,9 +366,10 @@ def bring_up(run: Run) -> None:
         f"D={plan.dilation.factor}")
     run.udp_start = udp_errors(plan)
     run.store.set_meta("link_delay", report.delay)
-    if report.delay.startswith("none") and not kernel_notes(plan, run.probe):
+    whole = run.full_plan or plan         # paths cross other VMs' nodes
+    if report.delay.startswith("none") and not kernel_notes(whole, run.probe):
         # the probe saw netem and ifb, yet the builder could not use them
-        short_ns = base_rtt_shortfall_ns(plan)
+        short_ns = base_rtt_shortfall_ns(whole)
         if short_ns > 0:
             run.notes.add(missing_delay_note(short_ns, report.delay[6:]))
     if report.ordering.startswith("none"):
@@ -411,11 +468,13 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     startup_s = STARTUP_BASE_S + sum(REGISTRY.of(s.kind).startup_wall_s(s) for s in run.specs)
     run.t0_mono_ns = time.monotonic_ns() + int(startup_s * 1e9)
     run.t0_realtime_ns = time.time_ns() + (run.t0_mono_ns - time.monotonic_ns())
+    if run.options.part is not None:
+        run.notes.extend(common_start(run, run.options.part.start_at_unix_ns))
     for spec in run.specs:
         if spec.role == "sender" and not stop.is_set():
             start_agent_of(run, spec, run.t0_mono_ns)
     collector = Collector(run.plan, run.store, run.plan.timebase.to_wall_ns(run.period_ns),
-                          run.t0_mono_ns, run.endpoints)
+                          run.t0_mono_ns, run.endpoints, whole_plan=run.full_plan)
     on_sample = run.options.on_sample
     if on_sample is not None:
         collector.on_sample = lambda totals: on_sample(run.phase, totals,
@@ -428,6 +487,22 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     run.watch = start_watch(run, collector)
     run.timeline = start_timeline(run.plan, run.store, run.agents_dir, run.t0_mono_ns,
                                   run.notes.add, collector)
+
+
+def common_start(run: Run, start_at_unix_ns: int) -> list[str]:
+    """A part run's t0 is the instant every VM was given (CLOCK_REALTIME), mapped once to
+    this machine's CLOCK_MONOTONIC, which times everything after it. Notes if this VM's
+    agents needed longer to be ready than the controller allowed."""
+    now_mono, now_real = time.monotonic_ns(), time.time_ns()
+    earliest = run.t0_mono_ns          # this VM's own start-up margin
+    run.t0_mono_ns = now_mono + (start_at_unix_ns - now_real)
+    run.t0_realtime_ns = start_at_unix_ns
+    if run.t0_mono_ns < earliest:
+        return [f"VM {run.options.part.part.vm if run.options.part else '?'} was ready "
+                f"{(earliest - run.t0_mono_ns) / 1e6:.0f} ms (wall) after the common start "
+                "(set-up took longer than the controller allowed): its senders started late "
+                "and its receivers missed what came before they were ready"]
+    return []
 
 
 def start_watch(run: Run, collector: Collector) -> RunWatch:
@@ -498,20 +573,26 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
     dilation = run.plan.timebase
     senders = [p for s, p in run.agents if s.role == "sender"]
     end_wall = run.t0_mono_ns + dilation.to_wall_ns(run.span_ns)
+    part = run.options.part
+    overrun_s = SENDER_OVERRUN_S + run.work_wall_s
     while not stop.is_set():
         if watch_tick(run):
             return
         if senders and all(p.popen.poll() is not None for p in senders):
             break
-        if not senders and time.monotonic_ns() >= end_wall:
+        if not senders and (part is None or part.stop_file is None) \
+                and time.monotonic_ns() >= end_wall:
             break
-        overrun_s = SENDER_OVERRUN_S + run.work_wall_s
+        if part is not None and not senders and part.stop_file is not None:
+            break        # nothing of its own to wait for: the stop file below decides
         if time.monotonic_ns() > end_wall + overrun_s * 1e9:
             run.notes.add(f"senders did not finish {overrun_s:g} s of wall time after "
                           "their scheduled end; they were stopped")
             break
         stop.wait(0.05)
     if stop.is_set():
+        return
+    if part is not None and not wait_for_other_vms(run, part, stop, end_wall, overrun_s):
         return
     run.phase = "drain"
     run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="drain")
@@ -523,6 +604,26 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
     # Receivers stop only once the fabric is empty: a datagram that arrives after its
     # receiver closed would be lost to the measurement, not the fabric.
     run.notes.extend(drain_fabric(run.plan, stop, run.drain_ns, lambda: watch_tick(run)))
+
+
+def wait_for_other_vms(run: Run, part: PartRun, stop: threading.Event, end_wall: int,
+                       overrun_s: float) -> bool:
+    """A part run whose own senders are done says so (SENDERS_DONE in its run directory)
+    and, given a stop file, keeps its receivers serving the other VMs' senders until the
+    controller writes it. False if the run was stopped or ended by a fault meanwhile."""
+    write_private(run.run_dir / SENDERS_DONE, f"{time.time_ns()}\n")
+    if part.stop_file is None:
+        return True
+    while not part.stop_file.exists():
+        if stop.is_set() or watch_tick(run):
+            return False
+        if time.monotonic_ns() > end_wall + overrun_s * 1e9:
+            run.notes.add(f"the stop file {part.stop_file} did not appear {overrun_s:g} s of "
+                          "wall time after the scheduled end: the other VMs' senders may not "
+                          "have finished; this VM stopped its agents")
+            return True
+        stop.wait(0.05)
+    return True
 
 
 def stop_agents(run: Run) -> None:
@@ -566,8 +667,15 @@ def stop_agents(run: Run) -> None:
 
 def write_results(run: Run) -> None:
     """Result rows and each kind's notes, then the run's invariants and the collector's
-    own notes. Best effort on an interrupted run: what cannot be read is said."""
+    own notes. Best effort on an interrupted run: what cannot be read is said. A part run
+    keeps its agents' raw results for the merge instead (streams have their two ends on
+    different VMs), and checks its own ports' invariants."""
+    if run.options.part is not None:
+        write_json(run.agents_dir / "results.json", run.results)
+        run.results_written = True
     try:
+        if run.options.part is not None:
+            raise _PartRun()
         view = _run_view(run)
         kinds = run.by_kind()
         flows: list[FlowRecord] = []
@@ -583,6 +691,8 @@ def write_results(run: Run) -> None:
         run.results_written = True
         for kind, specs in kinds.items():
             run.notes.extend(kind.fidelity_notes(specs, run.results, view))
+    except _PartRun:
+        view = None
     except Exception as exc:
         run.notes.add(f"could not collect agent results: {exc!r}")
         view = None
@@ -596,6 +706,10 @@ def write_results(run: Run) -> None:
     run.notes.extend(run.collector.watchdog.notes(run.plan.timebase))
     run.notes.extend(run.collector.late_notes())
     run.notes.extend(agent_read_notes(run.collector.agents))
+
+
+class _PartRun(Exception):
+    """A part run has no result rows of its own (merge.py makes them)."""
 
 
 def write_output_files(run_dir: Path, files: dict[str, str]) -> None:
@@ -628,7 +742,11 @@ def check_invariants(run: Run, view: RunView) -> dict:
                           for k in ("RcvbufErrors", "NoPorts"))
                    for h, v in udp_end.items()}
     flow_drops = snapshot["flow_drops"] if snapshot else []
-    streams = stream_accounts([s for s, _ in run.agents], run.results, flow_drops, view)
+    # a part run's streams have an end on another VM: merge.py accounts them
+    specs = [s for s, _ in run.agents] if run.options.part is None else []
+    streams = stream_accounts(specs, run.results, flow_drops, view)
+    if run.options.part is not None:
+        write_json(run.agents_dir / "host_udp_errors.json", host_errors)
     last = {name: store.last_values(name) for name in
             ("class_drops", "class_packets", "backlog_packets", "tx_dropped", "wire_drops",
              "wire_backlog_packets")}
@@ -667,6 +785,12 @@ def write_summary(run: Run) -> dict:
                              "cpu_fraction_of_one_core": round(overhead, 4)},
                "results_complete": run.results_written,
                "failed": run.failed or None,
+               **({"part": {"vm": run.options.part.part.vm,
+                            "nodes": run.options.part.part.nodes,
+                            "start_at_unix_ns": run.options.part.start_at_unix_ns,
+                            "t0_realtime_ns": run.t0_realtime_ns,
+                            "t0_mono_ns": run.t0_mono_ns}}
+                  if run.options.part is not None else {}),
                "run_faults": [f.detail() | {"node": f.node, "ts_fabric_ns": f.ts_fabric_ns}
                               for f in (run.watch.faults if run.watch else [])],
                **({"invariants": {k: v for k, v in invariants.items() if k != "notes"}}

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,19 +75,11 @@ def _testbed(vm_state: Path, *argv: str, check: bool = True) -> subprocess.Compl
     return res
 
 
-@pytest.fixture(scope="module")
-def split(tmp_path_factory) -> Iterator[Split]:
-    tmp = tmp_path_factory.mktemp("split")
-    lab = unique_lab("split")
-    doc = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
-    doc["name"], doc["dilation"] = lab, DILATION
-    fabric = tmp / "fabric.yaml"
-    fabric.write_text(yaml.safe_dump(doc, sort_keys=False))
-    (tmp / "vms.yaml").write_text(VMS)
-    plan = compile_plan(load_config_text(fabric.read_text(), str(fabric)))
-    placement = partition(plan, load_vms_text(VMS, "vms.yaml").vms_file)
+@contextmanager
+def underlay_pair(lab: str) -> Iterator[dict[str, str]]:
+    """Two underlay namespaces joined by a veth of MTU UNDERLAY_MTU, 192.0.2.11 and .12:
+    two VMs' networks. Removed afterwards whatever happened."""
     underlay = {"vm1": f"tb-{lab}-ul-1", "vm2": f"tb-{lab}-ul-2"}
-    state_dirs = {vm: tmp / f"state-{vm}" for vm in underlay}
     made: list[str] = []
     try:
         for ns in underlay.values():
@@ -97,20 +90,46 @@ def split(tmp_path_factory) -> Iterator[Split]:
         for vm, dev, addr in (("vm1", "ul1", "192.0.2.11/24"), ("vm2", "ul2", "192.0.2.12/24")):
             _ip("-n", underlay[vm], "addr", "add", addr, "dev", dev)
             _ip("-n", underlay[vm], "link", "set", dev, "up")
-        out = {}
-        for vm in underlay:
-            res = _testbed(state_dirs[vm], "up", str(fabric), "--vms", str(tmp / "vms.yaml"),
-                           "--vm", vm, "--underlay-netns", underlay[vm])
-            out[vm] = res.stdout
-        yield Split(plan, placement, {vm: part_plan(plan, placement, vm) for vm in underlay},
-                    state_dirs, underlay, out)
+        yield underlay
     finally:
-        for state in state_dirs.values():
-            if state.exists():
-                _testbed(state, "down", lab, check=False)
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    left = [n for n in list_testbed_namespaces() if n.startswith(f"tb-{lab}-")]
+
+
+def _fabric(tmp: Path, lab: str) -> tuple[Path, Path, Plan]:
+    doc = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    doc["name"], doc["dilation"] = lab, DILATION
+    fabric = tmp / "fabric.yaml"
+    fabric.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (tmp / "vms.yaml").write_text(VMS)
+    return fabric, tmp / "vms.yaml", compile_plan(load_config_text(fabric.read_text(),
+                                                                   str(fabric)))
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory) -> Iterator[Split]:
+    tmp = tmp_path_factory.mktemp("split")
+    lab = unique_lab("split")
+    fabric, vms, plan = _fabric(tmp, lab)
+    placement = partition(plan, load_vms_text(VMS, "vms.yaml").vms_file)
+    state_dirs = {vm: tmp / f"state-{vm}" for vm in ("vm1", "vm2")}
+    try:
+        with underlay_pair(lab) as underlay:
+            out = {}
+            try:
+                for vm in underlay:
+                    res = _testbed(state_dirs[vm], "up", str(fabric), "--vms", str(vms),
+                                   "--vm", vm, "--underlay-netns", underlay[vm])
+                    out[vm] = res.stdout
+                yield Split(plan, placement,
+                            {vm: part_plan(plan, placement, vm) for vm in underlay},
+                            state_dirs, underlay, out)
+            finally:
+                for state in state_dirs.values():
+                    if state.exists():
+                        _testbed(state, "down", lab, check=False)
+    finally:
+        left = [n for n in list_testbed_namespaces() if n.startswith(f"tb-{lab}-")]
     assert not left, f"namespaces left behind: {left}"
     assert not (portprog.PIN_ROOT / lab).exists(), "port program pins left behind"
 
@@ -263,3 +282,84 @@ def test_down_removes_one_part_and_leaves_the_other(split: Split) -> None:
         assert (portprog.PIN_ROOT / lab / name).exists()
     assert f"tb-{lab}-vx-vm1" in here and f"tb-{lab}-vx-vm2" not in here
     _testbed(split.state_dirs["vm1"], "down", lab)
+
+
+def _part_run(tmp: Path, fabric: Path, vms: Path, vm: str, underlay: str,
+              start_at_ns: int) -> subprocess.Popen:
+    env = {**os.environ, "TESTBED_STATE_DIR": str(tmp / f"state-{vm}")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "testbed", "run", str(fabric), "--vms", str(vms), "--vm", vm,
+         "--underlay-netns", underlay, "--start-at-unix-ns", str(start_at_ns),
+         "--stop-file", str(tmp / f"stop-{vm}"), "--runs-dir", str(tmp / f"runs-{vm}"),
+         "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_run_over_two_vms_merges_into_one_run_directory_covering_every_node(
+        tmp_path) -> None:
+    """The default fabric's workload (an incast into h8 from h1, h2 on vm1 and h5, h6 on
+    vm2) run as two parts with one common start, as Ansible's run.yml drives it: each
+    part until its own senders are done, then until the controller's stop file; then
+    `merge_parts`. The merged run has every node's ports, every stream's result, the
+    pauses that crossed the tunnel, and invariants that held; merging without vm2's
+    part names vm2 and its nodes and keeps vm1's data."""
+    from testbed.run.merge import merge_parts
+
+    lab = unique_lab("dist")
+    fabric, vms, plan = _fabric(tmp_path, lab)
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        with underlay_pair(lab) as underlay:
+            start = time.time_ns() + 8_000_000_000       # room for both builds
+            for vm, netns in underlay.items():
+                procs[vm] = _part_run(tmp_path, fabric, vms, vm, netns, start)
+            # the controller: once every part's senders are done, every part may stop
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not all(
+                    list((tmp_path / f"runs-{vm}").glob("*/senders-done")) for vm in procs):
+                assert all(p.poll() is None for p in procs.values()), {
+                    vm: p.communicate() for vm, p in procs.items() if p.poll() is not None}
+                time.sleep(0.1)
+            for vm in procs:
+                (tmp_path / f"stop-{vm}").touch()
+            outs = {vm: p.communicate(timeout=120) for vm, p in procs.items()}
+    finally:
+        for vm, p in procs.items():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            _testbed(tmp_path / f"state-{vm}", "down", lab, check=False)
+    assert all(p.returncode == 0 for p in procs.values()), outs
+    assert not [n for n in list_testbed_namespaces() if n.startswith(f"tb-{lab}-")]
+    parts = {vm: Path(outs[vm][0].strip().splitlines()[-1]) for vm in procs}
+    for vm, part in parts.items():
+        assert json.loads((part / "part.json").read_text())["vm"] == vm
+
+    merged = merge_parts(list(parts.values()), tmp_path / "merged")
+    s = merged.summary
+    assert sorted({p["node"] for p in s["ports"]}) == sorted(n.name for n in plan.nodes)
+    rows = [r for w in s["workloads"] for r in w["results"]]
+    assert sorted(r["src"] for r in rows) == ["h1", "h2", "h5", "h6"], rows
+    assert all(r["rx_packets"] == r["tx_packets"] > 0 and r["lost"] == 0 for r in rows), rows
+    # leaf2 (vm2) paused spine1 (vm1) through the tunnel: in the merged counters
+    tunnel_far = [(t.a if t.b.node == "leaf2" else t.b) for t in partition(
+        plan, load_vms_text(VMS, "vms.yaml").vms_file).tunnels if "leaf2" in (t.a.node,
+                                                                              t.b.node)]
+    assert sum(p["pause_rx"] for p in s["ports"] for e in tunnel_far
+               if (p["node"], p["port"]) == (e.node, e.ifname)) > 0, s["ports"]
+    assert s["totals"]["drops"] == 0
+    assert all(c["held"] is True for c in s["invariants"]["checks"].values()), \
+        s["invariants"]
+    assert [p["vm"] for p in s["parts"]] == ["vm1", "vm2"] and s["missing_vms"] == []
+    assert (merged.run_dir / "report.html").exists()
+    report = (merged.run_dir / "report.html").read_text()
+    assert all(n.name in report for n in plan.nodes)
+
+    alone = merge_parts([parts["vm1"]], tmp_path / "merged").summary
+    assert alone["missing_vms"] == ["vm2"]
+    assert any("vm2" in n and "h8" in n for n in alone["fidelity"]), alone["fidelity"]
+    assert {p["node"] for p in alone["ports"]} == set(split_nodes(plan, "vm1"))
+
+
+def split_nodes(plan: Plan, vm: str) -> list[str]:
+    placement = partition(plan, load_vms_text(VMS, "vms.yaml").vms_file)
+    return [n for n, v in placement.nodes.items() if v == vm]
