@@ -164,12 +164,13 @@ def _ip(*argv: str) -> None:
 
 @pytest.mark.root
 @pytest.mark.slow
-def test_run_on_two_vms_builds_each_part_through_up_vm_then_takes_both_down(tmp_path):
+def test_run_on_two_vms_runs_each_part_and_merges_them_into_one_run_directory(tmp_path):
     """Two inventory hosts on this machine stand in for two VMs: each its own state
     directory, calibration and underlay namespace (joined by a veth, MTU 9100). run.yml
-    writes the VMs file from them, builds each VM's part with `testbed up --vms --vm`,
-    then stops on purpose (the distributed run is not written) and takes the lab down on
-    both in its `always`."""
+    writes the VMs file from them, runs each VM's part of the default fabric's workload
+    from one common start (`testbed run --vms --vm`), stops both once both VMs' senders
+    are done, fetches both part run directories and merges them on the controller; the
+    merged run covers all 12 nodes and every stream, and nothing is left up."""
     lab = unique_lab("ans2vm")
     doc = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
     doc["name"], doc["dilation"] = lab, 2000
@@ -193,6 +194,7 @@ def test_run_on_two_vms_builds_each_part_through_up_vm_then_takes_both_down(tmp_
                      "testbed_run_underlay_netns": netns}
     inventory = tmp_path / "hosts.yml"
     inventory.write_text(yaml.safe_dump({"testbed_vms": {"hosts": hosts}}))
+    fetch = tmp_path / "fetch"
     made = []
     try:
         for netns, _dev, _address in underlay.values():
@@ -203,11 +205,11 @@ def test_run_on_two_vms_builds_each_part_through_up_vm_then_takes_both_down(tmp_
         for netns, dev, address in underlay.values():
             _ip("-n", netns, "addr", "add", f"{address}/24", "dev", dev)
             _ip("-n", netns, "link", "set", dev, "up")
-        # -f 1: the two "VMs" share this machine's CPUs; one build at a time
-        res, recap = _playbook("-i", str(inventory), "-f", "1", "-v",
-                               str(ANSIBLE / "playbooks/run.yml"),
+        res, recap = _playbook("-i", str(inventory), str(ANSIBLE / "playbooks/run.yml"),
                                "-e", json.dumps({"testbed_config": str(config),
-                                                 "testbed_fetch_dir": str(tmp_path / "fetch")}))
+                                                 "testbed_fetch_dir": str(fetch),
+                                                 "testbed_run_start_margin_s": 12}),
+                               timeout=600)
     finally:
         for vm in underlay:
             subprocess.run([str(VENV_BIN / "testbed"), "down", lab], capture_output=True,
@@ -215,17 +217,20 @@ def test_run_on_two_vms_builds_each_part_through_up_vm_then_takes_both_down(tmp_
         for netns in made:
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
     out = res.stdout
-    # both parts were built, each through `testbed up --vms --vm`, before the planned stop
-    built = re.findall(r"lab '\w+' \(VM (vm\d)'s part\) is up: \d+ namespaces, \d+ links, "
-                       r"2 VXLAN tunnels", out)
-    assert sorted(set(built)) == ["vm1", "vm2"], out[-6000:]     # stdout and its lines
-    assert res.returncode != 0 and "is not implemented yet" in out, out[-4000:]
-    # ... and the always: took each part down on its own VM
-    assert recap["vm1"]["failed"] == recap["vm2"]["failed"] == 1, recap
-    downs = re.findall(r'"cmd": \[[^\]]*"down", "\w+"\][^\n]*"stdout": "down: lab \'\w+\' '
-                       r'removed \(7 namespaces\)"', out)
-    assert len(downs) == 2, out[-4000:]
+    assert res.returncode == 0, out[-6000:] + res.stderr
+    assert recap["vm1"]["failed"] == recap["vm2"]["failed"] == 0, recap
     assert not [n for n in list_testbed_namespaces() if n.startswith(f"tb-{lab}-")]
-    vms = load_vms_text((tmp_path / "fetch" / f"{lab}.vms.yaml").read_text(), "vms.yaml")
+    parts = sorted(p.name for p in (fetch / "parts").iterdir())
+    assert parts == ["vm1", "vm2"]
+    merged = [d for d in fetch.iterdir() if d.is_dir() and d.name.endswith(f"-{lab}")]
+    assert len(merged) == 1, list(fetch.iterdir())
+    summary = json.loads((merged[0] / "summary.json").read_text())
+    assert len({p["node"] for p in summary["ports"]}) == 12
+    assert [p["vm"] for p in summary["parts"]] == ["vm1", "vm2"]
+    rows = [r for w in summary["workloads"] for r in w["results"]]
+    assert sorted(r["src"] for r in rows) == ["h1", "h2", "h5", "h6"]
+    assert all(r["rx_packets"] == r["tx_packets"] > 0 for r in rows), rows
+    assert (merged[0] / "report.html").exists()
+    vms = load_vms_text((fetch / f"{lab}.vms.yaml").read_text(), "vms.yaml")
     assert [(v.name, str(v.underlay)) for v in vms.vms_file.vms] == [
         ("vm1", "192.0.2.11"), ("vm2", "192.0.2.12")]
