@@ -17,7 +17,7 @@ random.Random(seed + i), 64 KiB at a time (`pattern`); message k goes to slot k 
 the server can recompute what must be there byte for byte.
 
 Memory: one agent runs per stream end, so its size is the fabric's (bench/agent_memory.py,
-docs/roce.md "What an agent costs"). The buffers are plain bytes (anonymous mmaps for the
+measured in bench/README.md). The buffers are plain bytes (anonymous mmaps for the
 regions written into, whose pages become resident only when written, as calloc's did) and
 the agent does not import numpy, which alone cost each process ~16 MB.
 """
