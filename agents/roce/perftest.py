@@ -12,17 +12,24 @@ completed; the server checks its buffers (with --verify), answers with the
 result, and both print their counters and exit.
 
 Data pattern: QP i of the client sends bytes from a buffer filled by
-numpy.random.default_rng(seed + i); message k goes to slot k mod `slots`
-(slots = min(iters, buffer_bytes // size), at least 1) of the remote buffer, so
+random.Random(seed + i), 64 KiB at a time (`pattern`); message k goes to slot k mod
+`slots` (slots = min(iters, buffer_bytes // size), at least 1) of the remote buffer, so
 the server can recompute what must be there byte for byte.
+
+Memory: one agent runs per stream end, so its size is the fabric's (bench/agent_memory.py,
+measured in bench/README.md). The buffers are plain bytes (anonymous mmaps for the
+regions written into, whose pages become resident only when written, as calloc's did) and
+the agent does not import numpy, which alone cost each process ~16 MB.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import ipaddress
 import json
 import math
+import mmap
 import os
 import random
 import select
@@ -32,8 +39,6 @@ import time
 from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import numpy as np
 
 from agents.rdma.options import (
     cc_params,
@@ -53,6 +58,7 @@ from agents.runtime.output import mark_ready
 from agents.runtime.sockets import dial_tcp
 from agents.runtime.waiting import wait_until_mono
 from agents.timebase import Dilation, FabricClock
+from agents.wire import BytesLike
 from agents.wire.roce import PSN_MASK, ROCE_UDP_PORT, icrc_context
 
 PROTOCOL_VERSION = 1
@@ -85,17 +91,42 @@ def slots_for(size: int, iters: int | None, buffer_bytes: int) -> int:
     return max(1, min(iters, cap) if iters else cap)
 
 
-def pattern(seed: int, nbytes: int) -> np.ndarray:
-    """The bytes a client QP writes: a seeded PRNG stream (writable uint8 array)."""
-    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8).copy()
+PATTERN_CHUNK = 1 << 16
 
 
-def first_mismatch(got: np.ndarray, want: np.ndarray) -> int | None:
-    if got.shape == want.shape and np.array_equal(got, want):
-        return None
-    n = min(got.size, want.size)
-    diff = np.flatnonzero(got[:n] != want[:n])
-    return int(diff[0]) if diff.size else n
+def pattern(seed: int, nbytes: int) -> bytearray:
+    """The bytes a client QP writes: random.Random(seed)'s bytes, drawn 64 KiB at a time
+    into one buffer (so making it never holds more than the buffer and one chunk)."""
+    rng = random.Random(seed)
+    out = bytearray(nbytes)
+    for off in range(0, nbytes, PATTERN_CHUNK):
+        n = min(PATTERN_CHUNK, nbytes - off)
+        out[off:off + n] = rng.randbytes(n)
+    return out
+
+
+def region(nbytes: int) -> mmap.mmap:
+    """A zeroed writable buffer of at least one byte whose pages become resident only
+    once written (an anonymous mapping)."""
+    return mmap.mmap(-1, max(1, nbytes))
+
+
+def address(buf: mmap.mmap | bytearray) -> int:
+    """Where `buf`'s bytes are in this process (the VA a memory region is announced at)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def first_mismatch(got: BytesLike, want: BytesLike) -> int | None:
+    """None if the two hold the same bytes, else the first offset where they differ (the
+    shorter one's length if one is a prefix of the other)."""
+    g, w = memoryview(got).cast("B"), memoryview(want).cast("B")
+    n = min(g.nbytes, w.nbytes)
+    for off in range(0, n, PATTERN_CHUNK):
+        end = min(off + PATTERN_CHUNK, n)
+        a, b = bytes(g[off:end]), bytes(w[off:end])
+        if a != b:
+            return off + next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    return None if g.nbytes == w.nbytes else n
 
 
 def latency_stats(samples_ns: list[float]) -> dict:
@@ -396,15 +427,15 @@ def run_client(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
         rng = random.Random()
         bufs = [pattern(args.seed + i, slots * size) for i in range(args.qps)]
         # write_lat: the server writes back into this region of ours
-        back = [np.zeros(max(size, 1), dtype=np.uint8) for _ in range(args.qps)]
+        back = [region(size) for _ in range(args.qps)]
         back_rkeys = [rng.randrange(1, 1 << 32) for _ in range(args.qps)]
         psns = [rng.randrange(0, PSN_MASK + 1) for _ in range(args.qps)]
         hello = {
             "version": PROTOCOL_VERSION, "test": test, "size": size, "iters": iters,
             "slots": slots, "seed": args.seed, "mtu": args.mtu, "verify": args.verify,
             "qps": [{"qpn": qpn, "psn": psns[i], "sport": ep.port,
-                     "rkey": back_rkeys[i], "va": int(back[i].ctypes.data),
-                     "length": int(back[i].size)} for i, (qpn, ep) in enumerate(qp_eps)],
+                     "rkey": back_rkeys[i], "va": address(back[i]),
+                     "length": len(back[i])} for i, (qpn, ep) in enumerate(qp_eps)],
         }
         ctl.send(hello)
         reply = ctl.recv(life, args.connect_timeout_s)
@@ -418,7 +449,7 @@ def run_client(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
         for i, (qpn, ep) in enumerate(qp_eps):
             r = remote[i]
             ctx = icrc_context(local_ip, args.server, ep.port, udp_port)
-            mr = MemoryRegion(back[i].data, hello["qps"][i]["va"], back_rkeys[i])
+            mr = MemoryRegion(memoryview(back[i]), hello["qps"][i]["va"], back_rkeys[i])
             qp = RcQp(qpn, r["qpn"], ctx, attrs,
                       make_rate_controller(args, cc, clock.now_ns()),
                       np=make_np(args, cc[0], params), mrs={mr.rkey: mr}, clock=clock,
@@ -520,7 +551,7 @@ class _BwProgress:
 
 
 def _client_bw(args: Namespace, life: Lifecycle, engine: Engine, bindings: list[Binding],
-               bufs: list[np.ndarray], remote: list[dict], slots: int) -> dict:
+               bufs: list[bytearray], remote: list[dict], slots: int) -> dict:
     size = args.size
     iters = args.iters
     dilation = engine.dilation
@@ -528,7 +559,7 @@ def _client_bw(args: Namespace, life: Lifecycle, engine: Engine, bindings: list[
     posted = [0] * n
     completed = [0] * n
     nbytes = [0] * n
-    views = [b.data for b in bufs]      # memoryviews of the patterns
+    views = [memoryview(b) for b in bufs]      # of the patterns
     slot_views = [[views[i][k * size:(k + 1) * size] for k in range(slots)] for i in range(n)]
     reqs = [b.qp.requester for b in bindings]
     depth = args.tx_depth
@@ -584,14 +615,14 @@ def _client_bw(args: Namespace, life: Lifecycle, engine: Engine, bindings: list[
             **_rates(dilation, total, msgs, packets, wall_ns)}
 
 
-def _client_lat(args: Namespace, life: Lifecycle, engine: Engine, b: Binding, buf: np.ndarray,
-                remote: dict, back: np.ndarray) -> dict:
+def _client_lat(args: Namespace, life: Lifecycle, engine: Engine, b: Binding, buf: bytearray,
+                remote: dict, back: mmap.mmap) -> dict:
     size = args.size
     iters = args.iters
     dilation = engine.dilation
     qp = b.qp
     r, rs = qp.requester, qp.responder
-    view = buf.data[:size]
+    view = memoryview(buf)[:size]
     samples: list[int] = []
     start = time.monotonic_ns()
     end = start + dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
@@ -744,17 +775,17 @@ def run_server(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
         attrs = qp_attrs(args, mtu)
         rng = random.Random()
         engine = Engine(clock, dilation, spin_ns=args.spin_ns)
-        mems: list[np.ndarray] = []
-        rq_bufs: list[list[np.ndarray]] = []
+        mems: list[mmap.mmap] = []
+        rq_bufs: list[list[memoryview]] = []
         bindings: list[Binding] = []
         reply = []
         for i, c in enumerate(hello["qps"]):
             qpn = 0x200 + i
             psn = rng.randrange(0, PSN_MASK + 1)
             rkey = rng.randrange(1, 1 << 32)
-            mem = np.zeros(max(1, slots * size if test != "send_bw" else 1), dtype=np.uint8)
+            mem = region(slots * size if test != "send_bw" else 1)
             mems.append(mem)
-            mr = MemoryRegion(mem.data, int(mem.ctypes.data), rkey)
+            mr = MemoryRegion(memoryview(mem), address(mem), rkey)
             ctx = icrc_context(local_ip, peer_ip, ep.port, int(c["sport"]))
             qp = RcQp(qpn, int(c["qpn"]), ctx, attrs,
                       make_rate_controller(args, cc, clock.now_ns()),
@@ -763,9 +794,11 @@ def run_server(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
             bindings.append(ep.attach(qp, (peer_ip, int(c["sport"]))))
             if test == "send_bw":
                 depth = max(1, min(MAX_RECV_DEPTH, args.buffer_bytes // max(size, 1)))
-                rbufs = [np.zeros(max(size, 1), dtype=np.uint8) for _ in range(depth)]
+                one = max(size, 1)
+                ring = memoryview(region(depth * one))
+                rbufs = [ring[k * one:(k + 1) * one] for k in range(depth)]
                 for k, rb in enumerate(rbufs):
-                    qp.responder.post_recv(k, rb.data)
+                    qp.responder.post_recv(k, rb)
                 rq_bufs.append(rbufs)
             reply.append({"qpn": qpn, "psn": psn, "rkey": rkey, "va": mr.va,
                           "length": mr.length})
@@ -828,8 +861,8 @@ class _Serving:
     """
 
     def __init__(self, test: str, bindings: list[Binding], client_qps: list[dict],
-                 rq_bufs: list[list[np.ndarray]], slots: int, size: int, seed: int,
-                 verify: bool, expected: list[np.ndarray] | None) -> None:
+                 rq_bufs: list[list[memoryview]], slots: int, size: int, seed: int,
+                 verify: bool, expected: list[bytearray] | None) -> None:
         self.bindings = bindings
         self.client_qps = client_qps
         self.rq_bufs = rq_bufs
@@ -841,7 +874,7 @@ class _Serving:
         self.done_msg: dict | None = None
         self.recv_count = [0] * len(bindings)
         self.lat_seen = [0] * len(bindings)
-        self.lat_view = (pattern(seed ^ 0x5A5A, max(size, 1)).data[:size]
+        self.lat_view = (memoryview(pattern(seed ^ 0x5A5A, max(size, 1)))[:size]
                          if test == "write_lat" else memoryview(b""))
         per_qp: dict[str, Callable[[int, Binding], None]] = {
             "send_bw": self._take_sends, "write_lat": self._write_back}
@@ -861,14 +894,14 @@ class _Serving:
             if self.verified and self.expected is not None:
                 self._check(i, c.byte_len, buf, self.expected[i])
             self.recv_count[i] += 1
-            rs.post_recv(c.wr_id, buf.data)
+            rs.post_recv(c.wr_id, buf)
 
-    def _check(self, i: int, byte_len: int, buf: np.ndarray, want: np.ndarray) -> None:
+    def _check(self, i: int, byte_len: int, buf: memoryview, want: bytearray) -> None:
         """Received SEND number recv_count[i] of QP i must be slot (that mod slots) of
         the client's pattern, whole."""
         size = self.size
         k = self.recv_count[i] % self.slots
-        bad = first_mismatch(buf[:byte_len], want[k * size:(k + 1) * size])
+        bad = first_mismatch(buf[:byte_len], memoryview(want)[k * size:(k + 1) * size])
         if bad is not None or byte_len != size:
             self.verified = False
             self.first_mismatch = {"qp": i, "message": self.recv_count[i], "offset": bad}
@@ -928,15 +961,15 @@ def _serve(life: Lifecycle, engine: Engine, ctl: ControlChannel, serving: _Servi
     return serving.result(engine.dilation, time.monotonic_ns() - start)
 
 
-def _verify_writes(mems: list[np.ndarray], messages: list[int], slots: int, size: int,
-                   seed: int, expected: list[np.ndarray] | None = None) -> dict:
+def _verify_writes(mems: list[mmap.mmap], messages: list[int], slots: int, size: int,
+                   seed: int, expected: list[bytearray] | None = None) -> dict:
     """Each QP's region must hold the client's pattern in every slot it wrote."""
     for i, mem in enumerate(mems):
         n = min(int(messages[i]) if i < len(messages) else 0, slots) * size
         if n == 0:
             continue
         want = expected[i] if expected is not None else pattern(seed + i, slots * size)
-        bad = first_mismatch(mem[:n], want[:n])
+        bad = first_mismatch(memoryview(mem)[:n], memoryview(want)[:n])
         if bad is not None:
             return {"verified": False, "first_mismatch": {"qp": i, "offset": bad}}
     return {"verified": True, "first_mismatch": None}

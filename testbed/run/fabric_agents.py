@@ -48,11 +48,32 @@ def pfc_command_socket(directory: Path, node: str, lab: str) -> str:
     return socket_path(directory, f"{node}-pfc.cmd", lab)
 
 
+def write_node_plans(plan_path: Path, directory: Path) -> dict[str, Path]:
+    """The plan of `plan_path` cut to one node each, as `<directory>/<node>-pfc.plan.json`:
+    every top-level field but `nodes` (and `links`), and `nodes` holding that node alone.
+
+    A PFC agent reads its own node and the lab's fields; handed the whole plan, each of
+    them parsed all of it (1.1 MB of JSON, some 10 MB of Python objects, at 128 hosts)
+    for one node's 2-12 KB (bench/agent_memory.py)."""
+    full = json.loads(plan_path.read_text())
+    common = {k: v for k, v in full.items() if k not in ("nodes", "links")}
+    out = {}
+    for node in full["nodes"]:
+        path = directory / f"{node['name']}-pfc.plan.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**common, "nodes": [node]}))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+        out[node["name"]] = path
+    return out
+
+
 def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
                      parent_watch: bool = True) -> list[tuple[AgentProcess, AgentEndpoint]]:
     """One PFC agent per node; returns once every agent is listening."""
     out = []
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    node_plans = write_node_plans(plan_path, directory)
     for node in plan.nodes:
         sock = socket_path(directory, f"{node.name}-pfc", plan.lab)
         events = directory / f"{node.name}-pfc.events.jsonl"
@@ -60,7 +81,7 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
         ready.unlink(missing_ok=True)
         # Real-time priority is given below once every agent is listening: an agent that
         # is FIFO while the others still import can starve them on a slow 2-CPU machine.
-        argv = [sys.executable, "-m", "agents.pfc", "--plan", str(plan_path), "--node",
+        argv = [sys.executable, "-m", "agents.pfc", "--plan", str(node_plans[node.name]), "--node",
                 node.name, "--rt-priority", "0",
                 "--control-sock", str(sock), "--events", str(events),
                 "--ready-file", str(ready), "--watchdog-ns", str(watchdog_ns(plan)),
