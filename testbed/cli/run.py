@@ -181,7 +181,8 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
 def part_run_of(path: str, args, loaded, plan):
     """One VM's part of a run over several VMs, or CliError (exit 2) for what a part run
     cannot do yet (each refusal says so before anything is built)."""
-    from testbed.cli.plan import part_of
+    from testbed.cli.plan import placement_of
+    from testbed.plan.part import part_plan
     from testbed.run.pinning import pinned_senders
     from testbed.run.runner import PartRun
     from testbed.run.workload import expand_workload
@@ -189,7 +190,11 @@ def part_run_of(path: str, args, loaded, plan):
     if args.start_at_unix_ns is None:
         raise CliError("run: --vms needs --start-at-unix-ns: the common start instant "
                        "every VM's part is given", 2)
-    part = part_of(args.vms, args.vm, path, plan)
+    placement = placement_of(args.vms, path, plan)
+    try:
+        part = part_plan(plan, placement, args.vm)
+    except ValueError as exc:
+        raise CliError(f"{args.vms}: {exc}", 2) from None
     problems = []
     if loaded.fabric.events:
         problems.append("a fault timeline (events:) is not applied across VMs yet")
@@ -202,9 +207,12 @@ def part_run_of(path: str, args, loaded, plan):
                         "hop by hop, which a VM cannot do for another VM's nodes")
     if problems:
         raise CliError(f"run: {path} over VMs ({args.vms}): " + "; ".join(problems), 2)
+    first = placement.vms[0]          # the clock reference: the VMs file's first VM
+    mine = next(v for v in placement.vms if v.name == args.vm)
     return PartRun(part=part, start_at_unix_ns=args.start_at_unix_ns,
                    underlay_netns=args.underlay_netns,
-                   stop_file=Path(args.stop_file) if args.stop_file else None)
+                   stop_file=Path(args.stop_file) if args.stop_file else None,
+                   reference=(first.name, first.underlay), local_underlay=mine.underlay)
 
 
 def _cell(field: str, value: object) -> str:

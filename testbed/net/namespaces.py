@@ -162,6 +162,16 @@ def inside_any(name: str) -> Iterator[None]:
         yield
 
 
+def socket_in(name: str | None, family: int = socket.AF_INET,
+              kind: int = socket.SOCK_DGRAM) -> socket.socket:
+    """A socket of the named namespace (None: this thread's own), e.g. a UDP socket on a
+    VM's underlay; nothing else in the namespace is touched."""
+    if name is None:
+        return socket.socket(family, kind)
+    with inside_any(name):
+        return socket.socket(family, kind)
+
+
 def write_sysctls(name: str, sysctls: Mapping[str, str]) -> None:
     paths = {_sysctl_path(key): value for key, value in sysctls.items()}
     with inside(name):

@@ -151,11 +151,9 @@ def merge_parts(paths: list[Path], runs_root: Path, report: bool = True) -> Merg
     text = (first.path / "config.yaml").read_text()
     loaded = load_config_text(text, str(first.path / "config.yaml"))
     plan = Plan.model_validate_json((first.path / "plan.json").read_text())
-    reference = parts[0]
-    clock = [p.meta.get("clock") or {} for p in parts]
-    named_ref = {c.get("reference") for c in clock if c.get("reference")}
-    if named_ref:
-        reference = next((p for p in parts if p.vm in named_ref), parts[0])
+    # the VM every other VM's clock was measured against (the first of the VMs file)
+    named = first.meta.get("reference")
+    reference = next((p for p in parts if p.vm == named), parts[0])
     notes: list[str] = []
     missing = [vm for vm in expected_vms(parts) if vm not in {p.vm for p in parts}]
     placed = {n for p in parts for n in p.nodes}

@@ -35,6 +35,7 @@ from agents.timebase import wall_timeout_s
 from testbed.config import LoadedConfig
 from testbed.net import apply_plan, destroy_lab
 from testbed.net.counters import QueueProbe, datapath_snapshot, udp_errors
+from testbed.net.namespaces import socket_in
 from testbed.net.portprog import pin_dir_of
 from testbed.net.probe import probe_report
 from testbed.net.state import LabState
@@ -46,6 +47,7 @@ from testbed.results.flows import write_flow_files
 from testbed.results.store import Store
 from testbed.results.tables import DROP_COUNTERS
 from testbed.run.capture import start_captures, stop_captures
+from testbed.run.clocksync import CLOCK_PORT, ClockServer, measure
 from testbed.run.collector import AgentEndpoint, Collector, LiveTotals, agent_read_notes
 from testbed.run.fabric_agents import (
     has_pfc,
@@ -98,7 +100,9 @@ class PartRun:
     start_at_unix_ns: int                   # CLOCK_REALTIME of the common start t0
     underlay_netns: str | None = None
     stop_file: Path | None = None
-    clock: dict | None = None               # this VM's measured clock offset (clocksync)
+    # the VM whose clock the others' are measured against, and its underlay address
+    reference: tuple[str, str] | None = None
+    local_underlay: str | None = None       # this VM's underlay address
 
 
 # The marker a part run writes in its run directory once its own senders are done.
@@ -192,6 +196,8 @@ class Run:
     failed: str = ""                     # a stage raised: what (summary.json `failed`)
     watch: RunWatch | None = None        # faults during the run (testbed/run/watch.py)
     full_plan: Plan | None = None        # a part run's whole fabric (None: `plan` is)
+    clock: dict | None = None            # a part run's measured clock offset (clocksync)
+    clock_server: ClockServer | None = None   # the reference VM's, while the run lasts
 
     @property
     def agents_dir(self) -> Path:
@@ -231,7 +237,11 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
     run = prepare(loaded, plan, options)
     with _Interrupt() as stop:
         try:
+            if options.part is not None:
+                serve_clock(run)
             bring_up(run)
+            if options.part is not None:
+                measure_clock(run)
             start_fabric_agents(run)
             pin_sender_paths(run)
             if options.on_up is not None:
@@ -255,6 +265,8 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 except (sqlite3.Error, OSError):
                     pass    # the disk full: the watch named it; stopping comes first
             stop_agents(run)
+            if run.clock_server is not None:
+                run.clock_server.stop()
             write_results(run)
             take_down(run)
     summary = write_summary(run)
@@ -312,14 +324,71 @@ def prepare(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> Run:
     return run
 
 
-def part_metadata(part: PartRun) -> dict:
+def part_metadata(part: PartRun, clock: dict | None = None) -> dict:
     """part.json of a part run directory (docs/scale-out.md, "A run over several VMs")."""
     p = part.part
     return {"format_version": 1, "vm": p.vm, "nodes": p.nodes,
             "start_at_unix_ns": part.start_at_unix_ns,
+            "reference": part.reference[0] if part.reference else None,
             "tunnels": [{"link": t.link, "vni": t.vni, "local": t.local.model_dump(),
                          "remote": t.remote.model_dump()} for t in p.tunnels],
-            "clock": part.clock}
+            "clock": clock}
+
+
+# Wall seconds a part run tries to reach the reference VM's clock server, at most: the
+# other VMs build their parts meanwhile, the reference its own (its server starts first).
+CLOCK_TRY_S = 10.0
+# Wall seconds kept free before the common start for the agents' own start-up.
+CLOCK_START_MARGIN_S = 1.5
+
+
+def serve_clock(run: Run) -> None:
+    """The reference VM answers the others' clock requests on its underlay address for as
+    long as its part run lasts (clocksync.py)."""
+    part = run.options.part
+    assert part is not None
+    if part.reference is None or part.reference[0] != part.part.vm:
+        return
+    sock = socket_in(part.underlay_netns)
+    try:
+        sock.bind((part.reference[1], CLOCK_PORT))
+    except OSError as exc:
+        sock.close()
+        run.notes.add(f"VM {part.part.vm} (the clock reference) could not serve the clock "
+                      f"on {part.reference[1]}:{CLOCK_PORT} ({exc}): the other VMs' clock "
+                      "offsets go unmeasured")
+        return
+    run.clock_server = ClockServer(sock)
+    run.clock_server.start()
+
+
+def measure_clock(run: Run) -> None:
+    """A VM other than the reference measures its clock offset to it over the underlay
+    (after building its part, before the common start); part.json records it, and
+    `testbed merge` moves this VM's samples by it."""
+    part = run.options.part
+    assert part is not None
+    if part.reference is None or part.reference[0] == part.part.vm:
+        return
+    name, address = part.reference
+    sock = socket_in(part.underlay_netns)
+    try:
+        deadline = time.monotonic() + min(CLOCK_TRY_S, max(
+            0.0, (part.start_at_unix_ns - time.time_ns()) / 1e9 - CLOCK_START_MARGIN_S))
+        offset = None
+        while offset is None and time.monotonic() < deadline:
+            offset = measure(sock, (address, CLOCK_PORT), name, count=16, timeout_s=0.2)
+    finally:
+        sock.close()
+    if offset is None:
+        run.notes.add(f"VM {part.part.vm} could not measure its clock offset to {name} "
+                      f"({address}:{CLOCK_PORT} did not answer): its samples are merged as "
+                      "if on the same clock")
+        return
+    run.clock = offset.to_dict()
+    write_json(run.run_dir / "part.json", part_metadata(part, run.clock))
+    run.options.say(f"clock: {offset.offset_ns / 1e3:+.1f} us against {name} "
+                    f"(+- {offset.uncertainty_ns / 1e3:.1f} us, {offset.exchanges} exchanges)")
 
 
 def kernel_notes(plan: Plan, probe: dict) -> list[str]:

@@ -350,6 +350,12 @@ def test_a_run_over_two_vms_merges_into_one_run_directory_covering_every_node(
     assert all(c["held"] is True for c in s["invariants"]["checks"].values()), \
         s["invariants"]
     assert [p["vm"] for p in s["parts"]] == ["vm1", "vm2"] and s["missing_vms"] == []
+    # vm2 measured its clock against vm1 (the VMs file's first) over the underlay: one
+    # clock here, so the offset is 0 within the measurement's own bound (rtt / 2)
+    clock = s["parts"][1]["clock"]
+    assert clock["reference"] == "vm1" and clock["exchanges"] > 0, clock
+    assert abs(clock["offset_ns"]) <= clock["uncertainty_ns"], clock
+    assert s["parts"][0]["clock"] is None
     assert (merged.run_dir / "report.html").exists()
     report = (merged.run_dir / "report.html").read_text()
     assert all(n.name in report for n in plan.nodes)
