@@ -319,7 +319,7 @@ def test_the_collector_writes_the_end_state_with_its_last_sample(tmp_path, monke
     from tests.conftest import REPO
 
     class Sampler:
-        def __init__(self, plan) -> None:
+        def __init__(self, plan, whole_plan=None) -> None:
             pass
 
         def sample(self) -> list[Sample]:
@@ -351,7 +351,7 @@ def _collector(tmp_path, monkeypatch, sample_s: float = 0.0, agents=None):
     from tests.conftest import REPO
 
     class Sampler:
-        def __init__(self, plan) -> None:
+        def __init__(self, plan, whole_plan=None) -> None:
             pass
 
         def sample(self) -> list[Sample]:
