@@ -37,6 +37,36 @@ def built_lab(template: str, stem: str, **fields: object) -> Iterator[Plan]:
     assert not left, f"namespaces left behind: {left}"
 
 
+# Two "VMs" on this machine (a fabric split over VMs, issue 16): their underlay networks.
+UNDERLAY_MTU = 9100
+UNDERLAY_ADDRESSES = {"vm1": ("ul1", "192.0.2.11"), "vm2": ("ul2", "192.0.2.12")}
+
+
+def ip(*argv: str) -> None:
+    subprocess.run(["ip", *argv], check=True, capture_output=True, text=True)
+
+
+@contextmanager
+def underlay_pair(lab: str) -> Iterator[dict[str, str]]:
+    """Two underlay namespaces joined by a veth of MTU UNDERLAY_MTU, 192.0.2.11 and .12:
+    two VMs' networks. Removed afterwards whatever happened."""
+    underlay = {"vm1": f"tb-{lab}-ul-1", "vm2": f"tb-{lab}-ul-2"}
+    made: list[str] = []
+    try:
+        for ns in underlay.values():
+            ip("netns", "add", ns)
+            made.append(ns)
+        ip("link", "add", "ul1", "netns", underlay["vm1"], "mtu", str(UNDERLAY_MTU), "type",
+            "veth", "peer", "name", "ul2", "netns", underlay["vm2"], "mtu", str(UNDERLAY_MTU))
+        for vm, (dev, address) in UNDERLAY_ADDRESSES.items():
+            ip("-n", underlay[vm], "addr", "add", f"{address}/24", "dev", dev)
+            ip("-n", underlay[vm], "link", "set", dev, "up")
+        yield underlay
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 def plan_from_file(path: str, stem: str) -> Plan:
     text = (REPO / path).read_text()
     lab = unique_lab(stem)

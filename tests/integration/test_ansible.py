@@ -16,6 +16,7 @@ from testbed.config.vms import load_vms_text
 from testbed.net import destroy_lab
 from testbed.net.namespaces import list_testbed_namespaces
 from tests.conftest import REPO, unique_lab
+from tests.integration.conftest import UNDERLAY_ADDRESSES, underlay_pair
 
 ANSIBLE = REPO / "ansible"
 VENV_BIN = REPO / ".venv" / "bin"
@@ -158,10 +159,6 @@ def test_run_on_one_vm_fetches_the_run_directory(tmp_path, capsys):
               f"{cal['max_wall_port_rate_bps'] / 1e6:g} Mb/s per port\n{vms_text}")
 
 
-def _ip(*argv: str) -> None:
-    subprocess.run(["ip", *argv], check=True, capture_output=True, text=True)
-
-
 @pytest.mark.root
 @pytest.mark.slow
 def test_run_on_two_vms_runs_each_part_and_merges_them_into_one_run_directory(tmp_path):
@@ -177,45 +174,33 @@ def test_run_on_two_vms_runs_each_part_and_merges_them_into_one_run_directory(tm
     config = tmp_path / "split.yaml"
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
     hosts = {}
-    underlay = {"vm1": (f"tb-{lab}-ul-1", "ul1", "192.0.2.11"),
-                "vm2": (f"tb-{lab}-ul-2", "ul2", "192.0.2.12")}
-    for vm, (netns, _dev, address) in underlay.items():
-        calibration = tmp_path / f"{vm}-cal.json"      # present: run.yml does not calibrate
-        calibration.write_text(json.dumps({"max_wall_port_rate_bps": 250_000_000,
-                                           "hosts": 4}))
-        hosts[vm] = {"ansible_connection": "local",
-                     "ansible_python_interpreter": "/usr/bin/python3",
-                     "testbed_dir": str(REPO), "testbed_venv": str(REPO / ".venv"),
-                     "testbed_work_dir": str(tmp_path / f"{vm}-work"),
-                     "testbed_calibration_file": str(calibration),
-                     "testbed_state_dir": str(tmp_path / f"{vm}-state"),
-                     "testbed_underlay_interface": "none",
-                     "testbed_underlay_address": address,
-                     "testbed_run_underlay_netns": netns}
-    inventory = tmp_path / "hosts.yml"
-    inventory.write_text(yaml.safe_dump({"testbed_vms": {"hosts": hosts}}))
     fetch = tmp_path / "fetch"
-    made = []
     try:
-        for netns, _dev, _address in underlay.values():
-            _ip("netns", "add", netns)
-            made.append(netns)
-        _ip("link", "add", "ul1", "netns", underlay["vm1"][0], "mtu", "9100", "type", "veth",
-            "peer", "name", "ul2", "netns", underlay["vm2"][0], "mtu", "9100")
-        for netns, dev, address in underlay.values():
-            _ip("-n", netns, "addr", "add", f"{address}/24", "dev", dev)
-            _ip("-n", netns, "link", "set", dev, "up")
-        res, recap = _playbook("-i", str(inventory), str(ANSIBLE / "playbooks/run.yml"),
-                               "-e", json.dumps({"testbed_config": str(config),
-                                                 "testbed_fetch_dir": str(fetch),
-                                                 "testbed_run_start_margin_s": 12}),
-                               timeout=600)
+        with underlay_pair(lab) as underlay:
+            for vm, netns in underlay.items():
+                calibration = tmp_path / f"{vm}-cal.json"   # present: run.yml won't calibrate
+                calibration.write_text(json.dumps({"max_wall_port_rate_bps": 250_000_000,
+                                                   "hosts": 4}))
+                hosts[vm] = {"ansible_connection": "local",
+                             "ansible_python_interpreter": "/usr/bin/python3",
+                             "testbed_dir": str(REPO), "testbed_venv": str(REPO / ".venv"),
+                             "testbed_work_dir": str(tmp_path / f"{vm}-work"),
+                             "testbed_calibration_file": str(calibration),
+                             "testbed_state_dir": str(tmp_path / f"{vm}-state"),
+                             "testbed_underlay_interface": "none",
+                             "testbed_underlay_address": UNDERLAY_ADDRESSES[vm][1],
+                             "testbed_run_underlay_netns": netns}
+            inventory = tmp_path / "hosts.yml"
+            inventory.write_text(yaml.safe_dump({"testbed_vms": {"hosts": hosts}}))
+            res, recap = _playbook("-i", str(inventory), str(ANSIBLE / "playbooks/run.yml"),
+                                   "-e", json.dumps({"testbed_config": str(config),
+                                                     "testbed_fetch_dir": str(fetch),
+                                                     "testbed_run_start_margin_s": 12}),
+                                   timeout=600)
     finally:
-        for vm in underlay:
+        for vm in ("vm1", "vm2"):
             subprocess.run([str(VENV_BIN / "testbed"), "down", lab], capture_output=True,
                            env=dict(os.environ, TESTBED_STATE_DIR=str(tmp_path / f"{vm}-state")))
-        for netns in made:
-            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
     out = res.stdout
     assert res.returncode == 0, out[-6000:] + res.stderr
     assert recap["vm1"]["failed"] == recap["vm2"]["failed"] == 0, recap

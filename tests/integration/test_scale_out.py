@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,11 +38,11 @@ from testbed.plan.paths import host_address
 from testbed.run import smoke
 from testbed.run.procs import socket_path, start_agent
 from tests.conftest import REPO, unique_lab
+from tests.integration.conftest import UNDERLAY_MTU, underlay_pair
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 DILATION = 2000
-UNDERLAY_MTU = 9100
 VMS = f"""\
 vms:
   - {{name: vm1, underlay: 192.0.2.11, cores: 2, wall_rate_budget: 2Gbps, mtu: {UNDERLAY_MTU}}}
@@ -62,10 +61,6 @@ class Split:
     up_output: dict[str, str]
 
 
-def _ip(*argv: str) -> None:
-    subprocess.run(["ip", *argv], check=True, capture_output=True, text=True)
-
-
 def _testbed(vm_state: Path, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "TESTBED_STATE_DIR": str(vm_state)}
     res = subprocess.run([sys.executable, "-m", "testbed", *argv], capture_output=True,
@@ -73,27 +68,6 @@ def _testbed(vm_state: Path, *argv: str, check: bool = True) -> subprocess.Compl
     if check:
         assert res.returncode == 0, f"testbed {' '.join(argv)}: {res.stdout}\n{res.stderr}"
     return res
-
-
-@contextmanager
-def underlay_pair(lab: str) -> Iterator[dict[str, str]]:
-    """Two underlay namespaces joined by a veth of MTU UNDERLAY_MTU, 192.0.2.11 and .12:
-    two VMs' networks. Removed afterwards whatever happened."""
-    underlay = {"vm1": f"tb-{lab}-ul-1", "vm2": f"tb-{lab}-ul-2"}
-    made: list[str] = []
-    try:
-        for ns in underlay.values():
-            _ip("netns", "add", ns)
-            made.append(ns)
-        _ip("link", "add", "ul1", "netns", underlay["vm1"], "mtu", str(UNDERLAY_MTU), "type",
-            "veth", "peer", "name", "ul2", "netns", underlay["vm2"], "mtu", str(UNDERLAY_MTU))
-        for vm, dev, addr in (("vm1", "ul1", "192.0.2.11/24"), ("vm2", "ul2", "192.0.2.12/24")):
-            _ip("-n", underlay[vm], "addr", "add", addr, "dev", dev)
-            _ip("-n", underlay[vm], "link", "set", dev, "up")
-        yield underlay
-    finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def _fabric(tmp: Path, lab: str) -> tuple[Path, Path, Plan]:
