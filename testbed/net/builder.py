@@ -237,7 +237,7 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
 
         if steer.method == steering.RPS_CPUS:
             say("flow steering (rps_cpus of every port)")
-            _steer_ports(scope, steer)
+            _steer_ports(plan.lab, scope, steer)
             timer.lap("flow steering")
 
         say("addresses, queues and links up")
@@ -371,7 +371,7 @@ def _create_veth_pairs(plan: Plan, links: list[LinkPlan],
             os.close(fd)
 
 
-def _steer_ports(scope: Scope, steer: steering.Steering) -> None:
+def _steer_ports(lab: str, scope: Scope, steer: steering.Steering) -> None:
     """Step 2b, only where the kernel has no per-namespace RPS default: the RPS map on
     every port, before any port is up (so no packet is received without it); in a part,
     on its tunnel devices too (the tunnel namespace is a hop every crossing packet takes)."""
@@ -382,7 +382,7 @@ def _steer_ports(scope: Scope, steer: steering.Steering) -> None:
     try:
         steering.write_rps_cpus(ports, steer.mask)
     except OSError as exc:
-        raise BuildError(f"writing rps_cpus {steer.mask}: {exc}") from exc
+        raise BuildError(f"building {lab!r}: writing rps_cpus {steer.mask}: {exc}") from exc
 
 
 def _index(ifindex: dict[str, dict[str, int]], node: str, ifname: str) -> int:
