@@ -226,13 +226,14 @@ def delete_link_message(ifname: str) -> bytes:
     return _encode(msg, RTM_DELLINK, NLM_F_REQUEST | NLM_F_ACK)
 
 
-def redirect_filter_kwargs(ifb_index: int) -> dict:
-    """`IPRoute.tc("add-filter", "u32", rx_index, **kwargs)`: every packet arriving at
-    the interface, after the departure program, goes to its IFB's egress."""
+def redirect_filter_kwargs(to_ifindex: int) -> dict:
+    """`IPRoute.tc("add-filter", "u32", rx_index, **kwargs)`: every frame arriving at the
+    interface, after the departure program, leaves by `to_ifindex`'s egress (its IFB's
+    here; the other device of a VM's tunnel end in tunnel.py)."""
     return {"parent": CLSACT_INGRESS, "prio": NETEM_FILTER_PRIO, "protocol": ETH_P_ALL,
             "target": 0, "keys": [MATCH_ALL],
             "action": {"kind": "mirred", "direction": "egress", "action": "redirect",
-                       "ifindex": ifb_index}}
+                       "ifindex": to_ifindex}}
 
 
 def install_stage(ipr, stage: WireStage, rx_index: int, ifb_index: int,

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 
 from testbed.net import namespaces
 from testbed.net.batch import (
@@ -51,15 +50,9 @@ from testbed.net.batch import (
     veth_message,
     vxlan_message,
 )
-from testbed.net.portprog import CLSACT_INGRESS, FILTER_PRIO
+from testbed.net.netem import redirect_filter_kwargs
 from testbed.plan.model import Plan
 from testbed.plan.part import PartPlan, PartTunnelEnd
-
-ETH_P_ALL = 0x0003
-MATCH_ALL = "0x0/0x0+0"          # a u32 key every packet matches
-# After the departure program (FILTER_PRIO), which returns TC_ACT_UNSPEC so the chain
-# goes on to the redirect.
-REDIRECT_PRIO = FILTER_PRIO + 1
 
 
 class TunnelError(RuntimeError):
@@ -84,14 +77,6 @@ def peer_mac(end: PartTunnelEnd) -> str:
     redirect), from the link index so a rebuild is the same."""
     i = end.link
     return f"02:76:78:{(i >> 16) & 0xFF:02x}:{(i >> 8) & 0xFF:02x}:{i & 0xFF:02x}"
-
-
-@dataclass(frozen=True)
-class TunnelPorts:
-    """Where each local tunnel port's departures are counted: (node, ifname) ->
-    (namespace, ifname) of its veth peer."""
-    netns: str
-    departure_hooks: dict[tuple[str, str], tuple[str, str]]
 
 
 def departure_hooks(part: PartPlan, netns: str) -> dict[tuple[str, str], tuple[str, str]]:
@@ -153,15 +138,6 @@ def add_vxlans(part: PartPlan, tunnel_ns: str, underlay_netns: str | None) -> No
         sock.close()
 
 
-def redirect_kwargs(to_ifindex: int) -> dict:
-    """`IPRoute.tc("add-filter", "u32", from_ifindex, **kwargs)`: every frame arriving
-    at one device leaves by the other."""
-    return {"parent": CLSACT_INGRESS, "prio": REDIRECT_PRIO, "protocol": ETH_P_ALL,
-            "target": 0, "keys": [MATCH_ALL],
-            "action": {"kind": "mirred", "direction": "egress", "action": "redirect",
-                       "ifindex": to_ifindex}}
-
-
 def join(part: PartPlan, tunnel_ns: str, sock: socket.socket) -> int:
     """In the tunnel namespace: both devices of each tunnel up, a clsact on each and a
     redirect each way. Returns the tc requests made."""
@@ -184,7 +160,8 @@ def join(part: PartPlan, tunnel_ns: str, sock: socket.socket) -> int:
                                      (vxlan, veth, vxlan_ifname(end))):
                 tc = BatchedTc(batch, templates, name)
                 tc.tc("add", "clsact", dev)
-                tc.tc("add-filter", "u32", dev, **redirect_kwargs(other))
+                # after the departure program (on vxp<i>), which lets the chain go on
+                tc.tc("add-filter", "u32", dev, **redirect_filter_kwargs(other))
                 requests += 2
     batch.flush()
     return requests
