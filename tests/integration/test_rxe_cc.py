@@ -37,6 +37,9 @@ SECS = 6
 
 
 def _modprobe(*mods: str) -> bool:
+    # a fresh machine may have no kmod at all: the VM lane installs it on first use
+    if shutil.which("modprobe") is None:
+        return False
     return subprocess.run(["modprobe", "-a", *mods], capture_output=True).returncode == 0
 
 
