@@ -165,6 +165,7 @@ def test_every_link_delivers_its_rate_within_5_percent_tunnels_included(
     for phase in (tunnels, local_uplinks, host_links):
         for res in smoke.port_streams(plan, _directions(plan, phase), str(tmp_path),
                                       wall_seconds=2.0):
+            print(f"{res.src} -> {res.dst}: {res.ratio:.3f} of the link's rate")
             if abs(res.ratio - 1) > 0.05:
                 off.append((res.src, res.dst, round(res.ratio, 3)))
     assert not off, off
