@@ -150,6 +150,18 @@ def placement_of(vms_path: str, fabric_path: str, plan: Plan) -> Placement:
     return partition(plan, loaded.vms_file, fabric_file=fabric_path)
 
 
+def same_plan_everywhere(fabric_path: str, loaded) -> None:
+    """Every VM must build from one plan: `dilation: auto` takes D from this machine's
+    calibrated budget unless the fabric gives `max_wall_port_rate`. CliError (exit 2)."""
+    fabric = loaded.fabric
+    if fabric.dilation == "auto" and fabric.max_wall_port_rate_bps is None:
+        raise CliError(
+            f"{fabric_path}: dilation: auto picks D from each machine's own calibration, so "
+            "VMs could build different plans; give the fabric a fixed `dilation:` or a "
+            "`max_wall_port_rate:` (the slowest VM's calibrated per-port budget; `testbed "
+            f"plan {fabric_path}` shows the D this machine picks)", EXIT_USAGE)
+
+
 def part_of(vms_path: str, vm: str, fabric_path: str, plan: Plan) -> PartPlan:
     """VM `vm`'s part of `plan` placed over the VMs file's VMs; CliError (exit 2) for a
     bad VMs file or a VM it does not name."""

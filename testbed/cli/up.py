@@ -17,7 +17,7 @@ from testbed.cli.common import (
     require_root,
     wide_console,
 )
-from testbed.cli.plan import part_of, print_plan_table
+from testbed.cli.plan import part_of, print_plan_table, same_plan_everywhere
 from testbed.cli.vmmode import add_vm_part_flags, require_kernel_features
 
 if TYPE_CHECKING:     # testbed.net pulls in pyroute2: imported where a verb runs, not here
@@ -39,8 +39,9 @@ def run(args) -> int:
 
     part = None
     try:
-        _, plan = load_and_plan(args.file)
+        loaded, plan = load_and_plan(args.file)
         if args.vms:
+            same_plan_everywhere(args.file, loaded)
             part = part_of(args.vms, args.vm, args.file, plan)
         if args.dry_run:
             print_plan_table(plan, wide_console())

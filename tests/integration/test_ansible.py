@@ -170,16 +170,17 @@ def test_run_on_two_vms_runs_each_part_and_merges_them_into_one_run_directory(tm
     merged run covers all 12 nodes and every stream, and nothing is left up."""
     lab = unique_lab("ans2vm")
     doc = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
-    doc["name"], doc["dilation"] = lab, 2000
+    doc["name"] = lab      # dilation: auto, pinned by run.yml to the slowest VM's budget
     config = tmp_path / "split.yaml"
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
     hosts = {}
     fetch = tmp_path / "fetch"
+    port_bps = {"vm1": 250_000_000, "vm2": 150_000_000}     # each VM's calibration
     try:
         with underlay_pair(lab) as underlay:
             for vm, netns in underlay.items():
                 calibration = tmp_path / f"{vm}-cal.json"   # present: run.yml won't calibrate
-                calibration.write_text(json.dumps({"max_wall_port_rate_bps": 250_000_000,
+                calibration.write_text(json.dumps({"max_wall_port_rate_bps": port_bps[vm],
                                                    "hosts": 4}))
                 hosts[vm] = {"ansible_connection": "local",
                              "ansible_python_interpreter": "/usr/bin/python3",
@@ -216,6 +217,10 @@ def test_run_on_two_vms_runs_each_part_and_merges_them_into_one_run_directory(tm
     assert sorted(r["src"] for r in rows) == ["h1", "h2", "h5", "h6"]
     assert all(r["rx_packets"] == r["tx_packets"] > 0 for r in rows), rows
     assert (merged[0] / "report.html").exists()
+    # auto took the slower VM's 150 Mb/s per port for both: a 400G port at D = 5000
+    assert summary["dilation"] == 5000
+    pinned = yaml.safe_load((fetch / f"{lab}.fabric.yaml").read_text())
+    assert pinned["max_wall_port_rate"] == 150_000_000 and pinned["dilation"] == "auto"
     vms = load_vms_text((fetch / f"{lab}.vms.yaml").read_text(), "vms.yaml")
     assert [(v.name, str(v.underlay)) for v in vms.vms_file.vms] == [
         ("vm1", "192.0.2.11"), ("vm2", "192.0.2.12")]
