@@ -139,3 +139,20 @@ def test_merged_invariants_hold_only_where_every_vm_and_every_stream_held() -> N
     lost = dict(stream, received=7)
     out = merge_part_invariants({"vm1": _inv(), "vm2": _inv()}, [lost], {}, {})
     assert out["checks"]["conservation"]["held"] is False and out["notes"]
+
+
+def test_a_machine_dependent_plan_is_refused_over_vms(tmp_path, capsys) -> None:
+    """`dilation: auto` without `max_wall_port_rate:` would let each VM's calibration pick
+    its own D: refused before anything is built, naming both fixes (`run --vms` goes
+    through the same check, after its root check)."""
+    from testbed.cli import main
+
+    (tmp_path / "vms.yaml").write_text(
+        "vms:\n  - {name: vm1, underlay: 192.0.2.11, cores: 2, wall_rate_budget: 2Gbps}\n"
+        "  - {name: vm2, underlay: 192.0.2.12, cores: 2, wall_rate_budget: 2Gbps}\n")
+    fabric = tmp_path / "f.yaml"
+    fabric.write_text((Path(__file__).parents[2] / "configs" / "default.yaml").read_text())
+    code = main(["up", str(fabric), "--vms", str(tmp_path / "vms.yaml"), "--vm", "vm1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "dilation: auto" in err and "max_wall_port_rate" in err and "fixed" in err
