@@ -640,7 +640,32 @@ def fabric(run: RunData) -> dict | None:
             f"links; MTU {plan.mtu_bytes}, RoCE MTU {plan.roce_mtu_bytes}; dilation "
             f"{d.factor} ({d.mode}), busiest port {fmt_rate(d.busiest_port_bps)} fabric = "
             f"{fmt_rate(d.busiest_wall_port_bps)} wall")
-    return {"svg": plots.fabric_plot(plan), "text": text, "links": table}
+    return {"svg": plots.fabric_plot(plan), "text": text, "links": table,
+            "parts": parts(run)}
+
+
+def parts(run: RunData) -> Table | None:
+    """A run over several VMs (testbed merge): which VM ran which nodes, its clock offset
+    to the reference VM and how far its samples were moved; a VM that left nothing."""
+    rows_in = run.summary.get("parts")
+    if not isinstance(rows_in, list) or not rows_in:
+        return None
+    rows = []
+    for p in rows_in:
+        if not isinstance(p, dict):
+            continue
+        clock = p.get("clock") if isinstance(p.get("clock"), dict) else None
+        offset = (f"{clock.get('offset_ns', 0) / 1e3:+.1f} us +- "
+                  f"{clock.get('uncertainty_ns', 0) / 1e3:.1f} us against "
+                  f"{clock.get('reference', '?')}" if clock else "reference (or unmeasured)")
+        state = ("failed: " + str(p["failed"]) if p.get("failed") else
+                 "interrupted" if p.get("interrupted") else "finished")
+        rows.append([str(p.get("vm", "?")), " ".join(map(str, p.get("nodes") or [])), offset,
+                     fmt_duration(float(p.get("shift_fabric_ns") or 0)), state])
+    rows += [[str(vm), "-", "-", "-", "left no part run directory"]
+             for vm in run.summary.get("missing_vms") or []]
+    return Table(["VM", "nodes", "clock offset (wall)", "samples moved (fabric)", "part run"],
+                 rows, [False, False, False, True, False])
 
 
 def _duration_ns(run: RunData, series: Iterable[list[tuple[int, float]]] = ()) -> float:

@@ -334,6 +334,8 @@ def test_a_run_over_two_vms_merges_into_one_run_directory_covering_every_node(
     assert (merged.run_dir / "report.html").exists()
     report = (merged.run_dir / "report.html").read_text()
     assert all(n.name in report for n in plan.nodes)
+    md = (merged.run_dir / "report.md").read_text()
+    assert "ran over several VMs" in md and "against vm1" in md, md
 
     alone = merge_parts([parts["vm1"]], tmp_path / "merged").summary
     assert alone["missing_vms"] == ["vm2"]
