@@ -17,7 +17,9 @@ APT_OPTIONAL := bpftool
 # Tests open the HTML report in a headless browser, and decode RoCE captures with tshark.
 # Debian's Mininet (system Python) runs the exported fabric (testbed mininet); without
 # recommends: its switches are routers (Mininet hosts), so no Open vSwitch is needed.
-TEST_APT_PACKAGES := chromium tshark mininet
+# python3-apt: Ansible's apt module runs under the system Python (tests/integration/test_ansible.py
+# provisions this machine through the local inventory).
+TEST_APT_PACKAGES := chromium tshark mininet python3-apt
 BENCH_APT_PACKAGES := mininet
 
 .PHONY: setup system-deps test-deps demo test test-unit lint docs bench clean

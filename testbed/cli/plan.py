@@ -162,12 +162,13 @@ def same_plan_everywhere(fabric_path: str, loaded) -> None:
             f"plan {fabric_path}` shows the D this machine picks)", EXIT_USAGE)
 
 
-def part_of(vms_path: str, vm: str, fabric_path: str, plan: Plan) -> PartPlan:
-    """VM `vm`'s part of `plan` placed over the VMs file's VMs; CliError (exit 2) for a
-    bad VMs file or a VM it does not name."""
+def part_of(vms_path: str, vm: str, fabric_path: str,
+            plan: Plan) -> tuple[Placement, PartPlan]:
+    """The placement of `plan` over the VMs file's VMs, and VM `vm`'s part of it; CliError
+    (exit 2) for a bad VMs file or a VM it does not name."""
     placement = placement_of(vms_path, fabric_path, plan)
     try:
-        return part_plan(plan, placement, vm)
+        return placement, part_plan(plan, placement, vm)
     except ValueError as exc:
         raise CliError(f"{vms_path}: {exc}", EXIT_USAGE) from None
 

@@ -181,8 +181,7 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
 def part_run_of(path: str, args, loaded, plan):
     """One VM's part of a run over several VMs, or CliError (exit 2) for what a part run
     cannot do yet (each refusal says so before anything is built)."""
-    from testbed.cli.plan import placement_of, same_plan_everywhere
-    from testbed.plan.part import part_plan
+    from testbed.cli.plan import part_of, same_plan_everywhere
     from testbed.run.pinning import pinned_senders
     from testbed.run.runner import PartRun
     from testbed.run.workload import expand_workload
@@ -191,11 +190,7 @@ def part_run_of(path: str, args, loaded, plan):
         raise CliError("run: --vms needs --start-at-unix-ns: the common start instant "
                        "every VM's part is given", 2)
     same_plan_everywhere(path, loaded)
-    placement = placement_of(args.vms, path, plan)
-    try:
-        part = part_plan(plan, placement, args.vm)
-    except ValueError as exc:
-        raise CliError(f"{args.vms}: {exc}", 2) from None
+    placement, part = part_of(args.vms, args.vm, path, plan)
     problems = []
     if loaded.fabric.events:
         problems.append("a fault timeline (events:) is not applied across VMs yet")

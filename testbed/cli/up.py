@@ -42,7 +42,7 @@ def run(args) -> int:
         loaded, plan = load_and_plan(args.file)
         if args.vms:
             same_plan_everywhere(args.file, loaded)
-            part = part_of(args.vms, args.vm, args.file, plan)
+            _, part = part_of(args.vms, args.vm, args.file, plan)
         if args.dry_run:
             print_plan_table(plan, wide_console())
             if part is not None:

@@ -538,7 +538,7 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     run.t0_mono_ns = time.monotonic_ns() + int(startup_s * 1e9)
     run.t0_realtime_ns = time.time_ns() + (run.t0_mono_ns - time.monotonic_ns())
     if run.options.part is not None:
-        run.notes.extend(common_start(run, run.options.part.start_at_unix_ns))
+        run.notes.extend(common_start(run, run.options.part))
     for spec in run.specs:
         if spec.role == "sender" and not stop.is_set():
             start_agent_of(run, spec, run.t0_mono_ns)
@@ -558,16 +558,16 @@ def start_workload(run: Run, stop: threading.Event) -> None:
                                   run.notes.add, collector)
 
 
-def common_start(run: Run, start_at_unix_ns: int) -> list[str]:
+def common_start(run: Run, part: PartRun) -> list[str]:
     """A part run's t0 is the instant every VM was given (CLOCK_REALTIME), mapped once to
     this machine's CLOCK_MONOTONIC, which times everything after it. Notes if this VM's
     agents needed longer to be ready than the controller allowed."""
     now_mono, now_real = time.monotonic_ns(), time.time_ns()
     earliest = run.t0_mono_ns          # this VM's own start-up margin
-    run.t0_mono_ns = now_mono + (start_at_unix_ns - now_real)
-    run.t0_realtime_ns = start_at_unix_ns
+    run.t0_mono_ns = now_mono + (part.start_at_unix_ns - now_real)
+    run.t0_realtime_ns = part.start_at_unix_ns
     if run.t0_mono_ns < earliest:
-        return [f"VM {run.options.part.part.vm if run.options.part else '?'} was ready "
+        return [f"VM {part.part.vm} was ready "
                 f"{(earliest - run.t0_mono_ns) / 1e6:.0f} ms (wall) after the common start "
                 "(set-up took longer than the controller allowed): its senders started late "
                 "and its receivers missed what came before they were ready"]
@@ -649,11 +649,10 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
             return
         if senders and all(p.popen.poll() is not None for p in senders):
             break
-        if not senders and (part is None or part.stop_file is None) \
-                and time.monotonic_ns() >= end_wall:
-            break
-        if part is not None and not senders and part.stop_file is not None:
+        if not senders and part is not None and part.stop_file is not None:
             break        # nothing of its own to wait for: the stop file below decides
+        if not senders and time.monotonic_ns() >= end_wall:
+            break
         if time.monotonic_ns() > end_wall + overrun_s * 1e9:
             run.notes.add(f"senders did not finish {overrun_s:g} s of wall time after "
                           "their scheduled end; they were stopped")
