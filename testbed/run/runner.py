@@ -63,6 +63,7 @@ from testbed.run.procs import AgentProcess, socket_path, start_agent
 from testbed.run.rundir import create_run_dir, machine_metadata
 from testbed.run.summary import build_summary
 from testbed.run.timeline import FabricApplier, Timeline, start_timeline
+from testbed.run.timings import RunTimings
 from testbed.run.watch import RunWatch, WatchedAgent
 from testbed.run.workload import (
     DEFAULT_DRAIN_WALL_NS,
@@ -127,6 +128,8 @@ class RunOptions:
     before_report: Callable[[Path], None] | None = None
     # one VM's part of a run over several VMs (None: the whole fabric here)
     part: PartRun | None = None
+    # CLOCK_MONOTONIC ns (start, end) of loading and compiling the config, for timings.json
+    compile_mono_ns: tuple[int, int] | None = None
 
 
 @dataclass
@@ -198,6 +201,7 @@ class Run:
     full_plan: Plan | None = None        # a part run's whole fabric (None: `plan` is)
     clock: dict | None = None            # a part run's measured clock offset (clocksync)
     clock_server: ClockServer | None = None   # the reference VM's, while the run lasts
+    timings: RunTimings = field(default_factory=RunTimings)   # timings.json
 
     @property
     def agents_dir(self) -> Path:
@@ -234,16 +238,23 @@ class _Interrupt:
 
 
 def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResult:
+    started = time.monotonic_ns()
     run = prepare(loaded, plan, options)
+    timings = run.timings
+    if options.compile_mono_ns is not None:
+        timings.add("compile", *options.compile_mono_ns)
+    timings.add("prepare", started, time.monotonic_ns())
     with _Interrupt() as stop:
         try:
             if options.part is not None:
                 serve_clock(run)
-            bring_up(run)
+            with timings.phase("up"):
+                bring_up(run)
             if options.part is not None:
                 measure_clock(run)
-            start_fabric_agents(run)
-            pin_sender_paths(run)
+            with timings.phase("fabric_agents"):
+                start_fabric_agents(run)
+                pin_sender_paths(run)
             if options.on_up is not None:
                 options.on_up(plan)
             start_workload(run, stop.event)
@@ -264,19 +275,28 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                                         "interrupted", signal=stop.signal_name)
                 except (sqlite3.Error, OSError):
                     pass    # the disk full: the watch named it; stopping comes first
-            stop_agents(run)
-            if run.clock_server is not None:
-                run.clock_server.stop()
-            write_results(run)
-            take_down(run)
-    summary = write_summary(run)
-    if options.before_report is not None:
-        options.before_report(run.run_dir)
-    if options.part is None:
-        write_report(run.run_dir, options.say)
-    else:
-        options.say(f"part run of VM {options.part.part.vm}: no report of its own; "
-                    "`testbed merge` makes the whole fabric's run directory from every VM's")
+            with timings.phase("stop_agents"):
+                stop_agents(run)
+                if run.clock_server is not None:
+                    run.clock_server.stop()
+            with timings.phase("results"):
+                write_results(run)
+            with timings.phase("down"):
+                take_down(run)
+    with timings.phase("summary"):
+        summary = write_summary(run)
+    with timings.phase("report"):
+        if options.before_report is not None:
+            options.before_report(run.run_dir)
+        if options.part is None:
+            write_report(run.run_dir, options.say)
+        else:
+            options.say(f"part run of VM {options.part.part.vm}: no report of its own; "
+                        "`testbed merge` makes the whole fabric's run directory from every VM's")
+    try:
+        timings.write(run.run_dir)
+    except OSError as exc:     # the disk full: the run's data is kept all the same
+        options.say(f"run: could not write timings.json ({exc})")
     overhead = run.collector.overhead_fraction() if run.collector else 0.0
     ended = next((f.message for f in run.watch.faults if f.ends_run), "") if run.watch else ""
     return RunResult(run.run_dir, summary, run.interrupted, overhead, ended, run.failed)
@@ -427,6 +447,7 @@ def bring_up(run: Run) -> None:
         assert run.full_plan is not None
         report = apply_plan(run.full_plan, progress=lambda m: say(f"up: {m}"), part=part.part,
                             underlay_netns=part.underlay_netns)
+    run.timings.up_steps = dict(report.seconds)
     state = LabState.load(plan.lab)
     if state is not None:
         state.run_dir = str(run.run_dir)
@@ -530,10 +551,13 @@ def start_agent_of(run: Run, spec: AgentSpec, t0_mono_ns: int | None = None) -> 
 def start_workload(run: Run, stop: threading.Event) -> None:
     """Receivers first, then (once the ones their kind waits for are ready) the senders,
     all timed from one common start t0; the collector samples from then on."""
+    started = time.monotonic_ns()
     for spec in run.specs:
         if spec.role != "sender":
             start_agent_of(run, spec)
     run.notes.extend(wait_ready(run, stop))
+    ready = time.monotonic_ns()
+    run.timings.add("workload_agents", started, ready)
     startup_s = STARTUP_BASE_S + sum(REGISTRY.of(s.kind).startup_wall_s(s) for s in run.specs)
     run.t0_mono_ns = time.monotonic_ns() + int(startup_s * 1e9)
     run.t0_realtime_ns = time.time_ns() + (run.t0_mono_ns - time.monotonic_ns())
@@ -556,6 +580,9 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     run.watch = start_watch(run, collector)
     run.timeline = start_timeline(run.plan, run.store, run.agents_dir, run.t0_mono_ns,
                                   run.notes.add, collector)
+    # the common start margin: receivers ready -> t0 (the senders start within it)
+    run.timings.add("start_margin", ready, run.t0_mono_ns)
+    run.timings.planned_workload_wall_s = run.plan.timebase.to_wall_s(run.span_ns)
 
 
 def common_start(run: Run, part: PartRun) -> list[str]:
@@ -662,6 +689,17 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
         return
     if part is not None and not wait_for_other_vms(run, part, stop, end_wall, overrun_s):
         return
+    drain_start = time.monotonic_ns()
+    run.timings.add("workload", run.t0_mono_ns, drain_start)
+    try:
+        _drain(run, stop)
+    finally:
+        run.timings.add("drain", drain_start, time.monotonic_ns())
+
+
+def _drain(run: Run, stop: threading.Event) -> None:
+    """The configured drain time, then until no port program holds a byte."""
+    dilation = run.plan.timebase
     run.phase = "drain"
     run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="drain")
     drain_end = time.monotonic_ns() + dilation.to_wall_ns(run.drain_ns)
