@@ -764,6 +764,10 @@ def stop_agents(run: Run) -> None:
         except Exception as exc:   # the final snapshot still gives the peaks
             run.notes.add("could not read the port programs before the fabric agents "
                           f"stopped: {exc!r}")
+    # Asked together, then waited for: each winds down (opens its gates, writes its last
+    # events) in parallel with the others instead of after them (~0.1 s each).
+    for proc in run.fabric_procs:
+        proc.request_stop()
     for proc in run.fabric_procs:
         proc.stop()
     if run.collector is not None:
