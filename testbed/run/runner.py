@@ -22,6 +22,7 @@ the run directory of the whole fabric from every VM's part.
 
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
 import sys
@@ -66,7 +67,6 @@ from testbed.run.timeline import FabricApplier, Timeline, start_timeline
 from testbed.run.timings import RunTimings
 from testbed.run.watch import RunWatch, WatchedAgent
 from testbed.run.workload import (
-    DEFAULT_DRAIN_WALL_NS,
     DEFAULT_SAMPLE_PERIOD_WALL_NS,
     by_kind,
     events_file,
@@ -82,9 +82,15 @@ from testbed.units import format_size
 from testbed.workloads.base import AgentFiles, AgentSpec, FlowRecord, RunView, WorkloadKind
 from testbed.workloads.registry import REGISTRY
 
-# Wall time allowed for agents to start before the common start time t0, besides what
-# each kind says its agents need (WorkloadKind.startup_wall_s).
+# Wall time allowed for the senders' processes to start before the common start time t0,
+# besides what each kind says its agents need (WorkloadKind.startup_wall_s): measured in
+# the run (start_margin_s), never less than STARTUP_MIN_S; STARTUP_BASE_S where nothing
+# was measured. A sender that was still not ready at t0 is named (late_senders).
 STARTUP_BASE_S = 0.8
+STARTUP_MIN_S = 0.15
+STARTUP_SAFETY = 2.0
+# A sender ready this much after t0 started late (the ready file's mtime: ms precision)
+LATE_READY_TOLERANCE_NS = 2_000_000
 # Wall seconds to wait for every agent a kind waits for (a RoCE server listening).
 READY_TIMEOUT_S = 20.0
 # Wall seconds senders may overrun their scheduled end before they are stopped.
@@ -323,7 +329,7 @@ def prepare(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> Run:
     period_ns = (workload.sample_period_ns if workload and workload.sample_period_ns
                  else round(dilation.to_fabric_ns(DEFAULT_SAMPLE_PERIOD_WALL_NS)))
     drain_ns = (workload.drain_ns if workload and workload.drain_ns
-                else round(dilation.to_fabric_ns(DEFAULT_DRAIN_WALL_NS)))
+                else default_drain_ns(plan))
     store.set_meta("sample_period_fabric_ns", str(period_ns))
     specs = expand_workload(fabric, plan)
     part = options.part
@@ -342,6 +348,22 @@ def prepare(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> Run:
     run.notes.extend(plan.warnings)
     run.notes.extend(kernel_notes(plan, probe))
     return run
+
+
+# The drain when the workload sets none: this many of the fabric's longest base round
+# trips (what is still on a wire or an ACK on its way back when the queues are empty:
+# the port programs do not see it), and at least DEFAULT_DRAIN_MIN_WALL_NS of wall time
+# (a sample period, so the report shows the fabric empty); then the run waits until no
+# port program holds a byte (drain_fabric). Each receiver reads what its socket holds
+# before it exits, and the conservation invariant names any packet not accounted for.
+DEFAULT_DRAIN_RTTS = 10
+DEFAULT_DRAIN_MIN_WALL_NS = 100_000_000
+
+
+def default_drain_ns(plan: Plan) -> int:
+    """Fabric ns to drain after the senders stop when the workload sets no `drain`."""
+    return max(DEFAULT_DRAIN_RTTS * base_rtt_shortfall_ns(plan),
+               round(plan.timebase.to_fabric_ns(DEFAULT_DRAIN_MIN_WALL_NS)))
 
 
 def part_metadata(part: PartRun, clock: dict | None = None) -> dict:
@@ -558,7 +580,10 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     run.notes.extend(wait_ready(run, stop))
     ready = time.monotonic_ns()
     run.timings.add("workload_agents", started, ready)
-    startup_s = STARTUP_BASE_S + sum(REGISTRY.of(s.kind).startup_wall_s(s) for s in run.specs)
+    waited = [s for s, _p in run.agents if REGISTRY.of(s.kind).waits_ready(s)]
+    startup_s = start_margin_s((ready - started) / 1e9 if waited else None, len(waited),
+                               sum(1 for s in run.specs if s.role == "sender"))
+    startup_s += sum(REGISTRY.of(s.kind).startup_wall_s(s) for s in run.specs)
     run.t0_mono_ns = time.monotonic_ns() + int(startup_s * 1e9)
     run.t0_realtime_ns = time.time_ns() + (run.t0_mono_ns - time.monotonic_ns())
     if run.options.part is not None:
@@ -583,6 +608,52 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     # the common start margin: receivers ready -> t0 (the senders start within it)
     run.timings.add("start_margin", ready, run.t0_mono_ns)
     run.timings.planned_workload_wall_s = run.plan.timebase.to_wall_s(run.span_ns)
+
+
+def start_margin_s(measured_s: float | None, measured_agents: int, senders: int,
+                   cpus: int | None = None) -> float:
+    """Wall seconds for the senders to start (interpreter, imports, sockets) before t0.
+
+    From what this run measured: `measured_agents` agents started side by side took
+    `measured_s` until all were ready (the receivers, before the senders start). The
+    senders start side by side too; on `cpus` CPUs they take about that many rounds of
+    it. STARTUP_SAFETY times that, at least STARTUP_MIN_S; STARTUP_BASE_S when nothing
+    was measured. What the margin cannot cover is named, not hidden (late_senders).
+    """
+    if measured_s is None or measured_agents <= 0:
+        return STARTUP_BASE_S
+    cpus = cpus or os.cpu_count() or 1
+    # the measured agents ran in ceil(n / cpus) rounds: one round's time
+    per_round = measured_s / -(-measured_agents // cpus)
+    rounds = -(-max(1, senders) // cpus)
+    return max(STARTUP_MIN_S, STARTUP_SAFETY * per_round * rounds)
+
+
+def late_senders(run: Run) -> list[str]:
+    """A note per sender that was given a ready file and made it after the common start
+    t0 (its traffic began late by that much), or never made it while it ran."""
+    notes = []
+    for spec, proc in run.agents:
+        if spec.role != "sender":
+            continue
+        path = ready_file(run.agents_dir, spec)
+        if str(path) not in list(proc.popen.args):  # type: ignore[arg-type]
+            continue            # its kind gives senders no ready file
+        try:
+            late_ns = path.stat().st_mtime_ns - run.t0_realtime_ns
+        except FileNotFoundError:
+            if proc.popen.poll() not in (None, 0):
+                continue        # it failed: the run's watch names that
+            notes.append(f"{_who(spec)} on {spec.node} never got ready (no ready file): "
+                         "it sent nothing from the common start")
+            continue
+        if late_ns > LATE_READY_TOLERANCE_NS:
+            fabric_us = late_ns / run.plan.dilation.factor / 1e3
+            notes.append(f"{_who(spec)} on {spec.node} was ready {late_ns / 1e6:.0f} ms "
+                         f"(wall) after the common start t0: its traffic began "
+                         f"{fabric_us:,.1f} us fabric late (the start margin was too short "
+                         "for this machine's load)")
+    return notes
 
 
 def common_start(run: Run, part: PartRun) -> list[str]:
@@ -687,6 +758,7 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
         stop.wait(0.05)
     if stop.is_set():
         return
+    run.notes.extend(late_senders(run))
     if part is not None and not wait_for_other_vms(run, part, stop, end_wall, overrun_s):
         return
     drain_start = time.monotonic_ns()
@@ -927,8 +999,10 @@ def write_report(run_dir: Path, say: Callable[[str], None]) -> None:
         say(f"report: could not be built ({exc}); rebuild with `testbed report {run_dir}`")
 
 
-# A drain that outlasts this many times the configured drain (and DRAIN_CAP_WALL_S) gives up.
+# A drain that outlasts this many times the configured drain (at least DRAIN_CAP_MIN_WALL_S,
+# at most DRAIN_CAP_WALL_S) gives up.
 DRAIN_CAP_FACTOR = 20
+DRAIN_CAP_MIN_WALL_S = 20.0
 DRAIN_CAP_WALL_S = 30.0
 
 
@@ -942,7 +1016,8 @@ def drain_fabric(plan: Plan, stop: threading.Event, drain_ns: int,
     probe = QueueProbe(plan)
     try:
         start = time.monotonic()
-        cap_s = min(DRAIN_CAP_WALL_S, DRAIN_CAP_FACTOR * dilation.to_wall_s(drain_ns))
+        cap_s = min(DRAIN_CAP_WALL_S, max(DRAIN_CAP_MIN_WALL_S,
+                                          DRAIN_CAP_FACTOR * dilation.to_wall_s(drain_ns)))
         while not stop.is_set() and not should_end():
             left = probe.queued_bytes()
             if left == 0:
