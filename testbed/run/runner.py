@@ -648,7 +648,7 @@ def late_senders(run: Run) -> list[str]:
                          "it sent nothing from the common start")
             continue
         if late_ns > LATE_READY_TOLERANCE_NS:
-            fabric_us = late_ns / run.plan.dilation.factor / 1e3
+            fabric_us = run.plan.timebase.to_fabric_ns(late_ns) / 1e3
             notes.append(f"{_who(spec)} on {spec.node} was ready {late_ns / 1e6:.0f} ms "
                          f"(wall) after the common start t0: its traffic began "
                          f"{fabric_us:,.1f} us fabric late (the start margin was too short "
