@@ -215,7 +215,7 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
     # The port programs' instances load (bpftool, the verifier: CPU-bound) while the
     # steps below run, on the other CPUs; step 6 waits for them.
     loading, why_no_bpf = _start_loading(plan, scope)
-    timer.lap("port programs: start loading")
+    timer.lap("bpf load start")
     try:
         say(f"creating {len(scope.netns)} namespaces")
         sockets = _create_namespaces(plan, scope, steer.namespace_sysctls())
