@@ -47,8 +47,9 @@ MININET_SCRIPT = Path(__file__).with_name("mininet_build.py")
 
 # hosts -> (spines, leaves, hosts_per_leaf)
 SHAPES = {16: (2, 2, 8), 64: (4, 4, 16), 128: (4, 8, 16)}
-OUR_PHASES = ["namespaces", "netlink sockets", "veth", "flow steering", "addresses+queues",
-              "neighbours", "routes", "port programs"]
+# "bpf load start": the port programs' loads begin (bpftool runs beside the next steps)
+OUR_PHASES = ["bpf load start", "namespaces", "netlink sockets", "veth", "flow steering",
+              "addresses+queues", "neighbours", "routes", "port programs"]
 
 YAML = """\
 name: {name}

@@ -121,7 +121,9 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
     console = wide_console()
     budget, _ = load_budget_bps()
     try:
+        compile_start = time.monotonic_ns()
         loaded, plan = load_and_plan(path)
+        compiled = (compile_start, time.monotonic_ns())
         require_kernel_features(plan, "run", path)
         if loaded.fabric.workload is None or not loaded.fabric.workload.traffic:
             raise CliError(f"run: {path} has no workload: section with traffic; add one "
@@ -152,7 +154,8 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
 
     options = RunOptions(runs_root=Path(args.runs_dir), capture=args.capture,
                          capture_snaplen=args.capture_snaplen, keep_up=args.keep,
-                         budget_bps=budget, say=say, on_sample=on_sample, part=part)
+                         budget_bps=budget, say=say, on_sample=on_sample, part=part,
+                         compile_mono_ns=compiled)
     live = Live(console=console, auto_refresh=False, transient=True) if live_ui else None
     if live is not None:
         live.start()

@@ -212,8 +212,17 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
     timer = _Timer(report)
     steer = steering.choose(keep_order)
     report.ordering = steer.describe()
-    say(f"creating {len(scope.netns)} namespaces")
-    sockets = _create_namespaces(plan, scope, steer.namespace_sysctls())
+    # The port programs' instances load (bpftool, the verifier: CPU-bound) while the
+    # steps below run, on the other CPUs; step 6 waits for them.
+    loading, why_no_bpf = _start_loading(plan, scope)
+    timer.lap("bpf load start")
+    try:
+        say(f"creating {len(scope.netns)} namespaces")
+        sockets = _create_namespaces(plan, scope, steer.namespace_sysctls())
+    except BaseException:
+        if loading is not None:
+            loading.wait(check=False)
+        raise
     report.namespaces = len(scope.netns)
     timer.lap("namespaces")
     try:
@@ -258,7 +267,7 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
         why_no_delay = netem.preflight(sockets[first], first) if first else "no nodes"
         say("port programs (queue accounting, ECN marking, PFC decisions"
             + (", PHY loss)" if why_no_delay else ")"))
-        report.datapath = _attach_datapath(plan, scope, ifindex,
+        report.datapath = _attach_datapath(plan, scope, ifindex, loading, why_no_bpf,
                                            apply_phy_loss=bool(why_no_delay))
         timer.lap("port programs")
 
@@ -271,24 +280,37 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
         else:
             report.delay = f"none: {why_no_delay}"
     finally:
+        if loading is not None and not loading.done:
+            loading.wait(check=False)     # a failed build: no bpftool pins after the teardown
         for sock in sockets.values():
             sock.close()
 
 
+def _start_loading(plan: Plan, scope: Scope) -> tuple[portprog.Loading | None, str]:
+    """Start loading every port's program instance (step 6 attaches them); (None, why)
+    where this machine cannot build the port program."""
+    try:
+        obj = portprog.ensure_object()
+    except portprog.PortProgError as exc:
+        return None, str(exc)
+    return portprog.start_loading(datapath.pin_dirs_of(plan, scope.nodes), obj), ""
+
+
 def _attach_datapath(plan: Plan, scope: Scope, ifindex: dict[str, dict[str, int]],
+                     loading: portprog.Loading | None, why_no_bpf: str,
                      apply_phy_loss: bool = True) -> str:
-    """Step 6: the tc-BPF port program on every port, where this machine can load it.
+    """Step 6: the tc-BPF port program on every port, where this machine can load it
+    (`loading`: its instances, being loaded since the build began).
 
     Without clang or bpftool the fabric still forwards and shapes, but has
     no ECN marking, queue accounting or PFC; the report says so. `apply_phy_loss`:
     False when step 7's netem applies the PHY's frame loss.
     """
-    try:
-        portprog.ensure_object()
-    except portprog.PortProgError as exc:
-        return f"none: {exc}"
+    if loading is None:
+        return f"none: {why_no_bpf}"
     datapath.attach_port_programs(plan, apply_phy_loss=apply_phy_loss, ifindex=ifindex,
-                                  nodes=scope.nodes, departure_hooks=scope.departure_hooks())
+                                  nodes=scope.nodes, departure_hooks=scope.departure_hooks(),
+                                  loading=loading)
     return "bpf"
 
 

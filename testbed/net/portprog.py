@@ -31,6 +31,8 @@ import os
 import platform
 import re
 import shutil
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -78,6 +80,7 @@ __all__ = [
     "node_dir_of", "node_params_from_plan", "obj_get", "object_path", "open_node",
     "open_node_ports", "open_port", "params_from_egress", "pin_dir_of", "pinned_labs",
     "probability_fp", "read_counters", "reset_state", "update_params",
+    "Loading", "bpf_filter_message", "clsact_message", "start_loading",
 ]
 
 
@@ -363,31 +366,81 @@ def _node_ready(node_dir: Path) -> bool:
 
 
 def load_programs(pin_dirs: list[Path], obj: Path | None = None) -> None:
-    """Load a fresh program instance into each (emptied) pin dir with ONE `bpftool batch`.
+    """Load a fresh program instance into each (emptied) pin dir; returns when all are
+    loaded (`start_loading(...).wait()`)."""
+    start_loading(pin_dirs, obj).wait()
+
+
+# bpftool batches run side by side: the verifier (~4 ms a port, two programs) is CPU
+# work in the calling process, so one batch per CPU divides the load's wall time.
+MAX_LOAD_WORKERS = 4
+
+
+def split_batches(nodes: list[list[list[str]]], workers: int) -> list[list[list[str]]]:
+    """The batch files' lines: each node's lines (its first port making the node's
+    shared maps, then its other ports) kept whole and in order, nodes spread over at most
+    `workers` batches, each to the batch with the fewest lines so far."""
+    shares: list[list[list[str]]] = [[] for _ in range(max(1, min(workers, len(nodes))))]
+    for lines in sorted(nodes, key=len, reverse=True):
+        min(shares, key=len).extend(lines)
+    return shares
+
+
+class Loading:
+    """Program instances being loaded by `bpftool batch` processes (start_loading).
+
+    `wait()` waits for them and checks every pin dir: bpftool 7.1's batch mode can
+    report a stale errno at the end of its file even when every command ran, so success
+    is judged by the pins, and a port whose programs are missing is loaded again on its
+    own, which reports that port's own error. Always wait (also when the build fails),
+    so no bpftool pins anything after the lab's pins were removed.
+    """
+
+    def __init__(self, obj: Path, pin_dirs: list[Path],
+                 procs: list[tuple[subprocess.Popen, Path]]) -> None:
+        self.obj, self.pin_dirs, self._procs = obj, pin_dirs, procs
+        self.done = not procs
+
+    def wait(self, check: bool = True) -> None:
+        for proc, batch in self._procs:
+            proc.communicate()
+            batch.unlink(missing_ok=True)
+        self._procs = []
+        self.done = True
+        if not check:
+            return
+        for pin_dir in self.pin_dirs:
+            if not _loaded(pin_dir):
+                _prepare(pin_dir)
+                _bpftool_load(self.obj, pin_dir)
+
+
+def start_loading(pin_dirs: list[Path], obj: Path | None = None,
+                  workers: int | None = None) -> Loading:
+    """Start loading a fresh program instance into each pin dir (emptied first), in
+    `workers` `bpftool batch` processes (default: one per CPU, at most
+    MAX_LOAD_WORKERS); returns at once. `Loading.wait()` before using them.
 
     Pin dirs are /sys/fs/bpf/tb/<lab>/<node>/<ifname>; the first port of each node
     creates the node's shared maps and pins them in <node>/_node, the node's other
-    ports reuse them. A bpftool process per port cost ~5 ms, most of it the process;
-    in one batch a load costs ~5 ms (two programs verified, eleven maps; bench/README.md).
-    bpftool 7.1's batch mode can report a stale errno
-    at the end of its file even when every command ran, so success is judged by the
-    pins: a port whose programs are missing is loaded again on its own, which reports
-    that port's own error.
+    ports reuse them, so all ports of a node go to the same batch, in order. A bpftool
+    process per port cost ~5 ms, most of it the process; in a batch a load costs ~4 ms,
+    nearly all of it the verifier (two programs; bench/README.md).
     """
-    if not pin_dirs:
-        return
     obj = obj or ensure_object()
     for part in (obj, *pin_dirs):
         if any(c.isspace() or c in "\\'\"#" for c in str(part)):
             raise PortProgError(f"{part}: a path bpftool's batch mode cannot quote")
+    if not pin_dirs:
+        return Loading(obj, [], [])
     ensure_bpffs()
-    lines: list[list[str]] = []
-    fresh: set[Path] = set()
+    by_node: dict[Path, list[list[str]]] = {}
     for pin_dir in pin_dirs:
         node_dir = pin_dir.parent / NODE_DIR
         _prepare(pin_dir)
-        if node_dir not in fresh:
-            fresh.add(node_dir)
+        lines = by_node.get(node_dir)
+        if lines is None:
+            lines = by_node[node_dir] = []
             _forget(node_dir)
             _rmtree(node_dir)
             node_dir.mkdir(parents=True)
@@ -395,15 +448,22 @@ def load_programs(pin_dirs: list[Path], obj: Path | None = None) -> None:
             lines += _pin_node_args(pin_dir, node_dir)
         else:
             lines.append(_load_args(obj, pin_dir, node_dir, reuse=True))
-    with tempfile.NamedTemporaryFile("w", prefix="tb-bpftool-", suffix=".batch") as batch:
-        batch.write("".join(" ".join(line) + "\n" for line in lines))
-        batch.flush()
-        subprocess.run([_bpftool(), "batch", "file", batch.name], capture_output=True,
-                       text=True)
-    for pin_dir in pin_dirs:
-        if not _loaded(pin_dir):
-            _prepare(pin_dir)
-            _bpftool_load(obj, pin_dir)
+    shares = split_batches(list(by_node.values()),
+                           workers or min(os.cpu_count() or 1, MAX_LOAD_WORKERS))
+    bpftool = _bpftool()
+    procs = []
+    try:
+        for share in shares:
+            fd, name = tempfile.mkstemp(prefix="tb-bpftool-", suffix=".batch")
+            with os.fdopen(fd, "w") as fh:
+                fh.write("".join(" ".join(line) + "\n" for line in share))
+            procs.append((subprocess.Popen([bpftool, "batch", "file", name],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                          Path(name)))
+    except BaseException:
+        Loading(obj, pin_dirs, procs).wait(check=False)
+        raise
+    return Loading(obj, pin_dirs, procs)
 
 
 def _bpftool_load(obj: Path, pin_dir: Path) -> None:
@@ -523,6 +583,54 @@ def _attach(netns: str, ifname: str, pin: Path, ipr, ifindex: int | None,
         raise PortProgError(f"attaching to {netns}/{ifname}: pyroute2 said {first}; {exc}") \
             from None
     return "tc", ifindex
+
+
+# --- attach in a netlink batch -----------------------------------------------------------
+# The builder queues these on each namespace's NetlinkBatch (testbed/net/batch.py) instead
+# of one pyroute2 request at a time (~1.2 ms a request, most of it pyroute2's encoding).
+# Byte for byte what pyroute2's IPRoute.tc sends for the same call (tests/unit/
+# test_portprog_messages.py checks that against IPBatch).
+_NLMSG = struct.Struct("=IHHII")           # length, type, flags, seq, port id
+_TCMSG = struct.Struct("=BxxxiIII")        # family, ifindex, handle, parent, info
+RTM_NEWQDISC = 36
+RTM_NEWTFILTER = 44
+_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_REPLACE, _NLM_F_EXCL, _NLM_F_CREATE = 1, 4, 0x100, \
+    0x200, 0x400
+TC_H_CLSACT = 0xFFFFFFF1
+CLSACT_HANDLE = 0xFFFF0000
+TCA_KIND, TCA_OPTIONS = 1, 2
+TCA_BPF_CLASSID, TCA_BPF_FD, TCA_BPF_NAME, TCA_BPF_FLAGS = 3, 6, 7, 8
+TCA_BPF_FLAG_ACT_DIRECT = 1
+
+
+def _rtattr(kind: int, payload: bytes) -> bytes:
+    return struct.pack("=HH", 4 + len(payload), kind) + payload + bytes(-len(payload) % 4)
+
+
+def _tc_message(mtype: int, flags: int, ifindex: int, handle: int, parent: int, info: int,
+                attrs: bytes) -> bytes:
+    body = _TCMSG.pack(0, ifindex, handle, parent, info) + attrs
+    return _NLMSG.pack(_NLMSG.size + len(body), mtype, flags, 0, 0) + body
+
+
+def clsact_message(ifindex: int) -> bytes:
+    """`tc qdisc add dev IF clsact` (fails with EEXIST when the device has one)."""
+    return _tc_message(RTM_NEWQDISC, _NLM_F_REQUEST | _NLM_F_ACK | _NLM_F_EXCL | _NLM_F_CREATE,
+                       ifindex, CLSACT_HANDLE, TC_H_CLSACT, 0, _rtattr(TCA_KIND, b"clsact\0"))
+
+
+def bpf_filter_message(ifindex: int, parent: int, prog_fd: int, name: str) -> bytes:
+    """`tc filter replace dev IF {ingress|egress} prio FILTER_PRIO handle FILTER_HANDLE
+    protocol all bpf da fd PROG_FD name NAME` (classid 1), as `_attach_pyroute2` sends it.
+    The fd must stay open until the kernel has answered the request."""
+    options = (_rtattr(TCA_BPF_CLASSID, struct.pack("=I", 1))
+               + _rtattr(TCA_BPF_FD, struct.pack("=I", prog_fd))
+               + _rtattr(TCA_BPF_NAME, name.encode() + b"\0")
+               + _rtattr(TCA_BPF_FLAGS, struct.pack("=I", TCA_BPF_FLAG_ACT_DIRECT)))
+    info = (FILTER_PRIO << 16) | socket.htons(ETH_P_ALL)
+    return _tc_message(RTM_NEWTFILTER, _NLM_F_REQUEST | _NLM_F_ACK | _NLM_F_CREATE
+                       | _NLM_F_REPLACE, ifindex, FILTER_HANDLE, parent, info,
+                       _rtattr(TCA_KIND, b"bpf\0") + _rtattr(TCA_OPTIONS, options))
 
 
 def configure_node(lab: str, node: str, params: NodeParams) -> None:

@@ -22,6 +22,7 @@ the run directory of the whole fabric from every VM's part.
 
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
 import sys
@@ -63,9 +64,9 @@ from testbed.run.procs import AgentProcess, socket_path, start_agent
 from testbed.run.rundir import create_run_dir, machine_metadata
 from testbed.run.summary import build_summary
 from testbed.run.timeline import FabricApplier, Timeline, start_timeline
+from testbed.run.timings import RunTimings
 from testbed.run.watch import RunWatch, WatchedAgent
 from testbed.run.workload import (
-    DEFAULT_DRAIN_WALL_NS,
     DEFAULT_SAMPLE_PERIOD_WALL_NS,
     by_kind,
     events_file,
@@ -81,9 +82,15 @@ from testbed.units import format_size
 from testbed.workloads.base import AgentFiles, AgentSpec, FlowRecord, RunView, WorkloadKind
 from testbed.workloads.registry import REGISTRY
 
-# Wall time allowed for agents to start before the common start time t0, besides what
-# each kind says its agents need (WorkloadKind.startup_wall_s).
+# Wall time allowed for the senders' processes to start before the common start time t0,
+# besides what each kind says its agents need (WorkloadKind.startup_wall_s): measured in
+# the run (start_margin_s), never less than STARTUP_MIN_S; STARTUP_BASE_S where nothing
+# was measured. A sender that was still not ready at t0 is named (late_senders).
 STARTUP_BASE_S = 0.8
+STARTUP_MIN_S = 0.15
+STARTUP_SAFETY = 2.0
+# A sender ready this much after t0 started late (the ready file's mtime: ms precision)
+LATE_READY_TOLERANCE_NS = 2_000_000
 # Wall seconds to wait for every agent a kind waits for (a RoCE server listening).
 READY_TIMEOUT_S = 20.0
 # Wall seconds senders may overrun their scheduled end before they are stopped.
@@ -127,6 +134,8 @@ class RunOptions:
     before_report: Callable[[Path], None] | None = None
     # one VM's part of a run over several VMs (None: the whole fabric here)
     part: PartRun | None = None
+    # CLOCK_MONOTONIC ns (start, end) of loading and compiling the config, for timings.json
+    compile_mono_ns: tuple[int, int] | None = None
 
 
 @dataclass
@@ -198,6 +207,7 @@ class Run:
     full_plan: Plan | None = None        # a part run's whole fabric (None: `plan` is)
     clock: dict | None = None            # a part run's measured clock offset (clocksync)
     clock_server: ClockServer | None = None   # the reference VM's, while the run lasts
+    timings: RunTimings = field(default_factory=RunTimings)   # timings.json
 
     @property
     def agents_dir(self) -> Path:
@@ -234,16 +244,23 @@ class _Interrupt:
 
 
 def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResult:
+    started = time.monotonic_ns()
     run = prepare(loaded, plan, options)
+    timings = run.timings
+    if options.compile_mono_ns is not None:
+        timings.add("compile", *options.compile_mono_ns)
+    timings.add("prepare", started, time.monotonic_ns())
     with _Interrupt() as stop:
         try:
             if options.part is not None:
                 serve_clock(run)
-            bring_up(run)
+            with timings.phase("up"):
+                bring_up(run)
             if options.part is not None:
                 measure_clock(run)
-            start_fabric_agents(run)
-            pin_sender_paths(run)
+            with timings.phase("fabric_agents"):
+                start_fabric_agents(run)
+                pin_sender_paths(run)
             if options.on_up is not None:
                 options.on_up(plan)
             start_workload(run, stop.event)
@@ -264,19 +281,28 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                                         "interrupted", signal=stop.signal_name)
                 except (sqlite3.Error, OSError):
                     pass    # the disk full: the watch named it; stopping comes first
-            stop_agents(run)
-            if run.clock_server is not None:
-                run.clock_server.stop()
-            write_results(run)
-            take_down(run)
-    summary = write_summary(run)
-    if options.before_report is not None:
-        options.before_report(run.run_dir)
-    if options.part is None:
-        write_report(run.run_dir, options.say)
-    else:
-        options.say(f"part run of VM {options.part.part.vm}: no report of its own; "
-                    "`testbed merge` makes the whole fabric's run directory from every VM's")
+            with timings.phase("stop_agents"):
+                stop_agents(run)
+                if run.clock_server is not None:
+                    run.clock_server.stop()
+            with timings.phase("results"):
+                write_results(run)
+            with timings.phase("down"):
+                take_down(run)
+    with timings.phase("summary"):
+        summary = write_summary(run)
+    with timings.phase("report"):
+        if options.before_report is not None:
+            options.before_report(run.run_dir)
+        if options.part is None:
+            write_report(run.run_dir, options.say)
+        else:
+            options.say(f"part run of VM {options.part.part.vm}: no report of its own; "
+                        "`testbed merge` makes the whole fabric's run directory from every VM's")
+    try:
+        timings.write(run.run_dir)
+    except OSError as exc:     # the disk full: the run's data is kept all the same
+        options.say(f"run: could not write timings.json ({exc})")
     overhead = run.collector.overhead_fraction() if run.collector else 0.0
     ended = next((f.message for f in run.watch.faults if f.ends_run), "") if run.watch else ""
     return RunResult(run.run_dir, summary, run.interrupted, overhead, ended, run.failed)
@@ -303,7 +329,7 @@ def prepare(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> Run:
     period_ns = (workload.sample_period_ns if workload and workload.sample_period_ns
                  else round(dilation.to_fabric_ns(DEFAULT_SAMPLE_PERIOD_WALL_NS)))
     drain_ns = (workload.drain_ns if workload and workload.drain_ns
-                else round(dilation.to_fabric_ns(DEFAULT_DRAIN_WALL_NS)))
+                else default_drain_ns(plan))
     store.set_meta("sample_period_fabric_ns", str(period_ns))
     specs = expand_workload(fabric, plan)
     part = options.part
@@ -322,6 +348,22 @@ def prepare(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> Run:
     run.notes.extend(plan.warnings)
     run.notes.extend(kernel_notes(plan, probe))
     return run
+
+
+# The drain when the workload sets none: this many of the fabric's longest base round
+# trips (what is still on a wire or an ACK on its way back when the queues are empty:
+# the port programs do not see it), and at least DEFAULT_DRAIN_MIN_WALL_NS of wall time
+# (a sample period, so the report shows the fabric empty); then the run waits until no
+# port program holds a byte (drain_fabric). Each receiver reads what its socket holds
+# before it exits, and the conservation invariant names any packet not accounted for.
+DEFAULT_DRAIN_RTTS = 10
+DEFAULT_DRAIN_MIN_WALL_NS = 100_000_000
+
+
+def default_drain_ns(plan: Plan) -> int:
+    """Fabric ns to drain after the senders stop when the workload sets no `drain`."""
+    return max(DEFAULT_DRAIN_RTTS * base_rtt_shortfall_ns(plan),
+               round(plan.timebase.to_fabric_ns(DEFAULT_DRAIN_MIN_WALL_NS)))
 
 
 def part_metadata(part: PartRun, clock: dict | None = None) -> dict:
@@ -427,6 +469,7 @@ def bring_up(run: Run) -> None:
         assert run.full_plan is not None
         report = apply_plan(run.full_plan, progress=lambda m: say(f"up: {m}"), part=part.part,
                             underlay_netns=part.underlay_netns)
+    run.timings.up_steps = dict(report.seconds)
     state = LabState.load(plan.lab)
     if state is not None:
         state.run_dir = str(run.run_dir)
@@ -530,11 +573,17 @@ def start_agent_of(run: Run, spec: AgentSpec, t0_mono_ns: int | None = None) -> 
 def start_workload(run: Run, stop: threading.Event) -> None:
     """Receivers first, then (once the ones their kind waits for are ready) the senders,
     all timed from one common start t0; the collector samples from then on."""
+    started = time.monotonic_ns()
     for spec in run.specs:
         if spec.role != "sender":
             start_agent_of(run, spec)
     run.notes.extend(wait_ready(run, stop))
-    startup_s = STARTUP_BASE_S + sum(REGISTRY.of(s.kind).startup_wall_s(s) for s in run.specs)
+    ready = time.monotonic_ns()
+    run.timings.add("workload_agents", started, ready)
+    waited = [s for s, _p in run.agents if REGISTRY.of(s.kind).waits_ready(s)]
+    startup_s = start_margin_s((ready - started) / 1e9 if waited else None, len(waited),
+                               sum(1 for s in run.specs if s.role == "sender"))
+    startup_s += sum(REGISTRY.of(s.kind).startup_wall_s(s) for s in run.specs)
     run.t0_mono_ns = time.monotonic_ns() + int(startup_s * 1e9)
     run.t0_realtime_ns = time.time_ns() + (run.t0_mono_ns - time.monotonic_ns())
     if run.options.part is not None:
@@ -556,6 +605,55 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     run.watch = start_watch(run, collector)
     run.timeline = start_timeline(run.plan, run.store, run.agents_dir, run.t0_mono_ns,
                                   run.notes.add, collector)
+    # the common start margin: receivers ready -> t0 (the senders start within it)
+    run.timings.add("start_margin", ready, run.t0_mono_ns)
+    run.timings.planned_workload_wall_s = run.plan.timebase.to_wall_s(run.span_ns)
+
+
+def start_margin_s(measured_s: float | None, measured_agents: int, senders: int,
+                   cpus: int | None = None) -> float:
+    """Wall seconds for the senders to start (interpreter, imports, sockets) before t0.
+
+    From what this run measured: `measured_agents` agents started side by side took
+    `measured_s` until all were ready (the receivers, before the senders start). The
+    senders start side by side too; on `cpus` CPUs they take about that many rounds of
+    it. STARTUP_SAFETY times that, at least STARTUP_MIN_S; STARTUP_BASE_S when nothing
+    was measured. What the margin cannot cover is named, not hidden (late_senders).
+    """
+    if measured_s is None or measured_agents <= 0:
+        return STARTUP_BASE_S
+    cpus = cpus or os.cpu_count() or 1
+    # the measured agents ran in ceil(n / cpus) rounds: one round's time
+    per_round = measured_s / -(-measured_agents // cpus)
+    rounds = -(-max(1, senders) // cpus)
+    return max(STARTUP_MIN_S, STARTUP_SAFETY * per_round * rounds)
+
+
+def late_senders(run: Run) -> list[str]:
+    """A note per sender that was given a ready file and made it after the common start
+    t0 (its traffic began late by that much), or never made it while it ran."""
+    notes = []
+    for spec, proc in run.agents:
+        if spec.role != "sender":
+            continue
+        path = ready_file(run.agents_dir, spec)
+        if str(path) not in list(proc.popen.args):  # type: ignore[arg-type]
+            continue            # its kind gives senders no ready file
+        try:
+            late_ns = path.stat().st_mtime_ns - run.t0_realtime_ns
+        except FileNotFoundError:
+            if proc.popen.poll() not in (None, 0):
+                continue        # it failed: the run's watch names that
+            notes.append(f"{_who(spec)} on {spec.node} never got ready (no ready file): "
+                         "it sent nothing from the common start")
+            continue
+        if late_ns > LATE_READY_TOLERANCE_NS:
+            fabric_us = run.plan.timebase.to_fabric_ns(late_ns) / 1e3
+            notes.append(f"{_who(spec)} on {spec.node} was ready {late_ns / 1e6:.0f} ms "
+                         f"(wall) after the common start t0: its traffic began "
+                         f"{fabric_us:,.1f} us fabric late (the start margin was too short "
+                         "for this machine's load)")
+    return notes
 
 
 def common_start(run: Run, part: PartRun) -> list[str]:
@@ -660,8 +758,20 @@ def sample_until_done(run: Run, stop: threading.Event) -> None:
         stop.wait(0.05)
     if stop.is_set():
         return
+    run.notes.extend(late_senders(run))
     if part is not None and not wait_for_other_vms(run, part, stop, end_wall, overrun_s):
         return
+    drain_start = time.monotonic_ns()
+    run.timings.add("workload", run.t0_mono_ns, drain_start)
+    try:
+        _drain(run, stop)
+    finally:
+        run.timings.add("drain", drain_start, time.monotonic_ns())
+
+
+def _drain(run: Run, stop: threading.Event) -> None:
+    """The configured drain time, then until no port program holds a byte."""
+    dilation = run.plan.timebase
     run.phase = "drain"
     run.store.add_event(run.fabric_now_ns(), time.monotonic_ns(), "phase", phase="drain")
     drain_end = time.monotonic_ns() + dilation.to_wall_ns(run.drain_ns)
@@ -726,6 +836,10 @@ def stop_agents(run: Run) -> None:
         except Exception as exc:   # the final snapshot still gives the peaks
             run.notes.add("could not read the port programs before the fabric agents "
                           f"stopped: {exc!r}")
+    # Asked together, then waited for: each winds down (opens its gates, writes its last
+    # events) in parallel with the others instead of after them (~0.1 s each).
+    for proc in run.fabric_procs:
+        proc.request_stop()
     for proc in run.fabric_procs:
         proc.stop()
     if run.collector is not None:
@@ -885,8 +999,10 @@ def write_report(run_dir: Path, say: Callable[[str], None]) -> None:
         say(f"report: could not be built ({exc}); rebuild with `testbed report {run_dir}`")
 
 
-# A drain that outlasts this many times the configured drain (and DRAIN_CAP_WALL_S) gives up.
+# A drain that outlasts this many times the configured drain (at least DRAIN_CAP_MIN_WALL_S,
+# at most DRAIN_CAP_WALL_S) gives up.
 DRAIN_CAP_FACTOR = 20
+DRAIN_CAP_MIN_WALL_S = 20.0
 DRAIN_CAP_WALL_S = 30.0
 
 
@@ -900,7 +1016,8 @@ def drain_fabric(plan: Plan, stop: threading.Event, drain_ns: int,
     probe = QueueProbe(plan)
     try:
         start = time.monotonic()
-        cap_s = min(DRAIN_CAP_WALL_S, DRAIN_CAP_FACTOR * dilation.to_wall_s(drain_ns))
+        cap_s = min(DRAIN_CAP_WALL_S, max(DRAIN_CAP_MIN_WALL_S,
+                                          DRAIN_CAP_FACTOR * dilation.to_wall_s(drain_ns)))
         while not stop.is_set() and not should_end():
             left = probe.queued_bytes()
             if left == 0:

@@ -29,7 +29,6 @@ from testbed.workloads.registry import REGISTRY
 # Default sample period in wall time: what a person watching progress expects,
 # and cheap for the collector (well under 1 ms per sample on the default fabric).
 DEFAULT_SAMPLE_PERIOD_WALL_NS = 100_000_000
-DEFAULT_DRAIN_WALL_NS = 1_000_000_000
 
 
 def traffic_class(fabric: Fabric, tclass: str | int) -> TrafficClass:

@@ -19,6 +19,7 @@ from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from testbed.fields import NAME_RE, DurationNs, RateBps, SizeBytes
 from testbed.units import format_rate
 from testbed.workloads.base import (
+    AgentFiles,
     AgentSpec,
     CheckContext,
     ExpandContext,
@@ -122,6 +123,15 @@ class UdpKind(WorkloadKind):
                        f"{format_rate(line_bps)}; lower rate to at most "
                        f"{format_rate(line_bps)} or leave it out (default: line rate)")
                 return
+
+    def waits_ready(self, spec: AgentSpec) -> bool:
+        # a receiver listens before any sender is started (its ready file: socket bound)
+        return spec.role == "receiver"
+
+    def files_argv(self, spec: AgentSpec, files: AgentFiles) -> list[str]:
+        # a sender's ready file (sockets made, waiting for t0) tells the run whether it
+        # was ready by the common start (runner.late_senders)
+        return ["--ready-file", str(files.ready)]
 
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         assert isinstance(entry, UdpTraffic)

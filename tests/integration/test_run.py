@@ -99,6 +99,20 @@ def test_incast_counters_agree_with_the_agents(tmp_path):
     total_rx_bps = sum(r["rx_fabric_bps"] for r in rows)
     assert total_rx_bps == pytest.approx(100e9, rel=0.05)
     store.close()
+    # timings.json: every stage of a whole run once, one after another, the builder's
+    # steps of `up`, and no sender ready after the common start went unnamed
+    timings = json.loads((run_dir / "timings.json").read_text())
+    phases = [p["phase"] for p in timings["phases"]]
+    assert phases == ["prepare", "up", "fabric_agents", "workload_agents", "start_margin",
+                      "workload", "drain", "stop_agents", "results", "down", "summary",
+                      "report"]
+    for before, after in zip(timings["phases"], timings["phases"][1:], strict=False):
+        assert before["start_mono_ns"] <= before["end_mono_ns"] <= after["start_mono_ns"]
+    assert "port programs" in timings["up_steps"]
+    assert timings["fixed_cost_s"] == pytest.approx(
+        sum(v for k, v in timings["seconds"].items() if k != "workload"), abs=1e-5)
+    # the senders got ready files and were ready by t0 (else a note names them)
+    assert len(list((run_dir / "agents").glob("incast-*.ready"))) == 5
 
 
 def _start_run(config: Path, runs: Path) -> subprocess.Popen:

@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from testbed.config import load_config
 from testbed.plan import compile_plan
 from testbed.results.store import Store
@@ -116,3 +118,172 @@ def test_agents_are_stopped_together_so_each_has_the_whole_grace_period(
     assert sorted(run.results) == sorted(s.name for s in specs)
     assert time.monotonic() - t0 < 5.5         # in parallel: ~2 s, not 3 x 2 s
     assert not [n for n in run.notes.items if "without counters" in n]
+
+
+# --- fixed cost: the start margin, late senders, the drain, stopping, timings ----------
+
+
+def test_the_start_margin_follows_the_measured_start_up_with_a_floor() -> None:
+    from testbed.run import runner
+
+    # nothing measured (no agent waited for): the fixed margin of before
+    assert runner.start_margin_s(None, 0, 4) == runner.STARTUP_BASE_S
+    # one receiver ready in 0.1 s; four senders on two CPUs take two such rounds
+    assert runner.start_margin_s(0.1, 1, 4, cpus=2) == pytest.approx(
+        runner.STARTUP_SAFETY * 0.1 * 2)
+    # four receivers in 0.2 s on two CPUs: 0.1 s a round; two senders: one round
+    assert runner.start_margin_s(0.2, 4, 2, cpus=2) == pytest.approx(
+        runner.STARTUP_SAFETY * 0.1)
+    # a slower machine gets a longer margin, a fast one no less than the floor
+    assert runner.start_margin_s(0.5, 1, 4, cpus=2) > runner.start_margin_s(0.1, 1, 4, cpus=2)
+    assert runner.start_margin_s(0.001, 1, 1, cpus=2) == runner.STARTUP_MIN_S
+
+
+def _default_run(tmp_path: Path) -> Run:
+    loaded = load_config(REPO / "configs" / "default.yaml")
+    plan = compile_plan(loaded)
+    specs = expand_workload(loaded.fabric, plan)
+    (tmp_path / "agents").mkdir()
+    store = Store(tmp_path / "c.sqlite", create=True)
+    return Run(loaded=loaded, plan=plan, options=RunOptions(say=lambda _m: None),
+               run_dir=tmp_path, store=store, notes=Notes(store, lambda: 0), probe={},
+               specs=specs, period_ns=1, drain_ns=1, span_ns=1)
+
+
+def test_a_sender_ready_after_the_common_start_is_named(tmp_path: Path) -> None:
+    import os
+
+    from testbed.run.runner import late_senders
+
+    run = _default_run(tmp_path)
+    senders = [s for s in run.specs if s.role == "sender"]
+    assert len(senders) == 4
+    run.t0_realtime_ns = 1_700_000_000_000_000_000
+    procs = []
+    for spec, late_ms, code in zip(senders, (0, -50, 30, None), ("0", "0", "0", "3"),
+                                   strict=True):
+        ready = ready_file(run.agents_dir, spec)
+        if late_ms is not None:
+            ready.touch()
+            when = run.t0_realtime_ns + late_ms * 1_000_000
+            os.utime(ready, ns=(when, when))
+        popen = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})",
+                                  "--ready-file", str(ready)])
+        popen.wait()
+        procs.append(AgentProcess(spec.name, "none", popen))
+    run.agents = list(zip(senders, procs, strict=True))
+    # a receiver is never a late sender, ready file or not
+    receiver = next(s for s in run.specs if s.role == "receiver")
+    run.agents.append((receiver, procs[0]))
+    notes = late_senders(run)
+    assert len(notes) == 1, notes
+    assert f"{senders[2].name} on {senders[2].node} was ready 30 ms (wall) after the " \
+           "common start t0" in notes[0]
+    assert f"{run.plan.timebase.to_fabric_ns(30e6) / 1e3:,.1f} us fabric late" in notes[0]
+    # one that exited 0 without ever getting ready sent nothing from t0: named too
+    ready_file(run.agents_dir, senders[0]).unlink()
+    notes = late_senders(run)
+    assert any(f"{senders[0].name} on {senders[0].node} never got ready" in n for n in notes)
+    # (the one that exited 3 is named by the run's watch, not here)
+    assert not any(senders[3].name in n for n in notes)
+    run.store.close()
+
+
+def test_the_default_drain_is_round_trips_or_a_sample_period(monkeypatch) -> None:
+    from testbed.run import runner
+    from testbed.run.fidelity import base_rtt_shortfall_ns
+
+    plan = compile_plan(load_config(REPO / "configs" / "default.yaml"))
+    rtt_ns = base_rtt_shortfall_ns(plan)
+    assert rtt_ns > 0
+    floor_ns = round(plan.timebase.to_fabric_ns(runner.DEFAULT_DRAIN_MIN_WALL_NS))
+    assert runner.default_drain_ns(plan) == max(floor_ns, runner.DEFAULT_DRAIN_RTTS * rtt_ns)
+    monkeypatch.setattr(runner, "DEFAULT_DRAIN_MIN_WALL_NS", 0)
+    assert runner.default_drain_ns(plan) == runner.DEFAULT_DRAIN_RTTS * rtt_ns
+
+
+def test_a_workload_drain_is_kept_as_given(tmp_path: Path) -> None:
+    from testbed.config import load_config_text
+    from testbed.run.runner import prepare
+
+    text = (REPO / "configs" / "default.yaml").read_text().replace(
+        "  traffic:\n", "  drain: 700us\n  traffic:\n")
+    loaded = load_config_text(text, "drain.yaml")
+    run = prepare(loaded, compile_plan(loaded), RunOptions(runs_root=tmp_path,
+                                                            say=lambda _m: None))
+    run.store.close()
+    assert run.drain_ns == 700_000
+
+
+def test_fabric_agents_are_all_asked_to_stop_before_any_is_waited_for(
+        tmp_path: Path) -> None:
+    """Each fabric agent winds down only once every one of them has been asked to (it
+    waits for the others' SIGTERM, as a PFC agent's neighbours go down around it):
+    asked one after the other, the first would be waited for before the second was
+    asked, time out and be killed."""
+    run = _default_run(tmp_path)
+    stamps = tmp_path / "stamps"
+    code = ("import signal, sys, time\n"
+            "def bye(*_):\n"
+            "    open(sys.argv[1], 'a').write('term\\n')\n"
+            "    deadline = time.monotonic() + 8\n"
+            "    while open(sys.argv[1]).read().count('term') < 3:\n"
+            "        if time.monotonic() > deadline:\n"
+            "            sys.exit(1)\n"
+            "        time.sleep(0.01)\n"
+            "    open(sys.argv[1], 'a').write('exit\\n')\n"
+            "    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, bye)\n"
+            "print('up', flush=True)\n"
+            "time.sleep(60)\n")
+    run.fabric_procs = [
+        AgentProcess(f"pfc-x{k}", "none", subprocess.Popen(
+            [sys.executable, "-c", code, str(stamps)], stdout=subprocess.PIPE, text=True))
+        for k in range(3)]
+    for proc in run.fabric_procs:
+        assert proc.popen.stdout.readline().strip() == "up"
+    try:
+        stop_agents(run)
+    finally:
+        for proc in run.fabric_procs:
+            proc.stop()
+    run.store.close()
+    lines = stamps.read_text().split()
+    assert lines.count("term") == 3
+    assert lines.count("exit") == 3              # none was killed for want of the others
+    assert [p.popen.returncode for p in run.fabric_procs] == [0, 0, 0]
+
+
+def test_run_timings_sum_stages_and_leave_the_workload_out_of_the_fixed_cost() -> None:
+    from testbed.run.timings import RunTimings
+
+    t = RunTimings()
+    t.add("up", 0, 200_000_000)
+    t.add("workload", 200_000_000, 2_200_000_000)
+    t.add("drain", 2_200_000_000, 2_300_000_000)
+    t.add("drain", 2_400_000_000, 2_450_000_000)     # a stage entered twice is summed
+    with t.phase("report"):
+        pass
+    out = t.to_dict()
+    assert out["seconds"]["drain"] == pytest.approx(0.15)
+    assert out["fixed_cost_s"] == pytest.approx(0.35, abs=1e-3)
+    assert [p["phase"] for p in out["phases"]] == ["up", "workload", "drain", "drain",
+                                                   "report"]
+    with pytest.raises(ValueError, match="unknown run phase 'warmup'"):
+        t.add("warmup", 0, 1)
+
+
+def test_udp_receivers_are_waited_for_and_every_udp_agent_gets_its_ready_file(
+        tmp_path: Path) -> None:
+    from testbed.workloads.base import AgentFiles
+    from testbed.workloads.registry import REGISTRY
+
+    run = _default_run(tmp_path)
+    run.store.close()
+    for spec in run.specs:
+        kind = REGISTRY.of(spec.kind)
+        # receivers listen before any sender starts; senders are not waited for
+        assert kind.waits_ready(spec) is (spec.role == "receiver"), spec.name
+        files = AgentFiles(ready=ready_file(run.agents_dir, spec), out=tmp_path / "o",
+                           events=tmp_path / "e")
+        assert kind.files_argv(spec, files) == ["--ready-file", str(files.ready)]
