@@ -127,6 +127,8 @@ class RunOptions:
     before_report: Callable[[Path], None] | None = None
     # one VM's part of a run over several VMs (None: the whole fabric here)
     part: PartRun | None = None
+    # nodes per PFC agent process (None: auto; 1: one per node): fabric_agents.pfc_groups
+    pfc_nodes_per_process: int | None = None
 
 
 @dataclass
@@ -487,10 +489,12 @@ def start_pfc(run: Run) -> None:
         run.notes.add("PFC is configured but the port programs are not attached (no BPF "
                       "datapath), so no PFC agent runs and lossless classes can drop")
         return
-    started = start_pfc_agents(plan, run.run_dir / "plan.json", run.agents_dir)
+    started = start_pfc_agents(plan, run.run_dir / "plan.json", run.agents_dir,
+                               nodes_per_process=run.options.pfc_nodes_per_process)
     run.fabric_procs += [p for p, _ in started]
     run.endpoints += [e for _, e in started]
-    run.options.say(f"pfc: agents on {len(started)} nodes")
+    procs = len({p.pid for p, _ in started})
+    run.options.say(f"pfc: agents on {len(started)} nodes ({procs} processes)")
 
 
 def pin_sender_paths(run: Run) -> None:
