@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -47,6 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from testbed.cli.common import pfc_nodes_per_process  # noqa: E402
 from testbed.config import load_config_text  # noqa: E402
 from testbed.net.state import LabState, process_start_time  # noqa: E402
 from testbed.plan import compile_plan  # noqa: E402
@@ -200,10 +202,17 @@ def run_one(scenario: str, args: argparse.Namespace) -> tuple[Sampler, float, in
         thread.start()
         try:
             result = run_config(loaded, plan, RunOptions(
-                runs_root=Path(tmp), say=(print if args.verbose else (lambda _m: None))))
+                runs_root=Path(tmp), say=(print if args.verbose else (lambda _m: None)),
+                pfc_nodes_per_process=args.pfc_nodes_per_process))
         finally:
             sampler.stop()
             thread.join()
+            # run_config takes its lab down on every way out it sees (SIGINT and SIGTERM
+            # included); this is for the ones it does not (a failure in its own clean-up).
+            if LabState.load(plan.lab) is not None:
+                from testbed.net import destroy_lab
+                for line in destroy_lab(plan.lab):
+                    print(f"  (clean-up: {line})")
     if result.failed or result.fault:
         print(f"  ({scenario}: the run said: {result.failed or result.fault})")
     return sampler, time.monotonic() - t0, kib("/proc/self/status", "VmHWM") or 0
@@ -215,10 +224,16 @@ def mb(k: float) -> str:
 
 def table(scenario: str, s: Sampler, wall_s: float, self_hwm: int) -> None:
     kinds: dict[str, list[Proc]] = {}
+    unseen = 0
     for p in s.procs.values():
+        if p.hwm_kib == 0:
+            unseen += 1        # exited (or not yet exec'd) between the state and /proc
+            continue
         kinds.setdefault(p.kind, []).append(p)
-    print(f"\n{scenario}: {len(s.procs)} agent processes, {s.samples} samples, "
-          f"{wall_s:.0f} s wall (MB = MiB)")
+    seen = len(s.procs) - unseen
+    print(f"\n{scenario}: {seen} agent processes, {s.samples} samples, "
+          f"{wall_s:.0f} s wall (MB = MiB)"
+          + (f"; {unseen} more exited before a sample read them" if unseen else ""))
     head = (f"{'kind':<14}{'n':>5}  {'RSS min':>8}{'median':>8}{'max':>8}{'sum':>9}  "
             f"{'PSS min':>8}{'median':>8}{'max':>8}{'sum':>9}")
     print(head)
@@ -233,11 +248,15 @@ def table(scenario: str, s: Sampler, wall_s: float, self_hwm: int) -> None:
         print(f"{kind:<14}{len(ps):>5}  {mb(rss[0]):>8}{mb(statistics.median(rss)):>8}"
               f"{mb(rss[-1]):>8}{mb(sum(rss)):>9}  {mb(pss[0]):>8}"
               f"{mb(statistics.median(pss)):>8}{mb(pss[-1]):>8}{mb(sum(pss)):>9}")
-    print(f"{'all agents':<14}{len(s.procs):>5}  {'':>24}{mb(tot_rss):>9}  {'':>24}"
+    print(f"{'all agents':<14}{seen:>5}  {'':>24}{mb(tot_rss):>9}  {'':>24}"
           f"{mb(tot_pss):>9}   (sums of per-process peaks)")
     print(f"at one sample: {s.peak_alive} alive, RSS {mb(s.peak_rss_kib)} MB, "
           f"PSS {mb(s.peak_pss_kib)} MB (largest sums)")
     print(f"control plane (this process): peak RSS {mb(self_hwm)} MB")
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def main() -> int:
@@ -249,7 +268,13 @@ def main() -> int:
     parser.add_argument("--dilation", default="auto")
     parser.add_argument("--period", type=float, default=0.2, help="seconds between samples")
     parser.add_argument("--verbose", action="store_true", help="print the run's own lines")
+    parser.add_argument("--pfc-nodes-per-process", type=pfc_nodes_per_process, default=None,
+                        metavar="N|auto",
+                        help="PFC agent grouping (default auto; 1: one process per node)")
     args = parser.parse_args()
+    # A SIGTERM outside run_config (which handles its own) ends the bench through its
+    # finally clauses, as Ctrl-C does: no lab is left behind.
+    signal.signal(signal.SIGTERM, _terminate)
     if os.geteuid() != 0:
         print("needs root (it builds a lab)", file=sys.stderr)
         return 2
