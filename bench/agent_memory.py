@@ -4,6 +4,8 @@ real run, by agent kind.
     sudo .venv/bin/python bench/agent_memory.py                       # default + 7:1 RoCE incast
     sudo .venv/bin/python bench/agent_memory.py --only hosts --hosts 32   # a 31:1 leaf-spine incast
     sudo .venv/bin/python bench/agent_memory.py --only hosts --hosts 128 --duration 1ms
+    sudo .venv/bin/python bench/agent_memory.py --only allreduce --hosts 128
+    ... --pfc-nodes-per-process 1      # PFC agents one process per node (as before)
 
 Each scenario is one `run_config` (the path `testbed run` takes: bring-up, PFC agents,
 workload, collector, report, down) in a temporary runs directory. While it runs, a thread
@@ -23,7 +25,10 @@ Scenarios:
   2 spines up to 2 leaves, else 4) running an N-1:1 RoCE incast (PFC, DCQCN) for
   `--duration`. N = 16 takes about a minute here. N = 128 starts 394 agents (127 clients,
   127 servers, 140 PFC agents) and needs a few GB of free memory and several minutes on
-  2 CPUs (the run itself will say it could not keep up: memory, not fidelity, is measured).
+  2 CPUs (the run itself will say it could not keep up: memory, not fidelity, is measured);
+- `allreduce`: a leaf-spine of `--hosts` N hosts, 8 per leaf (N/8 leaves, 4 spines above
+  16 hosts), PFC on, one all-reduce (`--algorithm`, default rhd) of `--size` over all N
+  ranks (one rank process per host), no warm-up, one iteration.
 
 The table, per kind (pfc, roce client, roce server, udp, ...): processes, peak RSS per
 process (VmHWM: min / median / max), their sum, peak PSS per process (sampled: min /
@@ -76,6 +81,32 @@ workload:
       receiver: h{n}
       cc: dcqcn
       duration: {duration}
+"""
+
+ALLREDUCE_YAML = """\
+name: {name}
+dilation: {dilation}
+topology:
+  kind: leaf_spine
+  spines: {spines}
+  leaves: {leaves}
+  hosts_per_leaf: 8
+  host_link: {{port: 100GBASE-CR1, length: 2m}}
+  fabric_link: {{port: 400GBASE-DR4, length: 100m}}
+qos:
+  default:
+    pfc: {{enabled: true}}
+workload:
+  drain: 200us
+  traffic:
+    - name: allreduce
+      kind: allreduce
+      algorithm: {algorithm}
+      ranks: [{ranks}]
+      sizes: {{min: {size}, max: {size}, factor: 2}}
+      dtype: float32
+      warmup: 0
+      iterations: 1
 """
 
 
@@ -181,6 +212,14 @@ def fabric_text(scenario: str, args: argparse.Namespace) -> tuple[str, str]:
             text = text.replace("dilation: auto", f"dilation: {args.dilation}")
         return text, "dcqcn-on.yaml"
     n = args.hosts
+    if scenario == "allreduce":
+        if n % 8 or n < 16:
+            raise SystemExit(f"--hosts {n}: the all-reduce has 8 ranks per leaf, 2 leaves "
+                             "or more (a multiple of 8, at least 16)")
+        return ALLREDUCE_YAML.format(
+            name=f"{tag}a{n}", dilation=args.dilation, spines=2 if n <= 16 else 4,
+            leaves=n // 8, algorithm=args.algorithm, size=args.size,
+            ranks=", ".join(f"h{i}" for i in range(1, n + 1))), f"allreduce-{n}.yaml"
     leaves = max(2, -(-n // 16))
     if n % leaves:
         raise SystemExit(f"--hosts {n}: not a multiple of {leaves} leaves")
@@ -262,9 +301,12 @@ def _terminate(signum: int, _frame: object) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="default,incast7",
-                        help="scenarios, comma separated: default, incast7, hosts")
+                        help="scenarios, comma separated: default, incast7, hosts, allreduce")
     parser.add_argument("--hosts", type=int, default=16, help="hosts of the `hosts` scenario")
     parser.add_argument("--duration", default="2ms", help="fabric time of the RoCE incasts")
+    parser.add_argument("--algorithm", default="rhd",
+                        help="allreduce scenario: ring, rhd, tree or ina (default rhd)")
+    parser.add_argument("--size", default="256KiB", help="allreduce scenario: message size")
     parser.add_argument("--dilation", default="auto")
     parser.add_argument("--period", type=float, default=0.2, help="seconds between samples")
     parser.add_argument("--verbose", action="store_true", help="print the run's own lines")
@@ -279,9 +321,11 @@ def main() -> int:
         print("needs root (it builds a lab)", file=sys.stderr)
         return 2
     for scenario in [x.strip() for x in args.only.split(",") if x.strip()]:
-        if scenario not in ("default", "incast7", "hosts"):
+        if scenario not in ("default", "incast7", "hosts", "allreduce"):
             parser.error(f"unknown scenario {scenario!r}")
-        name = f"hosts {args.hosts} ({args.hosts - 1}:1)" if scenario == "hosts" else scenario
+        name = {"hosts": f"hosts {args.hosts} ({args.hosts - 1}:1)",
+                "allreduce": f"allreduce {args.algorithm}, {args.hosts} ranks, 8 per leaf, "
+                             f"{args.size}"}.get(scenario, scenario)
         table(name, *run_one(scenario, args))
     return 0
 
