@@ -140,7 +140,9 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
                                        indent=1))
             os.chmod(spec, 0o600)
             argv = [sys.executable, "-m", "agents.pfc", "--group", str(spec), *common]
-            name = f"pfc-group{i}"
+            # the lab state names the process after every node it serves (`testbed
+            # down` ends it by pid like any agent)
+            name = "pfc-" + "+".join(n.name for n in group)
         proc = start_process(plan.lab, group[0].netns, argv, name, keep_mounts=True)
         for node, e in zip(group, entries, strict=True):
             out.append((AgentProcess(f"pfc-{node.name}", node.netns, proc.popen),

@@ -582,11 +582,18 @@ def start_watch(run: Run, collector: Collector) -> RunWatch:
     """The watch over every agent, the collector, the namespaces and the clock."""
     endpoints = {e.name: e for e in run.endpoints}
     watched = []
+    # one watched agent per process: PFC nodes served by one process (docs/pfc.md) die
+    # together, and their one fault names them all
+    by_pid: dict[int, list[AgentProcess]] = {}
     for proc in run.fabric_procs:
+        by_pid.setdefault(proc.pid, []).append(proc)
+    for procs in by_pid.values():
+        proc = procs[0]
         role = "pfc" if proc.name.startswith("pfc-") else "rxe_cc"
         node = proc.name.removeprefix("pfc-").removeprefix("rxe-cc-")
         watched.append(WatchedAgent(proc.name, node, role, proc, endpoints.get(proc.name),
-                                    lossless=role == "pfc"))
+                                    lossless=role == "pfc", also_nodes=tuple(
+                                        p.name.removeprefix("pfc-") for p in procs[1:])))
     for spec, proc in run.agents:
         watched.append(WatchedAgent(spec.name, spec.node, spec.role, proc,
                                     endpoints.get(spec.name)))
