@@ -4,9 +4,9 @@ node and once with all twelve nodes in one process.
 
 Both runs must be lossless (no lossless drop, no lost packet, every invariant held), pause
 every sender's NIC, have the receiver's leaf send pauses toward its uplinks, resume every
-class it paused (nothing left paused), and count pause frames per port: every XOFF a port
-sent is a pause frame its peer port received (pause_tx of a port == pause_rx of its peer,
-summed over the lossless class). Each node's samples say how many nodes its process served.
+class it paused (nothing left paused), and count pause frames per port: every XOFF and XON a
+port sent is a frame its peer port received (pause_tx + xon_tx of a port == pause_rx of
+its peer, on the lossless class). Each node's samples say how many nodes its process served.
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ def _run(per_process: int, tmp_path_factory):
     try:
         nodes = {key[0]: v for key, pts in store.aligned("pfc.process_nodes").items()
                  for _t, v in pts[-1:]}
+        frames = {c: {(k[0], k[1], k[2]): v for k, pts in store.aligned(c).items()
+                      for _t, v in pts[-1:]} for c in ("pause_tx", "xon_tx", "pause_rx", "paused")}
     finally:
         store.close()
-    return plan, summary, nodes
+    return plan, summary, nodes, frames
 
 
 @pytest.fixture(scope="module", params=[1, 12], ids=["one-per-node", "all-in-one"])
@@ -56,7 +58,7 @@ def _port(summary, node, port, tc=LOSSLESS):
 
 
 def test_grouped_agents_keep_the_incast_lossless(run):
-    per_process, plan, summary, nodes = run
+    per_process, plan, summary, nodes, _frames = run
     assert summary["invariants"]["violations"] == []
     assert all(c["held"] for c in summary["invariants"]["checks"].values())
     lossless = [p for p in summary["ports"] if p["tclass"] == LOSSLESS]
@@ -70,16 +72,23 @@ def test_grouped_agents_keep_the_incast_lossless(run):
 
 
 def test_grouped_agents_pause_and_resume_per_port(run):
-    _per_process, plan, summary, _nodes = run
+    _per_process, plan, summary, _nodes, frames = run
     assert sum(_port(summary, "leaf2", p)["pause_tx"] for p in ("swp1", "swp2", "swp3")) > 0
     for host in ("h1", "h2", "h3", "h4", "h5", "h6", "h7"):
         nic = _port(summary, host, "eth0")
         assert nic["pause_rx"] > 0 and nic["paused_ns"] > 0, host
-    # every pause frame a port sent, its peer counted on the same class
+    # every PFC frame a port sent (XOFF and XON), its peer counted on the same class, in
+    # the last sample (taken with the agents still up); each pause was resumed
+    sent = 0
     for node in plan.nodes:
         for iface in node.interfaces:
             if not any(c.tc == LOSSLESS and c.pfc for c in iface.egress.classes):
                 continue
-            me = _port(summary, node.name, iface.ifname)
-            peer = _port(summary, iface.peer.node, iface.peer.ifname)
-            assert me["pause_tx"] == peer["pause_rx"], (node.name, iface.ifname)
+            me = (node.name, iface.ifname, LOSSLESS)
+            peer = (iface.peer.node, iface.peer.ifname, LOSSLESS)
+            tx = frames["pause_tx"].get(me, 0) + frames["xon_tx"].get(me, 0)
+            assert tx == frames["pause_rx"].get(peer, 0), me
+            assert frames["xon_tx"].get(me, 0) <= frames["pause_tx"].get(me, 0), me
+            sent += tx
+    assert sent > 0
+    assert frames["paused"] and not any(frames["paused"].values())
