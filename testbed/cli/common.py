@@ -142,5 +142,5 @@ def add_pfc_grouping_flag(p) -> None:  # noqa: ANN001 - an argparse (sub)parser
     p.add_argument("--pfc-nodes-per-process", type=pfc_nodes_per_process, default=None,
                    metavar="N|auto",
                    help="how many nodes one PFC agent process serves (default auto: one "
-                        "process per CPU, at most 16 nodes each; 1: one per node; "
-                        "docs/pfc.md)")
+                        "per node up to 32 nodes, else one process per CPU with at most 16 "
+                        "nodes each; 1: one per node; docs/pfc.md)")

@@ -68,8 +68,10 @@ def write_node_plans(plan_path: Path, directory: Path) -> dict[str, Path]:
     return out
 
 
-#: auto grouping: at most this many nodes in one PFC agent process (docs/pfc.md, "One
-#: process, several nodes")
+#: auto grouping (docs/pfc.md, "One process, several nodes"): a fabric of up to this many
+#: nodes keeps one PFC process per node; a larger one groups them, at most
+#: PFC_MAX_NODES_PER_PROCESS in a process
+PFC_ONE_PER_NODE_UP_TO = 32
 PFC_MAX_NODES_PER_PROCESS = 16
 
 
@@ -78,17 +80,22 @@ def pfc_groups(nodes: list[NodePlan], nodes_per_process: int | None = None,
     """The nodes each PFC agent process serves.
 
     `nodes_per_process` 1 is one process per node; N > 1 puts up to N nodes in each.
-    None (auto) runs one process per CPU, more once a process would serve more than
-    PFC_MAX_NODES_PER_PROCESS nodes: a process runs on one CPU at a time, so more
-    processes than CPUs buy no parallelism and each costs its interpreter (~11 MB PSS);
-    the cap bounds how many nodes' events can queue behind one another in one wake-up.
-    Switches are dealt first and round-robin, so every process gets its share of the
-    switches (their events are what the reaction time is made of), then the hosts."""
+    None (auto): one process per node up to PFC_ONE_PER_NODE_UP_TO nodes (its memory is
+    small there, and grouped processes showed a longer tail of pause reaction times:
+    bench/pfc.py --compare, bench/README.md); above, one process per CPU, more once a
+    process would serve more than PFC_MAX_NODES_PER_PROCESS nodes: a process runs on one
+    CPU at a time, so more processes than CPUs buy no parallelism and each costs its
+    interpreter (~11 MB PSS); the cap bounds how many nodes' events can queue behind
+    one another in one wake-up. Switches are dealt first and round-robin, so every
+    process gets its share of the switches (their events are what the reaction time is
+    made of), then the hosts."""
     if nodes_per_process is not None and nodes_per_process < 1:
         raise ValueError(f"PFC nodes per process must be 1 or more, not {nodes_per_process}")
     if not nodes:
         return []
-    if nodes_per_process is None:
+    if nodes_per_process is None and len(nodes) <= PFC_ONE_PER_NODE_UP_TO:
+        processes = len(nodes)
+    elif nodes_per_process is None:
         cpus = cpus or os.cpu_count() or 1
         processes = max(cpus, -(-len(nodes) // PFC_MAX_NODES_PER_PROCESS))
     else:
@@ -160,11 +167,19 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
                                    f"{wall_timeout_s(READY_TIMEOUT_S):.0f} s")
             time.sleep(0.01)
     for pid in sorted({proc.popen.pid for proc, _endpoint in out}):
+        # nsenter execs the agent: its pid is the agent's. Every thread of it, not the
+        # main one alone: the socket servers' threads hold the GIL while they answer, and
+        # one of them preempted at normal priority on a busy machine would hold the
+        # loop off for as long (a group serves several nodes' sockets: bench/pfc.py).
         try:
-            # nsenter execs the agent: its pid is the agent's
-            os.sched_setscheduler(pid, os.SCHED_FIFO, os.sched_param(PFC_RT_PRIORITY))
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         except OSError:
-            pass    # RT not allowed here: normal priority (nice -10), the run still works
+            tids = [pid]
+        for tid in tids:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(PFC_RT_PRIORITY))
+            except OSError:
+                pass    # RT not allowed here (or the thread ended): normal priority
     return out
 
 

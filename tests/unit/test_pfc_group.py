@@ -21,7 +21,11 @@ from agents.pfc import __main__ as pfc
 from agents.wire import pfc as pfcwire
 from testbed.config import load_config_text
 from testbed.plan import compile_plan
-from testbed.run.fabric_agents import PFC_MAX_NODES_PER_PROCESS, pfc_groups
+from testbed.run.fabric_agents import (
+    PFC_MAX_NODES_PER_PROCESS,
+    PFC_ONE_PER_NODE_UP_TO,
+    pfc_groups,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,12 +56,19 @@ def test_one_per_node_is_one_process_per_node():
     assert len(groups) == 12 and all(len(g) == 1 for g in groups)
 
 
+def test_auto_keeps_one_process_per_node_on_small_fabrics():
+    for switches, hosts in ((4, 8), (4, PFC_ONE_PER_NODE_UP_TO - 4)):
+        groups = pfc_groups(fabric(switches, hosts), None, cpus=2)  # type: ignore[arg-type]
+        assert all(len(g) == 1 for g in groups) and len(groups) == switches + hosts
+
+
 def test_auto_is_one_process_per_cpu_below_the_cap():
-    groups = names(pfc_groups(fabric(4, 8), None, cpus=2))   # type: ignore[arg-type]
-    assert len(groups) == 2
-    # switches dealt first, round-robin: each process gets two of the four
-    assert [sum(n.startswith("s") for n in g) for g in groups] == [2, 2]
-    assert sorted(sum(groups, [])) == sorted(n.name for n in fabric(4, 8))
+    nodes = fabric(4, PFC_ONE_PER_NODE_UP_TO - 3)     # one node past one-per-node
+    groups = names(pfc_groups(nodes, None, cpus=3))   # type: ignore[arg-type]
+    assert len(groups) == 3
+    # switches dealt first, round-robin: no process gets two before each has one
+    assert sorted(sum(n.startswith("s") for n in g) for g in groups) == [1, 1, 2]
+    assert sorted(sum(groups, [])) == sorted(n.name for n in nodes)
 
 
 def test_auto_caps_nodes_per_process():
@@ -70,7 +81,8 @@ def test_auto_caps_nodes_per_process():
 
 
 def test_auto_never_more_processes_than_nodes():
-    assert len(pfc_groups(fabric(1, 0), None, cpus=8)) == 1   # type: ignore[arg-type]
+    nodes = fabric(1, PFC_ONE_PER_NODE_UP_TO)
+    assert len(pfc_groups(nodes, None, cpus=64)) == len(nodes)   # type: ignore[arg-type]
 
 
 def test_fixed_nodes_per_process():
