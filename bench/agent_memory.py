@@ -294,7 +294,17 @@ def table(scenario: str, s: Sampler, wall_s: float, self_hwm: int) -> None:
     print(f"control plane (this process): peak RSS {mb(self_hwm)} MB")
 
 
+_BENCH_PID = os.getpid()
+
+
 def _terminate(signum: int, _frame: object) -> None:
+    if os.getpid() != _BENCH_PID:
+        # a child forked without exec (pyroute2 forks one per namespace socket) inherits
+        # this handler: it must die as asked, not unwind the bench's stack (whose
+        # clean-up would remove the runs directory under the bench's feet)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
