@@ -16,8 +16,9 @@ frame sent to the gate switched).
     sudo .venv/bin/python bench/pfc.py [--repeat N] [--dilation D] [--pfc-nodes-per-process N]
 
 `--pfc-nodes-per-process` (auto, or N: 1 is a process per node) is how the PFC agents are
-grouped into processes (testbed/run/fabric_agents.py pfc_groups); `--compare` runs one-per-node
-and auto interleaved, `--repeat` runs of each, and prints both tables.
+grouped into processes (testbed/run/fabric_agents.py pfc_groups; auto is one per node on
+this 12-node fabric); `--compare` runs one per node and N per process (default 6: two
+processes) interleaved, `--repeat` runs of each, and prints both tables.
 """
 
 from __future__ import annotations
@@ -112,9 +113,12 @@ def main() -> int:
     parser.add_argument("--pfc-nodes-per-process", type=pfc_nodes_per_process, default=None,
                         metavar="N|auto", help="PFC agent grouping (default auto)")
     parser.add_argument("--compare", action="store_true",
-                        help="one process per node against auto, runs interleaved")
+                        help="one process per node against --pfc-nodes-per-process (default "
+                             "here 6: the 12 nodes in 2 processes), runs interleaved")
     args = parser.parse_args()
-    settings = [1, None] if args.compare else [args.pfc_nodes_per_process]
+    grouped = args.pfc_nodes_per_process or 6
+    settings: list[int | None] = ([1, grouped] if args.compare
+                                  else [args.pfc_nodes_per_process])
     rows: dict[int | None, list[tuple[str, str, float, float, float]]] = {
         s: [] for s in settings}
     for n in range(args.repeat):
