@@ -710,7 +710,6 @@ class Loop:
         self.poller = select.epoll()
         self.agents: list[Agent] = []
         self.busy_max_wall_ns = 0
-        self.wakeups = 0
 
     def add(self, agent: Agent) -> None:
         agent.loop = self
@@ -737,7 +736,6 @@ class Loop:
             # tens of us, which would add to the next frame's reaction time).
             for agent in self.agents:
                 agent.flush_log()
-            self.wakeups += 1
             self.busy_max_wall_ns = max(self.busy_max_wall_ns, time.monotonic_ns() - woke)
 
     def close(self) -> None:
