@@ -1,7 +1,11 @@
-"""`python -m agents.pfc`: the PFC agent of one node (switch or host).
+"""`python -m agents.pfc`: the PFC agent of one node (switch or host), or of several.
 
 Started inside the node's namespace with `nsenter --net` (not `ip netns
-exec`, which remounts /sys and hides the pinned BPF maps). It
+exec`, which remounts /sys and hides the pinned BPF maps). With `--group FILE`
+one process serves several nodes: it enters each node's network namespace in
+turn (setns) to open that node's sockets, keeps a separate Agent per node, and
+serves them all from one loop (`Loop`; docs/pfc.md "One process, several
+nodes"). For each node it
 
 - (switches) sleeps on the node's PFC event ring buffer: the port program
   accounts the buffer per (ingress port, priority) at every packet and posts
