@@ -4,6 +4,8 @@ real run, by agent kind.
     sudo .venv/bin/python bench/agent_memory.py                       # default + 7:1 RoCE incast
     sudo .venv/bin/python bench/agent_memory.py --only hosts --hosts 32   # a 31:1 leaf-spine incast
     sudo .venv/bin/python bench/agent_memory.py --only hosts --hosts 128 --duration 1ms
+    sudo .venv/bin/python bench/agent_memory.py --only allreduce --hosts 128
+    ... --pfc-nodes-per-process 1      # PFC agents one process per node (as before)
 
 Each scenario is one `run_config` (the path `testbed run` takes: bring-up, PFC agents,
 workload, collector, report, down) in a temporary runs directory. While it runs, a thread
@@ -23,7 +25,10 @@ Scenarios:
   2 spines up to 2 leaves, else 4) running an N-1:1 RoCE incast (PFC, DCQCN) for
   `--duration`. N = 16 takes about a minute here. N = 128 starts 394 agents (127 clients,
   127 servers, 140 PFC agents) and needs a few GB of free memory and several minutes on
-  2 CPUs (the run itself will say it could not keep up: memory, not fidelity, is measured).
+  2 CPUs (the run itself will say it could not keep up: memory, not fidelity, is measured);
+- `allreduce`: a leaf-spine of `--hosts` N hosts, 8 per leaf (N/8 leaves, 4 spines above
+  16 hosts), PFC on, one all-reduce (`--algorithm`, default rhd) of `--size` over all N
+  ranks (one rank process per host), no warm-up, one iteration.
 
 The table, per kind (pfc, roce client, roce server, udp, ...): processes, peak RSS per
 process (VmHWM: min / median / max), their sum, peak PSS per process (sampled: min /
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -47,6 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from testbed.cli.common import pfc_nodes_per_process  # noqa: E402
 from testbed.config import load_config_text  # noqa: E402
 from testbed.net.state import LabState, process_start_time  # noqa: E402
 from testbed.plan import compile_plan  # noqa: E402
@@ -74,6 +81,32 @@ workload:
       receiver: h{n}
       cc: dcqcn
       duration: {duration}
+"""
+
+ALLREDUCE_YAML = """\
+name: {name}
+dilation: {dilation}
+topology:
+  kind: leaf_spine
+  spines: {spines}
+  leaves: {leaves}
+  hosts_per_leaf: 8
+  host_link: {{port: 100GBASE-CR1, length: 2m}}
+  fabric_link: {{port: 400GBASE-DR4, length: 100m}}
+qos:
+  default:
+    pfc: {{enabled: true}}
+workload:
+  drain: 200us
+  traffic:
+    - name: allreduce
+      kind: allreduce
+      algorithm: {algorithm}
+      ranks: [{ranks}]
+      sizes: {{min: {size}, max: {size}, factor: 2}}
+      dtype: float32
+      warmup: 0
+      iterations: 1
 """
 
 
@@ -179,6 +212,14 @@ def fabric_text(scenario: str, args: argparse.Namespace) -> tuple[str, str]:
             text = text.replace("dilation: auto", f"dilation: {args.dilation}")
         return text, "dcqcn-on.yaml"
     n = args.hosts
+    if scenario == "allreduce":
+        if n % 8 or n < 16:
+            raise SystemExit(f"--hosts {n}: the all-reduce has 8 ranks per leaf, 2 leaves "
+                             "or more (a multiple of 8, at least 16)")
+        return ALLREDUCE_YAML.format(
+            name=f"{tag}a{n}", dilation=args.dilation, spines=2 if n <= 16 else 4,
+            leaves=n // 8, algorithm=args.algorithm, size=args.size,
+            ranks=", ".join(f"h{i}" for i in range(1, n + 1))), f"allreduce-{n}.yaml"
     leaves = max(2, -(-n // 16))
     if n % leaves:
         raise SystemExit(f"--hosts {n}: not a multiple of {leaves} leaves")
@@ -200,10 +241,17 @@ def run_one(scenario: str, args: argparse.Namespace) -> tuple[Sampler, float, in
         thread.start()
         try:
             result = run_config(loaded, plan, RunOptions(
-                runs_root=Path(tmp), say=(print if args.verbose else (lambda _m: None))))
+                runs_root=Path(tmp), say=(print if args.verbose else (lambda _m: None)),
+                pfc_nodes_per_process=args.pfc_nodes_per_process))
         finally:
             sampler.stop()
             thread.join()
+            # run_config takes its lab down on every way out it sees (SIGINT and SIGTERM
+            # included); this is for the ones it does not (a failure in its own clean-up).
+            if LabState.load(plan.lab) is not None:
+                from testbed.net import destroy_lab
+                for line in destroy_lab(plan.lab):
+                    print(f"  (clean-up: {line})")
     if result.failed or result.fault:
         print(f"  ({scenario}: the run said: {result.failed or result.fault})")
     return sampler, time.monotonic() - t0, kib("/proc/self/status", "VmHWM") or 0
@@ -215,10 +263,16 @@ def mb(k: float) -> str:
 
 def table(scenario: str, s: Sampler, wall_s: float, self_hwm: int) -> None:
     kinds: dict[str, list[Proc]] = {}
+    unseen = 0
     for p in s.procs.values():
+        if p.hwm_kib == 0:
+            unseen += 1        # exited (or not yet exec'd) between the state and /proc
+            continue
         kinds.setdefault(p.kind, []).append(p)
-    print(f"\n{scenario}: {len(s.procs)} agent processes, {s.samples} samples, "
-          f"{wall_s:.0f} s wall (MB = MiB)")
+    seen = len(s.procs) - unseen
+    print(f"\n{scenario}: {seen} agent processes, {s.samples} samples, "
+          f"{wall_s:.0f} s wall (MB = MiB)"
+          + (f"; {unseen} more exited before a sample read them" if unseen else ""))
     head = (f"{'kind':<14}{'n':>5}  {'RSS min':>8}{'median':>8}{'max':>8}{'sum':>9}  "
             f"{'PSS min':>8}{'median':>8}{'max':>8}{'sum':>9}")
     print(head)
@@ -233,30 +287,55 @@ def table(scenario: str, s: Sampler, wall_s: float, self_hwm: int) -> None:
         print(f"{kind:<14}{len(ps):>5}  {mb(rss[0]):>8}{mb(statistics.median(rss)):>8}"
               f"{mb(rss[-1]):>8}{mb(sum(rss)):>9}  {mb(pss[0]):>8}"
               f"{mb(statistics.median(pss)):>8}{mb(pss[-1]):>8}{mb(sum(pss)):>9}")
-    print(f"{'all agents':<14}{len(s.procs):>5}  {'':>24}{mb(tot_rss):>9}  {'':>24}"
+    print(f"{'all agents':<14}{seen:>5}  {'':>24}{mb(tot_rss):>9}  {'':>24}"
           f"{mb(tot_pss):>9}   (sums of per-process peaks)")
     print(f"at one sample: {s.peak_alive} alive, RSS {mb(s.peak_rss_kib)} MB, "
           f"PSS {mb(s.peak_pss_kib)} MB (largest sums)")
     print(f"control plane (this process): peak RSS {mb(self_hwm)} MB")
 
 
+_BENCH_PID = os.getpid()
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    if os.getpid() != _BENCH_PID:
+        # a child forked without exec (pyroute2 forks one per namespace socket) inherits
+        # this handler: it must die as asked, not unwind the bench's stack (whose
+        # clean-up would remove the runs directory under the bench's feet)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="default,incast7",
-                        help="scenarios, comma separated: default, incast7, hosts")
+                        help="scenarios, comma separated: default, incast7, hosts, allreduce")
     parser.add_argument("--hosts", type=int, default=16, help="hosts of the `hosts` scenario")
     parser.add_argument("--duration", default="2ms", help="fabric time of the RoCE incasts")
+    parser.add_argument("--algorithm", default="rhd",
+                        help="allreduce scenario: ring, rhd, tree or ina (default rhd)")
+    parser.add_argument("--size", default="256KiB", help="allreduce scenario: message size")
     parser.add_argument("--dilation", default="auto")
     parser.add_argument("--period", type=float, default=0.2, help="seconds between samples")
     parser.add_argument("--verbose", action="store_true", help="print the run's own lines")
+    parser.add_argument("--pfc-nodes-per-process", type=pfc_nodes_per_process, default=None,
+                        metavar="N|auto",
+                        help="PFC agent grouping (default auto; 1: one process per node)")
     args = parser.parse_args()
+    # A SIGTERM outside run_config (which handles its own) ends the bench through its
+    # finally clauses, as Ctrl-C does: no lab is left behind.
+    signal.signal(signal.SIGTERM, _terminate)
     if os.geteuid() != 0:
         print("needs root (it builds a lab)", file=sys.stderr)
         return 2
     for scenario in [x.strip() for x in args.only.split(",") if x.strip()]:
-        if scenario not in ("default", "incast7", "hosts"):
+        if scenario not in ("default", "incast7", "hosts", "allreduce"):
             parser.error(f"unknown scenario {scenario!r}")
-        name = f"hosts {args.hosts} ({args.hosts - 1}:1)" if scenario == "hosts" else scenario
+        name = {"hosts": f"hosts {args.hosts} ({args.hosts - 1}:1)",
+                "allreduce": f"allreduce {args.algorithm}, {args.hosts} ranks, 8 per leaf, "
+                             f"{args.size}"}.get(scenario, scenario)
         table(name, *run_one(scenario, args))
     return 0
 

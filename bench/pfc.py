@@ -13,7 +13,12 @@ crossed). Refresh XOFFs (no new pause) are skipped. Prints a table per hop kind 
 overall: median and p99, and the two parts (detect: crossing to frame sent; frame + gate:
 frame sent to the gate switched).
 
-    sudo .venv/bin/python bench/pfc.py [--repeat N] [--dilation D]
+    sudo .venv/bin/python bench/pfc.py [--repeat N] [--dilation D] [--pfc-nodes-per-process N]
+
+`--pfc-nodes-per-process` (auto, or N: 1 is a process per node) is how the PFC agents are
+grouped into processes (testbed/run/fabric_agents.py pfc_groups; auto is one per node on
+this 12-node fabric); `--compare` runs one per node and N per process (default 6: two
+processes) interleaved, `--repeat` runs of each, and prints both tables.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ def pairs(frames: list[dict], changes: list[dict], roles: dict[str, str],
     return out
 
 
-def one_run(n: int, dilation: str | None) -> list[tuple[str, str, float, float, float]]:
+def one_run(n: int, dilation: str | None, per_process: int | None = None
+            ) -> list[tuple[str, str, float, float, float]]:
     text = (REPO / "configs/examples/incast-pfc.yaml").read_text()
     text = text.replace("name: incaston", f"name: benchpfc{n}")
     if dilation:
@@ -69,7 +75,8 @@ def one_run(n: int, dilation: str | None) -> list[tuple[str, str, float, float, 
     loaded = load_config_text(text, "incast-pfc.yaml")
     plan = compile_plan(loaded)
     with tempfile.TemporaryDirectory(prefix="tb-benchpfc-") as tmp:
-        result = run_config(loaded, plan, RunOptions(runs_root=Path(tmp), say=lambda _m: None))
+        result = run_config(loaded, plan, RunOptions(runs_root=Path(tmp), say=lambda _m: None,
+                                                     pfc_nodes_per_process=per_process))
         store = Store(result.run_dir / "counters.sqlite")
         events = {k: store.events(k) for k in ("pfc_xoff", "pfc_xon", "pfc_paused",
                                                "pfc_resumed")}
@@ -79,19 +86,8 @@ def one_run(n: int, dilation: str | None) -> list[tuple[str, str, float, float, 
             + pairs(events["pfc_xon"], events["pfc_resumed"], roles, "resume"))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--dilation", help="override the example's dilation: auto")
-    args = parser.parse_args()
-    rows: list[tuple[str, str, float, float, float]] = []
-    for n in range(args.repeat):
-        rows += one_run(n, args.dilation)
-    if not rows:
-        print("no XOFF/pause pairs were recorded")
-        return 1
-    print(f"PFC reaction, fabric time (us), {args.repeat} runs of the 7:1 incast example "
-          f"(D {args.dilation or 'auto'}):")
+def print_table(rows: list[tuple[str, str, float, float, float]], title: str) -> None:
+    print(title)
     print(f"{'':8}{'hop':<22}{'n':>6}{'median':>10}{'p99':>10}{'detect med':>12}"
           f"{'frame+gate med':>16}")
     for what in ("pause", "resume"):
@@ -106,6 +102,35 @@ def main() -> int:
             print(f"{what:<8}{name:<22}{len(group):>6}{statistics.median(total):>10.3f}"
                   f"{pct(total, 0.99):>10.3f}{statistics.median(r[3] / 1e3 for r in group):>12.3f}"
                   f"{statistics.median(r[4] / 1e3 for r in group):>16.3f}")
+
+
+def main() -> int:
+    from testbed.cli.common import pfc_nodes_per_process
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dilation", help="override the example's dilation: auto")
+    parser.add_argument("--pfc-nodes-per-process", type=pfc_nodes_per_process, default=None,
+                        metavar="N|auto", help="PFC agent grouping (default auto)")
+    parser.add_argument("--compare", action="store_true",
+                        help="one process per node against --pfc-nodes-per-process (default "
+                             "here 6: the 12 nodes in 2 processes), runs interleaved")
+    args = parser.parse_args()
+    grouped = args.pfc_nodes_per_process or 6
+    settings: list[int | None] = ([1, grouped] if args.compare
+                                  else [args.pfc_nodes_per_process])
+    rows: dict[int | None, list[tuple[str, str, float, float, float]]] = {
+        s: [] for s in settings}
+    for n in range(args.repeat):
+        for setting in settings:
+            rows[setting] += one_run(n, args.dilation, setting)
+    for setting, mine in rows.items():
+        label = "auto" if setting is None else f"{setting} per process"
+        if not mine:
+            print(f"no XOFF/pause pairs were recorded (PFC nodes: {label})")
+            return 1
+        print_table(mine, f"PFC reaction, fabric time (us), {args.repeat} runs of the 7:1 "
+                          f"incast example (D {args.dilation or 'auto'}, PFC nodes: {label}):")
     return 0
 
 

@@ -11,15 +11,18 @@ import os
 import time
 from argparse import Namespace
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from agents.collectives import uet
 from agents.collectives.roce import RoceConfig, RoceTransport, TransportError, connect
 from agents.collectives.transport import RankTransport
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready
-from agents.uet.nic import UetOptions
+
+if TYPE_CHECKING:   # a RoCE rank never loads the UET NIC (~3 MB a process: bench/agent_memory.py)
+    from agents.collectives import uet
+    from agents.uet.nic import UetOptions
 
 #: Tags at and above this are the worker's own (the barrier); algorithms use smaller ones.
 BARRIER_TAG = 0xFFFFFF00
@@ -50,6 +53,8 @@ def open_transport(args: Namespace, life: Lifecycle) -> RoceTransport:
 def open_uet_transport(args: Namespace, life: Lifecycle) -> uet.UetTransport:
     """The same over the UET transport: this rank's UET NIC (on its UDP port of
     --peers, 4793) from the worker's --uet-* flags, then the set-up connections."""
+    from agents.collectives import uet
+
     config = uet.UetConfig(options=uet_options(args), chunk_bytes=args.chunk_bytes,
                            dilation=args.dilation, connect_timeout_s=args.connect_timeout_s,
                            udp_port=args.peer_list[args.rank].udp_port)
@@ -59,6 +64,7 @@ def open_uet_transport(args: Namespace, life: Lifecycle) -> uet.UetTransport:
 
 def uet_options(args: Namespace) -> UetOptions:
     """The UET NIC's options (agents.uet.nic.UetOptions) from a worker's flags."""
+    from agents.uet.nic import UetOptions
 
     return UetOptions(dscp=args.dscp, ecn=args.uet_ecn, cc=args.uet_cc,
                       entropy=args.uet_entropy, entropies=args.uet_entropies,

@@ -1,7 +1,11 @@
-"""`python -m agents.pfc`: the PFC agent of one node (switch or host).
+"""`python -m agents.pfc`: the PFC agent of one node (switch or host), or of several.
 
 Started inside the node's namespace with `nsenter --net` (not `ip netns
-exec`, which remounts /sys and hides the pinned BPF maps). It
+exec`, which remounts /sys and hides the pinned BPF maps). With `--group FILE`
+one process serves several nodes: it enters each node's network namespace in
+turn (setns) to open that node's sockets, keeps a separate Agent per node, and
+serves them all from one loop (`Loop`; docs/pfc.md "One process, several
+nodes"). For each node it
 
 - (switches) sleeps on the node's PFC event ring buffer: the port program
   accounts the buffer per (ingress port, priority) at every packet and posts
@@ -39,12 +43,15 @@ ENETDOWN / ENXIO) is counted (`send_errors`) and the agent keeps going.
 from __future__ import annotations
 
 import argparse
+import ctypes  # setns (--group); agents.portmaps loads it anyway (bpf())
+import functools
 import json
 import os
 import select
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +69,7 @@ from agents.portmaps import NODE_DIR, STATE_FIELDS, NodeMaps, PortMaps
 from agents.runtime.control import (
     CommandInbox,
     CommandServer,
+    SnapshotServer,
     command_refusals,
     serve_commands,
     serve_snapshots,
@@ -231,6 +239,8 @@ class Agent:
         self.inbox = CommandInbox()
         #: the --command-sock server, once started (its refusals go into the snapshot)
         self.command_server: CommandServer | None = None
+        #: the process's loop (it may serve other nodes too: --group)
+        self.loop: Loop | None = None
 
     def now_fabric_ns(self) -> float:
         return self.dilation.to_fabric_ns(time.monotonic_ns() - self.t0)
@@ -587,62 +597,68 @@ class Agent:
                 rows.append(row)
         return {"mode": "pfc", "node": self.node, "ports": rows, "wakeups": self.wakeups,
                 "rescans": self.rescans, "commands": self.commands,
+                "process_nodes": len(self.loop.agents) if self.loop else 1,
+                "loop_busy_max_us": (round(self.loop.busy_max_wall_ns / 1e3, 1)
+                                     if self.loop else 0.0),
                 **command_refusals(self.command_server),
                 "send_errors": sum(c.send_errors for p in self.ports
                                    for c in p.counters.values())}
 
-    def run(self, life: Lifecycle) -> None:
-        ports: dict[int, Port] = {p.sock.fileno(): p for p in self.ports}
-        fds = list(ports)
-        inbox_fd = self.inbox.fileno()
-        fds.append(inbox_fd)
+    # -- the loop (serve(): one node, or several in one process) -----------------------
+    def begin(self) -> None:
+        """Read the node's maps once before the loop: the truth, not stale events."""
+        if self.node_maps is not None:
+            self.rescan(self.node_maps)
+            self.node_maps.events()          # stale ones: the rescan read the truth
+
+    def handlers(self) -> dict[int, Callable[[], object]]:
+        """What to do when each of this node's descriptors is readable."""
+        out: dict[int, Callable[[], object]] = {
+            p.sock.fileno(): functools.partial(self.on_readable, p) for p in self.ports}
+        out[self.inbox.fileno()] = lambda: self.inbox.run(self.command)
+        if self.node_maps is not None:
+            maps = self.node_maps
+            out[maps.fileno()] = lambda: self.on_events(maps)
+        return out
+
+    def on_readable(self, port: Port) -> None:
+        while True:
+            try:
+                data = port.sock.recv(2048)
+            except BlockingIOError:
+                break
+            except OSError:
+                # The link went down (the socket reports ENETDOWN once); the
+                # binding stays and frames flow again once it is back up.
+                break
+            self.rx_mono = time.monotonic_ns()
+            self.on_frame(port, data)
+        self.rx_mono = None
+
+    def wait_wall_ns(self) -> int:
+        """Rescan if due; then how long (wall ns) this node may sleep."""
+        now_wall = time.monotonic_ns()
         node_maps = self.node_maps           # switches with tracked classes only
-        ring_fd = None
-        if node_maps is not None:
-            ring_fd = node_maps.fileno()
-            fds.append(ring_fd)
+        if node_maps is not None and now_wall >= self.next_rescan:
+            # A slow machine (a TCG guest) rescans less often: at the same period a
+            # rescan there takes the whole period, and the agent runs SCHED_FIFO.
+            self.next_rescan = now_wall + int(RESCAN_WALL_NS * machine_slowdown())
             self.rescan(node_maps)
-            node_maps.events()               # stale ones: the rescan read the truth
-        while not life.should_stop():
-            now_wall = time.monotonic_ns()
-            if node_maps is not None and now_wall >= self.next_rescan:
-                # A slow machine (a TCG guest) rescans less often: at the same period a
-                # rescan there takes the whole period, and the agent runs SCHED_FIFO.
-                self.next_rescan = now_wall + int(RESCAN_WALL_NS * machine_slowdown())
-                self.rescan(node_maps)
-            wait_wall = MAX_WAIT_WALL_NS
-            for deadline in (self.timer.next_deadline_ns(), self.requests.next_refresh_ns(),
-                             self.next_drain_poll):
-                if deadline is not None:
-                    wait_wall = min(wait_wall, self.dilation.to_wall_ns(
-                        max(0.0, deadline - self.now_fabric_ns())))
-            if node_maps is not None:
-                wait_wall = min(wait_wall, max(0, self.next_rescan - now_wall))
-            ready, _, _ = select.select(fds, [], [], max(0, wait_wall) / 1e9)
-            for fd in ready:
-                if node_maps is not None and fd == ring_fd:
-                    self.on_events(node_maps)
-                    continue
-                if fd == inbox_fd:
-                    self.inbox.run(self.command)
-                    continue
-                port = ports[fd]
-                while True:
-                    try:
-                        data = port.sock.recv(2048)
-                    except BlockingIOError:
-                        break
-                    except OSError:
-                        # The link went down (the socket reports ENETDOWN once); the
-                        # binding stays and frames flow again once it is back up.
-                        break
-                    self.rx_mono = time.monotonic_ns()
-                    self.on_frame(port, data)
-                self.rx_mono = None
-            if self.next_drain_poll is not None and self.now_fabric_ns() >= self.next_drain_poll:
-                self.poll_rx_buffers()
-            self.expire()
-            self.flush_log()
+        wait_wall = MAX_WAIT_WALL_NS
+        for deadline in (self.timer.next_deadline_ns(), self.requests.next_refresh_ns(),
+                         self.next_drain_poll):
+            if deadline is not None:
+                wait_wall = min(wait_wall, int(self.dilation.to_wall_ns(
+                    max(0.0, deadline - self.now_fabric_ns()))))
+        if node_maps is not None:
+            wait_wall = min(wait_wall, max(0, self.next_rescan - now_wall))
+        return max(0, wait_wall)
+
+    def tick(self) -> None:
+        """After a wake-up: the receive-buffer models and the pause timers."""
+        if self.next_drain_poll is not None and self.now_fabric_ns() >= self.next_drain_poll:
+            self.poll_rx_buffers()
+        self.expire()
 
     def close(self) -> None:
         # Leave every gate open: a stopped agent must not leave the fabric paused.
@@ -677,26 +693,135 @@ class Agent:
             self.events.close()
 
 
+class Loop:
+    """One process's event loop over the nodes it serves (one, or a group: --group).
+
+    Every node keeps its own Agent (ports, pause state, timers, counters, sockets); the
+    loop only multiplexes their descriptors. An epoll set holds them all (a group of
+    nodes opens more than select()'s 1024), and the loop sleeps in select() on the
+    epoll descriptor alone, because epoll_wait's timeout is whole milliseconds and the
+    pause timers and receive-buffer polls need microseconds. The epoll descriptor is
+    made before any node's sockets, so it stays below 1024.
+
+    `busy_max_wall_ns` is the longest one wake-up took (handling every ready
+    descriptor, then every node's timers, then the event logs): a node whose event
+    arrived just after a wake-up began waits up to that long. Each node's snapshot
+    carries it (`loop_busy_max_us`) with the number of nodes its process serves
+    (`process_nodes`), so a process that serves too many nodes to keep up shows.
+    """
+
+    def __init__(self) -> None:
+        self.poller = select.epoll()
+        self.agents: list[Agent] = []
+        self.busy_max_wall_ns = 0
+
+    def add(self, agent: Agent) -> None:
+        agent.loop = self
+        self.agents.append(agent)
+
+    def run(self, life: Lifecycle) -> None:
+        handlers: dict[int, Callable[[], object]] = {}
+        for agent in self.agents:
+            handlers.update(agent.handlers())
+            agent.begin()
+        for fd in handlers:
+            self.poller.register(fd, select.EPOLLIN)
+        epoll_fd = [self.poller.fileno()]
+        while not life.should_stop():
+            wait_wall = min(a.wait_wall_ns() for a in self.agents)
+            ready, _, _ = select.select(epoll_fd, [], [], wait_wall / 1e9)
+            woke = time.monotonic_ns()
+            if ready:
+                for fd, _mask in self.poller.poll(0):
+                    handlers[fd]()
+            for agent in self.agents:
+                agent.tick()
+            # Events are written after every node's frames are out (a JSON line costs
+            # tens of us, which would add to the next frame's reaction time).
+            for agent in self.agents:
+                agent.flush_log()
+            self.busy_max_wall_ns = max(self.busy_max_wall_ns, time.monotonic_ns() - woke)
+
+    def close(self) -> None:
+        self.poller.close()
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def enter_netns(path: str) -> None:
+    """Move this thread into the network namespace at `path` (setns(2)): the sockets
+    made from now on (AF_PACKET, netlink) belong to it, and interface names resolve
+    there. The mount namespace is left alone: the pinned BPF maps stay visible."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def read_group(path: str) -> tuple[int, list[dict]]:
+    """The --group file: (watchdog_ns, one entry per node). Each entry names the node,
+    its plan file, its network namespace (a path) and its sockets, event file and
+    ready file, as the one-node flags would (testbed/run/fabric_agents.py writes it)."""
+    spec = json.loads(Path(path).read_text())
+    nodes = spec.get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise ValueError(f"{path}: `nodes` must be a non-empty list")
+    need = ("node", "plan", "netns")
+    for i, entry in enumerate(nodes):
+        missing = [k for k in need if not isinstance(entry, dict) or not entry.get(k)]
+        if missing:
+            raise ValueError(f"{path}: nodes[{i}] lacks {', '.join(missing)}")
+    names = [e["node"] for e in nodes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: a node is listed twice ({', '.join(names)})")
+    return int(spec.get("watchdog_ns") or 0), nodes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agents.pfc", description=__doc__.split(
         "\n\n")[0])
-    parser.add_argument("--plan", required=True, help="the lab's plan.json")
-    parser.add_argument("--node", required=True)
+    parser.add_argument("--plan", help="the lab's plan.json (or the node's cut of it)")
+    parser.add_argument("--node")
+    parser.add_argument("--group",
+                        help="serve several nodes from this process: a JSON file naming "
+                             "each node, its plan, namespace, sockets and files (then "
+                             "--plan, --node and the per-node flags are not used)")
     parser.add_argument("--control-sock", help="serve counters (one JSON line) here")
     parser.add_argument("--command-sock",
                         help="take commands here (pfc, rate, drain; one JSON line each way)")
     parser.add_argument("--events", help="append events (JSON lines) to this file")
+    parser.add_argument("--ready-file", help="touch once running")
     parser.add_argument("--watchdog-ns", type=int, default=0,
                         help="fabric ns paused before a class is declared stormed (0: off)")
     parser.add_argument("--no-parent-watch", action="store_true",
                         help="keep running when the starting process exits (testbed up)")
-    parser.add_argument("--ready-file", help="touch once running")
     parser.add_argument("--rt-priority", type=int, default=10,
                         help="SCHED_FIFO priority (0: normal scheduling). A switch's PFC logic "
                              "must not queue behind busy senders on a 2-core VM: its reaction "
                              "time is headroom the buffer must hold. It sleeps in select() "
                              "between polls, so it cannot starve the machine.")
     args = parser.parse_args(argv)
+    if args.group:
+        watchdog, entries = read_group(args.group)
+        nodes = [argparse.Namespace(
+            plan=e["plan"], node=e["node"], netns=e["netns"], watchdog_ns=watchdog,
+            control_sock=e.get("control_sock"), command_sock=e.get("command_sock"),
+            events=e.get("events"), ready_file=e.get("ready_file")) for e in entries]
+        # every node's ports, maps and map descriptors, its sockets and files
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    elif args.plan and args.node:
+        args.netns = None
+        nodes = [args]
+    else:
+        parser.error("--plan and --node (one node), or --group FILE")
     try:
         if args.rt_priority > 0:
             os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(args.rt_priority))
@@ -706,19 +831,36 @@ def main(argv: list[str] | None = None) -> int:
         pass        # not root, or RT not allowed: normal priority (the run still works)
     life = Lifecycle(watch_parent=not args.no_parent_watch)
     life.install_signal_handlers()
-    agent = Agent(args)
-    server = serve_snapshots(args.control_sock, agent.snapshot)
-    commands = serve_commands(args.command_sock, agent.inbox.submit)
-    agent.command_server = commands
-    mark_ready(args.ready_file)
+    loop = Loop()
+    servers: list[SnapshotServer | CommandServer | None] = []
     try:
-        agent.run(life)
+        for node_args in nodes:
+            if node_args.netns:
+                enter_netns(node_args.netns)
+            agent = Agent(node_args)
+            loop.add(agent)
+            servers.append(serve_snapshots(node_args.control_sock, agent.snapshot))
+            agent.command_server = serve_commands(node_args.command_sock, agent.inbox.submit)
+            servers.append(agent.command_server)
+        for node_args in nodes:
+            mark_ready(node_args.ready_file)
+        loop.run(life)
     finally:
-        for srv in (server, commands):
+        for srv in servers:
             if srv is not None:
                 srv.close()
-        agent.close()
-    report_counters(agent.snapshot())
+        for agent in loop.agents:
+            agent.close()
+        loop.close()
+    if not args.group:
+        report_counters(loop.agents[0].snapshot())
+    else:
+        # One short line for the group (every node's counters are on its control socket
+        # and in the run's store): the starter does not read this pipe while it waits.
+        report_counters({"mode": "pfc_group", "nodes": [a.node for a in loop.agents],
+                         "loop_busy_max_us": round(loop.busy_max_wall_ns / 1e3, 1),
+                         "send_errors": sum(c.send_errors for a in loop.agents
+                                            for p in a.ports for c in p.counters.values())})
     return 0
 
 

@@ -804,9 +804,12 @@ def run_server(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
                           "length": mr.length})
         engine.add(ep)
         live.bindings = bindings
-        # everything slow (patterns, buffers) happens before the client is told to go
+        # everything slow (patterns, buffers) happens before the client is told to go.
+        # send_bw checks each SEND as it lands, so it needs the patterns now; write_bw
+        # checks its regions once the client is done, drawing the pattern a chunk at a
+        # time then (_verify_writes): no copy of every slot held through the run.
         expected = ([pattern(seed + i, slots * size) for i in range(len(bindings))]
-                    if verify and test != "write_lat" else None)
+                    if verify and test == "send_bw" else None)
         ctl.send({"ok": True, "qps": reply, "udp_port": ep.port})
         live.phase = "running"
         serving = _Serving(test, bindings, hello["qps"], rq_bufs, slots, size, seed, verify,
@@ -963,13 +966,25 @@ def _serve(life: Lifecycle, engine: Engine, ctl: ControlChannel, serving: _Servi
 
 def _verify_writes(mems: list[mmap.mmap], messages: list[int], slots: int, size: int,
                    seed: int, expected: list[bytearray] | None = None) -> dict:
-    """Each QP's region must hold the client's pattern in every slot it wrote."""
+    """Each QP's region must hold the client's pattern in every slot it wrote. Without
+    `expected` the pattern is drawn as `pattern` draws it, 64 KiB at a time, and compared
+    chunk by chunk: the same bytes, never the whole of it in memory at once."""
     for i, mem in enumerate(mems):
         n = min(int(messages[i]) if i < len(messages) else 0, slots) * size
         if n == 0:
             continue
-        want = expected[i] if expected is not None else pattern(seed + i, slots * size)
-        bad = first_mismatch(memoryview(mem)[:n], memoryview(want)[:n])
+        got = memoryview(mem)
+        if expected is not None:
+            bad = first_mismatch(got[:n], memoryview(expected[i])[:n])
+        else:
+            bad = None
+            rng = random.Random(seed + i)
+            for off in range(0, n, PATTERN_CHUNK):
+                want = rng.randbytes(min(PATTERN_CHUNK, slots * size - off))[:n - off]
+                at = first_mismatch(got[off:off + len(want)], want)
+                if at is not None:
+                    bad = off + at
+                    break
         if bad is not None:
             return {"verified": False, "first_mismatch": {"qp": i, "offset": bad}}
     return {"verified": True, "first_mismatch": None}

@@ -119,3 +119,28 @@ def lab_name_arg(value: str, option: str = "NAME") -> str:
     from testbed.config.models import Fabric
 
     return str(check_arg(option, value, Fabric, "name"))
+
+
+def pfc_nodes_per_process(text: str) -> int | None:
+    """argparse type of --pfc-nodes-per-process: `auto` (None) or a whole number >= 1."""
+    import argparse
+
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give auto or a whole number of nodes >= 1 (1: a process per node)")
+    return value
+
+
+def add_pfc_grouping_flag(p) -> None:  # noqa: ANN001 - an argparse (sub)parser
+    """--pfc-nodes-per-process, for the commands that start PFC agents (run, up)."""
+    p.add_argument("--pfc-nodes-per-process", type=pfc_nodes_per_process, default=None,
+                   metavar="N|auto",
+                   help="how many nodes one PFC agent process serves (default auto: one "
+                        "per node up to 32 nodes, else one process per CPU with at most 16 "
+                        "nodes each; 1: one per node; docs/pfc.md)")

@@ -21,6 +21,7 @@ from testbed.cli.common import (
     EXIT_FAIL,
     EXIT_OK,
     CliError,
+    add_pfc_grouping_flag,
     load_and_plan,
     require_root,
     wide_console,
@@ -45,6 +46,7 @@ def add_parser(sub):
                         "the longest RoCE packet and makes the files ~30x smaller)")
     p.add_argument("--keep", action="store_true", help="leave the fabric up afterwards")
     p.add_argument("--quiet", action="store_true", help="print only the run directory")
+    add_pfc_grouping_flag(p)
     add_vm_part_flags(p, default_file=DEFAULT_CONFIG)
     p.add_argument("--start-at-unix-ns", type=nonneg_int, metavar="NS",
                    help="with --vms: the common start instant of every VM's part, "
@@ -155,7 +157,8 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
     options = RunOptions(runs_root=Path(args.runs_dir), capture=args.capture,
                          capture_snaplen=args.capture_snaplen, keep_up=args.keep,
                          budget_bps=budget, say=say, on_sample=on_sample, part=part,
-                         compile_mono_ns=compiled)
+                         compile_mono_ns=compiled,
+                         pfc_nodes_per_process=args.pfc_nodes_per_process)
     live = Live(console=console, auto_refresh=False, transient=True) if live_ui else None
     if live is not None:
         live.start()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from testbed.cli.common import (
     EXIT_OK,
     CliError,
+    add_pfc_grouping_flag,
     load_and_plan,
     require_root,
     wide_console,
@@ -31,6 +32,7 @@ def add_parser(sub):
     p.add_argument("file", nargs="?", help="fabric YAML file")
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     add_vm_part_flags(p)
+    add_pfc_grouping_flag(p)
     return p
 
 
@@ -62,7 +64,7 @@ def run(args) -> int:
     if report.already_up:
         print(f"{what} is already up with this plan; nothing to do")
         return EXIT_OK
-    pfc_note = _start_pfc(plan, report)
+    pfc_note = _start_pfc(plan, report, args.pfc_nodes_per_process)
     total = sum(report.seconds.values())
     steps = ", ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items())
     tunnels = f", {report.tunnels} VXLAN tunnels" if part else ""
@@ -85,7 +87,7 @@ def _print_part(part: PartPlan) -> None:
               f"{t.remote.underlay}:{t.udp_port}")
 
 
-def _start_pfc(plan: Plan, report: BuildReport) -> str:
+def _start_pfc(plan: Plan, report: BuildReport, nodes_per_process: int | None = None) -> str:
     """PFC agents are part of the fabric: they outlive this command, `down` ends them.
     A part starts those of its own nodes, from the plan its lab recorded (which holds
     those nodes only)."""
@@ -101,6 +103,6 @@ def _start_pfc(plan: Plan, report: BuildReport) -> str:
     if state is None or built is None:  # apply_plan wrote them just now: a `down` ran since
         return "PFC not started (the lab's state is gone; was it taken down?)"
     started = start_pfc_agents(built, state.plan_path, state.directory / "agents",
-                               parent_watch=False)
+                               parent_watch=False, nodes_per_process=nodes_per_process)
     return (f"PFC agents on {len(started)} nodes (events in "
             f"{state.directory / 'agents'}/*-pfc.events.jsonl)")

@@ -68,29 +68,93 @@ def write_node_plans(plan_path: Path, directory: Path) -> dict[str, Path]:
     return out
 
 
+#: auto grouping (docs/pfc.md, "One process, several nodes"): a fabric of up to this many
+#: nodes keeps one PFC process per node; a larger one groups them, at most
+#: PFC_MAX_NODES_PER_PROCESS in a process
+PFC_ONE_PER_NODE_UP_TO = 32
+PFC_MAX_NODES_PER_PROCESS = 16
+
+
+def pfc_groups(nodes: list[NodePlan], nodes_per_process: int | None = None,
+               cpus: int | None = None) -> list[list[NodePlan]]:
+    """The nodes each PFC agent process serves.
+
+    `nodes_per_process` 1 is one process per node; N > 1 puts up to N nodes in each.
+    None (auto): one process per node up to PFC_ONE_PER_NODE_UP_TO nodes (its memory is
+    small there, and grouped processes showed a longer tail of pause reaction times:
+    bench/pfc.py --compare, bench/README.md); above, one process per CPU, more once a
+    process would serve more than PFC_MAX_NODES_PER_PROCESS nodes: a process runs on one
+    CPU at a time, so more processes than CPUs buy no parallelism and each costs its
+    interpreter (~11 MB PSS); the cap bounds how many nodes' events can queue behind
+    one another in one wake-up. Switches are dealt first and round-robin, so every
+    process gets its share of the switches (their events are what the reaction time is
+    made of), then the hosts."""
+    if nodes_per_process is not None and nodes_per_process < 1:
+        raise ValueError(f"PFC nodes per process must be 1 or more, not {nodes_per_process}")
+    if not nodes:
+        return []
+    if nodes_per_process is None and len(nodes) <= PFC_ONE_PER_NODE_UP_TO:
+        processes = len(nodes)
+    elif nodes_per_process is None:
+        cpus = cpus or os.cpu_count() or 1
+        processes = max(cpus, -(-len(nodes) // PFC_MAX_NODES_PER_PROCESS))
+    else:
+        processes = -(-len(nodes) // nodes_per_process)
+    processes = min(processes, len(nodes))
+    ordered = ([n for n in nodes if n.role == "switch"]
+               + [n for n in nodes if n.role != "switch"])
+    groups: list[list[NodePlan]] = [[] for _ in range(processes)]
+    for i, node in enumerate(ordered):
+        groups[i % processes].append(node)
+    return groups
+
+
 def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
-                     parent_watch: bool = True) -> list[tuple[AgentProcess, AgentEndpoint]]:
-    """One PFC agent per node; returns once every agent is listening."""
+                     parent_watch: bool = True, nodes_per_process: int | None = None
+                     ) -> list[tuple[AgentProcess, AgentEndpoint]]:
+    """PFC agents for every node, grouped into processes by `pfc_groups`; returns one
+    (process, endpoint) per node once every node is served. Nodes of one group share
+    the Popen (a group process that dies takes all its nodes' PFC with it, and each
+    node says so); every node keeps its own sockets, event file and counters."""
     out = []
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     node_plans = write_node_plans(plan_path, directory)
-    for node in plan.nodes:
-        sock = socket_path(directory, f"{node.name}-pfc", plan.lab)
-        events = directory / f"{node.name}-pfc.events.jsonl"
-        ready = directory / f"{node.name}-pfc.ready"
-        ready.unlink(missing_ok=True)
+    common = ["--rt-priority", "0"] + ([] if parent_watch else ["--no-parent-watch"])
+    for i, group in enumerate(pfc_groups(plan.nodes, nodes_per_process)):
+        entries = []
+        for node in group:
+            ready = directory / f"{node.name}-pfc.ready"
+            ready.unlink(missing_ok=True)
+            entries.append({
+                "node": node.name, "plan": str(node_plans[node.name]),
+                "netns": f"/var/run/netns/{node.netns}",
+                "control_sock": socket_path(directory, f"{node.name}-pfc", plan.lab),
+                "command_sock": pfc_command_socket(directory, node.name, plan.lab),
+                "events": str(directory / f"{node.name}-pfc.events.jsonl"),
+                "ready_file": str(ready)})
         # Real-time priority is given below once every agent is listening: an agent that
         # is FIFO while the others still import can starve them on a slow 2-CPU machine.
-        argv = [sys.executable, "-m", "agents.pfc", "--plan", str(node_plans[node.name]), "--node",
-                node.name, "--rt-priority", "0",
-                "--control-sock", str(sock), "--events", str(events),
-                "--ready-file", str(ready), "--watchdog-ns", str(watchdog_ns(plan)),
-                "--command-sock", pfc_command_socket(directory, node.name, plan.lab)]
-        if not parent_watch:
-            argv.append("--no-parent-watch")
-        proc = start_process(plan.lab, node.netns, argv, f"pfc-{node.name}", keep_mounts=True)
-        out.append((proc, AgentEndpoint(f"pfc-{node.name}", node.name, sock,
-                                        events_path=str(events))))
+        if len(group) == 1:
+            e = entries[0]
+            argv = [sys.executable, "-m", "agents.pfc", "--plan", e["plan"], "--node",
+                    e["node"], "--control-sock", e["control_sock"], "--events", e["events"],
+                    "--ready-file", e["ready_file"], "--watchdog-ns", str(watchdog_ns(plan)),
+                    "--command-sock", e["command_sock"], *common]
+            name = f"pfc-{group[0].name}"
+        else:
+            spec = directory / f"pfc-group{i}.json"
+            spec.write_text(json.dumps({"watchdog_ns": watchdog_ns(plan), "nodes": entries},
+                                       indent=1))
+            os.chmod(spec, 0o600)
+            argv = [sys.executable, "-m", "agents.pfc", "--group", str(spec), *common]
+            # the lab state names the process after every node it serves (`testbed
+            # down` ends it by pid like any agent)
+            name = "pfc-" + "+".join(n.name for n in group)
+        proc = start_process(plan.lab, group[0].netns, argv, name, keep_mounts=True)
+        for node, e in zip(group, entries, strict=True):
+            out.append((AgentProcess(f"pfc-{node.name}", node.netns, proc.popen),
+                        AgentEndpoint(f"pfc-{node.name}", node.name, e["control_sock"],
+                                      events_path=e["events"])))
     deadline = time.monotonic() + wall_timeout_s(READY_TIMEOUT_S)
     for proc, endpoint in out:
         ready = directory / f"{endpoint.node}-pfc.ready"
@@ -102,13 +166,20 @@ def start_pfc_agents(plan: Plan, plan_path: Path, directory: Path,
                 raise RuntimeError(f"PFC agent on {endpoint.node} did not start in "
                                    f"{wall_timeout_s(READY_TIMEOUT_S):.0f} s")
             time.sleep(0.01)
-    for proc, _endpoint in out:
+    for pid in sorted({proc.popen.pid for proc, _endpoint in out}):
+        # nsenter execs the agent: its pid is the agent's. Every thread of it, not the
+        # main one alone: the socket servers' threads hold the GIL while they answer, and
+        # one of them preempted at normal priority on a busy machine would hold the
+        # loop off for as long (a group serves several nodes' sockets: bench/pfc.py).
         try:
-            # nsenter execs the agent: its pid is the agent's
-            os.sched_setscheduler(proc.popen.pid, os.SCHED_FIFO,
-                                  os.sched_param(PFC_RT_PRIORITY))
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         except OSError:
-            pass    # RT not allowed here: normal priority (nice -10), the run still works
+            tids = [pid]
+        for tid in tids:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(PFC_RT_PRIORITY))
+            except OSError:
+                pass    # RT not allowed here (or the thread ended): normal priority
     return out
 
 

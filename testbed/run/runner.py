@@ -136,6 +136,8 @@ class RunOptions:
     part: PartRun | None = None
     # CLOCK_MONOTONIC ns (start, end) of loading and compiling the config, for timings.json
     compile_mono_ns: tuple[int, int] | None = None
+    # nodes per PFC agent process (None: auto; 1: one per node): fabric_agents.pfc_groups
+    pfc_nodes_per_process: int | None = None
 
 
 @dataclass
@@ -530,10 +532,12 @@ def start_pfc(run: Run) -> None:
         run.notes.add("PFC is configured but the port programs are not attached (no BPF "
                       "datapath), so no PFC agent runs and lossless classes can drop")
         return
-    started = start_pfc_agents(plan, run.run_dir / "plan.json", run.agents_dir)
+    started = start_pfc_agents(plan, run.run_dir / "plan.json", run.agents_dir,
+                               nodes_per_process=run.options.pfc_nodes_per_process)
     run.fabric_procs += [p for p, _ in started]
     run.endpoints += [e for _, e in started]
-    run.options.say(f"pfc: agents on {len(started)} nodes")
+    procs = len({p.pid for p, _ in started})
+    run.options.say(f"pfc: agents on {len(started)} nodes ({procs} processes)")
 
 
 def pin_sender_paths(run: Run) -> None:
@@ -676,11 +680,18 @@ def start_watch(run: Run, collector: Collector) -> RunWatch:
     """The watch over every agent, the collector, the namespaces and the clock."""
     endpoints = {e.name: e for e in run.endpoints}
     watched = []
+    # one watched agent per process: PFC nodes served by one process (docs/pfc.md) die
+    # together, and their one fault names them all
+    by_pid: dict[int, list[AgentProcess]] = {}
     for proc in run.fabric_procs:
+        by_pid.setdefault(proc.pid, []).append(proc)
+    for procs in by_pid.values():
+        proc = procs[0]
         role = "pfc" if proc.name.startswith("pfc-") else "rxe_cc"
         node = proc.name.removeprefix("pfc-").removeprefix("rxe-cc-")
         watched.append(WatchedAgent(proc.name, node, role, proc, endpoints.get(proc.name),
-                                    lossless=role == "pfc"))
+                                    lossless=role == "pfc", also_nodes=tuple(
+                                        p.name.removeprefix("pfc-") for p in procs[1:])))
     for spec, proc in run.agents:
         watched.append(WatchedAgent(spec.name, spec.node, spec.role, proc,
                                     endpoints.get(spec.name)))

@@ -83,6 +83,9 @@ class WatchedAgent:
     proc: AgentProcess
     endpoint: AgentEndpoint | None = None
     lossless: bool = False     # a PFC agent: its death makes lossless classes lossy
+    # other nodes the same process serves (a PFC agent serving a group of nodes,
+    # docs/pfc.md): they die or hang with it, and its fault names them
+    also_nodes: tuple[str, ...] = ()
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -200,9 +203,11 @@ class RunWatch:
     @staticmethod
     def _dead_note(a: WatchedAgent, what: str) -> str:
         if a.lossless:
-            return (f"the PFC agent {a.name} on {a.node} {what}: its ports sent and obeyed "
-                    "no more pauses, so the lossless classes were no longer lossless; the run "
-                    "was ended there, and only what was measured before is valid")
+            also = (f" (its process also served {', '.join(a.also_nodes)}: their PFC "
+                    "went with it)" if a.also_nodes else "")
+            return (f"the PFC agent {a.name} on {a.node}{also} {what}: its ports sent and "
+                    "obeyed no more pauses, so the lossless classes were no longer lossless; "
+                    "the run was ended there, and only what was measured before is valid")
         if a.role == "rxe_cc":
             return (f"the DCQCN agent {a.name} on {a.node} {what}: that host's rate was no "
                     "longer controlled from then on; the run went on")

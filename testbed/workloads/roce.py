@@ -71,8 +71,11 @@ ROCE_UDP_PORT = 4791        # RoCEv2
 UET_UDP_PORT = 4793         # Ultra Ethernet's: RoCE servers skip it (the uet kind's)
 # Servers per host: set-up ports 18515 .. 19999, RoCE ports 4791, 4792, 4794 .. 6276.
 ROCE_MAX_STREAMS_PER_HOST = 1485
-# Bytes of message slots per QP (at least one message): what a server verifies.
+# Bytes of message slots per QP at most (at least one message): what a server verifies.
+# A stream gets what it can have in flight twice over (ROCE_SLOTS_PER_POSTED slots per
+# message it keeps posted: roce_buffer_bytes), up to this.
 ROCE_BUFFER_BYTES = 8 << 20
+ROCE_SLOTS_PER_POSTED = 2
 # A RoCE client imports numpy, connects, and both sides build their data patterns
 # before the start time: about 0.25 s of CPU each, on a VM of two cores.
 ROCE_STARTUP_PER_CLIENT_S = 0.25
@@ -159,6 +162,19 @@ class RoceTraffic(RdmaCcEntry):
                 if isinstance(value, str) and value != "auto" else "")
         raise ValueError(f"expected a whole number of packets, 1..2^22 ({MAX_ROCE_WINDOW_PACKETS}),"
                          f" or auto, got {value!r}{hint}")
+
+
+def roce_buffer_bytes(size_bytes: int, tx_depth: int) -> int:
+    """Bytes of message slots per QP: room for the messages a client keeps posted
+    (`tx_depth`: its window and one message more) ROCE_SLOTS_PER_POSTED times over, at
+    least one message, at most ROCE_BUFFER_BYTES (or one message, if larger).
+
+    No two messages in flight share a slot, so the server's final check (each slot holds
+    the last message written there) holds as it did with 8 MiB; what a client holds
+    (its pattern) and a server writes (its region) is what is in flight, not 8 MiB a
+    stream (bench/agent_memory.py). The results' `slots` is this over the size."""
+    want = ROCE_SLOTS_PER_POSTED * max(1, tx_depth) * size_bytes
+    return max(size_bytes, min(want, ROCE_BUFFER_BYTES))
 
 
 def roce_ports(n: int) -> tuple[int, int]:
@@ -248,7 +264,6 @@ class RoceKind(WorkloadKind):
         verify = ["--verify"] if t.verify else []
         cnp_interval = ([] if t.cnp_interval_ns is None or t.cc == "none"
                         else ["--cnp-interval-ns", str(t.cnp_interval_ns)])
-        buffer_bytes = max(t.size_bytes, ROCE_BUFFER_BYTES)
         mtu = ctx.roce_mtu_bytes
         per_message = -(-t.size_bytes // mtu)             # packets of one message
         rtt_ns = ctx.round_trip_ns(ctx.tc(t.tclass)) if t.window_packets == "auto" else None
@@ -262,6 +277,7 @@ class RoceKind(WorkloadKind):
             # so the window, not the posting, bounds what is in flight and the pipe never
             # empties between messages; no more, so the tail after `duration` stays short.
             depth = max(2, -(-window // per_message) + 1)
+            buffer_bytes = roce_buffer_bytes(t.size_bytes, depth)
             n = per_host.get(dst, 0)
             per_host[dst] = n + 1
             tcp_port, udp_port = roce_ports(n)

@@ -85,19 +85,23 @@ def signal_agent(name: str, sig: int) -> Callable[[str], None]:
     def act(lab: str) -> None:
         state = LabState.load(lab)
         assert state is not None
-        proc = next(p for p in state.processes if p.name == name)
+        # a PFC agent serving several nodes is recorded as pfc-<node>+<node>...
+        proc = next(p for p in state.processes
+                    if p.name == name or p.name.startswith(f"{name}+"))
         os.kill(proc.pid, sig)
     return act
 
 
 def _run(tmp_path: Path, act: Callable[[str], None], traffic: str = UDP,
-         runs_root: Path | None = None) -> tuple[RunResult, Fault, list[str]]:
+         runs_root: Path | None = None, pfc_nodes_per_process: int | None = None
+         ) -> tuple[RunResult, Fault, list[str]]:
     lab = unique_lab("flt")
     loaded = load_config_text(FABRIC.format(lab=lab, traffic=traffic), "faults.yaml")
     plan = compile_plan(loaded)
     fault = Fault(lab, act)
     said: list[str] = []
-    options = RunOptions(runs_root=runs_root or tmp_path, say=said.append, on_sample=fault)
+    options = RunOptions(runs_root=runs_root or tmp_path, say=said.append, on_sample=fault,
+                         pfc_nodes_per_process=pfc_nodes_per_process)
     try:
         result = run_config(loaded, plan, options)
     finally:
@@ -149,8 +153,12 @@ def _detection_ms(result: RunResult, fault: Fault, kind: str) -> float:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_a_dead_pfc_agent_ends_the_run(tmp_path, sig):
-    result, fault, said = _run(tmp_path, signal_agent("pfc-sw1", sig))
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-per-node", "sw1-h2-h4"])
+def test_a_dead_pfc_agent_ends_the_run(tmp_path, sig, grouped):
+    # grouped: sw1, h2 and h4 in one process (switches dealt first, round-robin over
+    # two processes): one fault, naming the other two nodes it took down
+    result, fault, said = _run(tmp_path, signal_agent("pfc-sw1", sig),
+                               pfc_nodes_per_process=3 if grouped else 1)
     faults = _faults(result)
     kind = "agent_exited" if sig == signal.SIGKILL else "agent_hung"
     assert [(f["fault"], f["who"], f["action"]) for f in faults] == [
@@ -158,6 +166,7 @@ def test_a_dead_pfc_agent_ends_the_run(tmp_path, sig):
     summary = result.summary
     note = next(n for n in summary["fidelity"] if "PFC agent pfc-sw1" in n)
     assert "no longer lossless" in note
+    assert ("its process also served h2, h4" in note) == grouped
     assert ("SIGKILL" if sig == signal.SIGKILL else "stopped by a signal") in note
     assert result.fault == note
     # ended there: found before the 3 ms schedule's end, and never drained
