@@ -42,6 +42,7 @@ preamble/SFD 8 + inter-frame gap 12.
 
 from __future__ import annotations
 
+import os
 import random
 import select
 import socket
@@ -49,6 +50,7 @@ import struct
 import time
 from collections.abc import Callable
 
+from agents import fast as _fast
 from agents.rdma.qp import PKT_CNP, RcQp
 from agents.runtime.sockets import (
     CE,
@@ -66,9 +68,13 @@ from agents.wire.roce import (
     IP_MTU_DISCOVER,
     IP_PMTUDISC_DO,
     ROCE_UDP_PORT,
+    Aeth,
+    Bth,
     IcrcContext,
     MalformedPacket,
     MalformedReason,
+    Parsed,
+    Reth,
     icrc_context,
     parse_packet,
 )
@@ -106,6 +112,7 @@ _U32 = struct.Struct("=I")
 _IPPROTO_IP = socket.IPPROTO_IP
 _IP_TOS = socket.IP_TOS
 _INT = struct.Struct("@i")
+_REASON_NAMES = {int(r): r.name for r in MalformedReason}
 
 
 def rxe_sport(qpn: int) -> int:
@@ -121,7 +128,7 @@ class Binding:
     """One QP on an endpoint: its peer address, and test-only injected loss."""
 
     __slots__ = ("qp", "peer", "endpoint", "drop_every", "drop_prob", "_rng", "_n",
-                 "injected_drops", "sport")
+                 "injected_drops", "sport", "tx_batch")
 
     def __init__(self, qp: RcQp, peer: tuple[str, int], endpoint: Endpoint, *,
                  drop_every: int = 0, drop_prob: float = 0.0, drop_seed: int = 1) -> None:
@@ -134,6 +141,9 @@ class Binding:
         self._rng = random.Random(drop_seed)
         self._n = 0
         self.injected_drops = 0
+        # the fast path's packet batch (agents.fast TxBatch); None: the per-packet path
+        fast = endpoint.fast
+        self.tx_batch = fast.TxBatch() if fast is not None else None
 
     def send_data(self, view: memoryview, retransmission: bool = False) -> None:
         """Put one data packet on the wire, unless the test-only loss says it is lost.
@@ -171,7 +181,7 @@ class Endpoint:
                  cnp_dscp: int = CNP_DSCP, ecn: bool = True, rcvbuf_bytes: int | None = 4 << 20,
                  sndbuf_bytes: int | None = None,
                  should_stop: Callable[[], bool] | None = None,
-                 count_overflow: bool = False) -> None:
+                 count_overflow: bool = False, fast_path: bool = True) -> None:
         self.local_ip = local_ip
         self.data_tos = tos_byte(dscp, ECT0 if ecn else 0)
         self.cnp_tos = tos_byte(cnp_dscp, 0)
@@ -204,6 +214,16 @@ class Endpoint:
         self.datagrams_received = 0
         self.overflow_drops = 0      # count_overflow: dropped here before they were read
         self.send_errors = SendErrors()
+        # The compiled fast path (agents.fast), unless turned off here or unavailable:
+        # `fast_path` (the status agents report) says which path this endpoint runs.
+        if fast_path:
+            self.fast = _fast.extension()
+            self.fast_path = _fast.status()
+        else:
+            self.fast = None
+            self.fast_path = {"on": False, "reason": "turned off by the agent's option"}
+        self._rx = None if self.fast is None else self.fast.RxBatch(
+            RECV_BATCH, local_ip, self.port, Parsed, Bth, Reth, Aeth)
         # Called with a packet for a QPN no QP here has, and its source address: a QP it
         # attaches (a receiver that makes a flow's responder when the flow's first packet
         # comes, agents.flows) is returned and takes the packet; None counts it unknown.
@@ -246,6 +266,20 @@ class Endpoint:
             except OSError as e:
                 self.send_failed(e)
 
+    def send_batch(self, batch, addr: tuple[str, int]) -> None:
+        """Blocking send of a fast-path batch (one sendmmsg while all go): each packet
+        that did not go is accounted and retried as `send` does, in order."""
+        fd = self.sock.fileno()
+        try:
+            while True:
+                _went, err = batch.send(fd, addr)
+                if not err:
+                    return
+                self.send_failed(OSError(err, os.strerror(err)))   # EAGAIN: BlockingIOError
+        except BaseException:
+            batch.clear()
+            raise
+
     def send_failed(self, e: OSError) -> None:
         """Account a failed send before it is retried; raise what a retry cannot fix."""
         self.send_errors.absorb(e)
@@ -266,6 +300,8 @@ class Endpoint:
 
     def receive(self, now_ns: float, budget: int = RECV_BATCH) -> int:
         """Handle up to `budget` waiting datagrams without blocking; returns how many."""
+        if self._rx is not None:
+            return self._receive_fast(now_ns, budget)
         sock = self.sock
         buf = self._buf
         view = self._view
@@ -310,8 +346,43 @@ class Endpoint:
         self.datagrams_received += done
         return done
 
+    def _receive_fast(self, now_ns: float, budget: int) -> int:
+        """`receive` through the fast path: recvmmsg, parse and ICRC check in C, the
+        same accounting and dispatch as the Python path, datagram by datagram."""
+        rx = self._rx
+        assert rx is not None
+        fd = self.sock.fileno()
+        qps = self._qps
+        malformed = self.malformed
+        done = 0
+        while done < budget:
+            results, errors, overflow = rx.recv(fd, min(budget - done, RECV_BATCH))
+            self.rx_errors += errors
+            if overflow >= 0:
+                self.overflow_drops = overflow
+            if not results:
+                break
+            done += len(results)
+            for p, ce, addr, n in results:
+                if p.__class__ is int:
+                    malformed[_REASON_NAMES[p]] += 1
+                    continue
+                b = qps.get(p.bth.dest_qp)
+                if b is None and self.on_unknown_qp is not None:
+                    b = self.on_unknown_qp(p.bth.dest_qp, addr)
+                if b is None:
+                    self.unknown_qp += 1
+                    continue
+                if addr != b.peer:
+                    self.wrong_peer += 1
+                    continue
+                b.qp.on_packet(p, ce, now_ns, n)
+        self.datagrams_received += done
+        return done
+
     def counters(self) -> dict:
-        return {"local": f"{self.local_ip}:{self.port}", "datagrams_received":
+        return {"local": f"{self.local_ip}:{self.port}", "fast_path": dict(self.fast_path),
+                "datagrams_received":
                 self.datagrams_received, "malformed": dict(self.malformed),
                 "unknown_qp": self.unknown_qp, "wrong_peer": self.wrong_peer,
                 # an ICMP error reported on a send is the socket's receive side at work
@@ -390,6 +461,8 @@ class Engine:
                         break
                     b.send_data(view, r.last_was_retransmission)
                     k += 1
+            elif b.tx_batch is not None:
+                k = self._send_fast(b, r, now)
             else:
                 # the common case, a call level shallower: ~0.3 us of a ~9 us packet
                 sendto, peer = b.endpoint.sock.sendto, b.peer
@@ -406,6 +479,31 @@ class Engine:
             if k:
                 busy = True
         return busy
+
+    @staticmethod
+    def _send_fast(b: Binding, r, now: float) -> int:
+        """Up to SEND_BATCH packets of one QP through the fast path: runs of packets
+        built in C (`RcRequester.build_batch`) and sent with one sendmmsg each; a packet
+        the batch cannot promise (a rate change) goes the per-packet way. Same packets,
+        same order, same state as SEND_BATCH `poll_send` calls."""
+        batch = b.tx_batch
+        ep = b.endpoint
+        peer = b.peer
+        k = 0
+        while k < SEND_BATCH:
+            m = r.build_batch(now, batch, SEND_BATCH - k)
+            if m > 0:
+                ep.send_batch(batch, peer)
+                k += m
+                continue
+            if m == 0:
+                break
+            view = r.poll_send(now)
+            if view is None:
+                break
+            ep.send(view, peer)
+            k += 1
+        return k
 
     def next_event_ns(self) -> float | None:
         """Fabric time of the next send or timer any QP has, or None."""
