@@ -38,7 +38,7 @@ def _load() -> tuple[ModuleType | None, str | None]:
         from agents.fast import build
         if build.SOURCE.exists() and build.extension_path().exists() and not build.is_current():
             return None, ("the built extension is stale (its source changed since): "
-                          "run `make setup` or `python -m agents.fast.build`")
+                          "run `make setup` or `python -m agents.fast`")
         from agents.fast import _fastpath  # type: ignore[attr-defined]
     except ImportError as e:
         return None, f"extension not available ({e}): run `make setup`"

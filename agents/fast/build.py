@@ -5,8 +5,8 @@ file holding the SHA-256 of the source it was built from: `agents.fast` refuses 
 extension whose stamp does not match the source beside it (a stale build would be a
 different transport than the code says), and this script rebuilds exactly then.
 
-    python -m agents.fast.build            # build if missing or stale; prints the path
-    python -m agents.fast.build --force    # rebuild anyway
+    python -m agents.fast            # build if missing or stale; prints the path
+    python -m agents.fast --force    # rebuild anyway
 
 Needs clang, Python.h (python3-dev) and zlib.h (zlib1g-dev), all from apt.
 """
@@ -84,7 +84,8 @@ def main() -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if current")
     args = parser.parse_args()
     try:
-        print(build(force=args.force))
+        fresh = args.force or not is_current()
+        print(f"{'built' if fresh else 'current'}: {build(force=args.force)}")
     except BuildError as e:
         print(f"agents.fast.build: {e}", file=sys.stderr)
         return 1

@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable
 
 from agents import fast as _fast
-from agents.rdma.qp import PKT_CNP, RcQp
+from agents.rdma.qp import PKT_CNP, RcQp, RcRequester
 from agents.runtime.sockets import (
     CE,
     ECT0,
@@ -87,6 +87,7 @@ __all__ = [
     "Binding",
     "Endpoint",
     "Engine",
+    "fast_send_round",
     "rxe_sport",
 ]
 
@@ -118,6 +119,32 @@ _REASON_NAMES = {int(r): r.name for r in MalformedReason}
 def rxe_sport(qpn: int) -> int:
     """rxe's UDP source port for a QP: 0xC000 | hash_32(qpn, 14) (Linux's golden-ratio hash)."""
     return ROCE_SPORT_BASE | (((qpn * GOLDEN_RATIO_32) & 0xFFFFFFFF) >> 18)
+
+
+def fast_send_round(r: RcRequester, batch, now: float, limit: int,
+                    send_batch: Callable[[object], None],
+                    send_one: Callable[[memoryview], None]) -> int:
+    """Up to `limit` packets of requester `r` at `now`, the fast way: runs of packets built
+    in C (`RcRequester.build_batch`) handed to `send_batch` (one sendmmsg each), and a
+    packet a run cannot promise (its rate may change) built by `poll_send` and handed to
+    `send_one`. The same packets, in the same order, with the same state after, as
+    `limit` calls of `poll_send` (tests/unit/test_fastpath.py holds them equal).
+    Returns how many packets went."""
+    k = 0
+    while k < limit:
+        m = r.build_batch(now, batch, limit - k)
+        if m > 0:
+            send_batch(batch)
+            k += m
+            continue
+        if m == 0:
+            break
+        view = r.poll_send(now)
+        if view is None:
+            break
+        send_one(view)
+        k += 1
+    return k
 
 
 class Stopped(Exception):
@@ -481,29 +508,13 @@ class Engine:
         return busy
 
     @staticmethod
-    def _send_fast(b: Binding, r, now: float) -> int:
-        """Up to SEND_BATCH packets of one QP through the fast path: runs of packets
-        built in C (`RcRequester.build_batch`) and sent with one sendmmsg each; a packet
-        the batch cannot promise (a rate change) goes the per-packet way. Same packets,
-        same order, same state as SEND_BATCH `poll_send` calls."""
-        batch = b.tx_batch
+    def _send_fast(b: Binding, r: RcRequester, now: float) -> int:
+        """Up to SEND_BATCH packets of one QP through the fast path (`fast_send_round`)."""
         ep = b.endpoint
         peer = b.peer
-        k = 0
-        while k < SEND_BATCH:
-            m = r.build_batch(now, batch, SEND_BATCH - k)
-            if m > 0:
-                ep.send_batch(batch, peer)
-                k += m
-                continue
-            if m == 0:
-                break
-            view = r.poll_send(now)
-            if view is None:
-                break
-            ep.send(view, peer)
-            k += 1
-        return k
+        return fast_send_round(r, b.tx_batch, now, SEND_BATCH,
+                               lambda batch: ep.send_batch(batch, peer),
+                               lambda view: ep.send(view, peer))
 
     def next_event_ns(self) -> float | None:
         """Fabric time of the next send or timer any QP has, or None."""
