@@ -402,6 +402,20 @@ typedef struct {
     PyObject *last_addr;
 } RxBatch;
 
+/* The in-order RDMA WRITE MIDDLE run of one QP (`recv`'s `hot`): its responder's state,
+ * advanced here packet by packet exactly as RcResponder.on_request would, for the packets
+ * that change nothing else (no CE mark, no AckReq, no ACK due, a full MTU that leaves
+ * bytes of the WRITE to come). */
+typedef struct {
+    int active;
+    uint32_t qpn, epsn;
+    struct in_addr peer_ip;
+    uint16_t peer_port;                 /* network order */
+    Py_ssize_t mtu, ack_every, since_ack, wr_off, wr_left;
+    Py_buffer wr;
+    long long count, udp_bytes, payload_bytes;
+} hot_run;
+
 #define CTL_BYTES 64
 
 static void RxBatch_dealloc(RxBatch *self) {
@@ -591,28 +605,79 @@ static PyObject *rx_parsed(RxBatch *self, unsigned char *d, const rx_fields *f) 
     return named(self->parsed_t, 6, p);
 }
 
+/* Emit the run so far as one result: (0, packets, udp_bytes, payload_bytes), or -1 first
+ * when its last packet is due an ACK (AckReq, or ack_every packets since the last). */
+static int hot_flush(hot_run *h, PyObject *results, int ack) {
+    if (!h->count)
+        return 0;
+    PyObject *item = Py_BuildValue("(iLLL)", ack ? -1 : 0, h->count, h->udp_bytes,
+                                   h->payload_bytes);
+    if (!item)
+        return -1;
+    int rc = PyList_Append(results, item);
+    Py_DECREF(item);
+    h->count = h->udp_bytes = h->payload_bytes = 0;
+    return rc;
+}
+
 PyDoc_STRVAR(rx_recv_doc,
-"recv(fd, budget) -> (results, errors, overflow)\n\n"
+"recv(fd, budget, hot=None) -> (results, errors, overflow)\n\n"
 "recvmmsg up to `budget` datagrams (MSG_DONTWAIT), each parsed and ICRC-checked as\n"
 "parse_packet does for its source address -> (local_ip, local_port). `results` is a list\n"
 "of (parsed_or_reason, ce, addr, nbytes): a Parsed, or the int MalformedReason value the\n"
 "Python path would count; `ce` is the IP_TOS control message's CE mark. `errors` counts\n"
 "failed receives other than EAGAIN; `overflow` is the last SO_RXQ_OVFL value seen, or -1.\n"
-"Payload views point into this batch's buffers: valid until the next recv.");
+"Payload views point into this batch's buffers: valid until the next recv.\n"
+"`hot` = (qpn, peer_ip, peer_port, expected_psn, mtu, ack_every, since_ack, write_view,\n"
+"write_off, write_left) lets C take a QP's in-order WRITE MIDDLE packets itself (see\n"
+"RcResponder.fast_hint): each run of them is one result (0, packets, udp_bytes,\n"
+"payload_bytes), or (-1, ...) when its last packet is due an ACK, in its place among the\n"
+"others; after the first packet for that QP that C does not take, the rest of the batch\n"
+"goes to Python.");
 
 static PyObject *RxBatch_recv(RxBatch *self, PyObject *args) {
     int fd, budget;
-    if (!PyArg_ParseTuple(args, "ii", &fd, &budget))
+    PyObject *hot_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "ii|O", &fd, &budget, &hot_obj))
         return NULL;
+    hot_run hot;
+    memset(&hot, 0, sizeof hot);
+    if (hot_obj != Py_None) {
+        unsigned int qpn, epsn;
+        const char *peer_ip;
+        int peer_port;
+        PyObject *view;
+        if (!PyArg_ParseTuple(hot_obj, "IsiInnnOnn", &qpn, &peer_ip, &peer_port, &epsn,
+                              &hot.mtu, &hot.ack_every, &hot.since_ack, &view, &hot.wr_off,
+                              &hot.wr_left))
+            return NULL;
+        if (inet_pton(AF_INET, peer_ip, &hot.peer_ip) != 1) {
+            PyErr_Format(PyExc_ValueError, "not an IPv4 address: %s", peer_ip);
+            return NULL;
+        }
+        if (PyObject_GetBuffer(view, &hot.wr, PyBUF_WRITABLE) < 0)
+            return NULL;
+        if (hot.wr_off < 0 || hot.wr_left < 0 || hot.wr_off + hot.wr_left > hot.wr.len) {
+            PyBuffer_Release(&hot.wr);
+            PyErr_SetString(PyExc_ValueError, "the WRITE in progress does not fit its region");
+            return NULL;
+        }
+        hot.qpn = qpn;
+        hot.epsn = epsn;
+        hot.peer_port = htons(peer_port);
+        hot.active = 1;
+    }
+    PyObject *ret = NULL;
+    PyObject *results = NULL;
     if (!self->bufs) {
         PyErr_SetString(PyExc_RuntimeError, "RxBatch not initialised");
-        return NULL;
+        goto done;
     }
     if (budget > self->slots)
         budget = self->slots;
-    PyObject *results = PyList_New(0);
+    results = PyList_New(0);
     if (!results)
-        return NULL;
+        goto done;
     long errors = 0, overflow = -1;
     for (int j = 0; j < budget; j++) {
         self->iov[j].iov_base = self->bufs + (size_t)j * RX_SLOT_BYTES;
@@ -634,10 +699,8 @@ static PyObject *RxBatch_recv(RxBatch *self, PyObject *args) {
         if (errno == EAGAIN || errno == EWOULDBLOCK)
             break;
         if (errno == EINTR) {
-            if (PyErr_CheckSignals() < 0) {
-                Py_DECREF(results);
-                return NULL;
-            }
+            if (PyErr_CheckSignals() < 0)
+                goto fail;
             continue;
         }
         errors++;       /* the Python path counts one and tries again */
@@ -666,25 +729,46 @@ static PyObject *RxBatch_recv(RxBatch *self, PyObject *args) {
             char host[INET_ADDRSTRLEN];
             inet_ntop(AF_INET, &src->sin_addr, host, sizeof host);
             PyObject *a = Py_BuildValue("(si)", host, ntohs(src->sin_port));
-            if (!a) {
-                Py_DECREF(results);
-                return NULL;
-            }
+            if (!a)
+                goto fail;
             Py_XSETREF(self->last_addr, a);
             self->last_name = *src;
         }
         rx_fields f;
         int reason = rx_parse(self, d, n, src, &f);
-        PyObject *what = reason ? PyLong_FromLong(reason) : rx_parsed(self, d, &f);
-        if (!what) {
-            Py_DECREF(results);
-            return NULL;
+        if (!reason && hot.active && (f.w1 & 0xFFFFFF) == hot.qpn &&
+            src->sin_addr.s_addr == hot.peer_ip.s_addr && src->sin_port == hot.peer_port) {
+            /* RcQp.on_packet -> RcResponder.on_request for an in-order WRITE MIDDLE without
+             * a CE mark: placed here; the ACK it may be due is Python's to send */
+            if (f.opcode == 0x07 && !ce && (f.w2 & 0xFFFFFF) == hot.epsn &&
+                f.size == hot.mtu && f.size < hot.wr_left) {
+                memcpy((char *)hot.wr.buf + hot.wr_off, d + f.hdr, f.size);
+                hot.wr_off += f.size;
+                hot.wr_left -= f.size;
+                hot.since_ack++;
+                hot.epsn = (hot.epsn + 1) & PSN_MASK;
+                hot.count++;
+                hot.udp_bytes += n;
+                hot.payload_bytes += f.size;
+                if ((f.w2 & 0x80000000u) || hot.since_ack >= hot.ack_every) {
+                    /* _accept sends an ACK here (and _send_ack zeroes the count) */
+                    if (hot_flush(&hot, results, 1) < 0)
+                        goto fail;
+                    hot.since_ack = 0;
+                }
+                continue;
+            }
+            hot.active = 0;     /* Python takes this packet, and the QP, from here */
         }
+        if (hot_flush(&hot, results, 0) < 0)
+            goto fail;
+        PyObject *what = reason ? PyLong_FromLong(reason) : rx_parsed(self, d, &f);
+        if (!what)
+            goto fail;
         PyObject *item = PyTuple_New(4);
         if (!item) {
             Py_DECREF(what);
-            Py_DECREF(results);
-            return NULL;
+            goto fail;
         }
         PyTuple_SET_ITEM(item, 0, what);
         PyTuple_SET_ITEM(item, 1, pybool(ce));
@@ -693,12 +777,22 @@ static PyObject *RxBatch_recv(RxBatch *self, PyObject *args) {
         PyTuple_SET_ITEM(item, 3, PyLong_FromSsize_t(n));
         if (PyList_Append(results, item) < 0) {
             Py_DECREF(item);
-            Py_DECREF(results);
-            return NULL;
+            goto fail;
         }
         Py_DECREF(item);
     }
-    return Py_BuildValue("(Nll)", results, errors, overflow);
+    if (hot_flush(&hot, results, 0) < 0)
+        goto fail;
+    ret = Py_BuildValue("(Nll)", results, errors, overflow);
+    results = NULL;
+    goto done;
+fail:
+    Py_CLEAR(results);
+done:
+    Py_XDECREF(results);
+    if (hot.wr.obj)
+        PyBuffer_Release(&hot.wr);
+    return ret;
 }
 
 PyDoc_STRVAR(rx_parse_doc,

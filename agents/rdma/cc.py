@@ -882,6 +882,11 @@ class DcqcnNp:
             self._c["ce_coalesced"] += 1
         return send
 
+    def on_unmarked_packets(self, n: int) -> None:
+        """`n` data packets without a CE mark at once: what `n` calls of
+        `on_packet(False, ...)` do (the fast path's in-order runs)."""
+        self._c["packets"] += n
+
     def _due(self, now: float) -> bool:
         interval = self.cnp_interval_ns
         if interval == 0:

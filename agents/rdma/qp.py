@@ -998,6 +998,38 @@ class RcResponder:
         if place(op, p):
             self._accept(op, psn, len(p.payload), bth.ack_req)
 
+    def fast_hint(self, peer: tuple[str, int]) -> tuple | None:
+        """What the fast path's receive (agents.fast RxBatch.recv `hot`) needs to take this
+        responder's in-order WRITE MIDDLE packets from `peer` itself, or None when it may
+        not: not in RTS, no WRITE in progress, a region that keeps no bytes (a sink), or a
+        notification point other than DcqcnNp (its per-packet call is not known to be a
+        count). `on_fast_run` then applies what C did."""
+        view = self._wr_view
+        np_ = self.np
+        if (self.state != QpState.RTS or view is None or type(view) is not memoryview
+                or not (np_ is None or type(np_) is DcqcnNp)):
+            return None
+        return (self.qpn, peer[0], peer[1], self._epsn, self._mtu, self._ack_every,
+                self._since_ack, view, self._wr_off, self._wr_left)
+
+    def on_fast_run(self, count: int, payload_bytes: int, ack: bool = False) -> None:
+        """`count` in-order WRITE MIDDLE packets of `payload_bytes` in all, placed by the
+        fast path (see `fast_hint`): the state and counters `on_request` would leave. None
+        was CE-marked; only the last may be due an ACK (`ack`: AckReq, or `ack_every`
+        packets since the last ACK; C checked), which is sent here as `_accept` would."""
+        self.packets_received += count
+        if self.np is not None:
+            self.np.on_unmarked_packets(count)
+        self._nak_sent = False
+        self._dup_run = False
+        self._wr_off += payload_bytes
+        self._wr_left -= payload_bytes
+        self.payload_bytes_received += payload_bytes
+        self._epsn = (self._epsn + count) & PSN_MASK
+        self._since_ack += count
+        if ack:
+            self._send_ack()
+
     # -- receiving, step by step
 
     def _count_arrival(self, ce: bool, now_ns: float | None) -> None:
@@ -1273,6 +1305,14 @@ class RcQp:
             self.requester.on_cnp(now_ns)
         else:
             self.responder.on_request(p, ce, now_ns)
+
+    def on_fast_run(self, count: int, udp_bytes: int, payload_bytes: int,
+                    ack: bool = False) -> None:
+        """`count` data packets (`udp_bytes` of UDP payload) the fast path placed for the
+        responder (RcResponder.fast_hint): what `on_packet` counts, then the responder."""
+        self.packets_received += count
+        self.bytes_received += udp_bytes
+        self.responder.on_fast_run(count, payload_bytes, ack)
 
     def counters(self) -> dict:
         """Requester and responder counters, plus the rate controller's Rc / Rt."""

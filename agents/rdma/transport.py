@@ -103,6 +103,10 @@ SEND_TIMEOUT_NS = 100_000_000
 # resume, past the DCQCN rate limiter (docs/roce.md, "The NIC's queue").
 NIC_SNDBUF_BYTES = 8192
 RECV_BATCH = 64            # datagrams drained per endpoint per step
+# Datagrams per recvmmsg on the fast path. Each slot is 64 KiB of address space (any UDP
+# datagram fits) of which only the pages a datagram touches become resident: 16 slots
+# hold at most ~150 KB of a 4 KB-MTU flow, per endpoint (an agent may have many).
+FAST_RECV_SLOTS = 16
 SEND_BATCH = 16            # packets per QP per step, at most
 SPIN_NS = 150_000          # wall: closer than this to the next event, spin instead of select
 MAX_SLEEP_NS = 20_000_000  # wall: longest single select, so stop requests stay prompt
@@ -249,8 +253,9 @@ class Endpoint:
         else:
             self.fast = None
             self.fast_path = {"on": False, "reason": "turned off by the agent's option"}
+        self._hot: Binding | None = None   # fast path: the QP C may place packets for
         self._rx = None if self.fast is None else self.fast.RxBatch(
-            RECV_BATCH, local_ip, self.port, Parsed, Bth, Reth, Aeth)
+            FAST_RECV_SLOTS, local_ip, self.port, Parsed, Bth, Reth, Aeth)
         # Called with a packet for a QPN no QP here has, and its source address: a QP it
         # attaches (a receiver that makes a flow's responder when the flow's first packet
         # comes, agents.flows) is returned and takes the packet; None counts it unknown.
@@ -279,6 +284,8 @@ class Endpoint:
 
     def detach(self, qpn: int) -> Binding | None:
         """Stop serving QP `qpn` here (its packets then count as unknown); its binding."""
+        if self._hot is not None and self._hot.qp.qpn == qpn:
+            self._hot = None
         return self._qps.pop(qpn, None)
 
     # -- send
@@ -383,17 +390,26 @@ class Endpoint:
         malformed = self.malformed
         done = 0
         while done < budget:
-            results, errors, overflow = rx.recv(fd, min(budget - done, RECV_BATCH))
+            # the QP that took the last in-order data packet: C may place its next ones
+            hot = self._hot
+            hint = hot.qp.responder.fast_hint(hot.peer) if hot is not None else None
+            results, errors, overflow = rx.recv(fd, min(budget - done, FAST_RECV_SLOTS), hint)
             self.rx_errors += errors
             if overflow >= 0:
                 self.overflow_drops = overflow
             if not results:
                 break
-            done += len(results)
             for p, ce, addr, n in results:
                 if p.__class__ is int:
+                    if p <= 0:      # (0 | -1: ACK due, packets, UDP bytes, payload bytes)
+                        assert hot is not None      # a run C placed for the hot QP
+                        hot.qp.on_fast_run(ce, addr, n, p < 0)
+                        done += ce
+                        continue
+                    done += 1
                     malformed[_REASON_NAMES[p]] += 1
                     continue
+                done += 1
                 b = qps.get(p.bth.dest_qp)
                 if b is None and self.on_unknown_qp is not None:
                     b = self.on_unknown_qp(p.bth.dest_qp, addr)
@@ -404,6 +420,7 @@ class Endpoint:
                     self.wrong_peer += 1
                     continue
                 b.qp.on_packet(p, ce, now_ns, n)
+                self._hot = b
         self.datagrams_received += done
         return done
 

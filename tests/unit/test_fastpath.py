@@ -459,3 +459,196 @@ def test_the_default_is_on_when_the_extension_imports(monkeypatch):
     monkeypatch.delenv("TESTBED_FASTPATH", raising=False)
     mod, reason = fast._load()
     assert mod is not None and reason is None
+
+
+# --------------------------------------------------------------------------- receive, whole
+
+MTU_RX = 256
+
+
+def _stream(sizes: list[int]) -> list[tuple[int, int, Reth | None, bytes, bool]]:
+    """The data packets of WRITEs of `sizes` packets (the last one full when the count is
+    even, short when odd), PSN 0 up: (opcode, psn, reth, payload, last)."""
+    out = []
+    va = 0x1000
+    for k, npk in enumerate(sizes):
+        length = (npk - 1) * MTU_RX + (MTU_RX if npk % 2 == 0 else 100)
+        data = pattern(length, seed=k)
+        for i in range(npk):
+            last = i == npk - 1
+            op = (Opcode.RC_RDMA_WRITE_ONLY if last else Opcode.RC_RDMA_WRITE_FIRST) if i == 0 \
+                else (Opcode.RC_RDMA_WRITE_LAST if last else Opcode.RC_RDMA_WRITE_MIDDLE)
+            out.append((int(op), len(out), Reth(va, 5, length) if i == 0 else None,
+                        data[i * MTU_RX:(i + 1) * MTU_RX], last))
+        va += length
+    return out
+
+
+class _Receiver:
+    """One endpoint with one responder QP, on a given path; what it sent back, kept."""
+
+    def __init__(self, fast_path: bool, sender_port: int) -> None:
+        from agents.rdma.cc import DcqcnNp
+
+        self.ep = Endpoint("127.0.0.1", 0, fast_path=fast_path)
+        self.mem = bytearray(1 << 16)
+        attrs = QpAttrs(mtu=MTU_RX, ack_every=4)
+        self.qp = RcQp(0x22, 0x11, icrc_context("127.0.0.1", "127.0.0.1", self.ep.port,
+                                                sender_port), attrs, NoCc(1e9),
+                       np=DcqcnNp(0), mrs={5: MemoryRegion(self.mem, 0x1000, 5)})
+        self.ep.attach(self.qp, ("127.0.0.1", sender_port))
+        self.sent: list[tuple[bytes, int]] = []
+        self.qp.tx = lambda view, kind: self.sent.append((bytes(view), kind))
+
+    def drain(self, expected: int) -> None:
+        deadline = time.monotonic() + 10
+        while self.ep.datagrams_received < expected and time.monotonic() < deadline:
+            self.ep.receive(1000.0)
+        assert self.ep.datagrams_received == expected
+
+    def state(self) -> dict:
+        r = self.qp.responder
+        ep = {k: v for k, v in self.ep.counters().items() if k not in ("local", "fast_path")}
+        return {"qp": self.qp.counters(), "np": self.qp.responder.np.snapshot(),
+                # the ACKs, CNPs and NAKs sent, less their ICRC (it covers this endpoint's port)
+                "ep": ep, "mem": bytes(self.mem), "sent": [(d[:-4], k) for d, k in self.sent],
+                "wr": (r._wr_off, r._wr_left, r._since_ack, r._nak_sent, r._dup_run)}
+
+
+_rx_events = st.lists(st.one_of(
+    st.tuples(st.just("next"), st.booleans(), st.booleans()),      # ack_req, CE
+    # the next packet claims to be a MIDDLE (a LAST that does: an invalid request)
+    st.tuples(st.just("lie"), st.just(False), st.just(False)),
+    st.tuples(st.just("skip"), st.just(False), st.just(False)),
+    st.tuples(st.just("dup"), st.integers(1, 5), st.just(False)),
+    st.tuples(st.just("rewind"), st.integers(0, 8), st.just(False)),
+    st.tuples(st.just("junk"), st.just(False), st.just(False)),
+    # receive what was sent so far: the QP that took the last packet is then the one C may
+    # place packets for in the next batch
+    st.tuples(st.just("drain"), st.just(False), st.just(False)),
+), min_size=1, max_size=80)
+
+
+@needs_fast
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(1, 24), min_size=1, max_size=6), events=_rx_events)
+def test_fast_receive_leaves_the_same_responder_state_as_the_python_one(sizes, events):
+    import socket
+
+    stream = _stream(sizes)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx.bind(("127.0.0.1", 0))
+    sport = tx.getsockname()[1]
+    sides = [_Receiver(True, sport), _Receiver(False, sport)]
+    try:
+        cursor = 0
+        sent = 0
+        for what, a, b in events:
+            if what == "next" and cursor < len(stream):
+                op, psn, reth, payload, _ = stream[cursor]
+                cursor += 1
+                item: tuple | None = (op, psn, reth, payload, a, b)
+            elif what == "lie" and cursor < len(stream):
+                _op, psn, reth, payload, _ = stream[cursor]
+                cursor += 1
+                item = (int(Opcode.RC_RDMA_WRITE_MIDDLE), psn, None, payload, False, False)
+            elif what == "dup" and cursor:
+                op, psn, reth, payload, _ = stream[min(len(stream) - 1, max(0, cursor - a))]
+                item = (op, psn, reth, payload, False, False)
+            elif what == "skip":
+                cursor += 1
+                item = None
+            elif what == "rewind":
+                cursor = max(0, min(cursor, sides[1].qp.responder.expected_psn) - a)
+                item = None
+            elif what == "junk":
+                item = ("junk",)
+            elif what == "drain":
+                for side in sides:
+                    side.drain(sent)
+                item = None
+            else:
+                item = None
+            if item is None:
+                continue
+            for side in sides:
+                port = side.ep.port
+                if item[0] == "junk":
+                    data = b"\x00" * 20
+                else:
+                    op, psn, reth, payload, ack_req, ce = item
+                    data = encode_packet(icrc_context("127.0.0.1", "127.0.0.1", sport, port),
+                                         Bth(op, dest_qp=0x22, psn=psn, ack_req=ack_req),
+                                         reth, None, payload)
+                    tx.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 3 if ce else 0)
+                tx.sendto(data, ("127.0.0.1", port))
+            sent += 1
+        for side in sides:
+            side.drain(sent)
+        fast_state, ref_state = (s.state() for s in sides)
+        assert fast_state == ref_state
+    finally:
+        tx.close()
+        for s in sides:
+            s.ep.close()
+
+
+@needs_fast
+def test_an_in_order_write_is_placed_by_c_in_runs():
+    """The receive fast path does take runs (the equivalence above would pass without)."""
+    import socket
+
+    stream = _stream([40])
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx.bind(("127.0.0.1", 0))
+    side = _Receiver(True, tx.getsockname()[1])
+    runs: list[int] = []
+    orig = side.qp.on_fast_run
+    side.qp.on_fast_run = lambda c, u, p, a: (runs.append(c), orig(c, u, p, a))  # type: ignore
+    try:
+        for op, psn, reth, payload, _ in stream:
+            tx.sendto(encode_packet(icrc_context("127.0.0.1", "127.0.0.1",
+                                                 tx.getsockname()[1], side.ep.port),
+                                    Bth(op, dest_qp=0x22, psn=psn), reth, None, payload),
+                      ("127.0.0.1", side.ep.port))
+        side.drain(40)
+        # the first 16 (one recvmmsg) go to Python: the WRITE began in that batch; then
+        # every MIDDLE, ACK due or not, is placed by C
+        assert sum(runs) == 40 - 16 - 1
+        assert side.qp.responder.counters()["write_messages"] == 1
+    finally:
+        tx.close()
+        side.ep.close()
+
+
+@needs_fast
+@pytest.mark.parametrize("ack_req_every", [0, 3])
+def test_runs_across_acks_leave_the_same_state(ack_req_every):
+    """A long WRITE arriving while C has the QP: its runs cross several ACKs."""
+    import socket
+
+    stream = _stream([60, 3])
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx.bind(("127.0.0.1", 0))
+    sport = tx.getsockname()[1]
+    sides = [_Receiver(True, sport), _Receiver(False, sport)]
+    try:
+        for i, (op, psn, reth, payload, _) in enumerate(stream):
+            for side in sides:
+                ack_req = bool(ack_req_every) and i % ack_req_every == 0
+                tx.sendto(encode_packet(icrc_context("127.0.0.1", "127.0.0.1", sport,
+                                                     side.ep.port),
+                                        Bth(op, dest_qp=0x22, psn=psn, ack_req=ack_req),
+                                        reth, None, payload), ("127.0.0.1", side.ep.port))
+            if i == 1:
+                for side in sides:
+                    side.drain(2)
+        for side in sides:
+            side.drain(len(stream))
+        fast_state, ref_state = (s.state() for s in sides)
+        assert fast_state == ref_state
+        assert fast_state["qp"]["responder"]["acks_sent"] > 10
+    finally:
+        tx.close()
+        for s in sides:
+            s.ep.close()
