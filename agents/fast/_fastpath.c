@@ -28,6 +28,10 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <zlib.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
 
 #define MAX_BATCH 64
 #define HDR_MAX 32              /* BTH 12 + RETH 16 + ImmDt 4 */
@@ -48,6 +52,131 @@ static inline uint32_t get32(const unsigned char *p) {
     return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
 }
 static inline uint64_t get64(const unsigned char *p) { return (uint64_t)get32(p) << 32 | get32(p + 4); }
+
+/* ------------------------------------------------------------------ CRC-32
+ *
+ * The ICRC is the standard CRC-32 (zlib's crc32). zlib 1.2 computes it a few bytes at a
+ * time, ~1.3 us for a 4 KB packet on this class of machine; with PCLMULQDQ the same CRC
+ * folds 64 bytes per step (the method of Intel's "Fast CRC Computation for Generic
+ * Polynomials Using PCLMULQDQ", as Chromium's zlib and Linux's crc32-pclmul do it), about
+ * ten times faster. The tail that does not fill 16 bytes, and any CPU without PCLMULQDQ,
+ * goes to zlib. tests/unit/test_fastpath.py checks it against zlib.crc32.
+ */
+static int have_pclmul;
+
+#if defined(__x86_64__)
+__attribute__((target("pclmul,sse4.1")))
+static uint32_t crc32_fold(const unsigned char *buf, size_t len, uint32_t crc) {
+    /* len >= 64, a multiple of 16; crc pre- and post-inverted by the caller */
+    static const uint64_t __attribute__((aligned(16))) k1k2[] = {0x0154442bd4, 0x01c6e41596};
+    static const uint64_t __attribute__((aligned(16))) k3k4[] = {0x01751997d0, 0x00ccaa009e};
+    static const uint64_t __attribute__((aligned(16))) k5k0[] = {0x0163cd6124, 0x0000000000};
+    static const uint64_t __attribute__((aligned(16))) poly[] = {0x01db710641, 0x01f7011641};
+    __m128i x0, x1, x2, x3, x4, x5, x6, x7, x8, y5, y6, y7, y8;
+    x1 = _mm_loadu_si128((const __m128i *)(buf + 0x00));
+    x2 = _mm_loadu_si128((const __m128i *)(buf + 0x10));
+    x3 = _mm_loadu_si128((const __m128i *)(buf + 0x20));
+    x4 = _mm_loadu_si128((const __m128i *)(buf + 0x30));
+    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)crc));
+    x0 = _mm_load_si128((const __m128i *)k1k2);
+    buf += 64;
+    len -= 64;
+    while (len >= 64) {
+        x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+        x6 = _mm_clmulepi64_si128(x2, x0, 0x00);
+        x7 = _mm_clmulepi64_si128(x3, x0, 0x00);
+        x8 = _mm_clmulepi64_si128(x4, x0, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+        x2 = _mm_clmulepi64_si128(x2, x0, 0x11);
+        x3 = _mm_clmulepi64_si128(x3, x0, 0x11);
+        x4 = _mm_clmulepi64_si128(x4, x0, 0x11);
+        y5 = _mm_loadu_si128((const __m128i *)(buf + 0x00));
+        y6 = _mm_loadu_si128((const __m128i *)(buf + 0x10));
+        y7 = _mm_loadu_si128((const __m128i *)(buf + 0x20));
+        y8 = _mm_loadu_si128((const __m128i *)(buf + 0x30));
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, x5), y5);
+        x2 = _mm_xor_si128(_mm_xor_si128(x2, x6), y6);
+        x3 = _mm_xor_si128(_mm_xor_si128(x3, x7), y7);
+        x4 = _mm_xor_si128(_mm_xor_si128(x4, x8), y8);
+        buf += 64;
+        len -= 64;
+    }
+    x0 = _mm_load_si128((const __m128i *)k3k4);
+    x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+    x1 = _mm_xor_si128(_mm_xor_si128(x1, x2), x5);
+    x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+    x1 = _mm_xor_si128(_mm_xor_si128(x1, x3), x5);
+    x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+    x1 = _mm_xor_si128(_mm_xor_si128(x1, x4), x5);
+    while (len >= 16) {
+        x2 = _mm_loadu_si128((const __m128i *)buf);
+        x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, x2), x5);
+        buf += 16;
+        len -= 16;
+    }
+    /* 128 -> 64 bits */
+    x2 = _mm_clmulepi64_si128(x1, x0, 0x10);
+    x3 = _mm_setr_epi32(~0, 0, ~0, 0);
+    x1 = _mm_srli_si128(x1, 8);
+    x1 = _mm_xor_si128(x1, x2);
+    x0 = _mm_loadl_epi64((const __m128i *)k5k0);
+    x2 = _mm_srli_si128(x1, 4);
+    x1 = _mm_and_si128(x1, x3);
+    x1 = _mm_clmulepi64_si128(x1, x0, 0x00);
+    x1 = _mm_xor_si128(x1, x2);
+    /* Barrett reduction to 32 bits */
+    x0 = _mm_load_si128((const __m128i *)poly);
+    x2 = _mm_and_si128(x1, x3);
+    x2 = _mm_clmulepi64_si128(x2, x0, 0x10);
+    x2 = _mm_and_si128(x2, x3);
+    x2 = _mm_clmulepi64_si128(x2, x0, 0x00);
+    x1 = _mm_xor_si128(x1, x2);
+    return (uint32_t)_mm_extract_epi32(x1, 1);
+}
+
+static void detect_pclmul(void) {
+    unsigned a, b, c, d;
+    if (__get_cpuid(1, &a, &b, &c, &d))
+        have_pclmul = (c & bit_PCLMUL) && (c & bit_SSE4_1);
+}
+#else
+static void detect_pclmul(void) { have_pclmul = 0; }
+#endif
+
+/* zlib's crc32(crc, buf, len), faster on long buffers */
+static uint32_t crc32_any(uint32_t crc, const unsigned char *buf, size_t len) {
+#if defined(__x86_64__)
+    if (have_pclmul && len >= 64) {
+        size_t chunk = len & ~(size_t)15;
+        crc = ~crc32_fold(buf, chunk, ~crc);
+        buf += chunk;
+        len -= chunk;
+        if (!len)
+            return crc;
+    }
+#endif
+    return (uint32_t)crc32(crc, buf, (uInt)len);
+}
+
+static PyObject *py_crc32(PyObject *mod, PyObject *args) {
+    Py_buffer data;
+    unsigned int seed = 0;
+    int simd = 1;
+    if (!PyArg_ParseTuple(args, "y*|Ip", &data, &seed, &simd))
+        return NULL;
+    int saved = have_pclmul;
+    if (!simd)
+        have_pclmul = 0;
+    uint32_t crc = crc32_any(seed, data.buf, (size_t)data.len);
+    have_pclmul = saved;
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLong(crc);
+}
 
 /* ------------------------------------------------------------------ opcode layouts */
 
@@ -230,7 +359,7 @@ static PyObject *TxBatch_build(TxBatch *self, PyObject *args) {
         uint32_t crc = tx_seed(self, (uint32_t)udp);
         crc = (uint32_t)crc32(crc, h, (uInt)hl);
         if (n)
-            crc = (uint32_t)crc32(crc, msg + off, (uInt)n);
+            crc = crc32_any(crc, msg + off, (size_t)n);
         if (pad)
             crc = (uint32_t)crc32(crc, t, (uInt)pad);
         h[4] = 0;
@@ -530,7 +659,7 @@ static int rx_parse(RxBatch *self, const unsigned char *d, Py_ssize_t n,
     crc = (uint32_t)crc32(crc, d, 4);
     static const unsigned char ff = 0xFF;
     crc = (uint32_t)crc32(crc, &ff, 1);
-    crc = (uint32_t)crc32(crc, d + 5, (uInt)(end - 5));
+    crc = crc32_any(crc, d + 5, (size_t)(end - 5));
     if (crc != f->stored)
         return R_BAD_ICRC;
     f->opcode = d[0];
@@ -843,14 +972,22 @@ static PyTypeObject RxBatchType = {
 
 /* ------------------------------------------------------------------ module */
 
+static PyMethodDef module_methods[] = {
+    {"crc32", py_crc32, METH_VARARGS,
+     "crc32(data, seed=0, simd=True) -> int: zlib.crc32(data, seed), as the ICRC is computed "
+     "here (simd=False: zlib's own; for tests)."},
+    {NULL}
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "agents.fast._fastpath",
     "Batched build/send and receive/parse of RoCEv2 packets (see agents/fast/__init__.py).",
-    -1, NULL,
+    -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
     init_layouts();
+    detect_pclmul();
     if (PyType_Ready(&TxBatchType) < 0 || PyType_Ready(&RxBatchType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -861,7 +998,8 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     if (PyModule_AddObject(m, "TxBatch", (PyObject *)&TxBatchType) < 0 ||
         PyModule_AddObject(m, "RxBatch", (PyObject *)&RxBatchType) < 0 ||
         PyModule_AddIntConstant(m, "MAX_BATCH", MAX_BATCH) < 0 ||
-        PyModule_AddIntConstant(m, "ABI", 1) < 0) {
+        PyModule_AddIntConstant(m, "ABI", 1) < 0 ||
+        PyModule_AddIntConstant(m, "PCLMUL", have_pclmul) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -237,6 +237,16 @@ def test_bulk_budget_is_what_the_byte_counter_allows():
     assert rp.bulk_bytes_budget(rp.next_event_ns()) == 0    # a timer due: no promise
 
 
+@needs_fast
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(min_size=0, max_size=9000), seed=st.integers(0, 0xFFFFFFFF))
+def test_the_icrcs_crc32_is_zlibs(data, seed):
+    import zlib
+
+    assert FP.crc32(data, seed) == zlib.crc32(data, seed)           # PCLMULQDQ folding
+    assert FP.crc32(data, seed, False) == zlib.crc32(data, seed)    # zlib's own
+
+
 # --------------------------------------------------------------------------- receive side
 
 def _rx():
