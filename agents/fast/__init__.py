@@ -19,6 +19,7 @@ so every run says which path carried its packets.
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 from typing import Any
@@ -36,10 +37,14 @@ def _load() -> tuple[ModuleType | None, str | None]:
         return None, f"turned off: {ENV}={os.environ[ENV]}"
     try:
         from agents.fast import build
-        if build.SOURCE.exists() and build.extension_path().exists() and not build.is_current():
-            return None, ("the built extension is stale (its source changed since): "
-                          "run `make setup` or `python -m agents.fast`")
-        from agents.fast import _fastpath  # type: ignore[attr-defined]
+        if build.SOURCE.exists():
+            if not build.extension_path().exists():
+                return None, ("the extension is not built: run `make setup` or "
+                              "`python -m agents.fast`")
+            if not build.is_current():
+                return None, ("the built extension is stale (its source changed since): "
+                              "run `make setup` or `python -m agents.fast`")
+        _fastpath = importlib.import_module("agents.fast._fastpath")
     except ImportError as e:
         return None, f"extension not available ({e}): run `make setup`"
     except OSError as e:

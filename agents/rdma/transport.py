@@ -264,6 +264,16 @@ class Endpoint:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def disable_fast_path(self, reason: str) -> None:
+        """Run the Python path from now on (the C path reads and writes the socket's fd
+        itself, past anything that wraps `sock`); `fast_path` then says why."""
+        self.fast = None
+        self._rx = None
+        self._hot = None
+        self.fast_path = {"on": False, "reason": f"turned off: {reason}"}
+        for b in self._qps.values():
+            b.tx_batch = None
+
     def close(self) -> None:
         self.sock.close()
 

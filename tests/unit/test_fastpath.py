@@ -662,3 +662,12 @@ def test_runs_across_acks_leave_the_same_state(ack_req_every):
         tx.close()
         for s in sides:
             s.ep.close()
+
+
+def test_an_extension_never_built_is_reported(monkeypatch, tmp_path):
+    from agents.fast import build
+
+    monkeypatch.setenv("TESTBED_FASTPATH", "1")
+    monkeypatch.setattr(build, "extension_path", lambda: tmp_path / "absent.so")
+    mod, reason = fast._load()
+    assert mod is None and reason is not None and "not built" in reason
