@@ -1,7 +1,9 @@
 """Build the fast-path extension `agents.fast._fastpath` with clang (`make setup` runs this).
 
 The shared object goes next to its source (agents/fast/_fastpath<EXT_SUFFIX>), with a stamp
-file holding the SHA-256 of the source it was built from: `agents.fast` refuses an
+file holding a digest of the source it was built from (CRC-32 and length: this module is
+imported by every agent that checks the stamp, and hashlib would load OpenSSL, 3.6 MB of
+RSS, into each of them): `agents.fast` refuses an
 extension whose stamp does not match the source beside it (a stale build would be a
 different transport than the code says), and this script rebuilds exactly then.
 
@@ -14,13 +16,10 @@ Needs clang, Python.h (python3-dev) and zlib.h (zlib1g-dev), all from apt.
 from __future__ import annotations
 
 import argparse
-import hashlib
+import importlib.machinery
 import os
-import shutil
-import subprocess
 import sys
-import sysconfig
-import tempfile
+import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,11 +36,14 @@ class BuildError(RuntimeError):
 
 def extension_path() -> Path:
     """Where the built extension lives (importable as agents.fast._fastpath)."""
-    return HERE / f"_fastpath{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    return HERE / f"_fastpath{importlib.machinery.EXTENSION_SUFFIXES[0]}"
 
 
 def source_hash() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    """The source's digest: CRC-32 and length (a stale build is what it must catch, not an
+    adversary)."""
+    src = SOURCE.read_bytes()
+    return f"crc32:{zlib.crc32(src):08x}:{len(src)}"
 
 
 def is_current() -> bool:
@@ -54,6 +56,11 @@ def is_current() -> bool:
 
 def build(force: bool = False) -> Path:
     """Compile the extension unless it is current; returns its path. BuildError on failure."""
+    import shutil       # here, not at the top: agents import this module for is_current
+    import subprocess
+    import sysconfig
+    import tempfile
+
     out = extension_path()
     if not force and is_current():
         return out
