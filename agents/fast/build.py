@@ -56,7 +56,7 @@ def is_current() -> bool:
 
 def build(force: bool = False) -> Path:
     """Compile the extension unless it is current; returns its path. BuildError on failure."""
-    import shutil       # here, not at the top: agents import this module for is_current
+    import shutil  # here, not at the top: agents import this module for is_current
     import subprocess
     import sysconfig
     import tempfile
