@@ -640,6 +640,12 @@ class RcRequester:
         pacer.sent(wire, self.cc.on_bytes_sent(wire, now), now)
         return view
 
+    def paced_out(self, now_ns: float) -> bool:
+        """True when `poll_send(now_ns)` would return None for the pacer alone and change
+        nothing (no RNR wait to clear first): the fast path's round stops here without
+        another call."""
+        return self._rnr_until is None and now_ns < self._pacer._due
+
     def build_batch(self, now_ns: float, batch: TxBatchLike, max_packets: int) -> int:
         """The fast path's `poll_send`: build into `batch` (an agents.fast TxBatch) the
         packets successive `poll_send(now_ns)` calls would return, at most `max_packets`,

@@ -140,6 +140,8 @@ def fast_send_round(r: RcRequester, batch, now: float, limit: int,
         if m > 0:
             send_batch(batch)
             k += m
+            if r.paced_out(now):        # what the next build_batch would find
+                break
             continue
         if m == 0:
             break

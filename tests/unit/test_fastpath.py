@@ -671,3 +671,40 @@ def test_an_extension_never_built_is_reported(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "extension_path", lambda: tmp_path / "absent.so")
     mod, reason = fast._load()
     assert mod is None and reason is not None and "not built" in reason
+
+
+def test_send_batch_accounts_and_retries_each_failure_as_send_does():
+    import errno
+
+    from agents.rdma.transport import Stopped
+
+    class _Batch:
+        """Answers send() from a script: (went, errno) per call."""
+
+        def __init__(self, script):
+            self.script = list(script)
+            self.cleared = False
+
+        def send(self, fd, addr):
+            return self.script.pop(0)
+
+        def clear(self):
+            self.cleared = True
+
+    stop = [False]
+    ep = Endpoint("127.0.0.1", 0, fast_path=False, should_stop=lambda: stop[0])
+    try:
+        b = _Batch([(2, errno.EAGAIN), (0, errno.ENOBUFS), (1, errno.ECONNREFUSED), (3, 0)])
+        ep.send_batch(b, ("127.0.0.1", 9))
+        assert not b.script and not b.cleared
+        e = ep.send_errors
+        assert (e.eagain, e.enobufs, e.icmp_errors) == (1, 1, 1)
+        with pytest.raises(OSError):                    # what a retry cannot fix
+            ep.send_batch(_Batch([(0, errno.EMSGSIZE)]), ("127.0.0.1", 9))
+        stop[0] = True                                  # a stop ends a blocked send
+        b = _Batch([(0, errno.EAGAIN)])
+        with pytest.raises(Stopped):
+            ep.send_batch(b, ("127.0.0.1", 9))
+        assert b.cleared
+    finally:
+        ep.close()
