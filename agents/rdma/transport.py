@@ -437,8 +437,8 @@ class Endpoint:
         return done
 
     def counters(self) -> dict:
-        return {"local": f"{self.local_ip}:{self.port}", "fast_path": dict(self.fast_path),
-                "datagrams_received":
+        # (which packet path ran is `fast_path`, not a counter: callers sum these)
+        return {"local": f"{self.local_ip}:{self.port}", "datagrams_received":
                 self.datagrams_received, "malformed": dict(self.malformed),
                 "unknown_qp": self.unknown_qp, "wrong_peer": self.wrong_peer,
                 # an ICMP error reported on a send is the socket's receive side at work
