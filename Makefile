@@ -12,6 +12,8 @@ APT_PACKAGES := iproute2 iputils-ping clang llvm libbpf-dev linux-libc-dev libc6
 # run natively on a kernel with rdma_rxe or inside the VM (which uses the host's binaries).
 # VM mode installs qemu, busybox-static and kmod, and the guest kernel, on first use only.
 APT_PACKAGES += perftest ibverbs-providers
+# The RoCE transport's compiled fast path (agents/fast/_fastpath.c): Python.h and zlib.h.
+APT_PACKAGES += python3-dev zlib1g-dev
 # Packaged on Debian; on Ubuntu bpftool ships in linux-tools and is optional.
 APT_OPTIONAL := bpftool
 # Tests open the HTML report in a headless browser, and decode RoCE captures with tshark.
@@ -26,7 +28,16 @@ BENCH_APT_PACKAGES := mininet
 
 BPF_SRC := testbed/net/bpf/port.bpf.c
 
-setup: $(VENV)/.installed $(VENV)/.bpf-built
+setup: $(VENV)/.installed $(VENV)/.bpf-built $(VENV)/.fastpath-built
+
+# The RoCE transport's fast path, a CPython extension built with clang next to its source
+# (agents/fast/build.py); rebuilt when the C source changes (the module also refuses a
+# build older than its source, and the agents then say they ran the Python path).
+FASTPATH_SRC := agents/fast/_fastpath.c
+
+$(VENV)/.fastpath-built: $(VENV)/.installed $(FASTPATH_SRC) agents/fast/build.py
+	$(PY) -m agents.fast
+	@touch $@
 
 # The tc-BPF port program, compiled with clang into /var/cache/testbed/bpf.
 $(VENV)/.bpf-built: $(VENV)/.installed $(BPF_SRC)
@@ -100,4 +111,4 @@ bench: setup
 
 clean:
 	-$(VENV)/bin/testbed down --all
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info agents/fast/_fastpath*.so agents/fast/_fastpath.stamp

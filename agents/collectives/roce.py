@@ -724,6 +724,7 @@ class RoceTransport:
                     totals[k] = totals.get(k, 0) + v
         args = self.config.args
         return {**totals, "per_peer": per_peer, "endpoint": self.endpoint.counters(),
+                "fast_path": dict(self.endpoint.fast_path),   # agents.fast: which path ran
                 "setup_refused": dict(self.setup_refused),
                 "setup_refused_total": sum(self.setup_refused.values()),
                 "qps_per_peer": self.config.qps, "chunk_bytes": self.config.chunk_bytes,

@@ -449,5 +449,6 @@ class FlowHost(ScheduledHost):
                 "duplicates": t.duplicates, "ooo_drops": t.ooo_drops,
                 **self._live_sums(),
                 "rx_endpoint": self.rx.counters(), "tx_sockets": t.tx_sockets,
+                "fast_path": dict(self.rx.fast_path),       # agents.fast: which path ran
                 "engine": {"steps": self.engine.steps, "waits": self.engine.waits},
                 "sent": self.sent, "received": self.received}

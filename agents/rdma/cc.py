@@ -707,6 +707,20 @@ class DcqcnRp:
             return self.on_cnp(now_ns)
         return self.advance(now_ns)
 
+    def bulk_bytes_budget(self, now_ns: float) -> float:
+        """Bytes `on_bytes_sent` may be told at `now_ns`, in any number of calls, with
+        every call returning the current rate and the state after them the same as after
+        one call with their sum: 0 when a timer is due (the next call fires it), else the
+        bytes left before the byte counter's next event (inf without one). The fast path
+        (agents.rdma.qp.RcRequester.build_batch) batches packets within this budget and
+        leaves the packet that reaches it to the per-packet path."""
+        for d in self._deadline:
+            if d is not None and d <= now_ns:
+                return 0.0
+        if self.params.byte_counter_bytes is None or self._phase == PHASE_INIT:
+            return math.inf
+        return self._bc_threshold - self._bc_bytes
+
     def on_bytes_sent(self, nbytes: int, now_ns: float) -> float:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
@@ -868,6 +882,11 @@ class DcqcnNp:
             self._c["ce_coalesced"] += 1
         return send
 
+    def on_unmarked_packets(self, n: int) -> None:
+        """`n` data packets without a CE mark at once: what `n` calls of
+        `on_packet(False, ...)` do (the fast path's in-order runs)."""
+        self._c["packets"] += n
+
     def _due(self, now: float) -> bool:
         interval = self.cnp_interval_ns
         if interval == 0:
@@ -973,6 +992,11 @@ class DctcpRp:
         self._c["cnps"] += 1
         return self._feedback(self.params.cnp_bytes, 0, now_ns)
 
+    def bulk_bytes_budget(self, now_ns: float) -> float:
+        """As DcqcnRp.bulk_bytes_budget: bytes sent only add to the window's count, so
+        any amount, unless the window closes at `now_ns` (0: the next call closes it)."""
+        return 0.0 if self._window_end <= now_ns else math.inf
+
     def on_bytes_sent(self, nbytes: int, now_ns: float) -> float:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
@@ -1044,6 +1068,10 @@ class NoCc:
     def on_ecn_echo(self, marked_bytes: int, total_bytes: int, now_ns: float) -> float:
         self._c["ecn_echoes"] += 1
         return self.advance(now_ns)
+
+    def bulk_bytes_budget(self, now_ns: float) -> float:
+        """As DcqcnRp.bulk_bytes_budget: the rate never changes."""
+        return math.inf
 
     def on_bytes_sent(self, nbytes: int, now_ns: float) -> float:
         self._c["bytes_sent"] += nbytes

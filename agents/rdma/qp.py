@@ -221,6 +221,17 @@ class Clock(Protocol):
     def now_ns(self) -> float: ...
 
 
+class TxBatchLike(Protocol):
+    """What `RcRequester.build_batch` needs of agents.fast's TxBatch (see its `build`)."""
+
+    def build(self, data: memoryview, first_idx: int, npkts: int, mtu: int,
+              ops: tuple[int, int, int, int], dest_qp: int, p_key: int, psn: int,
+              ack_req_every: int, reth: tuple[int, int, int] | None, imm: int | None,
+              pseudo: bytes, overhead: int, due_ns: float, rate_bps: float,
+              burst_bits: float, now_ns: float, max_packets: int,
+              budget_bytes: float) -> tuple[int, float, int, int]: ...
+
+
 class QpState:
     RTS = "rts"
     ERROR = "error"
@@ -468,6 +479,7 @@ class RcRequester:
         self._overhead = attrs.wire_overhead_bytes
         self._pacer = RatePacer(attrs.max_burst_bytes)
         self._timeout = attrs.timeout_ns
+        self._pseudo: bytes | None = None   # ctx.pseudo_header(0), for build_batch
         self._sq: list[_Wqe] = []
         self._head = 0           # oldest incomplete WQE
         self._cur = 0            # WQE holding _snd
@@ -627,6 +639,83 @@ class RcRequester:
         # pace: this packet occupies wire * 8 / rate; bounded catch-up after a stall
         pacer.sent(wire, self.cc.on_bytes_sent(wire, now), now)
         return view
+
+    def paced_out(self, now_ns: float) -> bool:
+        """True when `poll_send(now_ns)` would return None for the pacer alone and change
+        nothing (no RNR wait to clear first): the fast path's round stops here without
+        another call."""
+        return self._rnr_until is None and now_ns < self._pacer._due
+
+    def build_batch(self, now_ns: float, batch: TxBatchLike, max_packets: int) -> int:
+        """The fast path's `poll_send`: build into `batch` (an agents.fast TxBatch) the
+        packets successive `poll_send(now_ns)` calls would return, at most `max_packets`,
+        and leave this requester, its pacer and its rate controller as those calls would.
+
+        Returns how many were built: 0 when `poll_send` would return None; -1 when the
+        next packet must take the per-packet path (the rate controller cannot promise its
+        rate for it: a timer due, a byte-counter event, or no `bulk_bytes_budget`). A
+        batch never crosses a message boundary, nor changes the rate: the C side stops
+        where the pacer says wait and before the wire bytes reach the controller's budget.
+        """
+        snd = self._snd
+        if self.state != QpState.RTS or snd == self._post_psn:
+            return 0
+        room = self._window - ((snd - self._una) & PSN_MASK)
+        if room <= 0:
+            return 0
+        now = now_ns
+        if self._rnr_until is not None:
+            if now < self._rnr_until:
+                return 0
+            self._rnr_until = None
+        pacer = self._pacer
+        if now < pacer._due:
+            return 0
+        cc = self.cc
+        budget_fn = getattr(cc, "bulk_bytes_budget", None)
+        if budget_fn is None:
+            return -1
+        budget = budget_fn(now)
+        if not budget > 0:
+            return -1
+        w = self._sq[self._cur]
+        i = self._cur_idx
+        pseudo = self._pseudo
+        if pseudo is None:
+            pseudo = self._pseudo = self.ctx.pseudo_header(0)
+        rate = cc.rate_bps
+        n, due, nbytes, payload = batch.build(
+            w.data, i, w.npkts, self._mtu, w.ops, self.dest_qpn, self._p_key, snd,
+            self._ack_req_every, (w.va, w.rkey, w.length) if w.kind == WC_WRITE else None,
+            w.imm, pseudo, self._overhead, pacer._due, rate, pacer._burst_bits, now,
+            min(max_packets, room), budget)
+        if n == 0:
+            return -1           # the first packet alone reaches the budget
+        # what n poll_send calls do, in bulk
+        if i + n == w.npkts:
+            self._cur += 1
+            self._cur_idx = 0
+        else:
+            self._cur_idx = i + n
+        self._snd = (snd + n) & PSN_MASK
+        behind = (self._hi - snd) & PSN_MASK    # packets from snd that were sent before
+        if n > behind:
+            self.retransmissions += behind
+            self._hi = self._snd
+            self.last_was_retransmission = False
+        else:
+            self.retransmissions += n
+            self.last_was_retransmission = True
+        if self._rto_deadline is None:
+            self._rto_deadline = now + self._timeout
+        wire = nbytes + n * self._overhead
+        self.packets_sent += n
+        self.bytes_sent += nbytes
+        self.wire_bytes_sent += wire
+        self.payload_bytes_sent += payload
+        cc.on_bytes_sent(wire, now)             # within the budget: one call is n calls
+        pacer._due = due
+        return n
 
     # -- feedback
 
@@ -915,6 +1004,38 @@ class RcResponder:
         if place(op, p):
             self._accept(op, psn, len(p.payload), bth.ack_req)
 
+    def fast_hint(self, peer: tuple[str, int]) -> tuple | None:
+        """What the fast path's receive (agents.fast RxBatch.recv `hot`) needs to take this
+        responder's in-order WRITE MIDDLE packets from `peer` itself, or None when it may
+        not: not in RTS, no WRITE in progress, a region that keeps no bytes (a sink), or a
+        notification point other than DcqcnNp (its per-packet call is not known to be a
+        count). `on_fast_run` then applies what C did."""
+        view = self._wr_view
+        np_ = self.np
+        if (self.state != QpState.RTS or view is None or type(view) is not memoryview
+                or not (np_ is None or type(np_) is DcqcnNp)):
+            return None
+        return (self.qpn, peer[0], peer[1], self._epsn, self._mtu, self._ack_every,
+                self._since_ack, view, self._wr_off, self._wr_left)
+
+    def on_fast_run(self, count: int, payload_bytes: int, ack: bool = False) -> None:
+        """`count` in-order WRITE MIDDLE packets of `payload_bytes` in all, placed by the
+        fast path (see `fast_hint`): the state and counters `on_request` would leave. None
+        was CE-marked; only the last may be due an ACK (`ack`: AckReq, or `ack_every`
+        packets since the last ACK; C checked), which is sent here as `_accept` would."""
+        self.packets_received += count
+        if self.np is not None:
+            self.np.on_unmarked_packets(count)
+        self._nak_sent = False
+        self._dup_run = False
+        self._wr_off += payload_bytes
+        self._wr_left -= payload_bytes
+        self.payload_bytes_received += payload_bytes
+        self._epsn = (self._epsn + count) & PSN_MASK
+        self._since_ack += count
+        if ack:
+            self._send_ack()
+
     # -- receiving, step by step
 
     def _count_arrival(self, ce: bool, now_ns: float | None) -> None:
@@ -1190,6 +1311,14 @@ class RcQp:
             self.requester.on_cnp(now_ns)
         else:
             self.responder.on_request(p, ce, now_ns)
+
+    def on_fast_run(self, count: int, udp_bytes: int, payload_bytes: int,
+                    ack: bool = False) -> None:
+        """`count` data packets (`udp_bytes` of UDP payload) the fast path placed for the
+        responder (RcResponder.fast_hint): what `on_packet` counts, then the responder."""
+        self.packets_received += count
+        self.bytes_received += udp_bytes
+        self.responder.on_fast_run(count, payload_bytes, ack)
 
     def counters(self) -> dict:
         """Requester and responder counters, plus the rate controller's Rc / Rt."""

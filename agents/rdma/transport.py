@@ -42,6 +42,7 @@ preamble/SFD 8 + inter-frame gap 12.
 
 from __future__ import annotations
 
+import os
 import random
 import select
 import socket
@@ -49,7 +50,8 @@ import struct
 import time
 from collections.abc import Callable
 
-from agents.rdma.qp import PKT_CNP, RcQp
+from agents import fast as _fast
+from agents.rdma.qp import PKT_CNP, RcQp, RcRequester
 from agents.runtime.sockets import (
     CE,
     ECT0,
@@ -66,9 +68,13 @@ from agents.wire.roce import (
     IP_MTU_DISCOVER,
     IP_PMTUDISC_DO,
     ROCE_UDP_PORT,
+    Aeth,
+    Bth,
     IcrcContext,
     MalformedPacket,
     MalformedReason,
+    Parsed,
+    Reth,
     icrc_context,
     parse_packet,
 )
@@ -81,6 +87,7 @@ __all__ = [
     "Binding",
     "Endpoint",
     "Engine",
+    "fast_send_round",
     "rxe_sport",
 ]
 
@@ -96,6 +103,10 @@ SEND_TIMEOUT_NS = 100_000_000
 # resume, past the DCQCN rate limiter (docs/roce.md, "The NIC's queue").
 NIC_SNDBUF_BYTES = 8192
 RECV_BATCH = 64            # datagrams drained per endpoint per step
+# Datagrams per recvmmsg on the fast path. Each slot is 64 KiB of address space (any UDP
+# datagram fits) of which only the pages a datagram touches become resident: 16 slots
+# hold at most ~150 KB of a 4 KB-MTU flow, per endpoint (an agent may have many).
+FAST_RECV_SLOTS = 16
 SEND_BATCH = 16            # packets per QP per step, at most
 SPIN_NS = 150_000          # wall: closer than this to the next event, spin instead of select
 MAX_SLEEP_NS = 20_000_000  # wall: longest single select, so stop requests stay prompt
@@ -106,11 +117,40 @@ _U32 = struct.Struct("=I")
 _IPPROTO_IP = socket.IPPROTO_IP
 _IP_TOS = socket.IP_TOS
 _INT = struct.Struct("@i")
+_REASON_NAMES = {int(r): r.name for r in MalformedReason}
 
 
 def rxe_sport(qpn: int) -> int:
     """rxe's UDP source port for a QP: 0xC000 | hash_32(qpn, 14) (Linux's golden-ratio hash)."""
     return ROCE_SPORT_BASE | (((qpn * GOLDEN_RATIO_32) & 0xFFFFFFFF) >> 18)
+
+
+def fast_send_round(r: RcRequester, batch, now: float, limit: int,
+                    send_batch: Callable[[object], None],
+                    send_one: Callable[[memoryview], None]) -> int:
+    """Up to `limit` packets of requester `r` at `now`, the fast way: runs of packets built
+    in C (`RcRequester.build_batch`) handed to `send_batch` (one sendmmsg each), and a
+    packet a run cannot promise (its rate may change) built by `poll_send` and handed to
+    `send_one`. The same packets, in the same order, with the same state after, as
+    `limit` calls of `poll_send` (tests/unit/test_fastpath.py holds them equal).
+    Returns how many packets went."""
+    k = 0
+    while k < limit:
+        m = r.build_batch(now, batch, limit - k)
+        if m > 0:
+            send_batch(batch)
+            k += m
+            if r.paced_out(now):        # what the next build_batch would find
+                break
+            continue
+        if m == 0:
+            break
+        view = r.poll_send(now)
+        if view is None:
+            break
+        send_one(view)
+        k += 1
+    return k
 
 
 class Stopped(Exception):
@@ -121,7 +161,7 @@ class Binding:
     """One QP on an endpoint: its peer address, and test-only injected loss."""
 
     __slots__ = ("qp", "peer", "endpoint", "drop_every", "drop_prob", "_rng", "_n",
-                 "injected_drops", "sport")
+                 "injected_drops", "sport", "tx_batch")
 
     def __init__(self, qp: RcQp, peer: tuple[str, int], endpoint: Endpoint, *,
                  drop_every: int = 0, drop_prob: float = 0.0, drop_seed: int = 1) -> None:
@@ -134,6 +174,9 @@ class Binding:
         self._rng = random.Random(drop_seed)
         self._n = 0
         self.injected_drops = 0
+        # the fast path's packet batch (agents.fast TxBatch); None: the per-packet path
+        fast = endpoint.fast
+        self.tx_batch = fast.TxBatch() if fast is not None else None
 
     def send_data(self, view: memoryview, retransmission: bool = False) -> None:
         """Put one data packet on the wire, unless the test-only loss says it is lost.
@@ -171,7 +214,7 @@ class Endpoint:
                  cnp_dscp: int = CNP_DSCP, ecn: bool = True, rcvbuf_bytes: int | None = 4 << 20,
                  sndbuf_bytes: int | None = None,
                  should_stop: Callable[[], bool] | None = None,
-                 count_overflow: bool = False) -> None:
+                 count_overflow: bool = False, fast_path: bool = True) -> None:
         self.local_ip = local_ip
         self.data_tos = tos_byte(dscp, ECT0 if ecn else 0)
         self.cnp_tos = tos_byte(cnp_dscp, 0)
@@ -204,6 +247,17 @@ class Endpoint:
         self.datagrams_received = 0
         self.overflow_drops = 0      # count_overflow: dropped here before they were read
         self.send_errors = SendErrors()
+        # The compiled fast path (agents.fast), unless turned off here or unavailable:
+        # `fast_path` (the status agents report) says which path this endpoint runs.
+        if fast_path:
+            self.fast = _fast.extension()
+            self.fast_path = _fast.status()
+        else:
+            self.fast = None
+            self.fast_path = {"on": False, "reason": "turned off by the agent's option"}
+        self._hot: Binding | None = None   # fast path: the QP C may place packets for
+        self._rx = None if self.fast is None else self.fast.RxBatch(
+            FAST_RECV_SLOTS, local_ip, self.port, Parsed, Bth, Reth, Aeth)
         # Called with a packet for a QPN no QP here has, and its source address: a QP it
         # attaches (a receiver that makes a flow's responder when the flow's first packet
         # comes, agents.flows) is returned and takes the packet; None counts it unknown.
@@ -211,6 +265,16 @@ class Endpoint:
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+    def disable_fast_path(self, reason: str) -> None:
+        """Run the Python path from now on (the C path reads and writes the socket's fd
+        itself, past anything that wraps `sock`); `fast_path` then says why."""
+        self.fast = None
+        self._rx = None
+        self._hot = None
+        self.fast_path = {"on": False, "reason": f"turned off: {reason}"}
+        for b in self._qps.values():
+            b.tx_batch = None
 
     def close(self) -> None:
         self.sock.close()
@@ -232,6 +296,8 @@ class Endpoint:
 
     def detach(self, qpn: int) -> Binding | None:
         """Stop serving QP `qpn` here (its packets then count as unknown); its binding."""
+        if self._hot is not None and self._hot.qp.qpn == qpn:
+            self._hot = None
         return self._qps.pop(qpn, None)
 
     # -- send
@@ -245,6 +311,20 @@ class Endpoint:
                 return
             except OSError as e:
                 self.send_failed(e)
+
+    def send_batch(self, batch, addr: tuple[str, int]) -> None:
+        """Blocking send of a fast-path batch (one sendmmsg while all go): each packet
+        that did not go is accounted and retried as `send` does, in order."""
+        fd = self.sock.fileno()
+        try:
+            while True:
+                _went, err = batch.send(fd, addr)
+                if not err:
+                    return
+                self.send_failed(OSError(err, os.strerror(err)))   # EAGAIN: BlockingIOError
+        except BaseException:
+            batch.clear()
+            raise
 
     def send_failed(self, e: OSError) -> None:
         """Account a failed send before it is retried; raise what a retry cannot fix."""
@@ -266,6 +346,8 @@ class Endpoint:
 
     def receive(self, now_ns: float, budget: int = RECV_BATCH) -> int:
         """Handle up to `budget` waiting datagrams without blocking; returns how many."""
+        if self._rx is not None:
+            return self._receive_fast(now_ns, budget)
         sock = self.sock
         buf = self._buf
         view = self._view
@@ -310,7 +392,52 @@ class Endpoint:
         self.datagrams_received += done
         return done
 
+    def _receive_fast(self, now_ns: float, budget: int) -> int:
+        """`receive` through the fast path: recvmmsg, parse and ICRC check in C, the
+        same accounting and dispatch as the Python path, datagram by datagram."""
+        rx = self._rx
+        assert rx is not None
+        fd = self.sock.fileno()
+        qps = self._qps
+        malformed = self.malformed
+        done = 0
+        while done < budget:
+            # the QP that took the last in-order data packet: C may place its next ones
+            hot = self._hot
+            hint = hot.qp.responder.fast_hint(hot.peer) if hot is not None else None
+            results, errors, overflow = rx.recv(fd, min(budget - done, FAST_RECV_SLOTS), hint)
+            self.rx_errors += errors
+            if overflow >= 0:
+                self.overflow_drops = overflow
+            if not results:
+                break
+            for p, ce, addr, n in results:
+                if p.__class__ is int:
+                    if p <= 0:      # (0 | -1: ACK due, packets, UDP bytes, payload bytes)
+                        assert hot is not None      # a run C placed for the hot QP
+                        hot.qp.on_fast_run(ce, addr, n, p < 0)
+                        done += ce
+                        continue
+                    done += 1
+                    malformed[_REASON_NAMES[p]] += 1
+                    continue
+                done += 1
+                b = qps.get(p.bth.dest_qp)
+                if b is None and self.on_unknown_qp is not None:
+                    b = self.on_unknown_qp(p.bth.dest_qp, addr)
+                if b is None:
+                    self.unknown_qp += 1
+                    continue
+                if addr != b.peer:
+                    self.wrong_peer += 1
+                    continue
+                b.qp.on_packet(p, ce, now_ns, n)
+                self._hot = b
+        self.datagrams_received += done
+        return done
+
     def counters(self) -> dict:
+        # (which packet path ran is `fast_path`, not a counter: callers sum these)
         return {"local": f"{self.local_ip}:{self.port}", "datagrams_received":
                 self.datagrams_received, "malformed": dict(self.malformed),
                 "unknown_qp": self.unknown_qp, "wrong_peer": self.wrong_peer,
@@ -390,6 +517,8 @@ class Engine:
                         break
                     b.send_data(view, r.last_was_retransmission)
                     k += 1
+            elif b.tx_batch is not None:
+                k = self._send_fast(b, r, now)
             else:
                 # the common case, a call level shallower: ~0.3 us of a ~9 us packet
                 sendto, peer = b.endpoint.sock.sendto, b.peer
@@ -406,6 +535,15 @@ class Engine:
             if k:
                 busy = True
         return busy
+
+    @staticmethod
+    def _send_fast(b: Binding, r: RcRequester, now: float) -> int:
+        """Up to SEND_BATCH packets of one QP through the fast path (`fast_send_round`)."""
+        ep = b.endpoint
+        peer = b.peer
+        return fast_send_round(r, b.tx_batch, now, SEND_BATCH,
+                               lambda batch: ep.send_batch(batch, peer),
+                               lambda view: ep.send(view, peer))
 
     def next_event_ns(self) -> float | None:
         """Fabric time of the next send or timer any QP has, or None."""

@@ -493,6 +493,7 @@ def run_client(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
             "qps": {str(b.qp.qpn): b.counters() for b in bindings},
             "malformed": _sum_malformed(endpoints),
             "endpoints": [ep.counters() for ep in endpoints],
+            "fast_path": _fast_path(endpoints),
             "qp_attrs": attrs.to_dict(), "window_packets": attrs.window_packets,
             "engine": {"steps": engine.steps, "waits": engine.waits},
             "stopped_by": life.stop_reason or ("duration" if result["duration_ended"]
@@ -516,6 +517,15 @@ def run_client(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
         ctl.close()
         for ep in endpoints:
             ep.close()
+
+
+def _fast_path(endpoints: list[Endpoint]) -> dict:
+    """Which packet path the endpoints ran (agents.fast): {"on", "reason"}; with none
+    made, what the process would have run."""
+    if endpoints:
+        return dict(endpoints[0].fast_path)
+    from agents import fast
+    return fast.status()
 
 
 def _sum_malformed(endpoints: list[Endpoint]) -> dict:
@@ -840,6 +850,7 @@ def run_server(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
             "first_mismatch": result.pop("first_mismatch", None), **result,
             "qps": {str(b.qp.qpn): b.counters() for b in bindings},
             "malformed": dict(ep.malformed), "endpoints": [ep.counters()],
+            "fast_path": _fast_path([ep]),
             "qp_attrs": attrs.to_dict(), "window_packets": attrs.window_packets,
             "engine": {"steps": engine.steps, "waits": engine.waits},
             "stopped_by": life.stop_reason or "done", "error": error,

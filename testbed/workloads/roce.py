@@ -233,6 +233,9 @@ class RoceKind(WorkloadKind):
         "via": "the switches the entry pinned its QPs to (null: not pinned; the paths are "
                "in the run's path_pinned events)",
         "verified": "the responder checked every byte (null: not checked)",
+        "packet_path": "which packet path client and server ran: fast (the compiled one, "
+                       "agents.fast), python (the reference), or each side's; "
+                       "docs/fast-path.md",
         "error": "the first error either side reported (null: none)",
     }
 
@@ -402,6 +405,7 @@ class RoceKind(WorkloadKind):
                            if "sport" in q],
                 "via": via_of.get(spec.traffic),
                 "verified": verified,
+                "packet_path": packet_path(c, srv),
                 "error": c.get("error") or srv.get("error"),
             }))
         return rows
@@ -457,6 +461,12 @@ class RoceKind(WorkloadKind):
                 notes.append(f"{who} on {spec.node} finished set-up {late / 1e6:.0f} ms (wall) "
                              f"after its start time, so it started "
                              f"{view.dilation.to_fabric_ns(late) / 1e3:.1f} us fabric late")
+            for side, r in (("client", res), ("server", _server_result(specs, results, spec))):
+                fp = r.get("fast_path") or {}
+                if fp.get("on") is False and not _chose_python(fp):
+                    notes.append(f"{who}: the {side} ran the pure-Python packet path, not the "
+                                 f"compiled one: {fp.get('reason')} (same packets, fewer per "
+                                 "second of CPU)")
             if res.get("verified") is False:
                 notes.append(f"{who}: the data did not arrive byte-exact (first mismatch "
                              f"{res.get('first_mismatch')})")
@@ -466,6 +476,35 @@ class RoceKind(WorkloadKind):
                              "dropped: ACKs came later than the QP timeout (long pauses, or an "
                              "agent short of CPU)")
         return notes
+
+
+def packet_path(client: dict, server: dict) -> str | None:
+    """"fast", "python", or "client X, server Y": the packet path each side's agent ran
+    (its results' `fast_path`, agents.fast); None when neither said (an older agent)."""
+    sides = {name: ("fast" if fp.get("on") else "python")
+             for name, fp in (("client", client.get("fast_path")),
+                              ("server", server.get("fast_path"))) if fp}
+    if not sides:
+        return None
+    if len(set(sides.values())) == 1 and len(sides) == 2:
+        return next(iter(sides.values()))
+    return ", ".join(f"{k} {v}" for k, v in sides.items())
+
+
+def _chose_python(fast_path: dict) -> bool:
+    """The Python path was asked for (TESTBED_FASTPATH=0, an agent option), not forced by
+    a missing or stale extension."""
+    reason = str(fast_path.get("reason") or "")
+    return reason.startswith("turned off")
+
+
+def _server_result(specs: Sequence[AgentSpec], results: Results, client: AgentSpec) -> dict:
+    """The results of the server `client` talks to ({} if none)."""
+    for s in specs:
+        if s.role == "receiver" and (s.traffic, s.src, s.dst) == (
+                client.traffic, client.src, client.dst):
+            return results.get(s.name) or {}
+    return {}
 
 
 def _check_schedule_and_cc(t: RoceTraffic, loc: tuple,

@@ -673,3 +673,36 @@ def test_the_run_gives_pinned_clients_distinct_ports_per_host_and_says_which(mon
     assert done[1].paths == ("h1:eth0 -> leaf1:swp5 -> spine2:swp3",)
     # the servers are untouched
     assert [s for s in out if s.role == "receiver"] == [s for s in specs if s.role == "receiver"]
+
+
+# --- which packet path the agents ran (agents.fast) -------------------------------------
+
+def test_rows_and_notes_say_which_packet_path_ran(tmp_path):
+    from testbed.workloads.roce import packet_path
+
+    on = {"on": True, "reason": None}
+    missing = {"on": False, "reason": "extension not available (...): run `make setup`"}
+    chosen = {"on": False, "reason": "turned off: TESTBED_FASTPATH=0"}
+    assert packet_path({"fast_path": on}, {"fast_path": on}) == "fast"
+    assert packet_path({"fast_path": chosen}, {"fast_path": chosen}) == "python"
+    assert packet_path({"fast_path": on}, {"fast_path": missing}) == "client fast, server python"
+    assert packet_path({}, {}) is None
+    loaded, plan = _load(INCAST)
+    specs = expand_workload(loaded.fabric, plan)
+    (tmp_path / "agents").mkdir()
+    t0 = time.time_ns()
+    for s in specs:
+        if s.role == "sender":
+            ready_file(tmp_path / "agents", s).touch()
+    results = {s.name: {"verified": True, "qps": {"1": _qp(1, timeouts=0)},
+                        "fast_path": chosen} for s in specs}
+    results["inc-h1-h8-srv"]["fast_path"] = missing
+    rows = {r.fields["src"]: r.fields for r in ROCE.result_rows(
+        specs, results, run_view(plan, tmp_path / "agents", t0))}
+    assert rows["h1"]["packet_path"] == "python" and rows["h2"]["packet_path"] == "python"
+    notes = ROCE.fidelity_notes(specs, results, run_view(plan, tmp_path / "agents", t0))
+    # only the side forced onto the Python path is a note; choosing it is not
+    assert [n for n in notes if "packet path" in n] == [
+        "RoCE client inc-h1-h8: the server ran the pure-Python packet path, not the compiled "
+        "one: extension not available (...): run `make setup` (same packets, fewer per second "
+        "of CPU)"]
