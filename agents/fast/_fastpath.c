@@ -518,7 +518,12 @@ static PyTypeObject TxBatchType = {
 typedef struct {
     PyObject_HEAD
     int slots;
-    unsigned char *bufs;                /* slots x RX_SLOT_BYTES */
+    unsigned char *bufs;                /* slots x RX_SLOT_BYTES, the storage of buf_obj */
+    /* The receive slots are a bytearray, and every payload handed out is a slice of one
+     * read-only memoryview of it: a view kept past the next receive sees newer bytes (as
+     * the Python path's reused buffer does), but one kept past this object never points
+     * at freed memory, since the slices hold the bytearray. */
+    PyObject *buf_obj, *buf_view;
     struct mmsghdr *msgs;
     struct iovec *iov;
     struct sockaddr_in *names;
@@ -548,7 +553,8 @@ typedef struct {
 #define CTL_BYTES 64
 
 static void RxBatch_dealloc(RxBatch *self) {
-    PyMem_RawFree(self->bufs);
+    Py_XDECREF(self->buf_view);
+    Py_XDECREF(self->buf_obj);
     PyMem_RawFree(self->msgs);
     PyMem_RawFree(self->iov);
     PyMem_RawFree(self->names);
@@ -586,7 +592,18 @@ static int RxBatch_init(RxBatch *self, PyObject *args, PyObject *kwds) {
     self->local_port = local_port;
     self->slots = slots;
     /* large and mostly untouched: only the pages datagrams land in become resident */
-    self->bufs = PyMem_RawMalloc((size_t)slots * RX_SLOT_BYTES);
+    /* bytearray(NULL, n) leaves the storage untouched: pages become resident as used */
+    self->buf_obj = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)slots * RX_SLOT_BYTES);
+    if (!self->buf_obj)
+        return -1;
+    PyObject *view = PyMemoryView_FromObject(self->buf_obj);
+    if (!view)
+        return -1;
+    self->buf_view = PyObject_CallMethod(view, "toreadonly", NULL);
+    Py_DECREF(view);
+    if (!self->buf_view)
+        return -1;
+    self->bufs = (unsigned char *)PyByteArray_AS_STRING(self->buf_obj);
     self->msgs = PyMem_RawCalloc(slots, sizeof *self->msgs);
     self->iov = PyMem_RawCalloc(slots, sizeof *self->iov);
     self->names = PyMem_RawCalloc(slots, sizeof *self->names);
@@ -729,7 +746,8 @@ static PyObject *rx_parsed(RxBatch *self, unsigned char *d, const rx_fields *f) 
         Py_DECREF(aeth);
         aeth = named(self->aeth_t, 2, a);
     }
-    PyObject *payload = PyMemoryView_FromMemory((char *)d + f->hdr, f->size, PyBUF_READ);
+    Py_ssize_t start = (Py_ssize_t)(d - self->bufs) + (Py_ssize_t)f->hdr;
+    PyObject *payload = PySequence_GetSlice(self->buf_view, start, start + (Py_ssize_t)f->size);
     PyObject *p[6] = {bth, reth, aeth, payload, PyLong_FromUnsignedLong(f->stored), imm};
     return named(self->parsed_t, 6, p);
 }

@@ -296,6 +296,23 @@ def test_every_opcode_parses_as_the_python_parser_does():
 
 
 @needs_fast
+def test_a_payload_outlives_its_receiver_and_is_read_only():
+    # The payload is a view of the receiver's slots: kept after the receiver is gone it
+    # must still hold memory (a view of freed memory would read garbage or crash).
+    import gc
+    data = next(d for d in _valid_packets() if len(d) > 200)
+    rx = _rx()
+    got = rx.parse(data, SRC, SPORT)
+    assert not isinstance(got, int)
+    want = bytes(got.payload)
+    del rx
+    gc.collect()
+    junk = [bytearray(b"\xa5" * (4 * 65536)) for _ in range(8)]   # reuse freed memory
+    assert bytes(got.payload) == want and len(junk) == 8
+    assert got.payload.readonly
+
+
+@needs_fast
 def test_each_malformed_reason_as_the_python_parser_counts_it():
     rx = _rx()
     ctx = icrc_context(SRC, DST, SPORT, DPORT)
