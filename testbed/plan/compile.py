@@ -20,8 +20,18 @@ from testbed.config import LoadedConfig
 from testbed.config.errors import ConfigError, Problem
 from testbed.config.models import Fabric, Link, Node, SwitchBuffer
 from testbed.phy import PhyResult, evaluate
+from testbed.plan.capacity import (
+    DEFAULT_CAPACITY,
+    MARGIN,
+    Capacity,
+    Choice,
+    Need,
+    choose_factor,
+    workload_need,
+)
 from testbed.plan.events import compile_events
 from testbed.plan.model import (
+    CapacityPlan,
     ClassPlan,
     DilationPlan,
     EcnPlan,
@@ -40,7 +50,7 @@ from testbed.plan.model import (
     TrafficClassPlan,
     TrimPlan,
 )
-from testbed.plan.paths import unreachable_host_pairs
+from testbed.plan.paths import Routes, routed_path, unreachable_host_pairs
 from testbed.plan.qos import (
     DEFAULT_BUFFER_BYTES,
     ECN_ABOVE_XOFF,
@@ -51,6 +61,8 @@ from testbed.plan.qos import (
 )
 from testbed.plan.red import red_params
 from testbed.units import format_size
+from testbed.workloads.base import LoadContext
+from testbed.workloads.registry import REGISTRY
 
 # A conservative wall-rate budget per port for `dilation: auto` when the
 # config says none and `testbed calibrate` has not measured this machine.
@@ -251,20 +263,120 @@ def egress_at_rate(egress: EgressPlan, rate_bps: int, dilation: Dilation,
         "burst_bytes": _burst_bytes(wall, egress.quantum_bytes)})
 
 
-def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None) -> Plan:
-    """Config + PHY + dilation -> plan. Raises ConfigError for problems only the plan finds."""
+def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None,
+                 capacity: Capacity | None = None) -> Plan:
+    """Config + PHY + dilation -> plan. Raises ConfigError for problems only the plan finds.
+
+    `dilation: auto` takes D from `capacity` (what this machine carries, default
+    DEFAULT_CAPACITY: testbed/plan/capacity.py), unless the config pins
+    `max_wall_port_rate`: then from that per-port budget alone, a rule that needs no
+    machine's figures (every VM of a --vms run builds the same plan). A fixed D is
+    checked against the capacity and warned about when the workload would not fit.
+    `max_wall_port_rate_bps` is the machine's calibrated per-port budget: it only says
+    which budget a plan shows when the config pins none."""
+    fabric = loaded.fabric
+    cap = capacity or DEFAULT_CAPACITY
+    pinned = fabric.max_wall_port_rate_bps
+    budget = pinned or max_wall_port_rate_bps or DEFAULT_MAX_WALL_PORT_RATE_BPS
+    busiest = max((evaluate(link.port, link.length_m, fabric.mtu_bytes).mac_rate_bps
+                   for link in loaded.expanded.links), default=1)
+    by_port = choose_dilation(fabric.dilation, busiest, budget)
+    # Routes and paths do not depend on D: the plan at the per-port rule's D gives them.
+    plan = _compile(loaded, by_port)
+    need = plan_need(loaded, plan)
+    choice = choose_factor(need, cap, nice_ceiling)
+    if fabric.dilation == "auto" and pinned is None:
+        d = Dilation(choice.factor)
+        dplan = by_port.model_copy(update={
+            "factor": choice.factor, "rule": "capacity",
+            "busiest_wall_port_bps": d.to_wall_bps(busiest),
+            "capacity": _capacity_plan("capacity", need, cap, choice, choice.factor)})
+        if choice.factor != by_port.factor:
+            plan = _compile(loaded, dplan)
+        warnings = []
+    else:
+        dplan = by_port.model_copy(update={
+            "capacity": _capacity_plan("check", need, cap, choice, by_port.factor)})
+        # The config's own per-port budget is the rule it asked for; otherwise a fixed D
+        # is checked against the capacity (the per-port budget alone is too coarse).
+        warnings = (_budget_warnings(dplan, budget) if pinned is not None
+                    else _capacity_warnings(dplan, choice))
+    return plan.model_copy(update={"dilation": dplan, "warnings": warnings + plan.warnings})
+
+
+def plan_need(loaded: LoadedConfig, plan: Plan) -> Need:
+    """The packet rates the config's workload puts through `plan`'s fabric at D = 1: each
+    kind's offered streams (testbed/workloads: `offered_load`) along the plan's routed
+    paths (testbed/plan/paths.routed_path)."""
+    fabric = loaded.fabric
+    traffic = fabric.workload.traffic if fabric.workload is not None else []
+    hosts = [h.name for h in plan.hosts()]
+    classes: dict[str | int, object] = {t.name: t for t in fabric.traffic_classes}
+    classes |= {t.tc: t for t in fabric.traffic_classes}
+    ctx = LoadContext(hosts=hosts, classes=classes,  # type: ignore[arg-type]
+                      nic_bps={h.name: h.interfaces[0].egress.rate_bps
+                               for h in plan.hosts() if h.interfaces},
+                      mtu_bytes=plan.mtu_bytes, roce_mtu_bytes=plan.roce_mtu_bytes)
+    loads = [load for entry in traffic for load in REGISTRY.of(entry.kind).offered_load(
+        entry, ctx)]
+    routes = Routes(plan)
+
+    def path_of(src: str, dst: str) -> list[tuple[str, int]]:
+        try:
+            hops = routed_path(plan, src, dst, routes)
+        except (ValueError, KeyError, IndexError):
+            return []          # the compile refuses unreachable pairs; a host to itself
+        out, node = [], src
+        for iface in hops:
+            out.append((f"{node}:{iface.ifname}", iface.egress.rate_bps))
+            node = iface.peer.node
+        return out
+
+    return workload_need(loads, path_of)
+
+
+def _capacity_plan(rule: str, need: Need, cap: Capacity, choice: Choice,
+                   factor: int) -> CapacityPlan:
+    def r(x: float) -> float:
+        return float(f"{x:.6g}")
+
+    at_1 = need.core_s_per_s(cap)
+    return CapacityPlan(
+        rule=rule, streams=need.streams, longest_path_hops=need.longest_path_hops,
+        hop_pps=r(need.hop_pps),
+        agent_send_pps={k: r(v) for k, v in sorted(need.agent_send_pps.items())},
+        agent_recv_pps={k: r(v) for k, v in sorted(need.agent_recv_pps.items())},
+        busiest_port=need.busiest_port, busiest_port_pps=r(need.busiest_port_pps),
+        need_cores_at_1=r(at_1), need_cores=r(at_1 / factor),
+        hop_pps_per_core=r(cap.hop_pps_per_core),
+        agent_core_s_per_packet={k: {"send": r(a.send_core_s), "recv": r(a.recv_core_s)}
+                                 for k, a in sorted(cap.agents.items())},
+        cores=cap.cores, margin=MARGIN, derating=r(cap.derating),
+        derating_note=cap.derating_note, usable_cores=r(cap.usable_cores),
+        need_factor=choice.need_factor, port_factor=choice.port_factor, source=cap.source)
+
+
+def _capacity_warnings(dplan: DilationPlan, choice: Choice) -> list[str]:
+    """A fixed D below what the capacity rule would pick: the machine may not keep up."""
+    c = dplan.capacity
+    if c is None or dplan.factor >= choice.factor:
+        return []
+    return [f"dilation D={dplan.factor} needs {c.need_cores:.2f} cores of packet work "
+            f"(workload {c.hop_pps / dplan.factor:,.0f} hop packets/s wall), above the "
+            f"{c.usable_cores:.2f} this machine gives a plan ({c.source}): ports and "
+            f"agents may fall behind; dilation: auto would pick D={choice.factor}"]
+
+
+def _compile(loaded: LoadedConfig, dplan: DilationPlan) -> Plan:
+    """The plan at the dilation `dplan` (without the dilation's own warnings)."""
     fabric = loaded.fabric
     nodes = loaded.expanded.nodes
     links = loaded.expanded.links
     role = {n.name: n.role for n in nodes}
-    budget = (fabric.max_wall_port_rate_bps or max_wall_port_rate_bps
-              or DEFAULT_MAX_WALL_PORT_RATE_BPS)
 
     phys: list[PhyResult] = [evaluate(link.port, link.length_m, fabric.mtu_bytes)
                              for link in links]
-    busiest = max((p.mac_rate_bps for p in phys), default=1)
-    dplan = choose_dilation(fabric.dilation, busiest, budget)
-    warnings = _budget_warnings(dplan, budget)
+    warnings: list[str] = []
 
     ifnames = _interface_names(links, role)
     aggregated = _aggregated_host_links(links, role)

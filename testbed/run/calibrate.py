@@ -1,24 +1,43 @@
-"""`testbed calibrate`: the highest per-port wall rate this machine keeps with fidelity.
+"""`testbed calibrate`: what this machine carries, for `dilation: auto`.
 
-Each trial builds a small single-switch fabric whose 100G ports run at a
-candidate wall rate W (D = 100G / W), drives every port in both directions
-at line rate (a UDP sender may not be set above it), and passes when every
-stream arrived at >= 95 % of the line rate, no port fell short while backlogged and no sender fell
-behind its schedule. W rises through 1-2-5 steps until a trial fails; the
-last passing W becomes the budget `dilation: auto` uses.
+Two measurements (docs/dilation.md):
+
+1. Capacity (`measure_capacity`), what the capacity rule uses: the CPU time of a hop and
+   of each agent kind per packet. Each trial is a whole run (up, agents, sampling, down)
+   at a moderate packet rate (about TRIAL_WALL_PPS, far from saturation), while a thread
+   samples the machine's busy CPU time from /proc/stat; the run's `workload` and `drain`
+   phase events bound the window. A trial with a trickle of traffic on the same fabric
+   gives the base (collector, PFC agents, idle agents), which is taken off. Then:
+   UDP over one switch (2 hops: host NIC, switch port) and over leaf-spine-leaf
+   (4 hops) give per packet a + 2h and a + 4h: the hop cost h and the UDP agents' cost
+   a; RoCE over one switch gives its agents' cost given h (its ACKs, one per 16 packets,
+   cross the hops too). An agent kind's cost is split evenly between its sender and
+   receiver (the trials measure their sum).
+2. The per-port budget (`calibrate`), kept for configs that pin `max_wall_port_rate`
+   and for the Ansible run.yml, which pins it on every VM. Each trial builds a small
+   single-switch fabric whose 100G ports run at a candidate wall rate W (D = 100G / W),
+   drives every port in both directions at line rate (a UDP sender may not be set above
+   it), and passes when every stream arrived at >= 95 % of the line rate, no port fell
+   short while backlogged and no sender fell behind its schedule. W rises through 1-2-5
+   steps until a trial fails; the last passing W is the budget.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
+import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents.timebase import Dilation
 from testbed.config import load_config_text
 from testbed.plan import compile_plan
-from testbed.run.runner import RunOptions, run_config
+from testbed.results.store import Store
+from testbed.run.runner import RunOptions, RunResult, run_config
+from testbed.workloads.base import ROCE_ACKS_PER_PACKET
 
 PORT_BPS = 100_000_000_000
 CANDIDATE_WALL_BPS = [50_000_000, 100_000_000, 200_000_000, 500_000_000, 1_000_000_000,
@@ -83,3 +102,220 @@ def calibrate(hosts: int = 4, seconds: float = 2.0,
             break
         budget = wall
     return budget, trials
+
+
+# --- capacity ------------------------------------------------------------------------
+
+#: The packet rate each capacity trial aims at, wall: well below what 2 cores carry, so
+#: the trial measures cost, not saturation.
+TRIAL_WALL_PPS = 10_000
+#: A base trial's stream: a trickle that keeps its agents as they are in a loaded trial.
+TRICKLE_BPS = 1_000_000
+#: A hop must cost at least this (core-seconds): a noisy difference can come out at or
+#: below zero, and a zero hop cost would let D fall without bound.
+MIN_HOP_CORE_S = 0.5e-6
+
+SINGLE = "kind: single_switch\n  hosts: 2\n  host_link: {port: 100GBASE-CR1, length: 2m}"
+CHAIN = ("kind: leaf_spine\n  spines: 1\n  leaves: 2\n  hosts_per_leaf: 1\n"
+         "  host_link: {port: 100GBASE-CR1, length: 2m}\n"
+         "  fabric_link: {port: 100GBASE-CR1, length: 2m}")
+
+CAPACITY_TRIAL = """\
+name: cap{n}
+dilation: {dilation}
+topology:
+  {topology}
+workload:
+  traffic:
+    - name: load
+      kind: {kind}
+      pairs: [[h1, h2]]
+{extra}      duration: {duration_ns}ns
+"""
+
+
+class BusySampler:
+    """CPU time of this process and every process below it (the run, its agents; the
+    kernel's forwarding of their packets is charged to them, as softirq work runs in the
+    sending task's context), sampled every `period_s` with its CLOCK_MONOTONIC time, so a
+    window the run names later can be cut out. Other load on the machine does not count;
+    what the kernel defers to ksoftirqd is missed. The sampler's own thread is left out."""
+
+    def __init__(self, period_s: float = 0.02) -> None:
+        self.period_s = period_s
+        self.samples: list[tuple[int, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._hz = os.sysconf("SC_CLK_TCK")
+        self._own_s = 0.0         # this thread's CPU time, not the run's
+
+    def _descendants(self) -> list[int]:
+        out, todo = [], [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            try:
+                tasks = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tasks:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/children") as f:
+                        kids = [int(k) for k in f.read().split()]
+                except OSError:
+                    continue
+                out += kids
+                todo += kids
+        return out
+
+    def _read(self) -> float:
+        t = os.times()
+        total = t.user + t.system + t.children_user + t.children_system
+        for pid in self._descendants():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / self._hz   # utime, stime
+        return total - self._own_s
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            before = time.thread_time()
+            self.samples.append((time.monotonic_ns(), self._read()))
+            self._own_s += time.thread_time() - before
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> BusySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.monotonic_ns(), self._read()))
+
+    def busy_s(self, start_ns: int, end_ns: int) -> float:
+        """Busy core-seconds between two monotonic instants (interpolated)."""
+        return self._at(end_ns) - self._at(start_ns)
+
+    def _at(self, t_ns: int) -> float:
+        s = self.samples
+        if not s:
+            return 0.0
+        if t_ns <= s[0][0]:
+            return s[0][1]
+        for (t0, v0), (t1, v1) in zip(s, s[1:], strict=False):
+            if t0 <= t_ns <= t1:
+                return v0 + (v1 - v0) * (t_ns - t0) / max(1, t1 - t0)
+        return s[-1][1]
+
+
+@dataclass
+class LoadTrial:
+    """One capacity trial: packets it moved in its window and the busy CPU time there."""
+
+    name: str
+    hops: int
+    dilation: int
+    packets: float
+    window_s: float
+    busy_core_s: float
+    fidelity: list[str] = field(default_factory=list)
+
+    @property
+    def busy_cores(self) -> float:
+        return self.busy_core_s / self.window_s if self.window_s > 0 else 0.0
+
+
+def _window_ns(result: RunResult) -> tuple[int, int]:
+    """The run's workload phase, CLOCK_MONOTONIC ns (its phase events' wall stamps)."""
+    with Store(result.run_dir / "counters.sqlite") as store:
+        phases = {e.get("phase"): e["ts_wall_ns"] for e in store.events("phase")}
+    return int(phases["workload"]), int(phases["drain"])
+
+
+def _load_trial(name: str, n: int, topology: str, hops: int, kind: str, extra: str,
+                wire_bytes: int, seconds: float) -> LoadTrial:
+    """A run of one stream h1 -> h2 at the host's line rate, D chosen so that is about
+    TRIAL_WALL_PPS of wall packets (or a trickle: `extra` sets its rate)."""
+    line_bps = 100_000_000_000
+    dilation = max(1, round(line_bps / (TRIAL_WALL_PPS * wire_bytes * 8)))
+    text = CAPACITY_TRIAL.format(
+        n=n, dilation=dilation, topology=topology, kind=kind, extra=extra,
+        duration_ns=int(Dilation(dilation).to_fabric_ns_from_wall_s(seconds)))
+    loaded = load_config_text(text, "<calibrate>")
+    plan = compile_plan(loaded)
+    with tempfile.TemporaryDirectory(prefix="tb-calibrate-") as tmp:
+        with BusySampler() as sampler:
+            result = run_config(loaded, plan, RunOptions(runs_root=Path(tmp),
+                                                         say=lambda _m: None))
+        start, end = _window_ns(result)
+        rows = [r for w in result.summary["workloads"] for r in w["results"]]
+        packets = sum((r.get("tx_packets") or 0) + (r.get("rx_packets") or 0)
+                      for r in rows) / 2
+        notes = [f for f in result.summary["fidelity"] if "netem" not in f
+                 and not f.startswith("dilation D=")]     # the plan's capacity check
+        return LoadTrial(name, hops, dilation, packets, (end - start) / 1e9,
+                         sampler.busy_s(start, end), notes)
+
+
+@dataclass
+class CapacityResult:
+    hop_core_s: float
+    agent_core_s: dict[str, float]        # per packet, sender + receiver
+    cores: int
+    trials: list[LoadTrial]
+    notes: list[str]
+
+    @property
+    def hop_pps_per_core(self) -> float:
+        return 1.0 / self.hop_core_s
+
+
+def fit_capacity(trials: list[LoadTrial], cores: int) -> CapacityResult:
+    """Hop and agent costs from the trials (see the module's doc). Pure."""
+    base2, udp2, base4, udp4, roce2 = trials
+    notes: list[str] = []
+
+    def per_packet(t: LoadTrial, base: LoadTrial) -> float:
+        net = t.busy_core_s - base.busy_cores * t.window_s
+        return max(0.0, net) / t.packets if t.packets > 0 else 0.0
+
+    u2, u4 = per_packet(udp2, base2), per_packet(udp4, base4)
+    hop = (u4 - u2) / (udp4.hops - udp2.hops)
+    if hop < MIN_HOP_CORE_S:
+        notes.append(f"the 4-hop trial cost {u4 * 1e6:.2f} us per packet against the 2-hop "
+                     f"trial's {u2 * 1e6:.2f}: too close to tell a hop; a hop is taken as a "
+                     f"quarter of the 2-hop trial's cost per packet")
+        hop = max(MIN_HOP_CORE_S, u2 / 4)
+    udp = max(0.0, u2 - udp2.hops * hop)
+    r2 = per_packet(roce2, base2)
+    roce = max(udp, r2 - roce2.hops * hop * (1 + ROCE_ACKS_PER_PACKET))
+    for t in (udp2, udp4, roce2):
+        if t.fidelity:
+            notes.append(f"trial {t.name} had fidelity notes: {'; '.join(t.fidelity)[:300]}")
+    return CapacityResult(hop, {"udp": udp, "roce": roce}, cores,
+                          [base2, udp2, base4, udp4, roce2], notes)
+
+
+def measure_capacity(seconds: float = 2.0,
+                     say: Callable[[str], None] = print) -> CapacityResult:
+    """Run the capacity trials and fit the costs (root: each trial builds a fabric)."""
+    from testbed.workloads.base import ROCE_WIRE_OVERHEAD_BYTES
+
+    udp_wire = 9000 - 28 + 66                 # default MTU 9000: a full datagram
+    roce_wire = 4096 + ROCE_WIRE_OVERHEAD_BYTES
+    trickle = f"      rate: {TRICKLE_BPS}bps\n"
+    plan = [("base-1switch", SINGLE, 2, "udp_pairs", trickle, udp_wire),
+            ("udp-1switch", SINGLE, 2, "udp_pairs", "", udp_wire),
+            ("base-leaf-spine", CHAIN, 4, "udp_pairs", trickle, udp_wire),
+            ("udp-leaf-spine", CHAIN, 4, "udp_pairs", "", udp_wire),
+            ("roce-1switch", SINGLE, 2, "roce_pairs", "      cc: none\n", roce_wire)]
+    trials = []
+    for n, (name, topo, hops, kind, extra, wire) in enumerate(plan):
+        t = _load_trial(name, n, topo, hops, kind, extra, wire, seconds)
+        trials.append(t)
+        say(f"calibrate: {name} (D={t.dilation}): {t.packets / max(t.window_s, 1e-9):,.0f} "
+            f"packets/s wall over {t.window_s:.2f} s, {t.busy_cores:.2f} cores busy")
+    return fit_capacity(trials, cores=os.cpu_count() or 1)
