@@ -26,6 +26,8 @@ def add_parser(sub):
                    help="hosts in the trial fabric (even)")
     p.add_argument("--seconds", type=positive_seconds, default=2.0,
                    help="wall seconds per trial")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the capacity trials; the medians are kept (default 3)")
     p.add_argument("--dry-run", action="store_true", help="measure, do not store")
     p.add_argument("--only", choices=("capacity", "budget"), default=None,
                    help="measure only the capacity (hops and agents) or only the per-port "
@@ -53,7 +55,7 @@ def run(args) -> int:
         return 2
     data: dict = {"measured_unix": time.time()}
     if args.only != "budget":
-        cap = measure_capacity(args.seconds)
+        cap = measure_capacity(args.seconds, args.rounds)
         data["capacity"] = {
             "hop_pps_per_core": round(cap.hop_pps_per_core, 1), "cores": cap.cores,
             "agents": {k: {"send_core_s": v / 2, "recv_core_s": v / 2}

@@ -25,6 +25,7 @@ Two measurements (docs/dilation.md):
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -137,9 +138,10 @@ workload:
 class BusySampler:
     """CPU time of this process and every process below it (the run, its agents; the
     kernel's forwarding of their packets is charged to them, as softirq work runs in the
-    sending task's context), sampled every `period_s` with its CLOCK_MONOTONIC time, so a
-    window the run names later can be cut out. Other load on the machine does not count;
-    what the kernel defers to ksoftirqd is missed. The sampler's own thread is left out."""
+    sending task's context, or in ksoftirqd when it defers: counted too), sampled every
+    `period_s` with its CLOCK_MONOTONIC time, so a window the run names later can be cut
+    out. Other processes' load does not count (their packets' deferred softirq work
+    would). The sampler's own thread is left out."""
 
     def __init__(self, period_s: float = 0.02) -> None:
         self.period_s = period_s
@@ -148,6 +150,9 @@ class BusySampler:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._hz = os.sysconf("SC_CLK_TCK")
         self._own_s = 0.0         # this thread's CPU time, not the run's
+        # What the kernel defers to ksoftirqd under load is packet work too; on a quiet
+        # machine it is the run's (another load's network work would count as ours).
+        self._softirq_pids = self._ksoftirqd()
 
     def _descendants(self) -> list[int]:
         out, todo = [], [os.getpid()]
@@ -167,10 +172,22 @@ class BusySampler:
                 todo += kids
         return out
 
+    def _ksoftirqd(self) -> list[int]:
+        out = []
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    with open(f"/proc/{pid}/comm") as f:
+                        if f.read().startswith("ksoftirqd/"):
+                            out.append(int(pid))
+                except OSError:
+                    continue
+        return out
+
     def _read(self) -> float:
         t = os.times()
         total = t.user + t.system + t.children_user + t.children_system
-        for pid in self._descendants():
+        for pid in self._descendants() + self._softirq_pids:
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
@@ -273,49 +290,64 @@ class CapacityResult:
         return 1.0 / self.hop_core_s
 
 
+ROUND = ("base-1switch", "udp-1switch", "base-leaf-spine", "udp-leaf-spine", "roce-1switch")
+
+
 def fit_capacity(trials: list[LoadTrial], cores: int) -> CapacityResult:
-    """Hop and agent costs from the trials (see the module's doc). Pure."""
-    base2, udp2, base4, udp4, roce2 = trials
+    """Hop and agent costs from rounds of the trials (ROUND's five, in order; see the
+    module's doc): each round's per-packet costs, their medians over the rounds, then
+    the fit. Pure."""
     notes: list[str] = []
 
     def per_packet(t: LoadTrial, base: LoadTrial) -> float:
         net = t.busy_core_s - base.busy_cores * t.window_s
         return max(0.0, net) / t.packets if t.packets > 0 else 0.0
 
-    u2, u4 = per_packet(udp2, base2), per_packet(udp4, base4)
-    hop = (u4 - u2) / (udp4.hops - udp2.hops)
+    rounds = [trials[k:k + len(ROUND)] for k in range(0, len(trials), len(ROUND))]
+    if not rounds or any(len(r) != len(ROUND) for r in rounds):
+        raise ValueError(f"capacity trials come in rounds of {len(ROUND)}")
+    u2 = statistics.median(per_packet(r[1], r[0]) for r in rounds)
+    u4 = statistics.median(per_packet(r[3], r[2]) for r in rounds)
+    r2 = statistics.median(per_packet(r[4], r[0]) for r in rounds)
+    hops2, hops4 = rounds[0][1].hops, rounds[0][3].hops
+    hop = (u4 - u2) / (hops4 - hops2)
     if hop < MIN_HOP_CORE_S:
-        notes.append(f"the 4-hop trial cost {u4 * 1e6:.2f} us per packet against the 2-hop "
-                     f"trial's {u2 * 1e6:.2f}: too close to tell a hop; a hop is taken as a "
-                     f"quarter of the 2-hop trial's cost per packet")
+        notes.append(f"the {hops4}-hop trials cost {u4 * 1e6:.2f} us per packet against the "
+                     f"{hops2}-hop trials' {u2 * 1e6:.2f}: too close to tell a hop; a hop is "
+                     f"taken as a quarter of the {hops2}-hop trials' cost per packet")
         hop = max(MIN_HOP_CORE_S, u2 / 4)
-    udp = max(0.0, u2 - udp2.hops * hop)
-    r2 = per_packet(roce2, base2)
-    roce = max(udp, r2 - roce2.hops * hop * (1 + ROCE_ACKS_PER_PACKET))
-    for t in (udp2, udp4, roce2):
+    udp = max(0.0, u2 - hops2 * hop)
+    # RoCE's agents cost at least what the UDP agents do: a noisy round cannot make them
+    # look cheaper than the simpler agent.
+    roce = max(udp, r2 - hops2 * hop * (1 + ROCE_ACKS_PER_PACKET))
+    for t in trials:
         if t.fidelity:
             notes.append(f"trial {t.name} had fidelity notes: {'; '.join(t.fidelity)[:300]}")
-    return CapacityResult(hop, {"udp": udp, "roce": roce}, cores,
-                          [base2, udp2, base4, udp4, roce2], notes)
+    return CapacityResult(hop, {"udp": udp, "roce": roce}, cores, trials, notes)
 
 
-def measure_capacity(seconds: float = 2.0,
+def measure_capacity(seconds: float = 2.0, rounds: int = 3,
                      say: Callable[[str], None] = print) -> CapacityResult:
-    """Run the capacity trials and fit the costs (root: each trial builds a fabric)."""
+    """Run `rounds` rounds of the capacity trials and fit the costs (root: each trial
+    builds a fabric). The rounds interleave, so a burst of other load on the machine
+    falls on one round, and the medians drop it."""
     from testbed.workloads.base import ROCE_WIRE_OVERHEAD_BYTES
 
     udp_wire = 9000 - 28 + 66                 # default MTU 9000: a full datagram
     roce_wire = 4096 + ROCE_WIRE_OVERHEAD_BYTES
     trickle = f"      rate: {TRICKLE_BPS}bps\n"
-    plan = [("base-1switch", SINGLE, 2, "udp_pairs", trickle, udp_wire),
-            ("udp-1switch", SINGLE, 2, "udp_pairs", "", udp_wire),
-            ("base-leaf-spine", CHAIN, 4, "udp_pairs", trickle, udp_wire),
-            ("udp-leaf-spine", CHAIN, 4, "udp_pairs", "", udp_wire),
-            ("roce-1switch", SINGLE, 2, "roce_pairs", "      cc: none\n", roce_wire)]
-    trials = []
-    for n, (name, topo, hops, kind, extra, wire) in enumerate(plan):
-        t = _load_trial(name, n, topo, hops, kind, extra, wire, seconds)
-        trials.append(t)
-        say(f"calibrate: {name} (D={t.dilation}): {t.packets / max(t.window_s, 1e-9):,.0f} "
-            f"packets/s wall over {t.window_s:.2f} s, {t.busy_cores:.2f} cores busy")
+    shapes = {"base-1switch": (SINGLE, 2, "udp_pairs", trickle, udp_wire),
+              "udp-1switch": (SINGLE, 2, "udp_pairs", "", udp_wire),
+              "base-leaf-spine": (CHAIN, 4, "udp_pairs", trickle, udp_wire),
+              "udp-leaf-spine": (CHAIN, 4, "udp_pairs", "", udp_wire),
+              "roce-1switch": (SINGLE, 2, "roce_pairs", "      cc: none\n", roce_wire)}
+    trials: list[LoadTrial] = []
+    for k in range(rounds):
+        for name in ROUND:
+            topo, hops, kind, extra, wire = shapes[name]
+            t = _load_trial(name, len(trials), topo, hops, kind, extra, wire, seconds)
+            trials.append(t)
+            say(f"calibrate: round {k + 1}/{rounds} {name} (D={t.dilation}): "
+                f"{t.packets / max(t.window_s, 1e-9):,.0f} packets/s wall over "
+                f"{t.window_s:.2f} s, {t.busy_cores:.2f} cores busy")
     return fit_capacity(trials, cores=os.cpu_count() or 1)
