@@ -182,21 +182,31 @@ def workload_need(loads: Sequence[StreamLoad], path_of: Callable[[str, str], Pat
                 longest_path_hops=max((len(p) for p in paths), default=0), fair_bps=fair)
 
 
+#: No port's wall rate above this: a PFC class's pause gate is a TBF, whose rate
+#: pyroute2 passes as 32 bits of bytes per second (34 Gb/s; FACTS.md), and a veth
+#: carries little more anyway.
+MAX_WALL_PORT_BPS = 25_000_000_000
+
+
 @dataclass(frozen=True)
 class Choice:
-    """The D the capacity rule gives, and its two parts."""
+    """The D the capacity rule gives, and its parts."""
 
     factor: int
     need_factor: int          # from the whole machine's CPU
     port_factor: int          # from the busiest port's packets on one core
+    rate_factor: int = 1      # from the fastest port's rate within MAX_WALL_PORT_BPS
 
 
-def choose_factor(need: Need, capacity: Capacity, nice: Callable[[float], int]) -> Choice:
-    """The smallest readable D (`nice`: 1-2-5 steps) at which `need` fits `capacity`."""
+def choose_factor(need: Need, capacity: Capacity, nice: Callable[[float], int],
+                  fastest_port_bps: int = 0) -> Choice:
+    """The smallest readable D (`nice`: 1-2-5 steps) at which `need` fits `capacity` and
+    the fastest port's wall rate stays within MAX_WALL_PORT_BPS."""
     by_need = nice(need.core_s_per_s(capacity) / capacity.usable_cores)
     by_port = nice(need.busiest_port_pps
                    / (capacity.hop_pps_per_core * MARGIN * capacity.derating))
-    return Choice(max(by_need, by_port, 1), by_need, by_port)
+    by_rate = nice(fastest_port_bps / MAX_WALL_PORT_BPS)
+    return Choice(max(by_need, by_port, by_rate, 1), by_need, by_port, by_rate)
 
 
 @dataclass(frozen=True)

@@ -284,8 +284,8 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
     # Routes and paths do not depend on D: the plan at the per-port rule's D gives them.
     plan = _compile(loaded, by_port)
     need = plan_need(loaded, plan)
-    choice = choose_factor(need, cap, nice_ceiling)
-    if fabric.dilation == "auto" and pinned is None:
+    choice = choose_factor(need, cap, nice_ceiling, busiest)
+    if fabric.dilation == "auto" and pinned is None and need.streams:
         d = Dilation(choice.factor)
         dplan = by_port.model_copy(update={
             "factor": choice.factor, "rule": "capacity",
@@ -295,6 +295,8 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
             plan = _compile(loaded, dplan)
         warnings = []
     else:
+        # A fixed D, a per-port budget the config pins, or no workload to size D from
+        # (`testbed up` for traffic of the user's own): the per-port rule, checked.
         dplan = by_port.model_copy(update={
             "capacity": _capacity_plan("check", need, cap, choice, by_port.factor)})
         # The config's own per-port budget is the rule it asked for; otherwise a fixed D
@@ -353,7 +355,8 @@ def _capacity_plan(rule: str, need: Need, cap: Capacity, choice: Choice,
                                  for k, a in sorted(cap.agents.items())},
         cores=cap.cores, margin=MARGIN, derating=r(cap.derating),
         derating_note=cap.derating_note, usable_cores=r(cap.usable_cores),
-        need_factor=choice.need_factor, port_factor=choice.port_factor, source=cap.source)
+        need_factor=choice.need_factor, port_factor=choice.port_factor,
+        rate_factor=choice.rate_factor, source=cap.source)
 
 
 def _capacity_warnings(dplan: DilationPlan, choice: Choice) -> list[str]:

@@ -220,6 +220,7 @@ class CapacityPlan(PlanModel):
     usable_cores: float             # cores x margin x derating
     need_factor: int                # smallest D the machine's cores allow
     port_factor: int                # smallest D the busiest port on one core allows
+    rate_factor: int                # smallest D that keeps every port within 25 Gb/s wall
     source: str                     # the calibration file, or the default
 
 
@@ -252,10 +253,12 @@ class DilationPlan(PlanModel):
         if self.mode == "auto" and self.rule == "capacity":
             return (f"D={self.factor} (auto, capacity rule: the smallest 1-2-5 factor that "
                     f"fits): {fits}{derated}")
+        if self.mode == "auto" and not c.streams:
+            return f"D={self.factor} (auto, per-port rule: no workload to size D from): {budget}"
         if self.mode == "auto":
             return f"D={self.factor} (auto, per-port rule pinned by the config): {budget}; {fits}"
-        verdict = ("fits" if self.factor >= max(c.need_factor, c.port_factor)
-                   else f"does NOT fit; auto would pick D={max(c.need_factor, c.port_factor)}")
+        least = max(c.need_factor, c.port_factor, c.rate_factor)
+        verdict = "fits" if self.factor >= least else f"does NOT fit; auto would pick D={least}"
         return f"D={self.factor} (fixed, {verdict}): {fits}{derated}"
 
 

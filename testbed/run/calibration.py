@@ -175,9 +175,9 @@ def record_run(summary: dict, dilation: dict) -> str | None:
     Returns what changed, for the console (None: nothing to learn, or no file to keep it
     in and nothing went wrong)."""
     cap = dilation.get("capacity") or {}
-    if not cap or dilation.get("factor", 0) < cap.get("need_factor", 0) \
-            or dilation.get("factor", 0) < cap.get("port_factor", 0):
-        return None       # a fixed D below what the capacity allows: expected to fall behind
+    least = max(cap.get("need_factor", 0), cap.get("port_factor", 0), cap.get("rate_factor", 0))
+    if not cap or not cap.get("streams") or dilation.get("factor", 0) < least:
+        return None       # a D below what the capacity allows: expected to fall behind
     notes = summary.get("fidelity") or []
     fell = [n for n in notes if FELL_BEHIND_MARK in n]
     path = calibration_path()
