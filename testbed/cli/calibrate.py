@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict
 
 from testbed.cli.common import (
+    EXIT_FAIL,
     EXIT_OK,
     CliError,
     even_host_count,
@@ -37,7 +38,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from testbed.run.calibrate import calibrate, measure_capacity
+    from testbed.run.calibrate import TrialFailed, calibrate, measure_capacity
     from testbed.run.calibration import (
         CalibrationError,
         calibration_path,
@@ -55,7 +56,11 @@ def run(args) -> int:
         return 2
     data: dict = {"measured_unix": time.time()}
     if args.only != "budget":
-        cap = measure_capacity(args.seconds, args.rounds)
+        try:
+            cap = measure_capacity(args.seconds, args.rounds)
+        except TrialFailed as exc:
+            print(f"calibrate: {exc}; nothing stored", file=sys.stderr)
+            return EXIT_FAIL
         data["capacity"] = {
             "hop_pps_per_core": round(cap.hop_pps_per_core, 1), "cores": cap.cores,
             "agents": {k: {"send_core_s": v / 2, "recv_core_s": v / 2}

@@ -8,10 +8,10 @@ Two measurements (docs/dilation.md):
    samples the machine's busy CPU time from /proc/stat; the run's `workload` and `drain`
    phase events bound the window. A trial with a trickle of traffic on the same fabric
    gives the base (collector, PFC agents, idle agents), which is taken off. Then:
-   UDP over one switch (2 hops: host NIC, switch port) and over leaf-spine-leaf
-   (4 hops) give per packet a + 2h and a + 4h: the hop cost h and the UDP agents' cost
-   a; RoCE over one switch gives its agents' cost given h (its ACKs, one per 16 packets,
-   cross the hops too). An agent kind's cost is split evenly between its sender and
+   UDP over one switch (2 hops: host NIC, switch port) and across a ring of 12
+   switches (8 hops) give per packet a + 2h and a + 8h: the hop cost h and the UDP
+   agents' cost a; RoCE over one switch gives its agents' cost given h (its ACKs, one
+   per 16 packets, cross the hops too). An agent kind's cost is split evenly between its sender and
    receiver (the trials measure their sum).
 2. The per-port budget (`calibrate`), kept for configs that pin `max_wall_port_rate`
    and for the Ansible run.yml, which pins it on every VM. Each trial builds a small
@@ -36,6 +36,7 @@ from pathlib import Path
 from agents.timebase import Dilation
 from testbed.config import load_config_text
 from testbed.plan import compile_plan
+from testbed.plan.capacity import DEFAULT_CAPACITY
 from testbed.results.store import Store
 from testbed.run.runner import RunOptions, RunResult, run_config
 from testbed.workloads.base import ROCE_ACKS_PER_PACKET
@@ -117,9 +118,13 @@ TRICKLE_BPS = 1_000_000
 MIN_HOP_CORE_S = 0.5e-6
 
 SINGLE = "kind: single_switch\n  hosts: 2\n  host_link: {port: 100GBASE-CR1, length: 2m}"
-CHAIN = ("kind: leaf_spine\n  spines: 1\n  leaves: 2\n  hosts_per_leaf: 1\n"
-         "  host_link: {port: 100GBASE-CR1, length: 2m}\n"
-         "  fabric_link: {port: 100GBASE-CR1, length: 2m}")
+# Twelve switches in a ring, one host each: h1 -> h7 crosses h1's NIC, six switch-to-
+# switch ports and s7's port to h7 (8 hops, either way round), 6 more than one switch:
+# enough hops that their cost stands out of the agents' (tens of us per packet).
+LONG = ("kind: ring\n  switches: 12\n  hosts_per_switch: 1\n"
+        "  host_link: {port: 100GBASE-CR1, length: 2m}\n"
+        "  fabric_link: {port: 100GBASE-CR1, length: 2m}")
+LONG_DST, LONG_HOPS = "h7", 8
 
 CAPACITY_TRIAL = """\
 name: cap{n}
@@ -130,7 +135,7 @@ workload:
   traffic:
     - name: load
       kind: {kind}
-      pairs: [[h1, h2]]
+      pairs: [[h1, {dst}]]
 {extra}      duration: {duration_ns}ns
 """
 
@@ -245,21 +250,27 @@ class LoadTrial:
         return self.busy_core_s / self.window_s if self.window_s > 0 else 0.0
 
 
+class TrialFailed(RuntimeError):
+    """A capacity trial's run did not get through its workload."""
+
+
 def _window_ns(result: RunResult) -> tuple[int, int]:
     """The run's workload phase, CLOCK_MONOTONIC ns (its phase events' wall stamps)."""
     with Store(result.run_dir / "counters.sqlite") as store:
         phases = {e.get("phase"): e["ts_wall_ns"] for e in store.events("phase")}
+    if result.failed or result.fault or "workload" not in phases or "drain" not in phases:
+        raise TrialFailed(result.failed or result.fault or "the run has no workload phase")
     return int(phases["workload"]), int(phases["drain"])
 
 
 def _load_trial(name: str, n: int, topology: str, hops: int, kind: str, extra: str,
-                wire_bytes: int, seconds: float) -> LoadTrial:
-    """A run of one stream h1 -> h2 at the host's line rate, D chosen so that is about
+                wire_bytes: int, seconds: float, dst: str = "h2") -> LoadTrial:
+    """A run of one stream h1 -> `dst` at the host's line rate, D chosen so that is about
     TRIAL_WALL_PPS of wall packets (or a trickle: `extra` sets its rate)."""
     line_bps = 100_000_000_000
     dilation = max(1, round(line_bps / (TRIAL_WALL_PPS * wire_bytes * 8)))
     text = CAPACITY_TRIAL.format(
-        n=n, dilation=dilation, topology=topology, kind=kind, extra=extra,
+        n=n, dilation=dilation, topology=topology, kind=kind, extra=extra, dst=dst,
         duration_ns=int(Dilation(dilation).to_fabric_ns_from_wall_s(seconds)))
     loaded = load_config_text(text, "<calibrate>")
     plan = compile_plan(loaded)
@@ -290,7 +301,7 @@ class CapacityResult:
         return 1.0 / self.hop_core_s
 
 
-ROUND = ("base-1switch", "udp-1switch", "base-leaf-spine", "udp-leaf-spine", "roce-1switch")
+ROUND = ("base-1switch", "udp-1switch", "base-ring", "udp-ring", "roce-1switch")
 
 
 def fit_capacity(trials: list[LoadTrial], cores: int) -> CapacityResult:
@@ -312,10 +323,10 @@ def fit_capacity(trials: list[LoadTrial], cores: int) -> CapacityResult:
     hops2, hops4 = rounds[0][1].hops, rounds[0][3].hops
     hop = (u4 - u2) / (hops4 - hops2)
     if hop < MIN_HOP_CORE_S:
+        hop = DEFAULT_CAPACITY.hop_core_s
         notes.append(f"the {hops4}-hop trials cost {u4 * 1e6:.2f} us per packet against the "
-                     f"{hops2}-hop trials' {u2 * 1e6:.2f}: too close to tell a hop; a hop is "
-                     f"taken as a quarter of the {hops2}-hop trials' cost per packet")
-        hop = max(MIN_HOP_CORE_S, u2 / 4)
+                     f"{hops2}-hop trials' {u2 * 1e6:.2f}: too close to tell a hop (other load "
+                     f"on the machine?); a hop is taken at the default {hop * 1e6:.2f} us")
     udp = max(0.0, u2 - hops2 * hop)
     # RoCE's agents cost at least what the UDP agents do: a noisy round cannot make them
     # look cheaper than the simpler agent.
@@ -338,16 +349,27 @@ def measure_capacity(seconds: float = 2.0, rounds: int = 3,
     trickle = f"      rate: {TRICKLE_BPS}bps\n"
     shapes = {"base-1switch": (SINGLE, 2, "udp_pairs", trickle, udp_wire),
               "udp-1switch": (SINGLE, 2, "udp_pairs", "", udp_wire),
-              "base-leaf-spine": (CHAIN, 4, "udp_pairs", trickle, udp_wire),
-              "udp-leaf-spine": (CHAIN, 4, "udp_pairs", "", udp_wire),
+              "base-ring": (LONG, LONG_HOPS, "udp_pairs", trickle, udp_wire),
+              "udp-ring": (LONG, LONG_HOPS, "udp_pairs", "", udp_wire),
               "roce-1switch": (SINGLE, 2, "roce_pairs", "      cc: none\n", roce_wire)}
     trials: list[LoadTrial] = []
     for k in range(rounds):
+        done: list[LoadTrial] = []
         for name in ROUND:
             topo, hops, kind, extra, wire = shapes[name]
-            t = _load_trial(name, len(trials), topo, hops, kind, extra, wire, seconds)
-            trials.append(t)
+            try:
+                t = _load_trial(name, len(trials) + len(done), topo, hops, kind, extra, wire,
+                                seconds, LONG_DST if topo is LONG else "h2")
+            except TrialFailed as exc:
+                say(f"calibrate: round {k + 1}/{rounds} {name} failed ({exc}); the round is "
+                    "dropped")
+                break
+            done.append(t)
             say(f"calibrate: round {k + 1}/{rounds} {name} (D={t.dilation}): "
                 f"{t.packets / max(t.window_s, 1e-9):,.0f} packets/s wall over "
                 f"{t.window_s:.2f} s, {t.busy_cores:.2f} cores busy")
+        else:
+            trials += done
+    if not trials:
+        raise TrialFailed(f"every round of the capacity trials failed ({rounds})")
     return fit_capacity(trials, cores=os.cpu_count() or 1)
