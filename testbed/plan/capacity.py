@@ -211,10 +211,10 @@ def choose_factor(need: Need, capacity: Capacity, nice: Callable[[float], int],
 
 @dataclass(frozen=True)
 class Derating:
-    """The learned correction of this machine's capacity: a factor in
+    """The learned correction of this machine's capacity: a scale in
     [MIN_DERATING, MAX_DERATING] and the clean runs since it last changed."""
 
-    factor: float = 1.0
+    scale: float = 1.0
     clean_runs: int = 0
     runs: int = 0
     fell_behind_runs: int = 0
@@ -225,11 +225,11 @@ def learn(state: Derating, *, fell_behind: bool) -> Derating:
     fell behind halves it (bounded below); CLEAN_RUNS_TO_RECOVER clean runs in a row
     raise it by RECOVERY_STEP (bounded above by what was measured)."""
     if fell_behind:
-        return Derating(max(MIN_DERATING, state.factor * FELL_BEHIND_FACTOR), 0,
+        return Derating(max(MIN_DERATING, state.scale * FELL_BEHIND_FACTOR), 0,
                         state.runs + 1, state.fell_behind_runs + 1)
     clean = state.clean_runs + 1
-    factor = state.factor
-    if clean >= CLEAN_RUNS_TO_RECOVER and factor < MAX_DERATING:
-        factor = min(MAX_DERATING, factor * RECOVERY_STEP)
+    scale = state.scale
+    if clean >= CLEAN_RUNS_TO_RECOVER and scale < MAX_DERATING:
+        scale = min(MAX_DERATING, scale * RECOVERY_STEP)
         clean = 0
-    return Derating(factor, clean, state.runs + 1, state.fell_behind_runs)
+    return Derating(scale, clean, state.runs + 1, state.fell_behind_runs)

@@ -343,13 +343,15 @@ def _capacity_plan(rule: str, need: Need, cap: Capacity, choice: Choice,
         return float(f"{x:.6g}")
 
     at_1 = need.core_s_per_s(cap)
+    # core-seconds per fabric second at D = 1 -> per wall second at D
+    fabric_s_per_wall_s = Dilation(factor).to_fabric_ns(10**9) / 10**9
     return CapacityPlan(
         rule=rule, streams=need.streams, longest_path_hops=need.longest_path_hops,
         hop_pps=r(need.hop_pps),
         agent_send_pps={k: r(v) for k, v in sorted(need.agent_send_pps.items())},
         agent_recv_pps={k: r(v) for k, v in sorted(need.agent_recv_pps.items())},
         busiest_port=need.busiest_port, busiest_port_pps=r(need.busiest_port_pps),
-        need_cores_at_1=r(at_1), need_cores=r(at_1 / factor),
+        need_cores_at_1=r(at_1), need_cores=r(at_1 * fabric_s_per_wall_s),
         hop_pps_per_core=r(cap.hop_pps_per_core),
         agent_core_s_per_packet={k: {"send": r(a.send_core_s), "recv": r(a.recv_core_s)}
                                  for k, a in sorted(cap.agents.items())},
@@ -365,7 +367,9 @@ def _capacity_warnings(dplan: DilationPlan, choice: Choice) -> list[str]:
     if c is None or dplan.factor >= choice.factor:
         return []
     return [f"dilation D={dplan.factor} needs {c.need_cores:.2f} cores of packet work "
-            f"(workload {c.hop_pps / dplan.factor:,.0f} hop packets/s wall), above the "
+            # a packet rate converts as a bit rate does: fabric -> wall divides by D
+            f"(workload {Dilation(dplan.factor).to_wall_bps(c.hop_pps):,} hop packets/s "
+            "wall), above the "
             f"{c.usable_cores:.2f} this machine gives a plan ({c.source}): ports and "
             f"agents may fall behind; dilation: auto would pick D={choice.factor}"]
 

@@ -9,7 +9,7 @@ and the derating the runs taught it.
      "capacity": {"hop_pps_per_core": ..., "cores": ...,
                   "agents": {"udp": {"send_core_s": ..., "recv_core_s": ...}, "roce": ...},
                   "measured_unix": ..., "trials": [...], "notes": [...]},
-     "derating": {"<machine>": {"factor": ..., "clean_runs": ..., "runs": ...,
+     "derating": {"<machine>": {"scale": ..., "clean_runs": ..., "runs": ...,
                                 "fell_behind_runs": ..., "updated_unix": ..., "last": ...}}}
 
 A format 1 file (no "format": only the per-port budget) still loads: its budget is used
@@ -118,12 +118,12 @@ def capacity_from(data: dict, path: Path, machine: str, slowdown: float = 1.0) -
                        DEFAULT_CAPACITY.agents,
                        source=f"default (run `testbed calibrate` to measure{why})")
     derating = derating_of(data, machine)
-    if derating.factor < 1.0:
-        note = (f"derated to {derating.factor:g} of the measured capacity: "
+    if derating.scale < 1.0:
+        note = (f"derated to {derating.scale:g} of the measured capacity: "
                 f"{derating.fell_behind_runs} of {derating.runs} runs at a D the capacity "
                 "allowed had a port or sender fall behind")
         cap = Capacity(cap.hop_pps_per_core, cap.cores, cap.agents, cap.source,
-                       derating.factor, note)
+                       derating.scale, note)
     return cap
 
 
@@ -132,7 +132,7 @@ def derating_of(data: dict, machine: str) -> Derating:
     if not isinstance(entry, dict):
         return Derating()
     try:
-        return Derating(float(entry["factor"]), int(entry.get("clean_runs", 0)),
+        return Derating(float(entry["scale"]), int(entry.get("clean_runs", 0)),
                         int(entry.get("runs", 0)), int(entry.get("fell_behind_runs", 0)))
     except (KeyError, TypeError, ValueError):
         return Derating()
@@ -190,7 +190,7 @@ def record_run(summary: dict, dilation: dict) -> str | None:
     machine = machine_name()
     before = derating_of(data, machine)
     after = learn(before, fell_behind=bool(fell))
-    entry = {"factor": after.factor, "clean_runs": after.clean_runs, "runs": after.runs,
+    entry = {"scale": after.scale, "clean_runs": after.clean_runs, "runs": after.runs,
              "fell_behind_runs": after.fell_behind_runs, "updated_unix": time.time(),
              "last": (fell[0][:200] if fell else "clean")}
     data = {**data, "format": CALIBRATION_FORMAT}     # format 2: every part optional
@@ -199,8 +199,8 @@ def record_run(summary: dict, dilation: dict) -> str | None:
         _write(path, data)
     except OSError as exc:
         return f"could not keep the run's outcome in {path}: {exc}"
-    if after.factor != before.factor:
-        return (f"derating of this machine's capacity: {before.factor:g} -> {after.factor:g} "
+    if after.scale != before.scale:
+        return (f"derating of this machine's capacity: {before.scale:g} -> {after.scale:g} "
                 f"({'a port or sender fell behind' if fell else 'clean runs'}; {path})")
     return None
 

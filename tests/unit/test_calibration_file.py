@@ -91,7 +91,7 @@ def test_a_run_that_fell_behind_derates_this_machine_and_the_next_plan_uses_it(c
     said = record_run({"fidelity": [BEHIND]}, _dilation())
     assert said is not None and "1 -> 0.5" in said
     data = json.loads(cal.read_text())
-    assert data["derating"]["box1"]["factor"] == 0.5
+    assert data["derating"]["box1"]["scale"] == 0.5
     assert data["max_wall_port_rate_bps"] == 500_000_000     # the rest is kept
     cap = load_capacity()
     assert cap.derating == 0.5 and "derated to 0.5" in cap.derating_note
@@ -115,7 +115,7 @@ def test_clean_runs_are_counted_and_other_notes_are_not_a_fall_behind(cal):
     record_run({"fidelity": ["link propagation and FEC delay are not emulated"]},
                _dilation())
     entry = json.loads(cal.read_text())["derating"]["box1"]
-    assert entry["factor"] == 1.0 and entry["clean_runs"] == 1 and entry["runs"] == 1
+    assert entry["scale"] == 1.0 and entry["clean_runs"] == 1 and entry["runs"] == 1
 
 
 def test_a_fall_behind_with_no_file_yet_starts_one(cal):
@@ -125,12 +125,12 @@ def test_a_fall_behind_with_no_file_yet_starts_one(cal):
 
 
 def test_a_new_capacity_measurement_supersedes_this_machines_derating_only(cal):
-    cal.write_text(json.dumps({**V2, "derating": {"box1": {"factor": 0.25},
-                                                  "box2": {"factor": 0.5}}}))
+    cal.write_text(json.dumps({**V2, "derating": {"box1": {"scale": 0.25},
+                                                  "box2": {"scale": 0.5}}}))
     save_budget({"capacity": V2["capacity"], "max_wall_port_rate_bps": 1})
     data = json.loads(cal.read_text())
     assert data["format"] == 2
-    assert data["derating"] == {"box2": {"factor": 0.5}}
+    assert data["derating"] == {"box2": {"scale": 0.5}}
 
 
 def test_the_watchdog_and_the_udp_senders_say_what_the_learning_looks_for():

@@ -142,26 +142,26 @@ def test_a_run_that_fell_behind_halves_the_capacity_down_to_a_floor():
     state = Derating()
     for _ in range(10):
         state = learn(state, fell_behind=True)
-    assert state.factor == MIN_DERATING
-    assert learn(Derating(), fell_behind=True).factor == 0.5
+    assert state.scale == MIN_DERATING
+    assert learn(Derating(), fell_behind=True).scale == 0.5
 
 
 def test_clean_runs_recover_slowly_and_never_above_the_measurement():
     state = learn(Derating(), fell_behind=True)            # 0.5
     for _ in range(CLEAN_RUNS_TO_RECOVER - 1):
         state = learn(state, fell_behind=False)
-        assert state.factor == 0.5
+        assert state.scale == 0.5
     state = learn(state, fell_behind=False)
-    assert 0.5 < state.factor < 1.0
+    assert 0.5 < state.scale < 1.0
     for _ in range(100):
         state = learn(state, fell_behind=False)
-    assert state.factor == 1.0
+    assert state.scale == 1.0
 
 
 def test_a_fall_behind_resets_the_clean_streak():
     state = learn(learn(Derating(0.5), fell_behind=False), fell_behind=True)
     assert state.clean_runs == 0
-    assert state.factor == 0.25
+    assert state.scale == 0.25
 
 
 # --- the compile ----------------------------------------------------------------------
