@@ -282,17 +282,24 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
                    for link in loaded.expanded.links), default=1)
     by_port = choose_dilation(fabric.dilation, busiest, budget)
     # Routes and paths do not depend on D: the plan at the per-port rule's D gives them.
-    plan = _compile(loaded, by_port)
+    plan, risks = _compile(loaded, by_port)
     need = plan_need(loaded, plan)
     choice = choose_factor(need, cap, nice_ceiling, busiest)
     if fabric.dilation == "auto" and pinned is None and need.streams:
-        d = Dilation(choice.factor)
-        dplan = by_port.model_copy(update={
-            "factor": choice.factor, "rule": "capacity",
-            "busiest_wall_port_bps": d.to_wall_bps(busiest),
-            "capacity": _capacity_plan("capacity", need, cap, choice, choice.factor)})
-        if choice.factor != by_port.factor:
-            plan = _compile(loaded, dplan)
+        factor = choice.factor
+        if factor < by_port.factor:
+            # The PFC floor: below some D the emulated PFC loop (~2 ms of wall time to
+            # answer an XOFF) takes more fabric time than the lossless queues' headroom
+            # covers. Never put more queues at that risk than the per-port rule's D did.
+            plan, at_risk = _compile(loaded, _at(by_port, factor, busiest))
+            while at_risk > risks and factor < by_port.factor:
+                factor = min(nice_ceiling(factor + 1), by_port.factor)
+                plan, at_risk = _compile(loaded, _at(by_port, factor, busiest))
+        else:
+            factor = by_port.factor
+        dplan = _at(by_port, factor, busiest).model_copy(update={
+            "rule": "capacity",
+            "capacity": _capacity_plan("capacity", need, cap, choice, factor, pfc_factor=factor)})
         warnings = []
     else:
         # A fixed D, a per-port budget the config pins, or no workload to size D from
@@ -304,6 +311,11 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
         warnings = (_budget_warnings(dplan, budget) if pinned is not None
                     else _capacity_warnings(dplan, choice))
     return plan.model_copy(update={"dilation": dplan, "warnings": warnings + plan.warnings})
+
+
+def _at(by_port: DilationPlan, factor: int, busiest_bps: int) -> DilationPlan:
+    return by_port.model_copy(update={
+        "factor": factor, "busiest_wall_port_bps": Dilation(factor).to_wall_bps(busiest_bps)})
 
 
 def plan_need(loaded: LoadedConfig, plan: Plan) -> Need:
@@ -338,7 +350,7 @@ def plan_need(loaded: LoadedConfig, plan: Plan) -> Need:
 
 
 def _capacity_plan(rule: str, need: Need, cap: Capacity, choice: Choice,
-                   factor: int) -> CapacityPlan:
+                   factor: int, pfc_factor: int = 1) -> CapacityPlan:
     def r(x: float) -> float:
         return float(f"{x:.6g}")
 
@@ -358,7 +370,7 @@ def _capacity_plan(rule: str, need: Need, cap: Capacity, choice: Choice,
         cores=cap.cores, margin=MARGIN, derating=r(cap.derating),
         derating_note=cap.derating_note, usable_cores=r(cap.usable_cores),
         need_factor=choice.need_factor, port_factor=choice.port_factor,
-        rate_factor=choice.rate_factor, source=cap.source)
+        rate_factor=choice.rate_factor, pfc_factor=pfc_factor, source=cap.source)
 
 
 def _capacity_warnings(dplan: DilationPlan, choice: Choice) -> list[str]:
@@ -374,8 +386,9 @@ def _capacity_warnings(dplan: DilationPlan, choice: Choice) -> list[str]:
             f"agents may fall behind; dilation: auto would pick D={choice.factor}"]
 
 
-def _compile(loaded: LoadedConfig, dplan: DilationPlan) -> Plan:
-    """The plan at the dilation `dplan` (without the dilation's own warnings)."""
+def _compile(loaded: LoadedConfig, dplan: DilationPlan) -> tuple[Plan, int]:
+    """The plan at the dilation `dplan` (without the dilation's own warnings), and how many
+    lossless queues the emulated PFC loop may overflow at that D (_Ports.pfc_loop_risks)."""
     fabric = loaded.fabric
     nodes = loaded.expanded.nodes
     links = loaded.expanded.links
@@ -431,10 +444,14 @@ def _compile(loaded: LoadedConfig, dplan: DilationPlan) -> Plan:
     unreachable = unreachable_host_pairs(plan)
     if unreachable:
         raise ConfigError(loaded.path, [_unreachable_problem(loaded, unreachable)])
-    return plan
+    return plan, ports.pfc_loop_risks
 
 
 MAX_PAIRS_SHOWN = 5
+# What the two warnings of a lossless queue at risk from the emulated PFC loop say
+# (_Ports.pfc_loop_risks counts them).
+FAN_IN_OVERFLOW = "cannot absorb"
+EMULATED_LOOP_SHORT = "the emulated PFC loop answers in"
 
 
 def _unreachable_problem(loaded: LoadedConfig, pairs: list[tuple[str, str, str]]) -> Problem:
@@ -636,6 +653,13 @@ class _Ports:
     warnings: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
 
+    @property
+    def pfc_loop_risks(self) -> int:
+        """Lossless queues the emulated PFC loop may overflow: a fan-in whose headroom the
+        buffer cannot absorb, or a headroom below what the loop needs at this D (the two
+        warnings of _fan_in_warnings and _headroom_warnings that say so)."""
+        return sum(1 for w in self.warnings if FAN_IN_OVERFLOW in w or EMULATED_LOOP_SHORT in w)
+
 
 def _port_plans(loaded: LoadedConfig, phys: list[PhyResult], role: Mapping[str, str],
                 ifnames: Mapping[tuple[int, str], str],
@@ -830,7 +854,7 @@ def _fan_in_warnings(link, classes_qos, ports_of: dict[str, int], role: dict[str
             if room < frame:
                 out.append(
                     f"qos.{link.qos}: TC{q.tc} buffer {format_size(q.limit_bytes)} on "
-                    f"{name} cannot absorb its {fan_in} upstream ports' PFC headroom "
+                    f"{name} {FAN_IN_OVERFLOW} its {fan_in} upstream ports' PFC headroom "
                     f"({fan_in} x {format_size(q.pfc.headroom_bytes)}): a fan-in can overflow "
                     "this lossless queue; raise the buffer or use a shared switch_buffer")
             elif room < q.pfc.xoff_bytes:
@@ -871,7 +895,7 @@ def _headroom_warnings(seen: list[tuple], mtu_bytes: int, response_ns: int,
         links = (f"link {where[0]}" if len(where) == 1
                  else f"{len(where)} links (first {where[0]})")
         rate = f"{rate_bps / 1e9:g} Gb/s"
-        loop = (f"the emulated PFC loop answers in ~{PFC_EMULATED_RESPONSE_WALL_NS / 1e6:g} ms "
+        loop = (f"{EMULATED_LOOP_SHORT} ~{PFC_EMULATED_RESPONSE_WALL_NS / 1e6:g} ms "
                 f"of wall time, {response_ns / 1e3:.2f} us of fabric time at D = {dilation}, "
                 f"and needs {format_size(emulated)}")
         if kind == "hardware":

@@ -221,6 +221,9 @@ class CapacityPlan(PlanModel):
     need_factor: int                # smallest D the machine's cores allow
     port_factor: int                # smallest D the busiest port on one core allows
     rate_factor: int                # smallest D that keeps every port within 25 Gb/s wall
+    pfc_factor: int = 1             # auto: smallest D >= the others at which the emulated
+    #                                 PFC loop puts no more lossless queues at risk than the
+    #                                 per-port rule's D (1: not searched)
     source: str                     # the calibration file, or the default
 
 
@@ -249,6 +252,11 @@ class DilationPlan(PlanModel):
                 f"{c.usable_cores:.3g} cores ({c.cores} x margin {c.margin:g} x derating "
                 f"{c.derating:g}; a hop costs 1/{c.hop_pps_per_core:,.0f} core-s; "
                 f"{c.source}); the busiest port {c.busiest_port} needs D >= {c.port_factor}")
+        cpu = max(c.need_factor, c.port_factor, c.rate_factor)
+        if c.pfc_factor > cpu:
+            fits += (f"; the CPU allows D={cpu}, but below D={c.pfc_factor} the emulated PFC "
+                     "loop (~2 ms of wall time to answer an XOFF) outruns the lossless "
+                     "queues' headroom (the plan's qos warnings)")
         derated = f". {c.derating_note}" if c.derating_note else ""
         if self.mode == "auto" and self.rule == "capacity":
             return (f"D={self.factor} (auto, capacity rule: the smallest 1-2-5 factor that "

@@ -199,11 +199,33 @@ def test_the_default_fabrics_incast_gets_a_d_from_its_need_not_its_fastest_port(
     plan = compile_plan(_loaded(), capacity=CAP)
     c = plan.dilation.capacity
     assert plan.dilation.rule == "capacity"
-    assert plan.dilation.factor == max(c.need_factor, c.port_factor, c.rate_factor)
+    assert plan.dilation.factor == max(c.need_factor, c.port_factor, c.rate_factor,
+                                       c.pfc_factor)
     assert c.need_cores <= c.usable_cores
     # The per-port rule gave 2000 (400G spine ports at 200 Mb/s wall).
     assert plan.dilation.factor < 2000
     assert c.busiest_port == "leaf2:" + plan.node("leaf2").interfaces[3].ifname
+
+
+def test_below_the_pfc_floor_the_emulated_loop_would_overflow_lossless_queues():
+    # The CPU allows D = 100 here; at 100 and 200 the emulated PFC loop (~2 ms of wall
+    # time) needs more headroom than leaf buffers hold, at 500 it does not.
+    plan = compile_plan(_loaded(), capacity=CAP)
+    c = plan.dilation.capacity
+    assert max(c.need_factor, c.port_factor, c.rate_factor) == 100
+    assert plan.dilation.factor == c.pfc_factor == 500
+    assert not any("cannot absorb" in w or "emulated PFC loop answers" in w
+                   for w in plan.warnings)
+    lower = compile_plan(_loaded(dilation="200"), capacity=CAP)
+    assert any("cannot absorb" in w for w in lower.warnings)
+    assert "emulated PFC loop" in plan.dilation.why()
+
+
+def test_without_pfc_the_floor_does_not_hold_d_up():
+    plan = compile_plan(_loaded(extra="qos:\n  default:\n    pfc: {enabled: false}\n"),
+                        capacity=CAP)
+    c = plan.dilation.capacity
+    assert plan.dilation.factor == max(c.need_factor, c.port_factor, c.rate_factor) == 100
 
 
 def test_paths_count_ecmp_hops_once_whichever_way_they_go():
