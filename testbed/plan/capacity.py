@@ -183,7 +183,7 @@ def workload_need(loads: Sequence[StreamLoad], path_of: Callable[[str, str], Pat
 
 
 #: No port's wall rate above this: a PFC class's pause gate is a TBF, whose rate
-#: pyroute2 passes as 32 bits of bytes per second (34 Gb/s; FACTS.md), and a veth
+#: pyroute2 passes as 32 bits of bytes per second (34 Gb/s), and a veth
 #: carries little more anyway.
 MAX_WALL_PORT_BPS = 25_000_000_000
 
@@ -196,17 +196,23 @@ class Choice:
     need_factor: int          # from the whole machine's CPU
     port_factor: int          # from the busiest port's packets on one core
     rate_factor: int = 1      # from the fastest port's rate within MAX_WALL_PORT_BPS
+    least: float = 1.0        # the smallest D (not rounded to 1-2-5) that fits all three
+
+    def fits(self, factor: int) -> bool:
+        """Whether D = `factor` (any integer, not only 1-2-5) fits the capacity."""
+        return factor >= self.least * (1 - 1e-9)
 
 
 def choose_factor(need: Need, capacity: Capacity, nice: Callable[[float], int],
                   fastest_port_bps: int = 0) -> Choice:
     """The smallest readable D (`nice`: 1-2-5 steps) at which `need` fits `capacity` and
     the fastest port's wall rate stays within MAX_WALL_PORT_BPS."""
-    by_need = nice(need.core_s_per_s(capacity) / capacity.usable_cores)
-    by_port = nice(need.busiest_port_pps
-                   / (capacity.hop_pps_per_core * MARGIN * capacity.derating))
-    by_rate = nice(fastest_port_bps / MAX_WALL_PORT_BPS)
-    return Choice(max(by_need, by_port, by_rate, 1), by_need, by_port, by_rate)
+    raw_need = need.core_s_per_s(capacity) / capacity.usable_cores
+    raw_port = need.busiest_port_pps / (capacity.hop_pps_per_core * MARGIN * capacity.derating)
+    raw_rate = fastest_port_bps / MAX_WALL_PORT_BPS
+    by_need, by_port, by_rate = nice(raw_need), nice(raw_port), nice(raw_rate)
+    return Choice(max(by_need, by_port, by_rate, 1), by_need, by_port, by_rate,
+                  max(raw_need, raw_port, raw_rate, 1.0))
 
 
 @dataclass(frozen=True)

@@ -370,13 +370,14 @@ def _capacity_plan(rule: str, need: Need, cap: Capacity, choice: Choice,
         cores=cap.cores, margin=MARGIN, derating=r(cap.derating),
         derating_note=cap.derating_note, usable_cores=r(cap.usable_cores),
         need_factor=choice.need_factor, port_factor=choice.port_factor,
-        rate_factor=choice.rate_factor, pfc_factor=pfc_factor, source=cap.source)
+        rate_factor=choice.rate_factor, least_factor=r(choice.least), pfc_factor=pfc_factor,
+        source=cap.source)
 
 
 def _capacity_warnings(dplan: DilationPlan, choice: Choice) -> list[str]:
     """A fixed D below what the capacity rule would pick: the machine may not keep up."""
     c = dplan.capacity
-    if c is None or dplan.factor >= choice.factor:
+    if c is None or choice.fits(dplan.factor):
         return []
     return [f"dilation D={dplan.factor} needs {c.need_cores:.2f} cores of packet work "
             # a packet rate converts as a bit rate does: fabric -> wall divides by D
@@ -452,6 +453,7 @@ MAX_PAIRS_SHOWN = 5
 # (_Ports.pfc_loop_risks counts them).
 FAN_IN_OVERFLOW = "cannot absorb"
 EMULATED_LOOP_SHORT = "the emulated PFC loop answers in"
+EARLY_EGRESS_PAUSE = "egress protection pauses the upstream ports at"
 
 
 def _unreachable_problem(loaded: LoadedConfig, pairs: list[tuple[str, str, str]]) -> Problem:
@@ -655,10 +657,14 @@ class _Ports:
 
     @property
     def pfc_loop_risks(self) -> int:
-        """Lossless queues the emulated PFC loop may overflow: a fan-in whose headroom the
-        buffer cannot absorb, or a headroom below what the loop needs at this D (the two
-        warnings of _fan_in_warnings and _headroom_warnings that say so)."""
-        return sum(1 for w in self.warnings if FAN_IN_OVERFLOW in w or EMULATED_LOOP_SHORT in w)
+        """Lossless queues the emulated PFC loop puts at risk: a fan-in whose headroom the
+        buffer cannot absorb, a headroom below what the loop needs at this D, or egress
+        protection that must pause below the configured XOFF to leave room for the
+        headroom (the PFC fires earlier than configured): the three warnings of
+        _fan_in_warnings and _headroom_warnings that say so."""
+        return sum(1 for w in self.warnings
+                   if any(mark in w for mark in (FAN_IN_OVERFLOW, EMULATED_LOOP_SHORT,
+                                                 EARLY_EGRESS_PAUSE)))
 
 
 def _port_plans(loaded: LoadedConfig, phys: list[PhyResult], role: Mapping[str, str],
@@ -859,8 +865,8 @@ def _fan_in_warnings(link, classes_qos, ports_of: dict[str, int], role: dict[str
                     "this lossless queue; raise the buffer or use a shared switch_buffer")
             elif room < q.pfc.xoff_bytes:
                 out.append(
-                    f"qos.{link.qos}: TC{q.tc} on {name}: egress protection pauses the "
-                    f"upstream ports at {format_size(room)}, below pfc.xoff "
+                    f"qos.{link.qos}: TC{q.tc} on {name}: {EARLY_EGRESS_PAUSE} "
+                    f"{format_size(room)}, below pfc.xoff "
                     f"{format_size(q.pfc.xoff_bytes)}, so that {fan_in} ports' headroom "
                     f"({format_size(q.pfc.headroom_bytes)} each) fits the "
                     f"{format_size(q.limit_bytes)} buffer")

@@ -221,6 +221,7 @@ class CapacityPlan(PlanModel):
     need_factor: int                # smallest D the machine's cores allow
     port_factor: int                # smallest D the busiest port on one core allows
     rate_factor: int                # smallest D that keeps every port within 25 Gb/s wall
+    least_factor: float = 1.0       # the smallest D, not rounded, that fits all three
     pfc_factor: int = 1             # auto: smallest D >= the others at which the emulated
     #                                 PFC loop puts no more lossless queues at risk than the
     #                                 per-port rule's D (1: not searched)
@@ -266,7 +267,8 @@ class DilationPlan(PlanModel):
         if self.mode == "auto":
             return f"D={self.factor} (auto, per-port rule pinned by the config): {budget}; {fits}"
         least = max(c.need_factor, c.port_factor, c.rate_factor)
-        verdict = "fits" if self.factor >= least else f"does NOT fit; auto would pick D={least}"
+        verdict = ("fits" if self.factor >= c.least_factor * (1 - 1e-9)
+                   else f"does NOT fit; auto would pick D={least}")
         return f"D={self.factor} (fixed, {verdict}): {fits}{derated}"
 
 

@@ -175,8 +175,9 @@ def record_run(summary: dict, dilation: dict) -> str | None:
     Returns what changed, for the console (None: nothing to learn, or no file to keep it
     in and nothing went wrong)."""
     cap = dilation.get("capacity") or {}
-    least = max(cap.get("need_factor", 0), cap.get("port_factor", 0), cap.get("rate_factor", 0))
-    if not cap or not cap.get("streams") or dilation.get("factor", 0) < least:
+    least = cap.get("least_factor") or max(cap.get("need_factor", 0),
+                                           cap.get("port_factor", 0), cap.get("rate_factor", 0))
+    if not cap or not cap.get("streams") or dilation.get("factor", 0) < least * (1 - 1e-9):
         return None       # a D below what the capacity allows: expected to fall behind
     notes = summary.get("fidelity") or []
     fell = [n for n in notes if FELL_BEHIND_MARK in n]

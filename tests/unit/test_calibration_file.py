@@ -77,9 +77,10 @@ def test_a_slow_machine_without_calibration_scales_the_default_down():
     assert "20x slower" in cap.source
 
 
-def _dilation(factor=200, need=100, port=20, rate=20, streams=4) -> dict:
+def _dilation(factor=200, need=100, port=20, rate=20, streams=4, least=80.0) -> dict:
     return {"factor": factor, "capacity": {"need_factor": need, "port_factor": port,
-                                           "rate_factor": rate, "streams": streams}}
+                                           "rate_factor": rate, "streams": streams,
+                                           "least_factor": least}}
 
 
 BEHIND = ("port leaf2:swp4 delivered 60.0 % of its rate while backlogged (...): the "

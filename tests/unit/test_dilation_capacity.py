@@ -209,15 +209,18 @@ def test_the_default_fabrics_incast_gets_a_d_from_its_need_not_its_fastest_port(
 
 def test_below_the_pfc_floor_the_emulated_loop_would_overflow_lossless_queues():
     # The CPU allows D = 100 here; at 100 and 200 the emulated PFC loop (~2 ms of wall
-    # time) needs more headroom than leaf buffers hold, at 500 it does not.
+    # time) needs more headroom than leaf buffers hold, at 500 egress protection must
+    # pause below the configured XOFF to make room for it, at 1000 neither.
     plan = compile_plan(_loaded(), capacity=CAP)
     c = plan.dilation.capacity
     assert max(c.need_factor, c.port_factor, c.rate_factor) == 100
-    assert plan.dilation.factor == c.pfc_factor == 500
+    assert plan.dilation.factor == c.pfc_factor == 1000
     assert not any("cannot absorb" in w or "emulated PFC loop answers" in w
-                   for w in plan.warnings)
-    lower = compile_plan(_loaded(dilation="200"), capacity=CAP)
-    assert any("cannot absorb" in w for w in lower.warnings)
+                   or "egress protection pauses" in w for w in plan.warnings)
+    assert any("cannot absorb" in w
+               for w in compile_plan(_loaded(dilation="200"), capacity=CAP).warnings)
+    assert any("egress protection pauses" in w
+               for w in compile_plan(_loaded(dilation="500"), capacity=CAP).warnings)
     assert "emulated PFC loop" in plan.dilation.why()
 
 
@@ -290,6 +293,11 @@ def test_a_fixed_d_below_the_capacity_is_warned_about():
     assert any("dilation D=10 needs" in w and "auto would pick" in w for w in plan.warnings)
     fine = compile_plan(_loaded(dilation="5000"), capacity=CAP)
     assert not any("dilation D=" in w for w in fine.warnings)
+    # A D that is no 1-2-5 step is judged by the unrounded need: 80 fits a need of 50.
+    least = compile_plan(_loaded(), capacity=CAP).dilation.capacity.least_factor
+    assert 50 < least <= 80
+    odd = compile_plan(_loaded(dilation="80"), capacity=CAP)
+    assert not any("dilation D=" in w for w in odd.warnings)
 
 
 def test_the_plan_says_why_it_chose_d():
