@@ -25,13 +25,18 @@ class CliError(Exception):
 
 
 def load_and_plan(path: str) -> tuple[LoadedConfig, Plan]:
-    """Load and compile; `dilation: auto` uses this machine's calibrated budget if any."""
-    from testbed.run.calibration import load_budget_bps
+    """Load and compile; `dilation: auto` uses this machine's calibrated capacity (and
+    its learned derating) if any, else the conservative default."""
+    from testbed.run.calibration import CalibrationError, load_budget_bps, load_capacity
 
     budget, _source = load_budget_bps()
     try:
+        capacity = load_capacity()
+    except CalibrationError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    try:
         loaded = load_config(path)
-        return loaded, compile_plan(loaded, max_wall_port_rate_bps=budget)
+        return loaded, compile_plan(loaded, max_wall_port_rate_bps=budget, capacity=capacity)
     except ConfigError as exc:
         for line in exc.lines():
             print(line, file=sys.stderr)

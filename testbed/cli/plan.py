@@ -44,8 +44,8 @@ def print_plan_table(plan: Plan, console: Console) -> None:
                   f"{plan.roce_mtu_bytes}")
     console.print(f"dilation D={d.factor} ({d.mode}): busiest port "
                   f"{format_rate(d.busiest_port_bps)}"
-                  f" -> {format_rate(d.busiest_wall_port_bps)} wall "
-                  f"(budget {format_rate(d.max_wall_port_rate_bps)})")
+                  f" -> {format_rate(d.busiest_wall_port_bps)} wall")
+    console.print(f"  why: {escape(d.why())}", soft_wrap=True)
     links = Table(title="links", show_lines=False)
     for col in ("#", "a", "b", "subnet", "port type", "length", "rate", "wall rate", "delay",
                 "wall delay", "frame loss"):

@@ -168,6 +168,8 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
         if live is not None:
             live.stop()
     summary = result.summary
+    if not result.interrupted and not result.failed and part is None:
+        _learn(result.summary, plan, console, quiet)
     if not quiet:
         _print_summary(console, summary)
         report = result.run_dir / "report.html"
@@ -182,6 +184,15 @@ def run_one(path: str, args, done: list[Path] | None = None) -> int:
     # the disk filled): its data is kept, but it is not the run asked for
     # (docs/run-format.md, summary.json `failed` and Faults during a run)
     return EXIT_FAIL if result.failed or result.fault else EXIT_OK
+
+
+def _learn(summary: dict, plan, console, quiet: bool) -> None:
+    """The run's outcome teaches this machine's derating (testbed/run/calibration.py)."""
+    from testbed.run.calibration import record_run
+
+    learned = record_run(summary, plan.dilation.model_dump())
+    if learned and not quiet:
+        console.print(f"calibration: {learned}")
 
 
 def part_run_of(path: str, args, loaded, plan):

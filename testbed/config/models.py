@@ -634,12 +634,17 @@ class Fabric(Strict):
                                                         "nodes' namespaces are tb-<name>-<node>")
     dilation: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="time dilation D (the fabric runs D times slower), or auto: the "
-                            "smallest of 1, 2, 5 x 10^k that keeps the busiest port's wall rate "
-                            "within max_wall_port_rate")
+                            "smallest of 1, 2, 5 x 10^k at which the workload's packets, "
+                            "summed over every hop they cross and at their agents, fit this "
+                            "machine's measured capacity with a margin (docs/dilation.md); "
+                            "with max_wall_port_rate, or no workload: the smallest that keeps "
+                            "the busiest port's wall rate within the per-port budget")
     max_wall_port_rate_bps: RateBps | None = Field(
         None, alias="max_wall_port_rate",
-        description="wall-rate budget per port for dilation: auto (default: calibrated or "
-                    "200Mbps); a fixed D above it is a plan warning")
+        description="wall-rate budget per port: given, dilation: auto takes D from it alone "
+                    "(the same plan on every machine; --vms runs need it) and a fixed D above "
+                    "it is a plan warning (default: unset; auto then uses the calibrated "
+                    "capacity)")
     address_pool: ipaddress.IPv4Network = Field(
         ipaddress.IPv4Network("198.18.0.0/15"),
         description="IPv4 pool the links' /31s come from (default: the benchmarking range)")

@@ -102,7 +102,10 @@ def run_variant(incident: LoadedIncident, variant: str, options: RunOptions,
             out.error = f"the {variant} run could not be judged: {exc}"
 
     try:
-        plan = compile_plan(config, max_wall_port_rate_bps=options.budget_bps)
+        from testbed.run.calibration import load_capacity
+
+        plan = compile_plan(config, max_wall_port_rate_bps=options.budget_bps,
+                            capacity=load_capacity())
         result = run_config(config, plan, replace(options, before_report=judge))
     except Exception as exc:   # the next incident of a suite still runs; say why not this
         out.error = f"the {variant} run failed: {exc}"

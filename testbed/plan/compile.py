@@ -20,8 +20,18 @@ from testbed.config import LoadedConfig
 from testbed.config.errors import ConfigError, Problem
 from testbed.config.models import Fabric, Link, Node, SwitchBuffer
 from testbed.phy import PhyResult, evaluate
+from testbed.plan.capacity import (
+    DEFAULT_CAPACITY,
+    MARGIN,
+    Capacity,
+    Choice,
+    Need,
+    choose_factor,
+    workload_need,
+)
 from testbed.plan.events import compile_events
 from testbed.plan.model import (
+    CapacityPlan,
     ClassPlan,
     DilationPlan,
     EcnPlan,
@@ -40,7 +50,7 @@ from testbed.plan.model import (
     TrafficClassPlan,
     TrimPlan,
 )
-from testbed.plan.paths import unreachable_host_pairs
+from testbed.plan.paths import Routes, routed_path, unreachable_host_pairs
 from testbed.plan.qos import (
     DEFAULT_BUFFER_BYTES,
     ECN_ABOVE_XOFF,
@@ -51,6 +61,8 @@ from testbed.plan.qos import (
 )
 from testbed.plan.red import red_params
 from testbed.units import format_size
+from testbed.workloads.base import LoadContext
+from testbed.workloads.registry import REGISTRY
 
 # A conservative wall-rate budget per port for `dilation: auto` when the
 # config says none and `testbed calibrate` has not measured this machine.
@@ -251,20 +263,141 @@ def egress_at_rate(egress: EgressPlan, rate_bps: int, dilation: Dilation,
         "burst_bytes": _burst_bytes(wall, egress.quantum_bytes)})
 
 
-def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None) -> Plan:
-    """Config + PHY + dilation -> plan. Raises ConfigError for problems only the plan finds."""
+def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None,
+                 capacity: Capacity | None = None) -> Plan:
+    """Config + PHY + dilation -> plan. Raises ConfigError for problems only the plan finds.
+
+    `dilation: auto` takes D from `capacity` (what this machine carries, default
+    DEFAULT_CAPACITY: testbed/plan/capacity.py), unless the config pins
+    `max_wall_port_rate`: then from that per-port budget alone, a rule that needs no
+    machine's figures (every VM of a --vms run builds the same plan). A fixed D is
+    checked against the capacity and warned about when the workload would not fit.
+    `max_wall_port_rate_bps` is the machine's calibrated per-port budget: it only says
+    which budget a plan shows when the config pins none."""
+    fabric = loaded.fabric
+    cap = capacity or DEFAULT_CAPACITY
+    pinned = fabric.max_wall_port_rate_bps
+    budget = pinned or max_wall_port_rate_bps or DEFAULT_MAX_WALL_PORT_RATE_BPS
+    busiest = max((evaluate(link.port, link.length_m, fabric.mtu_bytes).mac_rate_bps
+                   for link in loaded.expanded.links), default=1)
+    by_port = choose_dilation(fabric.dilation, busiest, budget)
+    # Routes and paths do not depend on D: the plan at the per-port rule's D gives them.
+    plan, risks = _compile(loaded, by_port)
+    need = plan_need(loaded, plan)
+    choice = choose_factor(need, cap, nice_ceiling, busiest)
+    if fabric.dilation == "auto" and pinned is None and need.streams:
+        factor = choice.factor
+        if factor < by_port.factor:
+            # The PFC floor: below some D the emulated PFC loop (~2 ms of wall time to
+            # answer an XOFF) takes more fabric time than the lossless queues' headroom
+            # covers. Never put more queues at that risk than the per-port rule's D did.
+            plan, at_risk = _compile(loaded, _at(by_port, factor, busiest))
+            while at_risk > risks and factor < by_port.factor:
+                factor = min(nice_ceiling(factor + 1), by_port.factor)
+                plan, at_risk = _compile(loaded, _at(by_port, factor, busiest))
+        else:
+            factor = by_port.factor
+        dplan = _at(by_port, factor, busiest).model_copy(update={
+            "rule": "capacity",
+            "capacity": _capacity_plan("capacity", need, cap, choice, factor, pfc_factor=factor)})
+        warnings = []
+    else:
+        # A fixed D, a per-port budget the config pins, or no workload to size D from
+        # (`testbed up` for traffic of the user's own): the per-port rule, checked.
+        dplan = by_port.model_copy(update={
+            "capacity": _capacity_plan("check", need, cap, choice, by_port.factor)})
+        # The config's own per-port budget is the rule it asked for; otherwise a fixed D
+        # is checked against the capacity (the per-port budget alone is too coarse).
+        warnings = (_budget_warnings(dplan, budget) if pinned is not None
+                    else _capacity_warnings(dplan, choice))
+    return plan.model_copy(update={"dilation": dplan, "warnings": warnings + plan.warnings})
+
+
+def _at(by_port: DilationPlan, factor: int, busiest_bps: int) -> DilationPlan:
+    return by_port.model_copy(update={
+        "factor": factor, "busiest_wall_port_bps": Dilation(factor).to_wall_bps(busiest_bps)})
+
+
+def plan_need(loaded: LoadedConfig, plan: Plan) -> Need:
+    """The packet rates the config's workload puts through `plan`'s fabric at D = 1: each
+    kind's offered streams (testbed/workloads: `offered_load`) along the plan's routed
+    paths (testbed/plan/paths.routed_path)."""
+    fabric = loaded.fabric
+    traffic = fabric.workload.traffic if fabric.workload is not None else []
+    hosts = [h.name for h in plan.hosts()]
+    classes: dict[str | int, object] = {t.name: t for t in fabric.traffic_classes}
+    classes |= {t.tc: t for t in fabric.traffic_classes}
+    ctx = LoadContext(hosts=hosts, classes=classes,  # type: ignore[arg-type]
+                      nic_bps={h.name: h.interfaces[0].egress.rate_bps
+                               for h in plan.hosts() if h.interfaces},
+                      mtu_bytes=plan.mtu_bytes, roce_mtu_bytes=plan.roce_mtu_bytes)
+    loads = [load for entry in traffic for load in REGISTRY.of(entry.kind).offered_load(
+        entry, ctx)]
+    routes = Routes(plan)
+
+    def path_of(src: str, dst: str) -> list[tuple[str, int]]:
+        try:
+            hops = routed_path(plan, src, dst, routes)
+        except (ValueError, KeyError, IndexError):
+            return []          # the compile refuses unreachable pairs; a host to itself
+        out, node = [], src
+        for iface in hops:
+            out.append((f"{node}:{iface.ifname}", iface.egress.rate_bps))
+            node = iface.peer.node
+        return out
+
+    return workload_need(loads, path_of)
+
+
+def _capacity_plan(rule: str, need: Need, cap: Capacity, choice: Choice,
+                   factor: int, pfc_factor: int = 1) -> CapacityPlan:
+    def r(x: float) -> float:
+        return float(f"{x:.6g}")
+
+    at_1 = need.core_s_per_s(cap)
+    # core-seconds per fabric second at D = 1 -> per wall second at D
+    fabric_s_per_wall_s = Dilation(factor).to_fabric_ns(10**9) / 10**9
+    return CapacityPlan(
+        rule=rule, streams=need.streams, longest_path_hops=need.longest_path_hops,
+        hop_pps=r(need.hop_pps),
+        agent_send_pps={k: r(v) for k, v in sorted(need.agent_send_pps.items())},
+        agent_recv_pps={k: r(v) for k, v in sorted(need.agent_recv_pps.items())},
+        busiest_port=need.busiest_port, busiest_port_pps=r(need.busiest_port_pps),
+        need_cores_at_1=r(at_1), need_cores=r(at_1 * fabric_s_per_wall_s),
+        hop_pps_per_core=r(cap.hop_pps_per_core),
+        agent_core_s_per_packet={k: {"send": r(a.send_core_s), "recv": r(a.recv_core_s)}
+                                 for k, a in sorted(cap.agents.items())},
+        cores=cap.cores, margin=MARGIN, derating=r(cap.derating),
+        derating_note=cap.derating_note, usable_cores=r(cap.usable_cores),
+        need_factor=choice.need_factor, port_factor=choice.port_factor,
+        rate_factor=choice.rate_factor, least_factor=r(choice.least), pfc_factor=pfc_factor,
+        source=cap.source)
+
+
+def _capacity_warnings(dplan: DilationPlan, choice: Choice) -> list[str]:
+    """A fixed D below what the capacity rule would pick: the machine may not keep up."""
+    c = dplan.capacity
+    if c is None or choice.fits(dplan.factor):
+        return []
+    return [f"dilation D={dplan.factor} needs {c.need_cores:.2f} cores of packet work "
+            # a packet rate converts as a bit rate does: fabric -> wall divides by D
+            f"(workload {Dilation(dplan.factor).to_wall_bps(c.hop_pps):,} hop packets/s "
+            "wall), above the "
+            f"{c.usable_cores:.2f} this machine gives a plan ({c.source}): ports and "
+            f"agents may fall behind; dilation: auto would pick D={choice.factor}"]
+
+
+def _compile(loaded: LoadedConfig, dplan: DilationPlan) -> tuple[Plan, int]:
+    """The plan at the dilation `dplan` (without the dilation's own warnings), and how many
+    lossless queues the emulated PFC loop may overflow at that D (_Ports.pfc_loop_risks)."""
     fabric = loaded.fabric
     nodes = loaded.expanded.nodes
     links = loaded.expanded.links
     role = {n.name: n.role for n in nodes}
-    budget = (fabric.max_wall_port_rate_bps or max_wall_port_rate_bps
-              or DEFAULT_MAX_WALL_PORT_RATE_BPS)
 
     phys: list[PhyResult] = [evaluate(link.port, link.length_m, fabric.mtu_bytes)
                              for link in links]
-    busiest = max((p.mac_rate_bps for p in phys), default=1)
-    dplan = choose_dilation(fabric.dilation, busiest, budget)
-    warnings = _budget_warnings(dplan, budget)
+    warnings: list[str] = []
 
     ifnames = _interface_names(links, role)
     aggregated = _aggregated_host_links(links, role)
@@ -312,10 +445,15 @@ def compile_plan(loaded: LoadedConfig, max_wall_port_rate_bps: int | None = None
     unreachable = unreachable_host_pairs(plan)
     if unreachable:
         raise ConfigError(loaded.path, [_unreachable_problem(loaded, unreachable)])
-    return plan
+    return plan, ports.pfc_loop_risks
 
 
 MAX_PAIRS_SHOWN = 5
+# What the two warnings of a lossless queue at risk from the emulated PFC loop say
+# (_Ports.pfc_loop_risks counts them).
+FAN_IN_OVERFLOW = "cannot absorb"
+EMULATED_LOOP_SHORT = "the emulated PFC loop answers in"
+EARLY_EGRESS_PAUSE = "egress protection pauses the upstream ports at"
 
 
 def _unreachable_problem(loaded: LoadedConfig, pairs: list[tuple[str, str, str]]) -> Problem:
@@ -517,6 +655,17 @@ class _Ports:
     warnings: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
 
+    @property
+    def pfc_loop_risks(self) -> int:
+        """Lossless queues the emulated PFC loop puts at risk: a fan-in whose headroom the
+        buffer cannot absorb, a headroom below what the loop needs at this D, or egress
+        protection that must pause below the configured XOFF to leave room for the
+        headroom (the PFC fires earlier than configured): the three warnings of
+        _fan_in_warnings and _headroom_warnings that say so."""
+        return sum(1 for w in self.warnings
+                   if any(mark in w for mark in (FAN_IN_OVERFLOW, EMULATED_LOOP_SHORT,
+                                                 EARLY_EGRESS_PAUSE)))
+
 
 def _port_plans(loaded: LoadedConfig, phys: list[PhyResult], role: Mapping[str, str],
                 ifnames: Mapping[tuple[int, str], str],
@@ -711,13 +860,13 @@ def _fan_in_warnings(link, classes_qos, ports_of: dict[str, int], role: dict[str
             if room < frame:
                 out.append(
                     f"qos.{link.qos}: TC{q.tc} buffer {format_size(q.limit_bytes)} on "
-                    f"{name} cannot absorb its {fan_in} upstream ports' PFC headroom "
+                    f"{name} {FAN_IN_OVERFLOW} its {fan_in} upstream ports' PFC headroom "
                     f"({fan_in} x {format_size(q.pfc.headroom_bytes)}): a fan-in can overflow "
                     "this lossless queue; raise the buffer or use a shared switch_buffer")
             elif room < q.pfc.xoff_bytes:
                 out.append(
-                    f"qos.{link.qos}: TC{q.tc} on {name}: egress protection pauses the "
-                    f"upstream ports at {format_size(room)}, below pfc.xoff "
+                    f"qos.{link.qos}: TC{q.tc} on {name}: {EARLY_EGRESS_PAUSE} "
+                    f"{format_size(room)}, below pfc.xoff "
                     f"{format_size(q.pfc.xoff_bytes)}, so that {fan_in} ports' headroom "
                     f"({format_size(q.pfc.headroom_bytes)} each) fits the "
                     f"{format_size(q.limit_bytes)} buffer")
@@ -752,7 +901,7 @@ def _headroom_warnings(seen: list[tuple], mtu_bytes: int, response_ns: int,
         links = (f"link {where[0]}" if len(where) == 1
                  else f"{len(where)} links (first {where[0]})")
         rate = f"{rate_bps / 1e9:g} Gb/s"
-        loop = (f"the emulated PFC loop answers in ~{PFC_EMULATED_RESPONSE_WALL_NS / 1e6:g} ms "
+        loop = (f"{EMULATED_LOOP_SHORT} ~{PFC_EMULATED_RESPONSE_WALL_NS / 1e6:g} ms "
                 f"of wall time, {response_ns / 1e3:.2f} us of fabric time at D = {dilation}, "
                 f"and needs {format_size(emulated)}")
         if kind == "hardware":

@@ -196,12 +196,80 @@ class LinkPlan(PlanModel):
     phy_warnings: list[str]
 
 
+class CapacityPlan(PlanModel):
+    """Why the capacity rule chose D (testbed/plan/capacity.py, docs/dilation.md): the
+    workload's packet rates at D = 1 (fabric), what it needs at D, what the machine
+    carries and where that figure came from."""
+
+    rule: str                       # "capacity" (chose D) or "check" (a fixed D, checked)
+    streams: int
+    longest_path_hops: int
+    hop_pps: float                  # packets x hops per second the workload needs at D = 1
+    agent_send_pps: dict[str, float]
+    agent_recv_pps: dict[str, float]
+    busiest_port: str               # "node:ifname"
+    busiest_port_pps: float         # at D = 1
+    need_cores_at_1: float          # core-seconds per wall second at D = 1
+    need_cores: float               # ... at the plan's D
+    hop_pps_per_core: float
+    agent_core_s_per_packet: dict[str, dict[str, float]]   # kind -> send/recv
+    cores: int
+    margin: float
+    derating: float
+    derating_note: str
+    usable_cores: float             # cores x margin x derating
+    need_factor: int                # smallest D the machine's cores allow
+    port_factor: int                # smallest D the busiest port on one core allows
+    rate_factor: int                # smallest D that keeps every port within 25 Gb/s wall
+    least_factor: float = 1.0       # the smallest D, not rounded, that fits all three
+    pfc_factor: int = 1             # auto: smallest D >= the others at which the emulated
+    #                                 PFC loop puts no more lossless queues at risk than the
+    #                                 per-port rule's D (1: not searched)
+    source: str                     # the calibration file, or the default
+
+
 class DilationPlan(PlanModel):
     factor: int
     mode: str                       # "fixed" or "auto"
-    max_wall_port_rate_bps: int     # budget a port's wall rate must stay under (auto)
+    max_wall_port_rate_bps: int     # per-port budget: the rule when the config pins it
     busiest_port_bps: int           # fabric rate of the fastest port
     busiest_wall_port_bps: int
+    rule: str = "port budget"       # what chose an auto D: "capacity" or "port budget"
+    capacity: CapacityPlan | None = None
+
+    def why(self) -> str:
+        """One paragraph: how D was chosen, from what, and any derating in force."""
+        c = self.capacity
+        budget = (f"the busiest port {self.busiest_port_bps / 1e9:g} Gb/s fabric within "
+                  f"{self.max_wall_port_rate_bps / 1e6:g} Mb/s of wall rate per port")
+        if c is None:
+            return f"D={self.factor} ({self.mode}): {budget}"
+        fits = (f"the workload needs {c.need_cores_at_1:.3g} core-seconds per second of "
+                f"packet work at D=1 ({c.hop_pps:,.0f} hop packets/s and "
+                f"{sum(c.agent_send_pps.values()):,.0f} sent + "
+                f"{sum(c.agent_recv_pps.values()):,.0f} received agent packets/s, fabric; "
+                f"{c.streams} streams, up to {c.longest_path_hops} hops), "
+                f"{c.need_cores:.3g} at D={self.factor}; this machine gives a plan "
+                f"{c.usable_cores:.3g} cores ({c.cores} x margin {c.margin:g} x derating "
+                f"{c.derating:g}; a hop costs 1/{c.hop_pps_per_core:,.0f} core-s; "
+                f"{c.source}); the busiest port {c.busiest_port} needs D >= {c.port_factor}")
+        cpu = max(c.need_factor, c.port_factor, c.rate_factor)
+        if c.pfc_factor > cpu:
+            fits += (f"; the CPU allows D={cpu}, but below D={c.pfc_factor} the emulated PFC "
+                     "loop (~2 ms of wall time to answer an XOFF) outruns the lossless "
+                     "queues' headroom (the plan's qos warnings)")
+        derated = f". {c.derating_note}" if c.derating_note else ""
+        if self.mode == "auto" and self.rule == "capacity":
+            return (f"D={self.factor} (auto, capacity rule: the smallest 1-2-5 factor that "
+                    f"fits): {fits}{derated}")
+        if self.mode == "auto" and not c.streams:
+            return f"D={self.factor} (auto, per-port rule: no workload to size D from): {budget}"
+        if self.mode == "auto":
+            return f"D={self.factor} (auto, per-port rule pinned by the config): {budget}; {fits}"
+        least = max(c.need_factor, c.port_factor, c.rate_factor)
+        verdict = ("fits" if self.factor >= c.least_factor * (1 - 1e-9)
+                   else f"does NOT fit; auto would pick D={least}")
+        return f"D={self.factor} (fixed, {verdict}): {fits}{derated}"
 
 
 class TrafficClassPlan(PlanModel):

@@ -639,7 +639,7 @@ def fabric(run: RunData) -> dict | None:
     text = (f"{len(plan.hosts())} hosts, {len(plan.switches())} switches, {len(plan.links)} "
             f"links; MTU {plan.mtu_bytes}, RoCE MTU {plan.roce_mtu_bytes}; dilation "
             f"{d.factor} ({d.mode}), busiest port {fmt_rate(d.busiest_port_bps)} fabric = "
-            f"{fmt_rate(d.busiest_wall_port_bps)} wall")
+            f"{fmt_rate(d.busiest_wall_port_bps)} wall. How D was chosen: {d.why()}")
     return {"svg": plots.fabric_plot(plan), "text": text, "links": table,
             "parts": parts(run)}
 

@@ -195,6 +195,40 @@ class ExpandContext:
 
 
 @dataclass(frozen=True)
+class StreamLoad:
+    """One stream an entry offers, for `dilation: auto` (testbed/plan/capacity.py):
+    `rate_bps` (fabric, on the wire) from host `src` to host `dst` in packets of
+    `wire_bytes`, carried by agents of kind `agent` ("udp", "roce", ...), in a lossless
+    class or not; `reverse_per_packet` packets come back per data packet (ACKs)."""
+
+    src: str
+    dst: str
+    rate_bps: float
+    wire_bytes: int
+    agent: str
+    lossless: bool
+    reverse_per_packet: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoadContext:
+    """The fabric as kinds state their offered load (before D is chosen)."""
+
+    hosts: Sequence[str]
+    classes: Mapping[str | int, ClassView]       # by name and by number
+    nic_bps: Mapping[str, int]                   # each host's first NIC's MAC rate
+    mtu_bytes: int
+    roce_mtu_bytes: int
+
+
+# RoCEv2 on the wire beyond its payload: BTH 12 + ICRC 4 + UDP 8 + IPv4 20 + Ethernet 14
+# + FCS 4 + preamble 8 + IFG 12 (testbed/plan/paths.py's ROCE_PACKET_OVERHEAD_BYTES).
+ROCE_WIRE_OVERHEAD_BYTES = 82
+# The RoCE agents' responder ACKs one in this many packets (agents/rdma/qp.py ack_every).
+ROCE_ACKS_PER_PACKET = 1 / 16
+
+
+@dataclass(frozen=True)
 class RunView:
     """A finished run as kinds read it for result rows, accounts and fidelity notes."""
 
@@ -321,6 +355,23 @@ class WorkloadKind(ABC):
     @abstractmethod
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         """The agents of entry number `index` of the workload (receivers first)."""
+
+    def offered_load(self, entry: TrafficEntry, ctx: LoadContext) -> list[StreamLoad]:
+        """The streams the entry offers the fabric, for `dilation: auto`. By default
+        what a RoCE-transport kind offers: every stream of its shape, each sender's
+        NIC line rate shared by its streams, full RoCE-MTU packets with one ACK per
+        ROCE_ACKS_PER_PACKET. A kind that knows better (a configured rate, another
+        packet size or agent) overrides it."""
+        pairs = streams(entry, self.shape(entry), ctx.hosts)
+        fanout: dict[str, int] = {}
+        for src, _ in pairs:
+            fanout[src] = fanout.get(src, 0) + 1
+        tclass = ctx.classes.get(entry.tclass) if entry.tclass is not None else None
+        lossless = bool(tclass is not None and tclass.lossless)
+        return [StreamLoad(src, dst, ctx.nic_bps.get(src, 0) / fanout[src],
+                           ctx.roce_mtu_bytes + ROCE_WIRE_OVERHEAD_BYTES, "roce", lossless,
+                           ROCE_ACKS_PER_PACKET)
+                for src, dst in pairs]
 
     def span_ns(self, entry: TrafficEntry, ctx: ExpandContext | None) -> int:
         """Fabric time from t0 until the entry's senders are scheduled to stop."""

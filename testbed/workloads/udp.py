@@ -23,11 +23,13 @@ from testbed.workloads.base import (
     AgentSpec,
     CheckContext,
     ExpandContext,
+    LoadContext,
     Problem,
     ResultRow,
     Results,
     RunView,
     Shape,
+    StreamLoad,
     TrafficEntry,
     WorkloadKind,
     arg_of,
@@ -132,6 +134,22 @@ class UdpKind(WorkloadKind):
         # a sender's ready file (sockets made, waiting for t0) tells the run whether it
         # was ready by the common start (runner.late_senders)
         return ["--ready-file", str(files.ready)]
+
+    def offered_load(self, entry: TrafficEntry, ctx: LoadContext) -> list[StreamLoad]:
+        """Each stream at its configured rate (default: the sender's line rate over its
+        streams, as `expand` sets it), in datagrams of its payload + WIRE_OVERHEAD_BYTES;
+        no packets come back."""
+        assert isinstance(entry, UdpTraffic)
+        pairs = streams(entry, self.shape(entry), ctx.hosts)
+        size = entry.size_bytes or ctx.mtu_bytes - IP_UDP_HEADER_BYTES
+        fanout: dict[str, int] = {}
+        for src, _ in pairs:
+            fanout[src] = fanout.get(src, 0) + 1
+        tclass = ctx.classes.get(entry.tclass)
+        lossless = bool(tclass is not None and tclass.lossless)
+        return [StreamLoad(src, dst, entry.rate_bps or ctx.nic_bps.get(src, 0) / fanout[src],
+                           size + WIRE_OVERHEAD_BYTES, "udp", lossless)
+                for src, dst in pairs]
 
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         assert isinstance(entry, UdpTraffic)

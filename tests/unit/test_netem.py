@@ -7,14 +7,17 @@ import pytest
 from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
-from testbed.config import load_config
+from testbed.config import load_config_text
 from testbed.net import netem
 from testbed.net.batch import TcTemplates
 from testbed.net.portprog import CLSACT_INGRESS, ETH_P_ALL, FILTER_PRIO
 from testbed.plan import compile_plan
 from tests.conftest import REPO
 
-PLAN = compile_plan(load_config(REPO / "configs" / "default.yaml"))
+# The default fabric with D pinned at 2000 (auto would take D from the machine's capacity).
+PLAN = compile_plan(load_config_text(
+    (REPO / "configs" / "default.yaml").read_text().replace("dilation: auto", "dilation: 2000"),
+    "default.yaml"))
 
 
 def _stage(node: str, port: str) -> netem.WireStage:

@@ -229,8 +229,10 @@ def test_preset_names_are_the_agents_and_match_their_kind():
 # --- the in-flight window --------------------------------------------------------------
 
 def _default_fabric_with(traffic: str):
-    """configs/default.yaml with its workload replaced by `traffic` (one YAML list line)."""
-    text = (REPO / "configs" / "default.yaml").read_text(encoding="utf-8")
+    """configs/default.yaml with its workload replaced by `traffic` (one YAML list line),
+    D pinned at 2000 (auto would take D from the machine's capacity and the workload)."""
+    text = (REPO / "configs" / "default.yaml").read_text(encoding="utf-8").replace(
+        "dilation: auto", "dilation: 2000")
     text = text[:text.index("workload:")] + f"workload:\n  traffic:\n{traffic}\n"
     loaded = load_config_text(text, "default.yaml")
     return loaded, compile_plan(loaded)
