@@ -203,18 +203,9 @@ def bringup_rows(hosts: int, repeat: int) -> tuple[float, float]:
     return statistics.median(ours), statistics.median(theirs)
 
 
-def fmt_row(cells: list[str], widths: list[int]) -> str:
-    return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                     for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
-
-
 def print_table(rows: list[list[str]]) -> None:
-    head = ["comparison", "ours", "reference", "ratio", "goal"]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    print(fmt_row(head, widths))
-    print("-" * (sum(widths) + 2 * (len(widths) - 1)))
-    for r in rows:
-        print(fmt_row(r, widths))
+    import bringup
+    print(bringup.fmt_table(["comparison", "ours", "reference", "ratio", "goal"], rows))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
