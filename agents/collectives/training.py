@@ -68,7 +68,7 @@ from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import report_counters
-from agents.runtime.waiting import wait_until_mono
+from agents.runtime.start import add_start_arguments, await_start
 from agents.timebase import Dilation
 
 ALGORITHMS = ("ring", "rhd", "tree")
@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_arguments(p)
     p.add_argument("--dilation", type=argtypes.positive_int, default=1,
                    help="time-dilation factor D: the fabric runs D times slower (default 1)")
+    add_start_arguments(p)
     p.add_argument("--start-at-mono-ns", type=argtypes.nonneg_int, default=0, metavar="MONO_NS",
                    help="after set-up, wait until CLOCK_MONOTONIC reaches this (wall ns)")
     p.add_argument("--control-sock", metavar="PATH",
@@ -339,7 +340,7 @@ def run(args: Namespace, life: Lifecycle, live: Live) -> None:
     left = "error"
     try:
         steps = Steps(args, t, life, live)     # buffers before t0: not in any step's time
-        wait_until_mono(args.start_at_mono_ns, life)
+        await_start(args, life)
         if life.should_stop():
             raise Stopped()
         live.phase = "running"

@@ -42,7 +42,7 @@ from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
-from agents.runtime.waiting import wait_until_mono
+from agents.runtime.start import add_start_arguments, await_start
 from agents.timebase import Dilation
 from agents.uet.nic import Stopped as UetStopped
 
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seed of the UET NIC's entropy choices (default %(default)s)")
     p.add_argument("--dilation", type=argtypes.positive_int, default=1,
                    help="time-dilation factor D (default 1)")
+    add_start_arguments(p)
     p.add_argument("--start-at-mono-ns", type=int, default=None, metavar="MONO_NS",
                    help="the common start t0, CLOCK_MONOTONIC ns")
     p.add_argument("--control-sock", metavar="PATH",
@@ -110,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         host = (UetFlowHost if args.transport == "uet" else FlowHost)(args, out, inc, life)
         server = serve_snapshots(args.control_sock, host.snapshot)
         mark_ready(args.ready_file)
-        if args.start_at_mono_ns:
-            wait_until_mono(args.start_at_mono_ns, life)
+        await_start(args, life)
         host.start(args.start_at_mono_ns)
         host.run()
     except (Stopped, UetStopped):

@@ -32,7 +32,7 @@ import time
 from agents.perftest.parse import PerftestOutputError, parse_report
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
-from agents.runtime.waiting import wait_until_mono
+from agents.runtime.start import add_start_arguments, await_start
 
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-file")
     ap.add_argument("--out")
     ap.add_argument("--control-sock")                     # given to every agent; not served
+    add_start_arguments(ap)
     ap.add_argument("--start-at-mono-ns", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                         qp_timeout_exp=args.qp_timeout_exp)
     report["argv"] = cmd
     if args.role == "client":
-        wait_until_mono(args.start_at_mono_ns, life)
+        await_start(args, life)
     if life.should_stop():
         report.update(rc=None, error=f"stopped before perftest started ({life.stop_reason})")
         report_counters(report, args.out)

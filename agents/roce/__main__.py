@@ -51,6 +51,7 @@ from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import report_counters
+from agents.runtime.start import add_start_arguments
 from agents.wire.roce import ROCE_UDP_PORT
 
 
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=argtypes.nonneg_int, default=1, help="data pattern seed")
     p.add_argument("--verify", action="store_true",
                    help="ask the server to check the written data byte for byte")
+    add_start_arguments(p)
     p.add_argument("--start-at-mono-ns", type=argtypes.nonneg_int, default=0, metavar="MONO_NS",
                    help="after set-up, wait until CLOCK_MONOTONIC reaches this (wall ns)")
     p.add_argument("--sport", type=argtypes.port, action="append", default=None,

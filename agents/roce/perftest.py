@@ -56,7 +56,7 @@ from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.messages import MAX_MESSAGE_BYTES, BadMessage, decode_message
 from agents.runtime.output import mark_ready
 from agents.runtime.sockets import dial_tcp
-from agents.runtime.waiting import wait_until_mono
+from agents.runtime.start import await_start
 from agents.timebase import Dilation, FabricClock
 from agents.wire import BytesLike
 from agents.wire.roce import PSN_MASK, ROCE_UDP_PORT, icrc_context
@@ -460,7 +460,7 @@ def run_client(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
             engine.add(ep)
         live.bindings = bindings
         mark_ready(args.ready_file)
-        wait_until_mono(args.start_at_mono_ns, life)
+        await_start(args, life)
         live.phase = "running"
         if test == "write_lat":
             result = _client_lat(args, life, engine, bindings[0], bufs[0], remote[0], back[0])

@@ -23,6 +23,11 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_json_atomically(path: str, data: object) -> None:
+    """`data` as one JSON line at `path`, atomically (a reader sees all or nothing)."""
+    _write_atomically(path, json.dumps(data, sort_keys=True) + "\n")
+
+
 def mark_ready(path: str | None, content: dict | None = None) -> None:
     """Create (or touch) the ready file `path`; with `content`, it holds that as JSON."""
     if not path:

@@ -94,6 +94,7 @@ from agents.runtime.sockets import (
     set_send_timeout,
     tos_byte,
 )
+from agents.runtime.start import add_start_arguments, await_start
 from agents.runtime.waiting import pause_step, wait_until_mono
 from agents.timebase import Dilation
 from agents.udp.logic import (
@@ -234,7 +235,7 @@ def run_send(args: argparse.Namespace, life: Lifecycle) -> tuple[dict, int]:
         clock = time.monotonic_ns
         # Every sender of a workload is started early and released together
         # at an agreed CLOCK_MONOTONIC time (one clock for all namespaces).
-        wait_until_mono(args.start_at_mono_ns, life)
+        await_start(args, life)
         start = clock()
         end = start + dilation.to_wall_ns(args.duration_ns) if args.duration_ns else None
         pacer = Pacer(set_wall_bps, frame_bytes, start, args.max_burst_bytes)
@@ -721,6 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
     stop = p.add_mutually_exclusive_group(required=True)
     stop.add_argument("--duration-ns", type=argtypes.positive_int, metavar="FABRIC_NS")
     stop.add_argument("--count", type=argtypes.positive_int, metavar="N", help="total packets")
+    add_start_arguments(p)
     p.add_argument("--start-at-mono-ns", type=argtypes.nonneg_int, default=0, metavar="MONO_NS",
                    help="wait until CLOCK_MONOTONIC reaches this (wall ns) before sending")
     p.add_argument("--flows", type=argtypes.positive_int, default=1, metavar="K",

@@ -39,7 +39,7 @@ from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import mark_ready, report_counters
-from agents.runtime.waiting import wait_until_mono
+from agents.runtime.start import add_start_arguments, await_start
 from agents.timebase import Dilation, FabricClock
 from agents.uet.host import UetHost, parse_schedule, udp_rcvbuf_errors
 from agents.uet.nic import Stopped, UetNic, UetOptions
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=argparse.SUPPRESS)     # tests: lose sent packets, counted
     p.add_argument("--dilation", type=argtypes.positive_int, default=1,
                    help="time-dilation factor D (default 1)")
+    add_start_arguments(p)
     p.add_argument("--start-at-mono-ns", type=int, default=None, metavar="MONO_NS",
                    help="the common start t0, CLOCK_MONOTONIC ns")
     p.add_argument("--control-sock", metavar="PATH",
@@ -194,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         server = serve_snapshots(args.control_sock,
                                  lambda: host.snapshot(lambda: _totals(nic)) if host else {})
         mark_ready(args.ready_file)
-        if args.start_at_mono_ns:
-            wait_until_mono(args.start_at_mono_ns, life)
+        await_start(args, life)
         host.start(args.start_at_mono_ns)
         host.run()
     except Stopped:

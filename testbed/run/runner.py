@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agents.runtime.start import read_armed_file, write_start_file
 from agents.timebase import wall_timeout_s
 from testbed.config import LoadedConfig
 from testbed.net import apply_plan, destroy_lab
@@ -68,12 +69,14 @@ from testbed.run.timings import RunTimings
 from testbed.run.watch import RunWatch, WatchedAgent
 from testbed.run.workload import (
     DEFAULT_SAMPLE_PERIOD_WALL_NS,
+    armed_file,
     by_kind,
     events_file,
     expand_workload,
     out_file,
     ready_file,
     run_view,
+    start_file,
     stream_accounts,
     workload_span_ns,
     workload_work_wall_s,
@@ -82,15 +85,14 @@ from testbed.units import format_size
 from testbed.workloads.base import AgentFiles, AgentSpec, FlowRecord, RunView, WorkloadKind
 from testbed.workloads.registry import REGISTRY
 
-# Wall time allowed for the senders' processes to start before the common start time t0,
-# besides what each kind says its agents need (WorkloadKind.startup_wall_s): measured in
-# the run (start_margin_s), never less than STARTUP_MIN_S; STARTUP_BASE_S where nothing
-# was measured. A sender that was still not ready at t0 is named (late_senders).
-STARTUP_BASE_S = 0.8
-STARTUP_MIN_S = 0.15
-STARTUP_SAFETY = 2.0
-# A sender ready this much after t0 started late (the ready file's mtime: ms precision)
-LATE_READY_TOLERANCE_NS = 2_000_000
+# The common start t0 is given once every sender is armed (agents.runtime.start): t0 =
+# the moment the last one armed + go_margin_s, which covers waking them all (a start file
+# they wait for with inotify) on this machine's CPUs. A sender that saw it after its start
+# time is named (late_senders), so a margin too short for the machine's load is said.
+GO_MARGIN_BASE_S = 0.02
+GO_MARGIN_PER_ROUND_S = 0.002
+# A sender that saw the start this much after its start time started late.
+LATE_START_TOLERANCE_NS = 2_000_000
 # Wall seconds to wait for every agent a kind waits for (a RoCE server listening).
 READY_TIMEOUT_S = 20.0
 # Wall seconds senders may overrun their scheduled end before they are stopped.
@@ -553,9 +555,10 @@ def pin_sender_paths(run: Run) -> None:
                         f"{', '.join(map(str, p.sports))}: {p.paths[0]}")
 
 
-def start_agent_of(run: Run, spec: AgentSpec, t0_mono_ns: int | None = None) -> None:
+def start_agent_of(run: Run, spec: AgentSpec, armed: bool = False) -> None:
     """Start one workload agent, pointed at its control socket, the files its kind asks
-    for and (a sender) the common start time."""
+    for and (`armed`: a sender) the run's start file, which gives it the common start
+    once every sender is armed (agents.runtime.start)."""
     plan = run.plan
     sock = socket_path(run.agents_dir, spec.name, plan.lab)
     inputs = {}
@@ -565,8 +568,10 @@ def start_agent_of(run: Run, spec: AgentSpec, t0_mono_ns: int | None = None) -> 
     files = AgentFiles(ready=ready_file(run.agents_dir, spec), out=out_file(run.agents_dir, spec),
                        events=events_file(run.agents_dir, spec), inputs=inputs)
     argv = [*spec.argv, "--control-sock", sock, *REGISTRY.of(spec.kind).files_argv(spec, files)]
-    if t0_mono_ns is not None:
-        argv += ["--start-at-mono-ns", str(t0_mono_ns + plan.timebase.to_wall_ns(spec.start_ns))]
+    if armed:
+        argv += ["--start-file", str(start_file(run.agents_dir)),
+                 "--armed-file", str(armed_file(run.agents_dir, spec)),
+                 "--start-offset-ns", str(plan.timebase.to_wall_ns(spec.start_ns))]
     proc = start_agent(plan.lab, plan.node(spec.node).netns, spec.module, argv, spec.name)
     run.agents.append((spec, proc))
     # The collector imports the events file if the kind pointed its agent at it.
@@ -584,17 +589,17 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     run.notes.extend(wait_ready(run, stop))
     ready = time.monotonic_ns()
     run.timings.add("workload_agents", started, ready)
-    waited = [s for s, _p in run.agents if REGISTRY.of(s.kind).waits_ready(s)]
-    startup_s = start_margin_s((ready - started) / 1e9 if waited else None, len(waited),
-                               sum(1 for s in run.specs if s.role == "sender"))
-    startup_s += sum(REGISTRY.of(s.kind).startup_wall_s(s) for s in run.specs)
-    run.t0_mono_ns = time.monotonic_ns() + int(startup_s * 1e9)
+    senders = [s for s in run.specs if s.role == "sender"]
+    start_file(run.agents_dir).parent.mkdir(mode=0o700, exist_ok=True)
+    for spec in senders:
+        if not stop.is_set():
+            start_agent_of(run, spec, armed=True)
+    run.notes.extend(wait_armed(run, stop))
+    run.t0_mono_ns = time.monotonic_ns() + int(go_margin_s(len(senders)) * 1e9)
     run.t0_realtime_ns = time.time_ns() + (run.t0_mono_ns - time.monotonic_ns())
     if run.options.part is not None:
         run.notes.extend(common_start(run, run.options.part))
-    for spec in run.specs:
-        if spec.role == "sender" and not stop.is_set():
-            start_agent_of(run, spec, run.t0_mono_ns)
+    write_start_file(str(start_file(run.agents_dir)), run.t0_mono_ns)
     collector = Collector(run.plan, run.store, run.plan.timebase.to_wall_ns(run.period_ns),
                           run.t0_mono_ns, run.endpoints, whole_plan=run.full_plan)
     on_sample = run.options.on_sample
@@ -614,49 +619,62 @@ def start_workload(run: Run, stop: threading.Event) -> None:
     run.timings.planned_workload_wall_s = run.plan.timebase.to_wall_s(run.span_ns)
 
 
-def start_margin_s(measured_s: float | None, measured_agents: int, senders: int,
-                   cpus: int | None = None) -> float:
-    """Wall seconds for the senders to start (interpreter, imports, sockets) before t0.
-
-    From what this run measured: `measured_agents` agents started side by side took
-    `measured_s` until all were ready (the receivers, before the senders start). The
-    senders start side by side too; on `cpus` CPUs they take about that many rounds of
-    it. STARTUP_SAFETY times that, at least STARTUP_MIN_S; STARTUP_BASE_S when nothing
-    was measured. What the margin cannot cover is named, not hidden (late_senders).
-    """
-    if measured_s is None or measured_agents <= 0:
-        return STARTUP_BASE_S
+def go_margin_s(senders: int, cpus: int | None = None) -> float:
+    """Wall seconds from the last sender arming to t0: the start file's write, and each
+    sender woken, reading it and going back to sleep until t0, in ceil(senders / cpus)
+    rounds on this machine's CPUs."""
     cpus = cpus or os.cpu_count() or 1
-    # the measured agents ran in ceil(n / cpus) rounds: one round's time
-    per_round = measured_s / -(-measured_agents // cpus)
-    rounds = -(-max(1, senders) // cpus)
-    return max(STARTUP_MIN_S, STARTUP_SAFETY * per_round * rounds)
+    return GO_MARGIN_BASE_S + GO_MARGIN_PER_ROUND_S * -(-max(1, senders) // cpus)
+
+
+def wait_armed(run: Run, stop: threading.Event) -> list[str]:
+    """Wait until every sender has armed (written its armed file: set up, waiting for
+    the start), has exited, or the arming timeout has passed: READY_TIMEOUT_S, plus
+    what the kinds say their senders may take (WorkloadKind.startup_wall_s). Notes for
+    those that did not arm in time (they start late, and late_senders says by how much)."""
+    waiting = {spec.name: (spec, proc) for spec, proc in run.agents if spec.role == "sender"}
+    timeout_s = wall_timeout_s(READY_TIMEOUT_S + sum(
+        REGISTRY.of(spec.kind).startup_wall_s(spec) for spec, _p in waiting.values()))
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline and not stop.is_set():
+        for name, (spec, proc) in list(waiting.items()):
+            if (armed_file(run.agents_dir, spec).exists()
+                    or proc.popen.poll() is not None):
+                del waiting[name]   # one that exited is named by the run's watch
+        if waiting:
+            stop.wait(0.002)
+    if stop.is_set():
+        return []
+    return [f"{_who(spec)} on {spec.node} was not set up {timeout_s:.0f} s (wall) after it "
+            "was started: the common start was given without it" for spec, _ in
+            waiting.values()]
 
 
 def late_senders(run: Run) -> list[str]:
-    """A note per sender that was given a ready file and made it after the common start
-    t0 (its traffic began late by that much), or never made it while it ran."""
+    """A note per sender that saw the common start after its own start time (its traffic
+    began late by that much), or never armed while it ran (it sent nothing from t0)."""
     notes = []
     for spec, proc in run.agents:
         if spec.role != "sender":
             continue
-        path = ready_file(run.agents_dir, spec)
+        path = armed_file(run.agents_dir, spec)
         if str(path) not in list(proc.popen.args):  # type: ignore[arg-type]
-            continue            # its kind gives senders no ready file
-        try:
-            late_ns = path.stat().st_mtime_ns - run.t0_realtime_ns
-        except FileNotFoundError:
+            continue            # not started with the start signal
+        armed = read_armed_file(str(path))
+        if armed is None or "go_seen_mono_ns" not in armed:
             if proc.popen.poll() not in (None, 0):
                 continue        # it failed: the run's watch names that
-            notes.append(f"{_who(spec)} on {spec.node} never got ready (no ready file): "
-                         "it sent nothing from the common start")
+            notes.append(f"{_who(spec)} on {spec.node} never "
+                         f"{'armed' if armed is None else 'saw the common start'}: it sent "
+                         "nothing from its start time")
             continue
-        if late_ns > LATE_READY_TOLERANCE_NS:
+        late_ns = int(armed["go_seen_mono_ns"]) - int(armed["start_mono_ns"])
+        if late_ns > LATE_START_TOLERANCE_NS:
             fabric_us = run.plan.timebase.to_fabric_ns(late_ns) / 1e3
-            notes.append(f"{_who(spec)} on {spec.node} was ready {late_ns / 1e6:.0f} ms "
-                         f"(wall) after the common start t0: its traffic began "
-                         f"{fabric_us:,.1f} us fabric late (the start margin was too short "
-                         "for this machine's load)")
+            notes.append(f"{_who(spec)} on {spec.node} saw the common start {late_ns / 1e6:.0f}"
+                         f" ms (wall) after its start time: its traffic began {fabric_us:,.1f}"
+                         " us fabric late (the machine was too loaded to wake it in the "
+                         "start margin)")
     return notes
 
 
@@ -732,7 +750,7 @@ def wait_ready(run: Run, stop: threading.Event) -> list[str]:
             elif proc.popen.poll() is not None:
                 exited.append((spec, proc))
                 del waiting[name]
-        stop.wait(0.02)
+        stop.wait(0.005)
     ready_s = wall_timeout_s(READY_TIMEOUT_S)
     notes = [f"{_who(spec)} on {spec.node} was not ready {ready_s:g} s (wall) after "
              "it was started" for spec, _ in waiting.values()]

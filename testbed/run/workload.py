@@ -166,6 +166,16 @@ def ready_file(agents_dir: Path, spec: AgentSpec) -> Path:
     return agents_dir / f"{spec.name}.ready"
 
 
+def armed_file(agents_dir: Path, spec: AgentSpec) -> Path:
+    """Where a sender says it is set up and waiting for the start (agents.runtime.start)."""
+    return agents_dir / f"{spec.name}.armed"
+
+
+def start_file(agents_dir: Path) -> Path:
+    """The run's start file, alone in its directory (agents.runtime.start says why)."""
+    return agents_dir / "start" / "t0.json"
+
+
 def out_file(agents_dir: Path, spec: AgentSpec) -> Path:
     return agents_dir / f"{spec.name}.json"
 

@@ -8,9 +8,9 @@ testbed needs to know about it:
   stream `Shape` (incast, all-to-all, explicit pairs);
 - its whole-fabric config checks (`check`), beyond what the model validates;
 - how an entry expands into agents (`expand`: one `AgentSpec` per process, argv in
-  fabric units), how long its schedule is (`span_ns`), what set-up time its agents need
-  before the common start (`startup_wall_s`) and which of them the run waits for
-  (`waits_ready`, `files_argv`);
+  fabric units), how long its schedule is (`span_ns`), how long its senders may take to
+  set up before the run gives the common start without them (`startup_wall_s`) and
+  which of them the run waits for (`waits_ready`, `files_argv`);
 - how its agents' results become result rows (`result_rows`, with `result_fields`
   documenting every column), per-stream packet accounts for the conservation invariant
   (`stream_accounts`), and its own fidelity notes (`fidelity_notes`).
@@ -378,7 +378,10 @@ class WorkloadKind(ABC):
         return entry.start_ns + (entry.duration_ns or 0)
 
     def startup_wall_s(self, spec: AgentSpec) -> float:
-        """Wall time the agent needs between its start and the common start time."""
+        """Wall time the agent may need between its start and arming (set up, waiting
+        for the common start): the run waits this, beyond a 20 s floor, before it gives
+        the start without it (runner.wait_armed). The start itself follows the last
+        sender that armed, so this bounds a wait; it does not add to one."""
         return 0.03
 
     def work_wall_s(self, entry: TrafficEntry) -> float:

@@ -131,8 +131,8 @@ class UdpKind(WorkloadKind):
         return spec.role == "receiver"
 
     def files_argv(self, spec: AgentSpec, files: AgentFiles) -> list[str]:
-        # a sender's ready file (sockets made, waiting for t0) tells the run whether it
-        # was ready by the common start (runner.late_senders)
+        # a receiver's: socket bound (the run waits for it); a sender's: sockets made
+        # (the run gives the common start once it has armed: agents.runtime.start)
         return ["--ready-file", str(files.ready)]
 
     def offered_load(self, entry: TrafficEntry, ctx: LoadContext) -> list[StreamLoad]:

@@ -109,6 +109,12 @@ def test_failed_up_removes_what_it_made(monkeypatch):
 
 @pytest.mark.slow
 def test_sigkilled_up_is_cleaned_by_down_all(tmp_path):
+    # `down --all` removes every lab and tb- namespace on the machine: never under another
+    # run's feet (a developer's lab, or tests run beside this one)
+    others = list_testbed_namespaces() or [s.lab for s in list_states()]
+    if others:
+        pytest.skip(f"other labs are up ({', '.join(others[:3])}...): down --all would "
+                    "remove them")
     snapshot = initial_namespace_snapshot()
     # A big enough fabric that `up` is still working when it is killed.
     config = tmp_path / "big.yaml"

@@ -162,7 +162,9 @@ def test_sigint_stops_cleanly_and_reports_interrupted(tmp_path):
         assert "interrupted" in report.read_text().lower()
 
 
-def test_sigkilled_run_is_cleaned_by_down_all_and_its_data_survives(tmp_path):
+def test_sigkilled_run_is_cleaned_by_down_and_its_data_survives(tmp_path):
+    # `down LAB`, not `down --all`: --all also removes every tb- namespace on the machine,
+    # which would tear down labs of other runs going on beside this test
     lab = unique_lab("skil")
     config = tmp_path / "incast.yaml"
     config.write_text(INCAST.format(lab=lab, duration="20ms"))
@@ -175,7 +177,7 @@ def test_sigkilled_run_is_cleaned_by_down_all_and_its_data_survives(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert _netns_of(lab), "the killed run should have left its fabric up"
-    res = subprocess.run([sys.executable, "-m", "testbed", "down", "--all"], cwd=REPO,
+    res = subprocess.run([sys.executable, "-m", "testbed", "down", lab], cwd=REPO,
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert not _netns_of(lab)

@@ -123,20 +123,16 @@ def test_agents_are_stopped_together_so_each_has_the_whole_grace_period(
 # --- fixed cost: the start margin, late senders, the drain, stopping, timings ----------
 
 
-def test_the_start_margin_follows_the_measured_start_up_with_a_floor() -> None:
+def test_the_go_margin_covers_waking_every_sender_on_the_cpus() -> None:
     from testbed.run import runner
 
-    # nothing measured (no agent waited for): the fixed margin of before
-    assert runner.start_margin_s(None, 0, 4) == runner.STARTUP_BASE_S
-    # one receiver ready in 0.1 s; four senders on two CPUs take two such rounds
-    assert runner.start_margin_s(0.1, 1, 4, cpus=2) == pytest.approx(
-        runner.STARTUP_SAFETY * 0.1 * 2)
-    # four receivers in 0.2 s on two CPUs: 0.1 s a round; two senders: one round
-    assert runner.start_margin_s(0.2, 4, 2, cpus=2) == pytest.approx(
-        runner.STARTUP_SAFETY * 0.1)
-    # a slower machine gets a longer margin, a fast one no less than the floor
-    assert runner.start_margin_s(0.5, 1, 4, cpus=2) > runner.start_margin_s(0.1, 1, 4, cpus=2)
-    assert runner.start_margin_s(0.001, 1, 1, cpus=2) == runner.STARTUP_MIN_S
+    one = runner.go_margin_s(1, cpus=2)
+    assert one == pytest.approx(runner.GO_MARGIN_BASE_S + runner.GO_MARGIN_PER_ROUND_S)
+    # four senders on two CPUs wake in two rounds; 127 in 64
+    assert runner.go_margin_s(4, cpus=2) == pytest.approx(
+        runner.GO_MARGIN_BASE_S + 2 * runner.GO_MARGIN_PER_ROUND_S)
+    assert runner.go_margin_s(127, cpus=2) > runner.go_margin_s(4, cpus=2)
+    assert runner.go_margin_s(127, cpus=128) == pytest.approx(one)
 
 
 def _default_run(tmp_path: Path) -> Run:
@@ -150,40 +146,45 @@ def _default_run(tmp_path: Path) -> Run:
                specs=specs, period_ns=1, drain_ns=1, span_ns=1)
 
 
-def test_a_sender_ready_after_the_common_start_is_named(tmp_path: Path) -> None:
-    import os
-
+def test_a_sender_that_saw_the_common_start_late_is_named(tmp_path: Path) -> None:
+    from agents.runtime.output import write_json_atomically
     from testbed.run.runner import late_senders
+    from testbed.run.workload import armed_file
 
     run = _default_run(tmp_path)
     senders = [s for s in run.specs if s.role == "sender"]
     assert len(senders) == 4
-    run.t0_realtime_ns = 1_700_000_000_000_000_000
+    start = 5_000_000_000
     procs = []
+    # seen 0 ms / 50 ms before / 30 ms after its start time; the last never armed
     for spec, late_ms, code in zip(senders, (0, -50, 30, None), ("0", "0", "0", "3"),
                                    strict=True):
-        ready = ready_file(run.agents_dir, spec)
+        armed = armed_file(run.agents_dir, spec)
         if late_ms is not None:
-            ready.touch()
-            when = run.t0_realtime_ns + late_ms * 1_000_000
-            os.utime(ready, ns=(when, when))
+            write_json_atomically(str(armed), {"armed_mono_ns": 1, "start_mono_ns": start,
+                                               "go_seen_mono_ns": start + late_ms * 10**6})
         popen = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})",
-                                  "--ready-file", str(ready)])
+                                  "--armed-file", str(armed)])
         popen.wait()
         procs.append(AgentProcess(spec.name, "none", popen))
     run.agents = list(zip(senders, procs, strict=True))
-    # a receiver is never a late sender, ready file or not
+    # a receiver is never a late sender, armed file or not
     receiver = next(s for s in run.specs if s.role == "receiver")
     run.agents.append((receiver, procs[0]))
     notes = late_senders(run)
     assert len(notes) == 1, notes
-    assert f"{senders[2].name} on {senders[2].node} was ready 30 ms (wall) after the " \
-           "common start t0" in notes[0]
+    assert f"{senders[2].name} on {senders[2].node} saw the common start 30 ms (wall) " \
+           "after its start time" in notes[0]
     assert f"{run.plan.timebase.to_fabric_ns(30e6) / 1e3:,.1f} us fabric late" in notes[0]
-    # one that exited 0 without ever getting ready sent nothing from t0: named too
-    ready_file(run.agents_dir, senders[0]).unlink()
+    # one that exited 0 without ever arming sent nothing from its start: named too
+    armed_file(run.agents_dir, senders[0]).unlink()
     notes = late_senders(run)
-    assert any(f"{senders[0].name} on {senders[0].node} never got ready" in n for n in notes)
+    assert any(f"{senders[0].name} on {senders[0].node} never armed" in n for n in notes)
+    # one that armed but never saw the start (stopped first) is named as such
+    write_json_atomically(str(armed_file(run.agents_dir, senders[0])), {"armed_mono_ns": 1})
+    notes = late_senders(run)
+    assert any(f"{senders[0].name} on {senders[0].node} never saw the common start" in n
+               for n in notes)
     # (the one that exited 3 is named by the run's watch, not here)
     assert not any(senders[3].name in n for n in notes)
     run.store.close()
