@@ -35,39 +35,14 @@ sys.path.insert(0, str(REPO))
 from testbed.config import load_config_text  # noqa: E402
 from testbed.plan import compile_plan  # noqa: E402
 from testbed.results.store import Store  # noqa: E402
+from testbed.run.pfc_reaction import percentile, reactions  # noqa: E402
 from testbed.run.runner import RunOptions, run_config  # noqa: E402
 
-MATCH_WINDOW_NS = 50_000     # a gate change later than this after its frame is not its own
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-
-
-def pairs(frames: list[dict], changes: list[dict], roles: dict[str, str],
-          what: str) -> list[tuple[str, str, float, float, float]]:
-    """Each gate change the upstream made, paired with the latest frame sent to it before."""
-    out = []
-    for p in changes:
-        if p.get("quanta") is None:
-            continue          # a pause that ran out or a storm: no frame caused it
-        before = [x for x in frames
-                  if (x["peer_node"], x["peer_port"]) == (p["node"], p["port"])
-                  and 0 <= p["ts_fabric_ns"] - x["ts_fabric_ns"] <= MATCH_WINDOW_NS
-                  and x.get("crossed_ns_ago") is not None and x.get("reason") != "refresh"]
-        if not before:
-            continue
-        x = before[-1]
-        detect = x["crossed_ns_ago"]
-        apply = p["ts_fabric_ns"] - x["ts_fabric_ns"]
-        hop = f"{x['node'].rstrip('0123456789')} -> {roles[x['peer_node']]}"
-        out.append((what, hop, detect + apply, detect, apply))
-    return out
+Row = tuple[str, str, float, float, float]
 
 
 def one_run(n: int, dilation: str | None, per_process: int | None = None
-            ) -> list[tuple[str, str, float, float, float]]:
+            ) -> list[Row]:
     text = (REPO / "configs/examples/incast-pfc.yaml").read_text()
     text = text.replace("name: incaston", f"name: benchpfc{n}")
     if dilation:
@@ -82,11 +57,12 @@ def one_run(n: int, dilation: str | None, per_process: int | None = None
                                                "pfc_resumed")}
         store.close()
     roles = {node.name: node.role for node in plan.nodes}
-    return (pairs(events["pfc_xoff"], events["pfc_paused"], roles, "pause")
-            + pairs(events["pfc_xon"], events["pfc_resumed"], roles, "resume"))
+    found = (reactions(events["pfc_xoff"], events["pfc_paused"], roles, "pause")
+             + reactions(events["pfc_xon"], events["pfc_resumed"], roles, "resume"))
+    return [(r.what, r.hop, r.total_ns, r.detect_ns, r.apply_ns) for r in found]
 
 
-def print_table(rows: list[tuple[str, str, float, float, float]], title: str) -> None:
+def print_table(rows: list[Row], title: str) -> None:
     print(title)
     print(f"{'':8}{'hop':<22}{'n':>6}{'median':>10}{'p99':>10}{'detect med':>12}"
           f"{'frame+gate med':>16}")
@@ -99,8 +75,9 @@ def print_table(rows: list[tuple[str, str, float, float, float]], title: str) ->
             if not group:
                 continue
             total = [r[2] / 1e3 for r in group]
+            detect = statistics.median(r[3] / 1e3 for r in group)
             print(f"{what:<8}{name:<22}{len(group):>6}{statistics.median(total):>10.3f}"
-                  f"{pct(total, 0.99):>10.3f}{statistics.median(r[3] / 1e3 for r in group):>12.3f}"
+                  f"{percentile(total, 0.99):>10.3f}{detect:>12.3f}"
                   f"{statistics.median(r[4] / 1e3 for r in group):>16.3f}")
 
 
@@ -119,7 +96,7 @@ def main() -> int:
     grouped = args.pfc_nodes_per_process or 6
     settings: list[int | None] = ([1, grouped] if args.compare
                                   else [args.pfc_nodes_per_process])
-    rows: dict[int | None, list[tuple[str, str, float, float, float]]] = {
+    rows: dict[int | None, list[Row]] = {
         s: [] for s in settings}
     for n in range(args.repeat):
         for setting in settings:

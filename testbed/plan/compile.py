@@ -55,7 +55,6 @@ from testbed.plan.qos import (
     DEFAULT_BUFFER_BYTES,
     ECN_ABOVE_XOFF,
     ETH_WIRE_OVERHEAD_BYTES,
-    PFC_EMULATED_RESPONSE_WALL_NS,
     headroom_bytes,
     resolve_port_qos,
 )
@@ -406,7 +405,8 @@ def _compile(loaded: LoadedConfig, dplan: DilationPlan) -> tuple[Plan, int]:
 
     pools = _pools(fabric, links, role)
     warnings += pools.warnings()
-    ports = _port_plans(loaded, phys, role, ifnames, subnets, Dilation(dplan.factor), pools)
+    ports = _port_plans(loaded, phys, role, ifnames, subnets, Dilation(dplan.factor), pools,
+                        dplan.pfc_loop_wall_ns)
     warnings += ports.warnings
     if ports.problems:
         raise ConfigError(loaded.path, ports.problems)
@@ -670,7 +670,7 @@ class _Ports:
 def _port_plans(loaded: LoadedConfig, phys: list[PhyResult], role: Mapping[str, str],
                 ifnames: Mapping[tuple[int, str], str],
                 subnets: Mapping[int, ipaddress.IPv4Network], dilation: Dilation,
-                pools: _Pools) -> _Ports:
+                pools: _Pools, loop_wall_ns: int) -> _Ports:
     """Per-port QoS at both ends of every link, and each link's plan."""
     fabric = loaded.fabric
     links = loaded.expanded.links
@@ -681,7 +681,7 @@ def _port_plans(loaded: LoadedConfig, phys: list[PhyResult], role: Mapping[str, 
         ports_of[link.b] += 1
     # Fan-in warnings are about per-port buffers: nodes with a pool are not asked.
     per_port_role = {n: r for n, r in role.items() if not pools.of(n)}
-    response_ns = round(dilation.to_fabric_ns(PFC_EMULATED_RESPONSE_WALL_NS))
+    response_ns = round(dilation.to_fabric_ns(loop_wall_ns))
     headroom_room = _pool_headroom_room(fabric, links, role, pools.of)
     headroom_seen: list[tuple] = []
     allowed: dict[str, list[str]] = {}      # allow: name -> the problems it let through
@@ -719,7 +719,7 @@ def _port_plans(loaded: LoadedConfig, phys: list[PhyResult], role: Mapping[str, 
             rate_bps=phy.mac_rate_bps, wall_rate_bps=dilation.to_wall_bps(phy.mac_rate_bps),
             delay_ns=round(phy.delay_ns), wall_delay_ns=dilation.to_wall_ns(round(phy.delay_ns)),
             frame_loss_ratio=phy.frame_loss_ratio, phy_warnings=list(phy.warnings)))
-    out.warnings += _headroom_warnings(headroom_seen, fabric.mtu_bytes, response_ns,
+    out.warnings += _headroom_warnings(headroom_seen, fabric.mtu_bytes, response_ns, loop_wall_ns,
                                        dilation.factor)
     out.warnings += [allowance_warning(name, found) for name, found in allowed.items()]
     return out
@@ -873,7 +873,7 @@ def _fan_in_warnings(link, classes_qos, ports_of: dict[str, int], role: dict[str
     return out
 
 
-def _headroom_warnings(seen: list[tuple], mtu_bytes: int, response_ns: int,
+def _headroom_warnings(seen: list[tuple], mtu_bytes: int, response_ns: int, loop_wall_ns: int,
                        dilation: int) -> list[str]:
     """Headroom below what a link can put in flight after XOFF: an explicit one below the
     hardware's figure (Cisco's formula) or the emulated PFC loop's at this dilation, or
@@ -901,7 +901,7 @@ def _headroom_warnings(seen: list[tuple], mtu_bytes: int, response_ns: int,
         links = (f"link {where[0]}" if len(where) == 1
                  else f"{len(where)} links (first {where[0]})")
         rate = f"{rate_bps / 1e9:g} Gb/s"
-        loop = (f"{EMULATED_LOOP_SHORT} ~{PFC_EMULATED_RESPONSE_WALL_NS / 1e6:g} ms "
+        loop = (f"{EMULATED_LOOP_SHORT} ~{loop_wall_ns / 1e6:.2g} ms "
                 f"of wall time, {response_ns / 1e3:.2f} us of fabric time at D = {dilation}, "
                 f"and needs {format_size(emulated)}")
         if kind == "hardware":

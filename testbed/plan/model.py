@@ -228,6 +228,19 @@ class CapacityPlan(PlanModel):
     source: str                     # the calibration file, or the default
 
 
+# The emulated PFC loop's response, in WALL time: from the packet that crosses XOFF to
+# the upstream gate closed, through the port program's event, the switch's agent, the
+# frame and the upstream agent's gate. bench/pfc.py on a 2-core VM, the incast-pfc
+# example: median 0.55-0.66 ms, p99 1.6-1.9 ms of wall time at D = 2000; at D = 1000
+# with other load 0.62 / 2.98 ms; at D = 500 0.85 / 7.9 ms (the busier the machine, the
+# later the agents wake). Hardware answers in ~60 quanta; the emulator's answer lasts
+# this long in wall time whatever D, so 1/D of it in fabric time, and the auto headroom
+# takes whichever is longer, or a lossless class drops what an upstream port sends
+# meanwhile (seen: 23 drops at D = 500 with Cisco's headroom). Each run measures what
+# its loop took (testbed/run/pfc_reaction.py).
+PFC_EMULATED_RESPONSE_WALL_NS = 2_000_000
+
+
 class DilationPlan(PlanModel):
     factor: int
     mode: str                       # "fixed" or "auto"
@@ -236,6 +249,9 @@ class DilationPlan(PlanModel):
     busiest_wall_port_bps: int
     rule: str = "port budget"       # what chose an auto D: "capacity" or "port budget"
     capacity: CapacityPlan | None = None
+    # what the emulated PFC loop takes to answer an XOFF, wall ns (p99): the plan sizes
+    # lossless headroom for it; the run measures what it took (summary pfc_reaction)
+    pfc_loop_wall_ns: int = PFC_EMULATED_RESPONSE_WALL_NS
 
     def why(self) -> str:
         """One paragraph: how D was chosen, from what, and any derating in force."""
@@ -256,7 +272,8 @@ class DilationPlan(PlanModel):
         cpu = max(c.need_factor, c.port_factor, c.rate_factor)
         if c.pfc_factor > cpu:
             fits += (f"; the CPU allows D={cpu}, but below D={c.pfc_factor} the emulated PFC "
-                     "loop (~2 ms of wall time to answer an XOFF) outruns the lossless "
+                     f"loop (~{self.pfc_loop_wall_ns / 1e6:.2g} ms of wall time to answer an XOFF) "
+                     "outruns the lossless "
                      "queues' headroom (the plan's qos warnings)")
         derated = f". {c.derating_note}" if c.derating_note else ""
         if self.mode == "auto" and self.rule == "capacity":

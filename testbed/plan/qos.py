@@ -30,14 +30,6 @@ ECN_PRESETS = {
 # 802.1Qbb response time the Cisco headroom formula allows: 60 pause quanta
 # of 512 bit times each.
 PFC_RESPONSE_BYTES = 60 * 512 // 8
-# The emulated PFC loop's own response, in WALL time: from the packet that crosses
-# XOFF to the upstream gate closed, through the port program's event, the switch's
-# agent, the frame and the upstream agent's gate. bench/pfc.py on a 2-core VM: median
-# 0.66 ms, p99 1.85 ms of wall time. Hardware answers in ~60 quanta; the emulator's
-# answer lasts this long in wall time whatever D, so D/it of fabric time, and the
-# auto headroom takes whichever is longer, or a lossless class drops what an upstream
-# port sends meanwhile (seen: 23 drops at D = 500 with Cisco's headroom).
-PFC_EMULATED_RESPONSE_WALL_NS = 2_000_000
 # Ethernet header + FCS + preamble/IFG that a full-MTU frame occupies on the wire.
 ETH_WIRE_OVERHEAD_BYTES = 14 + 4 + 20
 
@@ -98,8 +90,8 @@ def headroom_bytes(rate_bps: int, one_way_delay_ns: int, mtu_bytes: int,
     """Cisco's PFC headroom: MTU_rx + 2 x cable delay x rate + response time + MTU_tx.
 
     The response time is 802.1Qbb's 60 quanta, or `response_ns` of fabric time at the
-    port's rate where that is longer (the emulated PFC loop's, PFC_EMULATED_RESPONSE_WALL_NS
-    converted by the dilation).
+    port's rate where that is longer (the emulated PFC loop's, the plan's
+    DilationPlan.pfc_loop_wall_ns converted by the dilation).
     """
     frame = mtu_bytes + ETH_WIRE_OVERHEAD_BYTES
     in_flight = 2 * one_way_delay_ns * rate_bps // 8_000_000_000

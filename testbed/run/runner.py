@@ -60,6 +60,7 @@ from testbed.run.fabric_agents import (
     start_rxe_cc_agents,
 )
 from testbed.run.fidelity import base_rtt_shortfall_ns
+from testbed.run.pfc_reaction import loop_note, reactions, summarize
 from testbed.run.pinning import pin_paths
 from testbed.run.procs import AgentProcess, socket_path, start_agent
 from testbed.run.rundir import create_run_dir, machine_metadata
@@ -204,6 +205,7 @@ class Run:
     timeline: tuple[Timeline, FabricApplier] | None = None   # the fault timeline, if any
     results_written: bool = False
     invariants: dict | None = None
+    pfc_reaction: dict | None = None     # the emulated PFC loop's pauses (pfc_reaction.py)
     peaks_snapshot: dict | None = None   # the port programs just before the fabric agents stop
     interrupted: bool = False
     failed: str = ""                     # a stage raised: what (summary.json `failed`)
@@ -917,6 +919,30 @@ def write_results(run: Run) -> None:
     run.notes.extend(run.collector.watchdog.notes(run.plan.timebase))
     run.notes.extend(run.collector.late_notes())
     run.notes.extend(agent_read_notes(run.collector.agents))
+    measure_pfc_loop(run)
+
+
+def measure_pfc_loop(run: Run) -> None:
+    """The PFC loop's reaction in this run (summary `pfc_reaction`), and a note when a
+    lossless invariant failed while the loop was slower than the plan assumed."""
+    try:
+        run.pfc_reaction = pfc_loop(run)
+    except Exception as exc:
+        run.notes.add(f"could not measure the PFC loop's reaction: {exc!r}")
+        return
+    checks = (run.invariants or {}).get("checks") or {}
+    if any(not (checks.get(k) or {}).get("held", True) for k in ("headroom", "lossless_drop")):
+        note = loop_note(run.pfc_reaction, run.plan.dilation.pfc_loop_wall_ns)
+        if note:
+            run.notes.add(note)
+
+
+def pfc_loop(run: Run) -> dict | None:
+    """How fast the emulated PFC loop paused upstream ports in this run (None: no pause)."""
+    events = {k: run.store.events(k) for k in ("pfc_xoff", "pfc_paused")}
+    roles = {node.name: node.role for node in run.plan.nodes}
+    return summarize(reactions(events["pfc_xoff"], events["pfc_paused"], roles, "pause"),
+                     run.plan.timebase.factor)
 
 
 class _PartRun(Exception):
@@ -1005,7 +1031,10 @@ def write_summary(run: Run) -> dict:
                "run_faults": [f.detail() | {"node": f.node, "ts_fabric_ns": f.ts_fabric_ns}
                               for f in (run.watch.faults if run.watch else [])],
                **({"invariants": {k: v for k, v in invariants.items() if k != "notes"}}
-                  if invariants else {})})
+                  if invariants else {}),
+               **({"pfc_reaction": {**run.pfc_reaction,
+                                    "assumed_wall_ns": run.plan.dilation.pfc_loop_wall_ns}}
+                  if run.pfc_reaction else {})})
     try:
         write_json(run.run_dir / "summary.json", summary)
     except OSError as exc:   # the disk full: the database and the output say what happened

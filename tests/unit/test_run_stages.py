@@ -288,3 +288,27 @@ def test_udp_receivers_are_waited_for_and_every_udp_agent_gets_its_ready_file(
         files = AgentFiles(ready=ready_file(run.agents_dir, spec), out=tmp_path / "o",
                            events=tmp_path / "e")
         assert kind.files_argv(spec, files) == ["--ready-file", str(files.ready)]
+
+
+def test_a_slow_pfc_loop_is_named_only_when_a_lossless_invariant_failed(tmp_path: Path) -> None:
+    from testbed.run.runner import measure_pfc_loop
+
+    run = _default_run(tmp_path)
+    d = run.plan.timebase.factor
+    slow_fabric_ns = run.plan.dilation.pfc_loop_wall_ns // d + 1_000   # p99 past the plan
+    for i in range(10):
+        t = i * 100_000
+        run.store.add_event(t, 0, "pfc_xoff", node="leaf1", port="swp1", tclass=3,
+                            peer_node="h1", peer_port="eth0", crossed_ns_ago=100,
+                            reason="ingress")
+        run.store.add_event(t + slow_fabric_ns, 0, "pfc_paused", node="h1", port="eth0",
+                            tclass=3, quanta=65535)
+    run.invariants = {"checks": {"headroom": {"held": True}, "lossless_drop": {"held": True}}}
+    measure_pfc_loop(run)
+    assert run.pfc_reaction is not None and run.pfc_reaction["pauses"] == 10
+    assert run.pfc_reaction["p99_wall_ns"] == (slow_fabric_ns + 100) * d
+    assert not [n for n in run.notes.items if "emulated PFC loop" in n]   # no harm done
+    run.invariants["checks"]["headroom"]["held"] = False
+    measure_pfc_loop(run)
+    assert [n for n in run.notes.items if "emulated PFC loop answered XOFFs" in n]
+    run.store.close()
