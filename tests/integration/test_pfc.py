@@ -62,8 +62,16 @@ def test_lossless_class_never_drops_under_7_to_1_incast(pfc_on):
     assert sum(p["drops"] for p in lossless) == 0
     rows = summary["workloads"][0]["results"]
     assert len(rows) == 7
-    assert sum(r["lost"] for r in rows) == 0
-    assert sum(r["rx_packets"] for r in rows) == sum(r["tx_packets"] for r in rows) > 0
+    # The fabric loses nothing. On a loaded machine the receiving agent itself can fall
+    # behind and overflow its own socket buffer: that is the emulator's host, counted
+    # there and named in the fidelity notes, never a fabric drop.
+    lost = sum(r["lost"] for r in rows)
+    socket_drops = sum((summary["invariants"].get("host_socket_drops") or {}).values())
+    assert lost <= socket_drops, (lost, socket_drops, summary["fidelity"])
+    if lost:
+        assert any("its own socket buffer" in n for n in summary["fidelity"])
+    assert summary["invariants"]["checks"]["conservation"]["held"]
+    assert sum(r["tx_packets"] for r in rows) > 0
     # h8 got its line rate, shared by the seven senders.
     assert sum(r["rx_fabric_bps"] for r in rows) == pytest.approx(100e9, rel=0.1)
     # The receiver's leaf sent pauses; every sender's NIC received some.
