@@ -95,6 +95,7 @@ from agents.wire.roce import (
     Parsed,
     build_cnp,
     build_packet,
+    parse_packet,
 )
 
 __all__ = [
@@ -511,6 +512,7 @@ class RcRequester:
         self.messages_posted = 0
         self.messages_completed = 0
         self.bytes_completed = 0
+        self.unsent_at_stop = 0       # built, never sent: a stop ended their blocked send
 
     # -- posting
 
@@ -871,6 +873,21 @@ class RcRequester:
         self._rto_deadline = None
         self._rnr_until = None
 
+    def unsend(self, packets: list[BytesLike]) -> None:
+        """Take back packets this requester built and counted as sent that never left: a
+        stop ended the blocked send that held them (a paused NIC queue at the end of a
+        run). The send counters then say what reached the socket, which the run's packet
+        conservation compares with what arrived; `unsent_at_stop` counts them. The QP is
+        stopping: its PSNs and the controller's byte count are not rewound."""
+        for data in packets:
+            parsed = parse_packet(data, None, check_icrc=False)
+            n = memoryview(data).nbytes
+            self.packets_sent -= 1
+            self.bytes_sent -= n
+            self.wire_bytes_sent -= n + self._overhead
+            self.payload_bytes_sent -= parsed.payload.nbytes
+            self.unsent_at_stop += 1
+
     def counters(self) -> dict:
         return {
             "state": self.state,
@@ -893,6 +910,7 @@ class RcRequester:
             "bytes_completed": self.bytes_completed,
             "next_psn": self._snd,
             "una_psn": self._una,
+            "unsent_at_stop": self.unsent_at_stop,
         }
 
 

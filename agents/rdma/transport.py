@@ -138,7 +138,14 @@ def fast_send_round(r: RcRequester, batch, now: float, limit: int,
     while k < limit:
         m = r.build_batch(now, batch, limit - k)
         if m > 0:
-            send_batch(batch)
+            try:
+                send_batch(batch)
+            except Stopped:
+                r.unsend([batch.packet(i) for i in range(m - batch.pending, m)])
+                raise
+            finally:
+                if batch.pending:
+                    batch.clear()
             k += m
             if r.paced_out(now):        # what the next build_batch would find
                 break
@@ -148,7 +155,11 @@ def fast_send_round(r: RcRequester, batch, now: float, limit: int,
         view = r.poll_send(now)
         if view is None:
             break
-        send_one(view)
+        try:
+            send_one(view)
+        except Stopped:
+            r.unsend([view])
+            raise
         k += 1
     return k
 
@@ -316,15 +327,13 @@ class Endpoint:
         """Blocking send of a fast-path batch (one sendmmsg while all go): each packet
         that did not go is accounted and retried as `send` does, in order."""
         fd = self.sock.fileno()
-        try:
-            while True:
-                _went, err = batch.send(fd, addr)
-                if not err:
-                    return
-                self.send_failed(OSError(err, os.strerror(err)))   # EAGAIN: BlockingIOError
-        except BaseException:
-            batch.clear()
-            raise
+        while True:
+            # on an exception the batch keeps what did not go: the caller takes it back
+            # (fast_send_round: RcRequester.unsend) and clears it
+            _went, err = batch.send(fd, addr)
+            if not err:
+                return
+            self.send_failed(OSError(err, os.strerror(err)))   # EAGAIN: BlockingIOError
 
     def send_failed(self, e: OSError) -> None:
         """Account a failed send before it is retried; raise what a retry cannot fix."""
@@ -511,12 +520,7 @@ class Engine:
                 r.on_timer(now)
             k = 0
             if b.drop_every or b.drop_prob:
-                while k < SEND_BATCH:
-                    view = r.poll_send(now)
-                    if view is None:
-                        break
-                    b.send_data(view, r.last_was_retransmission)
-                    k += 1
+                k = self._send_with_drops(b, r, now)
             elif b.tx_batch is not None:
                 k = self._send_fast(b, r, now)
             else:
@@ -529,12 +533,32 @@ class Engine:
                     try:
                         sendto(view, peer)
                     except OSError as e:    # a send timeout, ENOBUFS, ICMP: the slow path
-                        b.endpoint.send_failed(e)
-                        b.endpoint.send(view, peer)
+                        try:
+                            b.endpoint.send_failed(e)
+                            b.endpoint.send(view, peer)
+                        except Stopped:
+                            r.unsend([view])
+                            raise
                     k += 1
             if k:
                 busy = True
         return busy
+
+    @staticmethod
+    def _send_with_drops(b: Binding, r: RcRequester, now: float) -> int:
+        """Up to SEND_BATCH packets of one QP through the test-only loss (`send_data`)."""
+        k = 0
+        while k < SEND_BATCH:
+            view = r.poll_send(now)
+            if view is None:
+                break
+            try:
+                b.send_data(view, r.last_was_retransmission)
+            except Stopped:
+                r.unsend([view])
+                raise
+            k += 1
+        return k
 
     @staticmethod
     def _send_fast(b: Binding, r: RcRequester, now: float) -> int:

@@ -724,6 +724,52 @@ def test_send_batch_accounts_and_retries_each_failure_as_send_does():
         b = _Batch([(0, errno.EAGAIN)])
         with pytest.raises(Stopped):
             ep.send_batch(b, ("127.0.0.1", 9))
-        assert b.cleared
+        # what did not go stays for the caller to take back (fast_send_round) and clear
+        assert not b.cleared
     finally:
         ep.close()
+
+
+_SEND_COUNTERS = ("packets_sent", "bytes_sent", "wire_bytes_sent", "payload_bytes_sent")
+
+
+@needs_fast
+def test_a_stop_during_a_blocked_batch_takes_its_unsent_packets_back():
+    from agents.rdma.transport import Stopped
+
+    t = _Twins(mtu=256)
+    t.post("write", 256 * 6, 1)
+    r, batch = t.fast, t.batch
+    before = r.counters()
+    went: list[bytes] = []
+
+    def blocked(b) -> None:      # the NIC queue stays full until the stop
+        went.extend(b.packet(i) for i in range(b.pending))
+        raise Stopped()
+
+    with pytest.raises(Stopped):
+        fast_send_round(r, batch, 1.0, SEND_BATCH, blocked, lambda v: None)
+    after = r.counters()
+    assert len(went) >= 2                           # a whole run was built, none went
+    assert after["unsent_at_stop"] == len(went)
+    for name in _SEND_COUNTERS:
+        assert after[name] == before[name], name
+    assert batch.pending == 0                       # cleared: no message buffer held
+
+
+def test_unsend_takes_back_exactly_what_poll_send_counted():
+    t = _Twins(mtu=256)
+    t.post("write_imm", 256 * 3 + 100, 1)
+    r = t.ref
+    def one(k: int) -> bytes:
+        view = r.poll_send(1e6 * k)       # far apart: the pacer always has the budget
+        assert view is not None
+        return bytes(view)
+    views = [one(k) for k in range(1, 3)]
+    mid = r.counters()
+    views += [one(k) for k in range(3, 5)]
+    r.unsend(views[2:])
+    after = r.counters()
+    assert after["unsent_at_stop"] == 2
+    for name in _SEND_COUNTERS:
+        assert after[name] == mid[name], name
