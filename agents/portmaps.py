@@ -735,7 +735,9 @@ class NodeMaps:
         self.ring: RingBuffer | None = None
         try:
             for name, (size, entries) in NODE_MAPS.items():
-                if name == "events":
+                # events: below, if asked for; node_lock: user space never takes it (and
+                # a lab instance keeps its nodes' locks in one array of its own)
+                if name in ("events", "node_lock"):
                     continue
                 self.maps[name] = _open(self.node_dir, name, size, entries)
             self.mem = MmapArray(self.maps["node"].fd, NODE_SIZE, 1, writable=True)

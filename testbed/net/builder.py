@@ -214,7 +214,8 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
     report.ordering = steer.describe()
     # The port programs' instances load (bpftool, the verifier: CPU-bound) while the
     # steps below run, on the other CPUs; step 6 waits for them.
-    loading, why_no_bpf = _start_loading(plan, scope)
+    lab_index = portprog.lab_ifindexes(list(plan.nodes)) if scope.part is None else {}
+    loading, why_no_bpf = _start_loading(plan, scope, lab_index)
     timer.lap("bpf load start")
     try:
         say(f"creating {len(scope.netns)} namespaces")
@@ -229,7 +230,8 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
         batches = {n.name: NetlinkBatch(sockets[n.name], n.name) for n in scope.nodes}
 
         say(f"creating {len(scope.links)} veth pairs")
-        _create_veth_pairs(plan, scope.links, batches)
+        _create_veth_pairs(plan, scope.links, batches,
+                           lab_index if isinstance(loading, portprog.LabLoading) else None)
         report.veth_pairs = len(scope.links)
         timer.lap("veth")
 
@@ -286,18 +288,30 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
             sock.close()
 
 
-def _start_loading(plan: Plan, scope: Scope) -> tuple[portprog.Loading | None, str]:
-    """Start loading every port's program instance (step 6 attaches them); (None, why)
-    where this machine cannot build the port program."""
+def _start_loading(plan: Plan, scope: Scope, lab_index: dict[tuple[str, str], int]
+                   ) -> tuple[portprog.Loading | portprog.LabLoading | None, str]:
+    """Start loading the port programs (step 6 attaches them); (None, why) where this
+    machine cannot build the port program.
+
+    The whole fabric on one machine: ONE instance for the lab (two verifier runs), its
+    ports keyed by the lab-unique ifindexes `lab_index` that step 2 gives them. A VM's
+    part, or TESTBED_PORTPROG=per-port: one instance per port (two verifier runs each,
+    ~4 ms; bench/README.md)."""
+    per_port = scope.part is not None or os.environ.get("TESTBED_PORTPROG") == "per-port"
     try:
-        obj = portprog.ensure_object()
+        obj = portprog.ensure_object(defines=() if per_port else portprog.LAB_DEFINES)
     except portprog.PortProgError as exc:
         return None, str(exc)
-    return portprog.start_loading(datapath.pin_dirs_of(plan, scope.nodes), obj), ""
+    if per_port:
+        return portprog.start_loading(datapath.pin_dirs_of(plan, scope.nodes), obj), ""
+    ports = [portprog.LabPort(node.name, iface.ifname, lab_index[(node.name, iface.ifname)],
+                              lab_index[(iface.peer.node, iface.peer.ifname)])
+             for node in scope.nodes for iface in node.interfaces]
+    return portprog.start_lab_loading(plan.lab, ports, obj), ""
 
 
 def _attach_datapath(plan: Plan, scope: Scope, ifindex: dict[str, dict[str, int]],
-                     loading: portprog.Loading | None, why_no_bpf: str,
+                     loading: portprog.Loading | portprog.LabLoading | None, why_no_bpf: str,
                      apply_phy_loss: bool = True) -> str:
     """Step 6: the tc-BPF port program on every port, where this machine can load it
     (`loading`: its instances, being loaded since the build began).
@@ -364,9 +378,13 @@ def _create_namespaces(plan: Plan, scope: Scope,
 
 
 def _create_veth_pairs(plan: Plan, links: list[LinkPlan],
-                       batches: dict[str, NetlinkBatch]) -> None:
+                       batches: dict[str, NetlinkBatch],
+                       lab_index: dict[tuple[str, str], int] | None = None) -> None:
     """Step 2: each link's veth pair, from the `a` node's namespace, the peer put in
-    the `b` node's. Sent in plan order, so interface indexes come out as numbered."""
+    the `b` node's. Sent in plan order, so interface indexes come out as numbered.
+    `lab_index`: (node, ifname) -> the ifindex each end gets (the lab's port program
+    instance keys ports by them), else the kernel picks."""
+    at = lab_index or {}
     iface = {(n.name, i.ifname): i for n in plan.nodes for i in n.interfaces}
     netns_of = {n.name: n.netns for n in plan.nodes}
     fds: dict[str, int] = {}
@@ -384,7 +402,8 @@ def _create_veth_pairs(plan: Plan, links: list[LinkPlan],
                                            os.O_RDONLY | os.O_CLOEXEC)
             batches[sender].add(
                 veth_message(a.ifname, a.mac, a.mtu_bytes, b.ifname, b.mac, b.mtu_bytes,
-                             fds[link.b.node]),
+                             fds[link.b.node], at.get((link.a.node, a.ifname), 0),
+                             at.get((link.b.node, b.ifname), 0)),
                 f"veth pair {a.ifname} <-> {link.b.node}:{b.ifname} (link {link.index})")
         if sender is not None:
             batches[sender].flush()
