@@ -73,7 +73,7 @@ from agents.portmaps import (  # re-exported (see __all__): one module for the p
     probability_fp,
 )
 from testbed.net.bpf import PORT_SOURCE, RXE_CC_SOURCE
-from testbed.plan.model import EgressPlan, NodePlan
+from testbed.plan.model import EgressPlan, NodePlan, Plan
 
 __all__ = [
     "CLASS_CFG", "LAYOUTS", "MAPS", "MAX_SLOTS", "MAX_TRACKED", "NODE_DIR", "NODE_MAPS", "NUM_DSCP",
@@ -716,6 +716,17 @@ class LabLoading:
         self.done = True
         if check and self.error is not None:
             raise self.error
+
+
+def departure_hook(plan: Plan, node: str, ifname: str) -> tuple[str, int] | None:
+    """(namespace, ifindex) where the lab instance counts this port's departures (its
+    peer's), None if the lab was loaded per port (its own instance ignores the device)."""
+    if not (lab_dir_of(plan.lab) / "progs" / "port_departure").exists():
+        return None
+    iface = next(i for i in plan.node(node).interfaces if i.ifname == ifname)
+    peer = iface.peer
+    return plan.node(peer.node).netns, lab_ifindexes(list(plan.nodes))[(peer.node,
+                                                                        peer.ifname)]
 
 
 def start_lab_loading(lab: str, ports: list[LabPort], obj: Path | None = None) -> LabLoading:
