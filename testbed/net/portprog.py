@@ -594,6 +594,31 @@ def _update_batch(fd: int, name: str, entries: dict[int, int]) -> None:
             "maps); set TESTBED_PORTPROG=per-port to load one instance per port") from None
 
 
+def _fill_outer_maps(maps_dir: Path, entries: dict[str, dict[int, int]]) -> None:
+    """Each outer map's entries in one batch, all maps at once: every batch waits for an
+    RCU grace period (~10-20 ms), and waits that overlap end together."""
+    errors: list[BaseException] = []
+
+    def fill(name: str) -> None:
+        try:
+            outer = obj_get(maps_dir / name)
+            try:
+                _update_batch(outer, name, entries[name])
+            finally:
+                os.close(outer)
+        except BaseException as exc:        # raised below, in the loading thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fill, args=(name,), name=f"portprog-{name}")
+               for name in entries]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 class LabLoading:
     """The lab's one program instance being loaded (one bpftool process, two programs
     through the verifier) while a thread of this process makes every node's and port's
@@ -633,12 +658,7 @@ class LabLoading:
                 tail = "\n".join(err.strip().splitlines()[-25:])
                 raise PortProgError(f"bpftool prog loadall {self.obj} failed for lab "
                                     f"{self.lab} (exit {proc.returncode}):\n{tail}")
-            for name, entries in (*inner.items(), ("port_node", node_of_key)):
-                outer = obj_get(lab_dir / "maps" / name)
-                try:
-                    _update_batch(outer, name, entries)
-                finally:
-                    os.close(outer)
+            _fill_outer_maps(lab_dir / "maps", {**inner, "port_node": node_of_key})
             for prog in ("port_egress", "port_departure"):
                 fd = obj_get(lab_dir / "progs" / prog)
                 try:
