@@ -1,12 +1,12 @@
 """The port program: compile, load, attach, configure and read it.
 
-One instance of `testbed/net/bpf/port.bpf.c` serves every fabric port: its
-`port_egress` program at clsact egress of the port (admission, tail drop,
-ECN marking, counters) and its `port_departure` program at clsact ingress of
-the port's veth peer (what arrives there has left the port's queue), so the
-queue it decides on is admitted - departed, the real one (docs/datapath.md).
-All ports of a node share the node's maps (buffer model, PFC events, drops by
-flow). This module is the only code that loads BPF:
+`testbed/net/bpf/port.bpf.c` serves every fabric port: its `port_egress` program
+at clsact egress of the port (admission, tail drop, ECN marking, counters) and
+its `port_departure` program at clsact ingress of the port's veth peer (what
+arrives there has left the port's queue), so the queue it decides on is
+admitted - departed, the real one (docs/datapath.md). All ports of a node share
+the node's maps (buffer model, PFC events, drops by flow). This module is the
+only code that loads BPF:
 
     obj = ensure_object()                               # clang, cached by source hash
     handle = attach_port(lab, node, netns, ifname, params, peer=(peer_netns, peer_ifname))
@@ -14,9 +14,24 @@ flow). This module is the only code that loads BPF:
     read_counters(handle)[3].vq_bytes                   # from memory, no syscall
     detach_lab(lab)                                     # rm -r /sys/fs/bpf/tb/<lab>
 
-Each port gets its own program instance, its maps pinned under
-/sys/fs/bpf/tb/<lab>/<node>/<ifname>/maps/ (its programs under .../progs/), the
-node's shared maps under /sys/fs/bpf/tb/<lab>/<node>/_node/, so a lab's pins go
+Two ways to load it, the same maps and pins either way:
+- per port (`start_loading`, `attach_port`; a VM's part of a lab): each port
+  loads its own instance (two verifier runs, ~4 ms of CPU), the node's first
+  port makes the node's maps and the others reuse them;
+- per lab (`start_lab_loading`; the builder, for a whole fabric): ONE instance of
+  the lab build (`-DLAB_INSTANCE`, LAB_DEFINES) for every port, its map names
+  outer ARRAY_OF_MAPS keyed by (ifindex << 1 | direction). The builder gives
+  every fabric interface a lab-unique ifindex (`lab_ifindexes`); this module
+  makes each port's and node's maps with the per-port build's types, sizes and
+  flags (INNER_SPECS), pins them, and puts them into the outer maps under the
+  port's ifindex (egress) and its peer's (departure). The nodes' spin locks are
+  elements of the lab's `node_lock` array (Linux < 6.2 refuses a bpf_spin_lock in
+  an inner map). At 128 hosts: 2 verifier runs instead of 640.
+
+Either way a port's maps are pinned under /sys/fs/bpf/tb/<lab>/<node>/<ifname>/maps/
+(its programs under .../progs/), the node's shared maps under
+/sys/fs/bpf/tb/<lab>/<node>/_node/ (the lab instance's own pins under
+/sys/fs/bpf/tb/<lab>/_lab/), so readers find them by path, and a lab's pins go
 with one directory removal, even after the process that made them was killed.
 """
 
@@ -589,9 +604,10 @@ def _update_batch(fd: int, name: str, entries: dict[int, int]) -> None:
     except OSError as exc:
         raise PortProgError(
             f"the kernel refused to put {n} maps into the lab instance's {name!r} map "
-            f"({exc.strerror}): the lab build of the port program needs Linux >= 6.1 "
-            "(array-of-maps batch updates, ring buffers and mmap-able arrays as inner "
-            "maps); set TESTBED_PORTPROG=per-port to load one instance per port") from None
+            f"({exc.strerror}): the lab build of the port program needs Linux 5.19 or "
+            "later (batch updates of an array of maps; ring buffers and mmap-able arrays "
+            "as inner maps); set TESTBED_PORTPROG=per-port to load one instance per "
+            "port") from None
 
 
 def _fill_outer_maps(maps_dir: Path, entries: dict[str, dict[int, int]]) -> None:
