@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.portmaps import BPF_OBJ_GET_INFO_BY_FD, NUM_TC, _Bpf
+from agents.portmaps import BPF_OBJ_GET_INFO_BY_FD, NUM_TC, _Bpf, lookup_raw
 from testbed.net import batch, namespaces, portprog
 from testbed.run import smoke
 
@@ -113,3 +113,28 @@ def test_a_built_lab_runs_one_instance_keyed_by_its_lab_unique_ifindexes(default
             if node.role == "host":
                 assert sum(counters[tc].enq_packets for tc in range(NUM_TC)) > 0, iface
     assert seen > 0
+
+
+def test_write_params_writes_every_dscp_and_class_in_its_batches():
+    lab = f"bpfbatchw{os.getpid()}"
+    pin_dir = portprog.pin_dir_of(lab, "n1", "eth0")
+    params = portprog.PortParams(
+        dscp_to_tc={d: d % NUM_TC for d in range(0, 64, 3)}, default_tc=5, port_slot=2,
+        classes={tc: portprog.ClassParams(kmin_bytes=1000 * (tc + 1), kmax_bytes=9000 * (tc + 1),
+                                          pmax=0.1) for tc in range(NUM_TC)})
+    try:
+        portprog.load_programs([pin_dir])
+        maps = portprog.PortMaps(pin_dir)
+        try:
+            maps.write_params(params)
+            got_dscp = [struct.unpack("=I", lookup_raw(maps.dscp_tc.fd, struct.pack("=I", d),
+                                                       4))[0] for d in range(64)]
+            assert got_dscp == portprog.dscp_table(params)
+            for tc in range(NUM_TC):
+                raw = lookup_raw(maps.class_cfg.fd, struct.pack("=I", tc),
+                                 portprog.CLASS_CFG.size)
+                assert raw == portprog.encode_class_cfg(params.classes[tc]), tc
+        finally:
+            maps.close()
+    finally:
+        portprog.detach_lab(lab)
