@@ -807,9 +807,15 @@ class NodeMaps:
         view[:cfg_bytes] = head[:cfg_bytes]
         tracked_index = {tc: i for i, tc in enumerate(params.tracked)}
         cfg_at = 7 * 8                      # headroom, xoff, xon, alpha inside an entry
-        for t in range(MAX_TRACKED):
-            for slot in range(MAX_SLOTS):
-                struct.pack_into("=4I", view, acct_offset(t, slot) + cfg_at, 0, 0, 0, 0)
+        # zero those four u32s of every entry with strided writes (one per field, not one
+        # per entry: 1024 entries a node), counters between them untouched
+        entries = MAX_TRACKED * MAX_SLOTS
+        words = view[NODE_HEAD.size:NODE_HEAD.size + entries * INGRESS_ACCT.size].cast("I")
+        stride = INGRESS_ACCT.size // 4
+        zeros = memoryview(bytes(4 * entries)).cast("I")
+        for k in range(4):
+            words[cfg_at // 4 + k::stride] = zeros
+        words.release()
         for (tc, slot), p in params.ingress.items():
             struct.pack_into("=4I", view, acct_offset(tracked_index[tc], slot) + cfg_at,
                              p.headroom_bytes, p.xoff_bytes, p.xon_bytes,
