@@ -39,6 +39,7 @@ made and raises BuildError naming the node, the request and the kernel's reason.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -214,8 +215,7 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
     report.ordering = steer.describe()
     # The port programs' instances load (bpftool, the verifier: CPU-bound) while the
     # steps below run, on the other CPUs; step 6 waits for them.
-    lab_index = portprog.lab_ifindexes(list(plan.nodes)) if scope.part is None else {}
-    loading, why_no_bpf = _start_loading(plan, scope, lab_index)
+    loading, why_no_bpf, lab_index = _start_loading(plan, scope)
     timer.lap("bpf load start")
     try:
         say(f"creating {len(scope.netns)} namespaces")
@@ -231,7 +231,7 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
 
         say(f"creating {len(scope.links)} veth pairs")
         _create_veth_pairs(plan, scope.links, batches,
-                           lab_index if isinstance(loading, portprog.LabLoading) else None)
+                           lab_index)
         report.veth_pairs = len(scope.links)
         timer.lap("veth")
 
@@ -288,26 +288,30 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
             sock.close()
 
 
-def _start_loading(plan: Plan, scope: Scope, lab_index: dict[tuple[str, str], int]
-                   ) -> tuple[portprog.Loading | portprog.LabLoading | None, str]:
-    """Start loading the port programs (step 6 attaches them); (None, why) where this
-    machine cannot build the port program.
+def _start_loading(plan: Plan, scope: Scope) -> tuple[
+        portprog.Loading | portprog.LabLoading | None, str, dict[tuple[str, str], int]]:
+    """Start loading the port programs (step 6 attaches them): (loading, "", the ifindex
+    step 2 gives each interface, empty if any), or (None, why, {}) where this machine
+    cannot build the port program.
 
     The whole fabric on one machine: ONE instance for the lab (two verifier runs), its
-    ports keyed by the lab-unique ifindexes `lab_index` that step 2 gives them. A VM's
-    part, or TESTBED_PORTPROG=per-port: one instance per port (two verifier runs each,
-    ~4 ms; bench/README.md)."""
-    per_port = scope.part is not None or os.environ.get("TESTBED_PORTPROG") == "per-port"
+    ports keyed by lab-unique ifindexes (portprog.lab_ifindexes). A VM's part, a lab
+    with more interfaces than the lab build keys, or TESTBED_PORTPROG=per-port: one
+    instance per port (two verifier runs each, ~4 ms; bench/README.md)."""
+    lab_index: dict[tuple[str, str], int] = {}
+    if scope.part is None and os.environ.get("TESTBED_PORTPROG") != "per-port":
+        with contextlib.suppress(portprog.PortProgError):      # too many: per port
+            lab_index = portprog.lab_ifindexes(list(plan.nodes))
     try:
-        obj = portprog.ensure_object(defines=() if per_port else portprog.LAB_DEFINES)
+        obj = portprog.ensure_object(defines=portprog.LAB_DEFINES if lab_index else ())
     except portprog.PortProgError as exc:
-        return None, str(exc)
-    if per_port:
-        return portprog.start_loading(datapath.pin_dirs_of(plan, scope.nodes), obj), ""
+        return None, str(exc), {}
+    if not lab_index:
+        return portprog.start_loading(datapath.pin_dirs_of(plan, scope.nodes), obj), "", {}
     ports = [portprog.LabPort(node.name, iface.ifname, lab_index[(node.name, iface.ifname)],
                               lab_index[(iface.peer.node, iface.peer.ifname)])
              for node in scope.nodes for iface in node.interfaces]
-    return portprog.start_lab_loading(plan.lab, ports, obj), ""
+    return portprog.start_lab_loading(plan.lab, ports, obj), "", lab_index
 
 
 def _attach_datapath(plan: Plan, scope: Scope, ifindex: dict[str, dict[str, int]],

@@ -769,6 +769,7 @@ def start_lab_loading(lab: str, ports: list[LabPort], obj: Path | None = None) -
     """Start loading the lab's one program instance and making its ports' maps (see
     LabLoading); returns at once. `obj`: the lab build (ensure_object(defines=LAB_DEFINES))."""
     obj = obj or ensure_object(defines=LAB_DEFINES)
+    _bpftool()                  # missing: say so now, not from the loading thread
     ensure_bpffs()
     return LabLoading(lab, ports, obj)
 

@@ -318,3 +318,27 @@ def test_lab_ifindexes_number_every_interface_once_in_plan_order(monkeypatch):
     monkeypatch.setattr(portprog, "MAX_IFINDEX", portprog.FIRST_IFINDEX + len(index) - 1)
     with pytest.raises(portprog.PortProgError, match="raise MAX_IFINDEX"):
         portprog.lab_ifindexes(list(plan.nodes))
+
+
+def test_the_builder_loads_one_instance_per_lab_unless_told_or_too_big(monkeypatch):
+    from testbed.net import builder
+
+    plan = golden_plan()
+    monkeypatch.setattr(portprog, "ensure_object",
+                        lambda cache_dir=None, source=None, defines=(): Path(f"obj{defines}"))
+    monkeypatch.setattr(portprog, "start_loading", lambda dirs, obj: ("per-port", obj))
+    monkeypatch.setattr(portprog, "start_lab_loading", lambda lab, ports, obj: ("lab", ports))
+    monkeypatch.delenv("TESTBED_PORTPROG", raising=False)
+    scope = builder.Scope.of(plan)
+    loading, why, index = builder._start_loading(plan, scope)
+    assert loading[0] == "lab" and why == ""
+    assert index == portprog.lab_ifindexes(list(plan.nodes))
+    by_ifindex = {p.ifindex: p for p in loading[1]}
+    assert len(by_ifindex) == len(index)
+    for p in loading[1]:        # a port's departures are keyed by its peer, and back
+        assert by_ifindex[p.peer_ifindex].peer_ifindex == p.ifindex != p.peer_ifindex
+    monkeypatch.setenv("TESTBED_PORTPROG", "per-port")
+    assert builder._start_loading(plan, scope) == (("per-port", Path("obj()")), "", {})
+    monkeypatch.delenv("TESTBED_PORTPROG")
+    monkeypatch.setattr(portprog, "MAX_IFINDEX", portprog.FIRST_IFINDEX + 1)
+    assert builder._start_loading(plan, scope) == (("per-port", Path("obj()")), "", {})
