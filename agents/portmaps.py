@@ -367,6 +367,8 @@ def acct_offset(tracked_index: int, slot: int) -> int:
 _NR_BPF = {"x86_64": 321, "aarch64": 280, "armv7l": 386, "riscv64": 280, "ppc64le": 361,
            "s390x": 351}
 BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_GET_NEXT_KEY = 1, 2, 4
+BPF_MAP_UPDATE_BATCH = 26
+ENOTSUPP = 524              # the kernel's own 'not supported' (no errno name in libc)
 BPF_OBJ_GET, BPF_OBJ_GET_INFO_BY_FD = 7, 15
 BPF_ANY = 0
 _ATTR_SIZE = 128   # larger than any command's part of union bpf_attr we use; rest zero
@@ -467,6 +469,32 @@ class BpfMap:
         struct.pack_into("=IIQQQ", b.attr, 0, self.fd, 0, ctypes.addressof(self.key),
                          ctypes.addressof(self.value), flags)
         b.call(BPF_MAP_UPDATE_ELEM, f"MAP_UPDATE_ELEM {self.name}[{key}]")
+
+    def update_all(self, values: list[bytes]) -> None:
+        """Elements 0..len(values)-1 in one BPF_MAP_UPDATE_BATCH (a port's configuration
+        is ~70 elements; one syscall each was most of attaching a lab's ports). Each
+        element is written as update() writes it; a kernel without batch updates of
+        arrays gets them one at a time."""
+        if any(len(v) != self.value_size for v in values):
+            raise ValueError(f"{self.name}: values must be {self.value_size} bytes each")
+        if not values:
+            return
+        n = len(values)
+        keys = (ctypes.c_uint32 * n)(*range(n))
+        data = ctypes.create_string_buffer(b"".join(values), n * self.value_size)
+        b = self.bpf
+        b.clear()
+        # union bpf_attr.batch: in_batch, out_batch, keys, values, count, map_fd,
+        # elem_flags, flags
+        struct.pack_into("=QQQQIIQQ", b.attr, 0, 0, 0, ctypes.addressof(keys),
+                         ctypes.addressof(data), n, self.fd, BPF_ANY, 0)
+        try:
+            b.call(BPF_MAP_UPDATE_BATCH, f"MAP_UPDATE_BATCH {self.name}")
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, ENOTSUPP, errno.EOPNOTSUPP):
+                raise
+            for key, value in enumerate(values):
+                self.update(key, value)
 
 
 # --- mmap-able arrays and the ring buffer ------------------------------------------------
@@ -685,11 +713,9 @@ class PortMaps:
 
     def write_params(self, params: PortParams) -> None:
         params.check()
-        for dscp, tc in enumerate(dscp_table(params)):
-            self.dscp_tc.update(dscp, struct.pack("=I", tc))
-        for tc in range(NUM_TC):
-            self.class_cfg.update(tc, encode_class_cfg(params.classes.get(tc),
-                                                       params.trims.get(tc)))
+        self.dscp_tc.update_all([struct.pack("=I", tc) for tc in dscp_table(params)])
+        self.class_cfg.update_all([encode_class_cfg(params.classes.get(tc), params.trims.get(tc))
+                                   for tc in range(NUM_TC)])
         self.cfg.update(0, encode_port_cfg(params))
 
     def reset(self) -> None:
@@ -735,7 +761,9 @@ class NodeMaps:
         self.ring: RingBuffer | None = None
         try:
             for name, (size, entries) in NODE_MAPS.items():
-                if name == "events":
+                # events: below, if asked for; node_lock: user space never takes it (and
+                # a lab instance keeps its nodes' locks in one array of its own)
+                if name in ("events", "node_lock"):
                     continue
                 self.maps[name] = _open(self.node_dir, name, size, entries)
             self.mem = MmapArray(self.maps["node"].fd, NODE_SIZE, 1, writable=True)
@@ -779,9 +807,15 @@ class NodeMaps:
         view[:cfg_bytes] = head[:cfg_bytes]
         tracked_index = {tc: i for i, tc in enumerate(params.tracked)}
         cfg_at = 7 * 8                      # headroom, xoff, xon, alpha inside an entry
-        for t in range(MAX_TRACKED):
-            for slot in range(MAX_SLOTS):
-                struct.pack_into("=4I", view, acct_offset(t, slot) + cfg_at, 0, 0, 0, 0)
+        # zero those four u32s of every entry with strided writes (one per field, not one
+        # per entry: 1024 entries a node), counters between them untouched
+        entries = MAX_TRACKED * MAX_SLOTS
+        words = view[NODE_HEAD.size:NODE_HEAD.size + entries * INGRESS_ACCT.size].cast("I")
+        stride = INGRESS_ACCT.size // 4
+        zeros = memoryview(bytes(4 * entries)).cast("I")
+        for k in range(4):
+            words[cfg_at // 4 + k::stride] = zeros
+        words.release()
         for (tc, slot), p in params.ingress.items():
             struct.pack_into("=4I", view, acct_offset(tracked_index[tc], slot) + cfg_at,
                              p.headroom_bytes, p.xoff_bytes, p.xon_bytes,

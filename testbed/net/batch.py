@@ -292,13 +292,18 @@ def _encode(msg, mtype: int, flags: int) -> bytes:
 
 
 def veth_message(ifname: str, mac: str, mtu: int, peer_ifname: str, peer_mac: str,
-                 peer_mtu: int, peer_netns_fd: int) -> bytes:
+                 peer_mtu: int, peer_netns_fd: int, index: int = 0,
+                 peer_index: int = 0) -> bytes:
     """Create a veth pair in the socket's namespace, the peer in `peer_netns_fd`'s,
-    each end with its MAC and MTU (`ip link add NAME address .. mtu .. type veth peer
-    name .. address .. mtu .. netns ..`)."""
-    peer = {"attrs": [("IFLA_IFNAME", peer_ifname), ("IFLA_ADDRESS", peer_mac),
+    each end with its MAC and MTU (`ip link add NAME address .. mtu .. index .. type veth
+    peer name .. address .. mtu .. netns .. index ..`). `index` / `peer_index`: the
+    ends' ifindexes (0: the kernel picks); the lab's port program instance keys ports
+    by them (portprog.lab_ifindexes)."""
+    peer = {"index": peer_index,
+            "attrs": [("IFLA_IFNAME", peer_ifname), ("IFLA_ADDRESS", peer_mac),
                       ("IFLA_MTU", peer_mtu), ("IFLA_NET_NS_FD", peer_netns_fd)]}
     msg = ifinfmsg()
+    msg["index"] = index
     msg["attrs"] = [
         ("IFLA_IFNAME", ifname), ("IFLA_ADDRESS", mac), ("IFLA_MTU", mtu),
         ("IFLA_LINKINFO", {"attrs": [

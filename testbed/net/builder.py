@@ -39,6 +39,7 @@ made and raises BuildError naming the node, the request and the kernel's reason.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -214,7 +215,7 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
     report.ordering = steer.describe()
     # The port programs' instances load (bpftool, the verifier: CPU-bound) while the
     # steps below run, on the other CPUs; step 6 waits for them.
-    loading, why_no_bpf = _start_loading(plan, scope)
+    loading, why_no_bpf, lab_index = _start_loading(plan, scope)
     timer.lap("bpf load start")
     try:
         say(f"creating {len(scope.netns)} namespaces")
@@ -229,7 +230,8 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
         batches = {n.name: NetlinkBatch(sockets[n.name], n.name) for n in scope.nodes}
 
         say(f"creating {len(scope.links)} veth pairs")
-        _create_veth_pairs(plan, scope.links, batches)
+        _create_veth_pairs(plan, scope.links, batches,
+                           lab_index)
         report.veth_pairs = len(scope.links)
         timer.lap("veth")
 
@@ -286,18 +288,34 @@ def _build(plan: Plan, scope: Scope, report: BuildReport, say: Callable[[str], N
             sock.close()
 
 
-def _start_loading(plan: Plan, scope: Scope) -> tuple[portprog.Loading | None, str]:
-    """Start loading every port's program instance (step 6 attaches them); (None, why)
-    where this machine cannot build the port program."""
+def _start_loading(plan: Plan, scope: Scope) -> tuple[
+        portprog.Loading | portprog.LabLoading | None, str, dict[tuple[str, str], int]]:
+    """Start loading the port programs (step 6 attaches them): (loading, "", the ifindex
+    step 2 gives each interface, empty if any), or (None, why, {}) where this machine
+    cannot build the port program.
+
+    The whole fabric on one machine: ONE instance for the lab (two verifier runs), its
+    ports keyed by lab-unique ifindexes (portprog.lab_ifindexes). A VM's part, a lab
+    with more interfaces than the lab build keys, or TESTBED_PORTPROG=per-port: one
+    instance per port (two verifier runs each, ~4 ms; bench/README.md)."""
+    lab_index: dict[tuple[str, str], int] = {}
+    if scope.part is None and os.environ.get("TESTBED_PORTPROG") != "per-port":
+        with contextlib.suppress(portprog.PortProgError):      # too many: per port
+            lab_index = portprog.lab_ifindexes(list(plan.nodes))
     try:
-        obj = portprog.ensure_object()
+        obj = portprog.ensure_object(defines=portprog.LAB_DEFINES if lab_index else ())
     except portprog.PortProgError as exc:
-        return None, str(exc)
-    return portprog.start_loading(datapath.pin_dirs_of(plan, scope.nodes), obj), ""
+        return None, str(exc), {}
+    if not lab_index:
+        return portprog.start_loading(datapath.pin_dirs_of(plan, scope.nodes), obj), "", {}
+    ports = [portprog.LabPort(node.name, iface.ifname, lab_index[(node.name, iface.ifname)],
+                              lab_index[(iface.peer.node, iface.peer.ifname)])
+             for node in scope.nodes for iface in node.interfaces]
+    return portprog.start_lab_loading(plan.lab, ports, obj), "", lab_index
 
 
 def _attach_datapath(plan: Plan, scope: Scope, ifindex: dict[str, dict[str, int]],
-                     loading: portprog.Loading | None, why_no_bpf: str,
+                     loading: portprog.Loading | portprog.LabLoading | None, why_no_bpf: str,
                      apply_phy_loss: bool = True) -> str:
     """Step 6: the tc-BPF port program on every port, where this machine can load it
     (`loading`: its instances, being loaded since the build began).
@@ -364,9 +382,13 @@ def _create_namespaces(plan: Plan, scope: Scope,
 
 
 def _create_veth_pairs(plan: Plan, links: list[LinkPlan],
-                       batches: dict[str, NetlinkBatch]) -> None:
+                       batches: dict[str, NetlinkBatch],
+                       lab_index: dict[tuple[str, str], int] | None = None) -> None:
     """Step 2: each link's veth pair, from the `a` node's namespace, the peer put in
-    the `b` node's. Sent in plan order, so interface indexes come out as numbered."""
+    the `b` node's. Sent in plan order, so interface indexes come out as numbered.
+    `lab_index`: (node, ifname) -> the ifindex each end gets (the lab's port program
+    instance keys ports by them), else the kernel picks."""
+    at = lab_index or {}
     iface = {(n.name, i.ifname): i for n in plan.nodes for i in n.interfaces}
     netns_of = {n.name: n.netns for n in plan.nodes}
     fds: dict[str, int] = {}
@@ -384,7 +406,8 @@ def _create_veth_pairs(plan: Plan, links: list[LinkPlan],
                                            os.O_RDONLY | os.O_CLOEXEC)
             batches[sender].add(
                 veth_message(a.ifname, a.mac, a.mtu_bytes, b.ifname, b.mac, b.mtu_bytes,
-                             fds[link.b.node]),
+                             fds[link.b.node], at.get((link.a.node, a.ifname), 0),
+                             at.get((link.b.node, b.ifname), 0)),
                 f"veth pair {a.ifname} <-> {link.b.node}:{b.ifname} (link {link.index})")
         if sender is not None:
             batches[sender].flush()

@@ -26,7 +26,8 @@ def attach_port_programs(plan: Plan, apply_phy_loss: bool,
                          ifindex: dict[str, dict[str, int]] | None = None,
                          nodes: list[NodePlan] | None = None,
                          departure_hooks: dict[tuple[str, str], tuple[str, str]] | None = None,
-                         loading: portprog.Loading | None = None) -> int:
+                         loading: portprog.Loading | portprog.LabLoading | None = None
+                         ) -> int:
     """Attach and configure the port program on every port; returns the number attached.
 
     Every instance is loaded first (`bpftool batch`, one per CPU; the first port of each
@@ -58,6 +59,8 @@ def attach_port_programs(plan: Plan, apply_phy_loss: bool,
                 sockets[name] = batch.open_route_socket()
         index = {name: (ifindex or {}).get(name)
                  or batch.dump_link_indexes(sockets[name], name) for name in where}
+        if isinstance(loading, portprog.LabLoading):
+            loading.check_ifindexes(index, where)
         for node in nodes:
             portprog.configure_node(plan.lab, node.name,
                                     portprog.node_params_from_plan(node, index[node.name]))

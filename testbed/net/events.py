@@ -176,14 +176,23 @@ def _test_packet(tos: int) -> bytes:
     return eth + ip + bytes(64 - len(eth) - len(ip))
 
 
-def _run_departure(prog_fd: int, packet: bytes) -> None:
-    """One BPF_PROG_TEST_RUN of `port_departure` on `packet` (nothing is sent)."""
+_SKB_SIZE = 192                 # sizeof(struct __sk_buff) on 6.x kernels
+_SKB_IFINDEX = 40               # __u32 ifindex in struct __sk_buff
+
+
+def _run_departure(prog_fd: int, packet: bytes, ifindex: int = 0) -> None:
+    """One BPF_PROG_TEST_RUN of `port_departure` on `packet` (nothing is sent).
+    `ifindex`: the device the run pretends the packet arrived on (the lab instance finds
+    the port by it; it must exist in this thread's namespace), 0: none (per-port build)."""
     bpf = _Bpf()
     data = ctypes.create_string_buffer(packet, len(packet))
+    ctx = ctypes.create_string_buffer(_SKB_SIZE)
+    struct.pack_into("=I", ctx, _SKB_IFINDEX, ifindex)
     # union bpf_attr.test: prog_fd, retval, data_size_in, data_size_out, data_in,
-    # data_out, repeat, duration, ... (the rest zero)
-    struct.pack_into("=IIIIQQII", bpf.attr, 0, prog_fd, 0, len(packet), 0,
-                     ctypes.addressof(data), 0, 1, 0)
+    # data_out, repeat, duration, ctx_size_in, ctx_size_out, ctx_in, ctx_out
+    struct.pack_into("=IIIIQQIIIIQQ", bpf.attr, 0, prog_fd, 0, len(packet), 0,
+                     ctypes.addressof(data), 0, 1, 0, _SKB_SIZE if ifindex else 0, 0,
+                     ctypes.addressof(ctx) if ifindex else 0, 0)
     bpf.call(BPF_PROG_TEST_RUN, "PROG_TEST_RUN port_departure")
 
 
@@ -204,6 +213,8 @@ def flush_port_queues(plan: Plan, node_name: str, ifname: str) -> list[LostClass
     if not (pin_dir / "progs" / "port_departure").exists():
         return []
     dscp = {c.tc: (c.dscp[0] if c.dscp else 0) for c in iface.egress.classes}
+    # the lab instance counts a port's departures by the peer's ifindex: run it there
+    hook = portprog.departure_hook(plan, node.name, ifname)
     maps = portprog.open_port(pin_dir)
     lost: list[LostClass] = []
     try:
@@ -222,8 +233,9 @@ def flush_port_queues(plan: Plan, node_name: str, ifname: str) -> list[LostClass
                     if prog_fd is None:
                         prog_fd = obj_get(pin_dir / "progs" / "port_departure")
                     packet = _test_packet(dscp.get(tc, 0) << 2)
-                    for _ in range(pending):
-                        _run_departure(prog_fd, packet)
+                    with (namespaces.inside(hook[0]) if hook else contextlib.nullcontext()):
+                        for _ in range(pending):
+                            _run_departure(prog_fd, packet, hook[1] if hook else 0)
                     _write_field(state, tc, _DEP_MISMATCH, row[_DEP_MISMATCH])
                 row = maps.row(tc)
                 if row[_ENQ_BYTES] != row[_DEP_BYTES] or row[_ENQ_PACKETS] != row[_DEP_PACKETS]:

@@ -1,12 +1,12 @@
 """The port program: compile, load, attach, configure and read it.
 
-One instance of `testbed/net/bpf/port.bpf.c` serves every fabric port: its
-`port_egress` program at clsact egress of the port (admission, tail drop,
-ECN marking, counters) and its `port_departure` program at clsact ingress of
-the port's veth peer (what arrives there has left the port's queue), so the
-queue it decides on is admitted - departed, the real one (docs/datapath.md).
-All ports of a node share the node's maps (buffer model, PFC events, drops by
-flow). This module is the only code that loads BPF:
+`testbed/net/bpf/port.bpf.c` serves every fabric port: its `port_egress` program
+at clsact egress of the port (admission, tail drop, ECN marking, counters) and
+its `port_departure` program at clsact ingress of the port's veth peer (what
+arrives there has left the port's queue), so the queue it decides on is
+admitted - departed, the real one (docs/datapath.md). All ports of a node share
+the node's maps (buffer model, PFC events, drops by flow). This module is the
+only code that loads BPF:
 
     obj = ensure_object()                               # clang, cached by source hash
     handle = attach_port(lab, node, netns, ifname, params, peer=(peer_netns, peer_ifname))
@@ -14,9 +14,24 @@ flow). This module is the only code that loads BPF:
     read_counters(handle)[3].vq_bytes                   # from memory, no syscall
     detach_lab(lab)                                     # rm -r /sys/fs/bpf/tb/<lab>
 
-Each port gets its own program instance, its maps pinned under
-/sys/fs/bpf/tb/<lab>/<node>/<ifname>/maps/ (its programs under .../progs/), the
-node's shared maps under /sys/fs/bpf/tb/<lab>/<node>/_node/, so a lab's pins go
+Two ways to load it, the same maps and pins either way:
+- per port (`start_loading`, `attach_port`; a VM's part of a lab): each port
+  loads its own instance (two verifier runs, ~4 ms of CPU), the node's first
+  port makes the node's maps and the others reuse them;
+- per lab (`start_lab_loading`; the builder, for a whole fabric): ONE instance of
+  the lab build (`-DLAB_INSTANCE`, LAB_DEFINES) for every port, its map names
+  outer ARRAY_OF_MAPS keyed by (ifindex << 1 | direction). The builder gives
+  every fabric interface a lab-unique ifindex (`lab_ifindexes`); this module
+  makes each port's and node's maps with the per-port build's types, sizes and
+  flags (INNER_SPECS), pins them, and puts them into the outer maps under the
+  port's ifindex (egress) and its peer's (departure). The nodes' spin locks are
+  elements of the lab's `node_lock` array (Linux < 6.2 refuses a bpf_spin_lock in
+  an inner map). At 128 hosts: 2 verifier runs instead of 640.
+
+Either way a port's maps are pinned under /sys/fs/bpf/tb/<lab>/<node>/<ifname>/maps/
+(its programs under .../progs/), the node's shared maps under
+/sys/fs/bpf/tb/<lab>/<node>/_node/ (the lab instance's own pins under
+/sys/fs/bpf/tb/<lab>/_lab/), so readers find them by path, and a lab's pins go
 with one directory removal, even after the process that made them was killed.
 """
 
@@ -24,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -36,11 +52,13 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents.portmaps import (  # re-exported (see __all__): one module for the port program
     CLASS_CFG,
+    FLOW_KEY,
     LAYOUTS,
     MAPS,
     MAX_SLOTS,
@@ -61,6 +79,7 @@ from agents.portmaps import (  # re-exported (see __all__): one module for the p
     PortMaps,
     PortParams,
     TrimParams,
+    _Bpf,
     _ino,
     dscp_table,
     encode_class_cfg,
@@ -69,7 +88,7 @@ from agents.portmaps import (  # re-exported (see __all__): one module for the p
     probability_fp,
 )
 from testbed.net.bpf import PORT_SOURCE, RXE_CC_SOURCE
-from testbed.plan.model import EgressPlan, NodePlan
+from testbed.plan.model import EgressPlan, NodePlan, Plan
 
 __all__ = [
     "CLASS_CFG", "LAYOUTS", "MAPS", "MAX_SLOTS", "MAX_TRACKED", "NODE_DIR", "NODE_MAPS", "NUM_DSCP",
@@ -209,10 +228,19 @@ def compile_flags() -> list[str]:
     return ["-O2", "-g", "-target", "bpf", f"-I{include}"]
 
 
-def object_path(cache_dir: Path | None = None, source: Path = PORT_SOURCE) -> Path:
+#: the lab build of port.bpf.c: one instance for every port of a lab (map-in-map)
+LAB_DEFINES = ("-DLAB_INSTANCE",)
+
+
+def object_path(cache_dir: Path | None = None, source: Path = PORT_SOURCE,
+                defines: tuple[str, ...] = ()) -> Path:
     """Where the object for the current source and flags lives (built or not)."""
-    digest = hashlib.sha256(source.read_bytes() + b"\0" + " ".join(compile_flags()).encode())
+    flags = [*compile_flags(), *defines]
+    digest = hashlib.sha256(source.read_bytes() + b"\0" + " ".join(flags).encode())
     stem = source.name.split(".", 1)[0]         # "port" (port.bpf.c), "rxe_cc", ...
+    if defines:
+        stem += "-lab" if defines == LAB_DEFINES else "-" + hashlib.sha256(
+            " ".join(defines).encode()).hexdigest()[:8]
     return (cache_dir or _cache_dir()) / f"{stem}-{digest.hexdigest()[:16]}.o"
 
 
@@ -220,9 +248,11 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TESTBED_BPF_CACHE", CACHE_DIR))
 
 
-def ensure_object(cache_dir: Path | None = None, source: Path = PORT_SOURCE) -> Path:
-    """The compiled port program, compiled with clang on first use and cached by source hash."""
-    out = object_path(cache_dir, source)
+def ensure_object(cache_dir: Path | None = None, source: Path = PORT_SOURCE,
+                  defines: tuple[str, ...] = ()) -> Path:
+    """The compiled port program, compiled with clang on first use and cached by source
+    hash (`defines`: LAB_DEFINES for the lab build)."""
+    out = object_path(cache_dir, source, defines)
     if out.exists():
         return out
     clang = shutil.which("clang")
@@ -240,7 +270,7 @@ def ensure_object(cache_dir: Path | None = None, source: Path = PORT_SOURCE) -> 
         raise PortProgError(f"cannot create the BPF cache {out.parent}: {exc.strerror} "
                             "(run as root, or set TESTBED_BPF_CACHE)") from None
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    res = subprocess.run([clang, *flags, "-c", str(source), "-o", str(tmp)],
+    res = subprocess.run([clang, *flags, *defines, "-c", str(source), "-o", str(tmp)],
                          capture_output=True, text=True)
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -464,6 +494,284 @@ def start_loading(pin_dirs: list[Path], obj: Path | None = None,
         Loading(obj, pin_dirs, procs).wait(check=False)
         raise
     return Loading(obj, pin_dirs, procs)
+
+
+# --- one instance per lab ----------------------------------------------------------------
+# The lab build of port.bpf.c (LAB_INSTANCE): two programs for the whole lab, every map
+# name an ARRAY_OF_MAPS keyed by (ifindex << 1 | direction). Each port's and node's maps
+# are made here, with the per-port build's types, sizes and flags, pinned where the
+# per-port build pins them, and put into the outer maps; the kernel checks each against
+# the outer map's template (type, key, value, flags) when it is inserted.
+MAX_IFINDEX = 8192          #: lab-unique ifindexes must be below this (port.bpf.c)
+MAX_PORT_KEYS = 2 * MAX_IFINDEX
+MAX_NODES = 4096            #: elements of the lab's node_lock array
+#: first lab-assigned ifindex: above what a new namespace may hold already (lo is 1; the
+#: fallback tunnel devices sit0, tunl0, gre0, ... take the next ones where loaded)
+FIRST_IFINDEX = 32
+LAB_DIR = "_lab"            #: <lab>/_lab/{progs,maps}: the lab instance's own pins
+BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_LRU_HASH, BPF_MAP_TYPE_RINGBUF = 1, 2, 9, 27
+BPF_F_MMAPABLE = 1 << 10
+BPF_MAP_CREATE, BPF_OBJ_PIN, BPF_MAP_UPDATE_BATCH = 0, 6, 26
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """What BPF_MAP_CREATE is given for one map (libbpf gives the per-port build's)."""
+    map_type: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int = 0
+
+
+def _spec(name: str) -> MapSpec:
+    size, entries = MAPS[name]
+    if name == "events":
+        return MapSpec(BPF_MAP_TYPE_RINGBUF, 0, 0, entries)
+    if name == "ifslot":
+        return MapSpec(BPF_MAP_TYPE_HASH, 4, size, entries)
+    if name == "flow_drops":
+        return MapSpec(BPF_MAP_TYPE_LRU_HASH, FLOW_KEY.size, size, entries)
+    mmapable = BPF_F_MMAPABLE if name in ("state", "port_ingress", "node") else 0
+    return MapSpec(BPF_MAP_TYPE_ARRAY, 4, size, entries, mmapable)
+
+
+#: the per-port and per-node maps the lab instance reaches through its outer maps
+#: (node_lock is not among them: an element of the lab's own node_lock array)
+INNER_PORT_MAPS = tuple(PORT_MAPS)
+INNER_NODE_MAPS = tuple(n for n in NODE_MAPS if n != "node_lock")
+INNER_SPECS = {name: _spec(name) for name in (*INNER_PORT_MAPS, *INNER_NODE_MAPS)}
+
+
+def lab_dir_of(lab: str) -> Path:
+    _check_name("lab", lab)
+    return PIN_ROOT / lab / LAB_DIR
+
+
+def lab_ifindexes(plan_nodes: list[NodePlan]) -> dict[tuple[str, str], int]:
+    """(node, ifname) -> the lab-unique ifindex the builder gives that interface:
+    FIRST_IFINDEX on, in plan order. PortProgError if the lab has too many."""
+    out: dict[tuple[str, str], int] = {}
+    for node in plan_nodes:
+        for iface in node.interfaces:
+            out[(node.name, iface.ifname)] = FIRST_IFINDEX + len(out)
+    if out and max(out.values()) >= MAX_IFINDEX:
+        raise PortProgError(f"{len(out)} fabric interfaces: one port program instance per "
+                            f"lab keys ports by ifindex, below {MAX_IFINDEX} "
+                            f"(FIRST_IFINDEX {FIRST_IFINDEX}); raise MAX_IFINDEX in "
+                            "port.bpf.c and portprog.py")
+    return out
+
+
+@dataclass(frozen=True)
+class LabPort:
+    """A port served by the lab instance: its egress runs on `ifindex`, its departures
+    are counted at `peer_ifindex` (both lab-unique)."""
+    node: str
+    ifname: str
+    ifindex: int
+    peer_ifindex: int
+
+
+def _create_map(spec: MapSpec, name: str) -> int:
+    bpf = _Bpf()
+    struct.pack_into("=7I16s", bpf.attr, 0, spec.map_type, spec.key_size, spec.value_size,
+                     spec.max_entries, spec.flags, 0, 0, name.encode()[:15])
+    return bpf.call(BPF_MAP_CREATE, f"MAP_CREATE {name}")
+
+
+def _pin(fd: int, path: Path) -> None:
+    bpf = _Bpf()
+    cpath = ctypes.create_string_buffer(os.fsencode(str(path)))
+    struct.pack_into("=QII", bpf.attr, 0, ctypes.addressof(cpath), fd, 0)
+    bpf.call(BPF_OBJ_PIN, f"OBJ_PIN {path}")
+
+
+def _update_batch(fd: int, name: str, entries: dict[int, int]) -> None:
+    """Write u32 key -> u32 value pairs into an array (of maps) in one BPF_MAP_UPDATE_BATCH:
+    the kernel waits for an RCU grace period after every syscall that changes a map of
+    maps (~10 ms here), so one element at a time would cost seconds."""
+    if not entries:
+        return
+    n = len(entries)
+    keys = (ctypes.c_uint32 * n)(*entries.keys())
+    values = (ctypes.c_uint32 * n)(*entries.values())
+    bpf = _Bpf()
+    struct.pack_into("=QQQQIIQQ", bpf.attr, 0, 0, 0, ctypes.addressof(keys),
+                     ctypes.addressof(values), n, fd, 0, 0)
+    try:
+        bpf.call(BPF_MAP_UPDATE_BATCH, f"MAP_UPDATE_BATCH {name}")
+    except OSError as exc:
+        raise PortProgError(
+            f"the kernel refused to put {n} maps into the lab instance's {name!r} map "
+            f"({exc.strerror}): the lab build of the port program needs Linux 5.19 or "
+            "later (batch updates of an array of maps; ring buffers and mmap-able arrays "
+            "as inner maps); set TESTBED_PORTPROG=per-port to load one instance per "
+            "port") from None
+
+
+def _fill_outer_maps(maps_dir: Path, entries: dict[str, dict[int, int]]) -> None:
+    """Each outer map's entries in one batch, all maps at once: every batch waits for an
+    RCU grace period (~10-20 ms), and waits that overlap end together."""
+    errors: list[BaseException] = []
+
+    def fill(name: str) -> None:
+        try:
+            outer = obj_get(maps_dir / name)
+            try:
+                _update_batch(outer, name, entries[name])
+            finally:
+                os.close(outer)
+        except BaseException as exc:        # raised below, in the loading thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fill, args=(name,), name=f"portprog-{name}")
+               for name in entries]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+class LabLoading:
+    """The lab's one program instance being loaded (one bpftool process, two programs
+    through the verifier) while a thread of this process makes every node's and port's
+    maps, pins them, and puts them into the outer maps (start_lab_loading).
+
+    Same contract as `Loading`: always `wait()`, also when the build fails.
+    """
+
+    def __init__(self, lab: str, ports: list[LabPort], obj: Path) -> None:
+        self.lab, self.ports, self.obj = lab, ports, obj
+        self.pin_dirs = [pin_dir_of(lab, p.node, p.ifname) for p in ports]
+        self.error: BaseException | None = None
+        self.done = False
+        self.loads = 1                  # bpftool program loads (two programs each)
+        self._thread = threading.Thread(target=self._run, name=f"portprog-{lab}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._make()
+        except BaseException as exc:    # handed to wait()
+            self.error = exc
+
+    def _make(self) -> None:
+        lab_dir = lab_dir_of(self.lab)
+        _rmtree(lab_dir)
+        lab_dir.mkdir(parents=True)
+        proc = subprocess.Popen([_bpftool(), "prog", "loadall", str(self.obj),
+                                 str(lab_dir / "progs"), "type", "classifier", "pinmaps",
+                                 str(lab_dir / "maps")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        fds: list[int] = []
+        try:
+            inner, node_of_key = self._make_maps(fds)   # beside the verifier's run
+            _, err = proc.communicate()
+            if proc.returncode != 0 or not _loaded(lab_dir):
+                tail = "\n".join(err.strip().splitlines()[-25:])
+                raise PortProgError(f"bpftool prog loadall {self.obj} failed for lab "
+                                    f"{self.lab} (exit {proc.returncode}):\n{tail}")
+            _fill_outer_maps(lab_dir / "maps", {**inner, "port_node": node_of_key})
+            for prog in ("port_egress", "port_departure"):
+                fd = obj_get(lab_dir / "progs" / prog)
+                try:
+                    for pin_dir in self.pin_dirs:       # where the per-port build pins them
+                        _pin(fd, pin_dir / "progs" / prog)
+                finally:
+                    os.close(fd)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for fd in fds:
+                os.close(fd)
+
+    def _make_maps(self, fds: list[int]) -> tuple[dict[str, dict[int, int]], dict[int, int]]:
+        """Every node's and port's maps, made and pinned (their fds appended to `fds`);
+        returns (outer map name -> key -> inner map fd, key -> node index)."""
+        inner: dict[str, dict[int, int]] = {name: {} for name in INNER_SPECS}
+        node_of_key: dict[int, int] = {}
+        node_fds: dict[str, dict[str, int]] = {}
+        for port, pin_dir in zip(self.ports, self.pin_dirs, strict=True):
+            if port.node not in node_fds:
+                if len(node_fds) >= MAX_NODES:
+                    raise PortProgError(f"more than {MAX_NODES} nodes in lab {self.lab}")
+                node_dir = pin_dir.parent / NODE_DIR
+                _forget(node_dir)
+                _rmtree(node_dir)
+                node_dir.mkdir(parents=True)
+                node_fds[port.node] = {}
+                for name in INNER_NODE_MAPS:
+                    fds.append(_create_map(INNER_SPECS[name], name))
+                    node_fds[port.node][name] = fds[-1]
+                    _pin(fds[-1], node_dir / name)
+            _prepare(pin_dir)
+            (pin_dir / "maps").mkdir()
+            (pin_dir / "progs").mkdir()
+            mine = dict(node_fds[port.node])
+            for name in INNER_PORT_MAPS:
+                fds.append(_create_map(INNER_SPECS[name], name))
+                mine[name] = fds[-1]
+                _pin(fds[-1], pin_dir / "maps" / name)
+            for ifindex, direction in ((port.ifindex, 0), (port.peer_ifindex, 1)):
+                if not 1 < ifindex < MAX_IFINDEX:
+                    raise PortProgError(f"{port.node}/{port.ifname}: ifindex {ifindex} "
+                                        f"outside 2..{MAX_IFINDEX - 1}")
+                key = ifindex << 1 | direction
+                if key in node_of_key:
+                    raise PortProgError(f"{port.node}/{port.ifname}: ifindex {ifindex} is "
+                                        "another port's too (the lab instance needs "
+                                        "lab-unique ifindexes)")
+                node_of_key[key] = list(node_fds).index(port.node)
+                for name, fd in mine.items():
+                    inner[name][key] = fd
+        return inner, node_of_key
+
+    def check_ifindexes(self, index: dict[str, dict[str, int]],
+                        netns_of: dict[str, str]) -> None:
+        """The interfaces have the ifindexes the instance keys their ports by (node ->
+        ifname -> ifindex, as dumped); a port keyed by another would go uncounted."""
+        peer_of = {p.peer_ifindex: p for p in self.ports}
+        for port in self.ports:
+            got = index.get(port.node, {}).get(port.ifname)
+            if got != port.ifindex:
+                raise PortProgError(f"{netns_of.get(port.node, port.node)}/{port.ifname} has "
+                                    f"ifindex {got}, the lab's port program expects "
+                                    f"{port.ifindex}: the interface was not made by the "
+                                    "builder's step 2 (lab_ifindexes)")
+        missing = set(peer_of) - {p.ifindex for p in self.ports}
+        if missing:
+            raise PortProgError(f"departure ifindexes {sorted(missing)[:5]} are no port of "
+                                "this lab")
+
+    def wait(self, check: bool = True) -> None:
+        self._thread.join()
+        self.done = True
+        if check and self.error is not None:
+            raise self.error
+
+
+def departure_hook(plan: Plan, node: str, ifname: str) -> tuple[str, int] | None:
+    """(namespace, ifindex) where the lab instance counts this port's departures (its
+    peer's), None if the lab was loaded per port (its own instance ignores the device)."""
+    if not (lab_dir_of(plan.lab) / "progs" / "port_departure").exists():
+        return None
+    iface = next(i for i in plan.node(node).interfaces if i.ifname == ifname)
+    peer = iface.peer
+    return plan.node(peer.node).netns, lab_ifindexes(list(plan.nodes))[(peer.node,
+                                                                        peer.ifname)]
+
+
+def start_lab_loading(lab: str, ports: list[LabPort], obj: Path | None = None) -> LabLoading:
+    """Start loading the lab's one program instance and making its ports' maps (see
+    LabLoading); returns at once. `obj`: the lab build (ensure_object(defines=LAB_DEFINES))."""
+    obj = obj or ensure_object(defines=LAB_DEFINES)
+    _bpftool()                  # missing: say so now, not from the loading thread
+    ensure_bpffs()
+    return LabLoading(lab, ports, obj)
 
 
 def _bpftool_load(obj: Path, pin_dir: Path) -> None:
@@ -758,6 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "build":
             ensure_object(args.cache_dir, RXE_CC_SOURCE)     # the rxe counters, cached beside
+            ensure_object(args.cache_dir, defines=LAB_DEFINES)  # the lab build, beside
             print(ensure_object(args.cache_dir))
         else:
             counters = read_counters(args.pin_dir)

@@ -12,6 +12,7 @@ from collections import deque
 
 import pytest
 from pyroute2 import IPBatch
+from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 
 from testbed.net import batch
 from testbed.net.batch import (
@@ -378,6 +379,23 @@ def test_veth_message_carries_both_ends_mac_and_mtu_and_the_peer_namespace():
         "add", ifname="swp1", kind="veth", address="02:54:00:00:00:01", mtu=9000,
         peer={"ifname": "eth0", "address": "02:54:00:00:00:02", "mtu": 1500,
               "net_ns_fd": 12}))
+
+
+
+def test_veth_message_can_give_both_ends_their_ifindex():
+    ours = batch.veth_message("swp1", "02:54:00:00:00:01", 9000, "eth0", "02:54:00:00:00:02",
+                              1500, 12, index=77, peer_index=78)
+    msg = ifinfmsg(ours)
+    msg.decode()
+    assert msg["index"] == 77
+    peer = msg.get_attr("IFLA_LINKINFO").get_attr("IFLA_INFO_DATA").get_attr("VETH_INFO_PEER")
+    assert peer["index"] == 78 and peer.get_attr("IFLA_IFNAME") == "eth0"
+    # by default the kernel picks both (0)
+    plain = ifinfmsg(batch.veth_message("swp1", "02:54:00:00:00:01", 9000, "eth0",
+                                        "02:54:00:00:00:02", 1500, 12))
+    plain.decode()
+    assert plain["index"] == 0 and plain.get_attr("IFLA_LINKINFO").get_attr(
+        "IFLA_INFO_DATA").get_attr("VETH_INFO_PEER")["index"] == 0
 
 
 # ---------------------------------------------------------------- tc templates

@@ -191,10 +191,15 @@ def test_python_layouts_match_the_static_asserts_in_the_c_source():
     want["node_acct"] = portmaps.NODE_SIZE
     assert {name: int(size) for name, size in sizes.items()} == want
     for name in portprog.MAPS:
-        assert re.search(rf"\}} {name} SEC\(\"\.maps\"\)", text), name
+        assert re.search(rf"\}} {name} SEC\(\"\.maps\"\)|DEFINE_(MAP|RINGBUF)\({name},",
+                         text), name
     for const in ("NUM_TC", "NUM_DSCP", "MAX_SLOTS", "MAX_TRACKED", "RING"):
         assert re.search(rf"#define {const} {getattr(portmaps, const)}\b", text), const
-    assert re.search(rf"max_entries, 1 << {portmaps.EVENTS_BYTES.bit_length() - 1}\)", text)
+    assert re.search(rf"DEFINE_RINGBUF\(events, 1 << {portmaps.EVENTS_BYTES.bit_length() - 1}\)",
+                     text)
+    # the lab build's bounds, on both sides
+    for const in ("MAX_IFINDEX", "MAX_NODES"):
+        assert re.search(rf"#define {const} {getattr(portprog, const)}\b", text), const
 
 
 _SIZES = {"B": 1, "H": 2, "I": 4, "Q": 8}
@@ -269,3 +274,71 @@ def test_pin_paths_stay_under_the_lab_directory(lab, node, ifname):
 
 def test_pin_dir_layout():
     assert portprog.pin_dir_of("lab1", "leaf1", "swp3") == Path("/sys/fs/bpf/tb/lab1/leaf1/swp3")
+
+
+def _btf_map_templates(obj: Path) -> dict[str, dict[str, int]]:
+    """name -> {type, max_entries, map_flags, key_size, value_size} of each inner map
+    template `struct <name>_inner` of the lab build (libbpf's __uint(): a pointer to an
+    array of that many elements)."""
+    res = subprocess.run(["bpftool", "-j", "btf", "dump", "file", str(obj)],
+                         capture_output=True, text=True, check=True)
+    types = {t["id"]: t for t in json.loads(res.stdout)["types"]}
+    out = {}
+    for t in types.values():
+        if t["kind"] == "STRUCT" and t["name"].endswith("_inner"):
+            fields = {}
+            for m in t["members"]:
+                arr = types[types[m["type_id"]]["type_id"]]
+                fields[m["name"]] = arr["nr_elems"]
+            out[t["name"].removesuffix("_inner")] = fields
+    return out
+
+
+@pytest.mark.skipif(not (shutil.which("clang") and shutil.which("bpftool")),
+                    reason="needs clang and bpftool")
+def test_lab_build_declares_the_inner_maps_portprog_makes(tmp_path):
+    obj = portprog.ensure_object(cache_dir=tmp_path, defines=portprog.LAB_DEFINES)
+    assert re.fullmatch(r"port-lab-[0-9a-f]{16}\.o", obj.name)
+    assert obj != portprog.ensure_object(cache_dir=tmp_path)
+    templates = _btf_map_templates(obj)
+    assert set(templates) == set(portprog.INNER_SPECS)
+    for name, spec in portprog.INNER_SPECS.items():
+        t = templates[name]
+        got = portprog.MapSpec(t["type"], t.get("key_size", 0), t.get("value_size", 0),
+                               t["max_entries"], t.get("map_flags", 0))
+        assert got == spec, name
+
+
+def test_lab_ifindexes_number_every_interface_once_in_plan_order(monkeypatch):
+    plan = golden_plan()
+    index = portprog.lab_ifindexes(list(plan.nodes))
+    assert list(index) == [(n.name, i.ifname) for n in plan.nodes for i in n.interfaces]
+    assert sorted(index.values()) == list(range(portprog.FIRST_IFINDEX,
+                                                portprog.FIRST_IFINDEX + len(index)))
+    monkeypatch.setattr(portprog, "MAX_IFINDEX", portprog.FIRST_IFINDEX + len(index) - 1)
+    with pytest.raises(portprog.PortProgError, match="raise MAX_IFINDEX"):
+        portprog.lab_ifindexes(list(plan.nodes))
+
+
+def test_the_builder_loads_one_instance_per_lab_unless_told_or_too_big(monkeypatch):
+    from testbed.net import builder
+
+    plan = golden_plan()
+    monkeypatch.setattr(portprog, "ensure_object",
+                        lambda cache_dir=None, source=None, defines=(): Path(f"obj{defines}"))
+    monkeypatch.setattr(portprog, "start_loading", lambda dirs, obj: ("per-port", obj))
+    monkeypatch.setattr(portprog, "start_lab_loading", lambda lab, ports, obj: ("lab", ports))
+    monkeypatch.delenv("TESTBED_PORTPROG", raising=False)
+    scope = builder.Scope.of(plan)
+    loading, why, index = builder._start_loading(plan, scope)
+    assert loading[0] == "lab" and why == ""
+    assert index == portprog.lab_ifindexes(list(plan.nodes))
+    by_ifindex = {p.ifindex: p for p in loading[1]}
+    assert len(by_ifindex) == len(index)
+    for p in loading[1]:        # a port's departures are keyed by its peer, and back
+        assert by_ifindex[p.peer_ifindex].peer_ifindex == p.ifindex != p.peer_ifindex
+    monkeypatch.setenv("TESTBED_PORTPROG", "per-port")
+    assert builder._start_loading(plan, scope) == (("per-port", Path("obj()")), "", {})
+    monkeypatch.delenv("TESTBED_PORTPROG")
+    monkeypatch.setattr(portprog, "MAX_IFINDEX", portprog.FIRST_IFINDEX + 1)
+    assert builder._start_loading(plan, scope) == (("per-port", Path("obj()")), "", {})

@@ -237,85 +237,114 @@ _Static_assert(sizeof(struct event) == 32, "PORTPROG_EVENT_SIZE");
 _Static_assert(sizeof(struct flow_key) == 16, "PORTPROG_FLOW_KEY_SIZE");
 _Static_assert(sizeof(struct flow_drops) == 32, "PORTPROG_FLOW_DROPS_SIZE");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct port_cfg);
-} cfg SEC(".maps");
+/* The maps. Two builds of this source (testbed/net/portprog.py):
+ *
+ * - per port (the default): every port loads its own instance, and the names below are
+ *   the instance's maps (a node's first port makes the node's maps, the others reuse
+ *   them through bpftool's map reuse);
+ * - LAB_INSTANCE: ONE instance serves every port of a lab, so the verifier runs twice
+ *   per lab instead of twice per port. Each name below is then an ARRAY_OF_MAPS keyed
+ *   by PORT_KEY(skb->ifindex, direction): the builder gives every fabric interface a
+ *   lab-unique ifindex, so the interface a program runs on names the port it serves.
+ *   Egress at the port (key ifindex << 1) and the departure at its peer (key
+ *   peer_ifindex << 1 | 1) both find the same inner maps: that port's maps (and its
+ *   node's), made by user space with the per-port build's types, sizes and flags and
+ *   pinned at the same paths, so readers do not change. The node's lock cannot be an
+ *   inner map (Linux < 6.2 refuses a bpf_spin_lock there): it is an element of the
+ *   lab's `node_lock` array, at the index `port_node` gives the key.
+ */
+#ifdef LAB_INSTANCE
+#define MAX_IFINDEX 8192               /* lab-unique ifindexes of fabric interfaces: 2..8191 */
+#define MAX_PORT_KEYS (2 * MAX_IFINDEX)
+#define MAX_NODES 4096
+#define PORT_KEY(ifindex, dir) (((ifindex) << 1) | (dir))
+/* Inner map templates carry sizes, not types: clang emits a struct reached only
+ * through the outer map's pointers as a forward declaration, whose size libbpf
+ * cannot tell. */
+#define DEFINE_MAP(name, type_, entries, flags, key_t, value_t)  \
+	struct name##_inner {                                   \
+		__uint(type, type_);                            \
+		__uint(max_entries, entries);                   \
+		__uint(map_flags, flags);                       \
+		__uint(key_size, sizeof(key_t));                \
+		__uint(value_size, sizeof(value_t));            \
+	};                                                      \
+	DEFINE_OUTER(name)
+#define DEFINE_RINGBUF(name, bytes)                             \
+	struct name##_inner {                                   \
+		__uint(type, BPF_MAP_TYPE_RINGBUF);             \
+		__uint(max_entries, bytes);                     \
+	};                                                      \
+	DEFINE_OUTER(name)
+#define DEFINE_OUTER(name)                                      \
+	struct {                                                \
+		__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);       \
+		__uint(max_entries, MAX_PORT_KEYS);             \
+		__type(key, __u32);                             \
+		__array(values, struct name##_inner);           \
+	} name SEC(".maps")
+#else
+#define DEFINE_MAP(name, type_, entries, flags, key_t, value_t)  \
+	struct {                                                \
+		__uint(type, type_);                            \
+		__uint(max_entries, entries);                   \
+		__uint(map_flags, flags);                       \
+		__type(key, key_t);                             \
+		__type(value, value_t);                         \
+	} name SEC(".maps")
+#define DEFINE_RINGBUF(name, bytes)                             \
+	struct {                                                \
+		__uint(type, BPF_MAP_TYPE_RINGBUF);             \
+		__uint(max_entries, bytes);                     \
+	} name SEC(".maps")
+#endif
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, NUM_DSCP);
-	__type(key, __u32);
-	__type(value, __u32);
-} dscp_tc SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, NUM_TC);
-	__type(key, __u32);
-	__type(value, struct class_cfg);
-} class_cfg SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, NUM_SLOTS);
-	__uint(map_flags, BPF_F_MMAPABLE);
-	__type(key, __u32);
-	__type(value, struct class_state);
-} state SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct ring);
-} ring SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__uint(map_flags, BPF_F_MMAPABLE);
-	__type(key, __u32);
-	__type(value, struct port_ingress);
-} port_ingress SEC(".maps");
+DEFINE_MAP(cfg, BPF_MAP_TYPE_ARRAY, 1, 0, __u32, struct port_cfg);
+DEFINE_MAP(dscp_tc, BPF_MAP_TYPE_ARRAY, NUM_DSCP, 0, __u32, __u32);
+DEFINE_MAP(class_cfg, BPF_MAP_TYPE_ARRAY, NUM_TC, 0, __u32, struct class_cfg);
+DEFINE_MAP(state, BPF_MAP_TYPE_ARRAY, NUM_SLOTS, BPF_F_MMAPABLE, __u32, struct class_state);
+DEFINE_MAP(ring, BPF_MAP_TYPE_ARRAY, 1, 0, __u32, struct ring);
+DEFINE_MAP(port_ingress, BPF_MAP_TYPE_ARRAY, 1, BPF_F_MMAPABLE, __u32, struct port_ingress);
 
 /* Node-level maps: the first port of a node creates them, the others reuse them. */
+DEFINE_MAP(node, BPF_MAP_TYPE_ARRAY, 1, BPF_F_MMAPABLE, __u32, struct node_acct);
+
+#ifdef LAB_INSTANCE
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__uint(map_flags, BPF_F_MMAPABLE);
+	__uint(max_entries, MAX_NODES);
 	__type(key, __u32);
-	__type(value, struct node_acct);
-} node SEC(".maps");
+	__type(value, struct node_lock);
+} node_lock SEC(".maps");
 
+/* port key -> index of the port's node in node_lock */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_PORT_KEYS);
+	__type(key, __u32);
+	__type(value, __u32);
+} port_node SEC(".maps");
+#else
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
 	__type(key, __u32);
 	__type(value, struct node_lock);
 } node_lock SEC(".maps");
+#endif
 
 /* ingress ifindex -> slot of the node's ports */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, MAX_SLOTS);
-	__type(key, __u32);
-	__type(value, __u32);
-} ifslot SEC(".maps");
+DEFINE_MAP(ifslot, BPF_MAP_TYPE_HASH, MAX_SLOTS, 0, __u32, __u32);
+DEFINE_RINGBUF(events, 1 << 16);
+DEFINE_MAP(flow_drops, BPF_MAP_TYPE_LRU_HASH, 4096, 0, struct flow_key, struct flow_drops);
 
-struct {
-	__uint(type, BPF_MAP_TYPE_RINGBUF);
-	__uint(max_entries, 1 << 16);
-} events SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 4096);
-	__type(key, struct flow_key);
-	__type(value, struct flow_drops);
-} flow_drops SEC(".maps");
+/* The map a name stands for at this port: itself (per port), or the inner map the
+ * outer map holds for the port's key (LAB_INSTANCE; NULL if the port has none). */
+#ifdef LAB_INSTANCE
+#define PORT_MAP(name, key) bpf_map_lookup_elem(&(name), &(key))
+#else
+#define PORT_MAP(name, key) ((void *)&(name))
+#endif
 
 /* An index into a map value, bounded where it is used: `v & mask` (mask = 2^k - 1)
  * after a barrier, so the compiler cannot drop the AND as redundant with an earlier
@@ -329,10 +358,25 @@ static __always_inline __u64 bound(__u64 v, __u64 mask)
 	return v & mask;
 }
 
-static __always_inline void count_other(struct __sk_buff *skb)
+/* The port's key in the outer maps (LAB_INSTANCE; the per-port build has no use for it):
+ * DIR_EGRESS at the port itself, DIR_DEPARTURE at its veth peer's ingress. */
+#define DIR_EGRESS 0
+#define DIR_DEPARTURE 1
+
+static __always_inline __u32 port_key(struct __sk_buff *skb, __u32 dir)
+{
+#ifdef LAB_INSTANCE
+	return PORT_KEY(skb->ifindex, dir);   /* >= MAX_PORT_KEYS: no inner map */
+#else
+	return 0;
+#endif
+}
+
+static __always_inline void count_other(struct __sk_buff *skb, __u32 pkey)
 {
 	__u32 key = OTHER_SLOT;
-	struct class_state *st = bpf_map_lookup_elem(&state, &key);
+	void *states = PORT_MAP(state, pkey);
+	struct class_state *st = states ? bpf_map_lookup_elem(states, &key) : 0;
 
 	if (st) {
 		__sync_fetch_and_add(&st->packets, 1);
@@ -341,7 +385,8 @@ static __always_inline void count_other(struct __sk_buff *skb)
 }
 
 /* Class of an IPv4 packet, and its TOS byte; -1 if not IPv4. */
-static __always_inline int classify(struct __sk_buff *skb, __u32 default_tc, __u8 *tos)
+static __always_inline int classify(struct __sk_buff *skb, __u32 pkey, __u32 default_tc,
+				    __u8 *tos)
 {
 	__u8 hdr[2];                /* version/IHL, TOS */
 
@@ -350,7 +395,8 @@ static __always_inline int classify(struct __sk_buff *skb, __u32 default_tc, __u
 		return -1;
 	*tos = hdr[1];
 	__u32 dscp = hdr[1] >> 2;
-	__u32 *mapped = bpf_map_lookup_elem(&dscp_tc, &dscp);
+	void *table = PORT_MAP(dscp_tc, pkey);
+	__u32 *mapped = table ? bpf_map_lookup_elem(table, &dscp) : 0;
 	__u32 tc = mapped ? *mapped : NUM_TC;
 	if (tc >= NUM_TC)
 		tc = default_tc;
@@ -369,6 +415,7 @@ struct port_ctx {
 	struct ring *rg;
 	struct port_ingress *pin;
 	__u32 tc;
+	__u32 key;              /* the port's key (port_key) */
 	__u8 tos;
 };
 
@@ -376,23 +423,35 @@ struct port_ctx {
 #define CTX_NOT_IPV4 1
 #define CTX_NO_MAP 2
 
-static __always_inline int port_ctx(struct __sk_buff *skb, struct port_ctx *c)
+/* Look `k` up in the map `name` stands for at this port (NULL if the port has none). */
+#define PORT_LOOKUP(name, pkey, k) ({                                   \
+	void *m_ = PORT_MAP(name, pkey);                                \
+	m_ ? bpf_map_lookup_elem(m_, (k)) : 0;                          \
+})
+
+static __always_inline int port_ctx(struct __sk_buff *skb, struct port_ctx *c, __u32 dir)
 {
 	__u32 zero = 0;
 
-	c->pc = bpf_map_lookup_elem(&cfg, &zero);
+	c->key = port_key(skb, dir);
+	c->pc = PORT_LOOKUP(cfg, c->key, &zero);
 	if (!c->pc)
 		return CTX_NO_MAP;
-	int tci = classify(skb, c->pc->default_tc, &c->tos);
+	int tci = classify(skb, c->key, c->pc->default_tc, &c->tos);
 	if (tci < 0)
 		return CTX_NOT_IPV4;
 	c->tc = tci & (NUM_TC - 1);
-	c->cc = bpf_map_lookup_elem(&class_cfg, &c->tc);
-	c->st = bpf_map_lookup_elem(&state, &c->tc);
-	c->n = bpf_map_lookup_elem(&node, &zero);
+	c->cc = PORT_LOOKUP(class_cfg, c->key, &c->tc);
+	c->st = PORT_LOOKUP(state, c->key, &c->tc);
+	c->n = PORT_LOOKUP(node, c->key, &zero);
+#ifdef LAB_INSTANCE
+	__u32 *ni = bpf_map_lookup_elem(&port_node, &c->key);
+	c->nl = ni ? bpf_map_lookup_elem(&node_lock, ni) : 0;
+#else
 	c->nl = bpf_map_lookup_elem(&node_lock, &zero);
-	c->rg = bpf_map_lookup_elem(&ring, &zero);
-	c->pin = bpf_map_lookup_elem(&port_ingress, &zero);
+#endif
+	c->rg = PORT_LOOKUP(ring, c->key, &zero);
+	c->pin = PORT_LOOKUP(port_ingress, c->key, &zero);
 	if (!c->cc || !c->st || !c->n || !c->nl || !c->rg || !c->pin)
 		return CTX_NO_MAP;
 	return CTX_OK;
@@ -416,12 +475,13 @@ static __always_inline __u64 shared_part(struct node_acct *n, struct ingress_acc
 }
 
 static __always_inline void emit(__u32 kind, __u64 now, __u32 tc, __u32 slot, __u32 port_slot,
-				 __u64 bytes, struct node_acct *n)
+				 __u64 bytes, struct node_acct *n, __u32 pkey)
 {
 	struct event ev = {.ts_ns = now, .kind = kind, .tc = tc, .slot = slot,
 			   .port_slot = port_slot, .bytes = bytes};
+	void *ring_buf = PORT_MAP(events, pkey);
 
-	if (bpf_ringbuf_output(&events, &ev, sizeof(ev), 0))
+	if (!ring_buf || bpf_ringbuf_output(ring_buf, &ev, sizeof(ev), 0))
 		__sync_fetch_and_add(&n->events_lost, 1);
 }
 
@@ -481,7 +541,8 @@ static __always_inline int trim_packet(struct __sk_buff *skb, struct class_cfg *
 #define DROP_MMU 3
 #define DROP_DESC 4
 
-static __always_inline void count_flow_drop(struct __sk_buff *skb, __u32 tc, int why)
+static __always_inline void count_flow_drop(struct __sk_buff *skb, __u32 tc, int why,
+					    __u32 pkey)
 {
 	__u8 ip[20];
 	__u16 ports[2] = {0, 0};
@@ -500,10 +561,13 @@ static __always_inline void count_flow_drop(struct __sk_buff *skb, __u32 tc, int
 		key.dport = bpf_ntohs(ports[1]);
 	}
 	key.tc = tc;
-	d = bpf_map_lookup_elem(&flow_drops, &key);
+	void *drops = PORT_MAP(flow_drops, pkey);
+	if (!drops)
+		return;
+	d = bpf_map_lookup_elem(drops, &key);
 	if (!d) {
-		bpf_map_update_elem(&flow_drops, &key, &zero, BPF_NOEXIST);
-		d = bpf_map_lookup_elem(&flow_drops, &key);
+		bpf_map_update_elem(drops, &key, &zero, BPF_NOEXIST);
+		d = bpf_map_lookup_elem(drops, &key);
 		if (!d)
 			return;
 	}
@@ -521,10 +585,10 @@ SEC("tc")
 int port_egress(struct __sk_buff *skb)
 {
 	struct port_ctx c;
-	int got = port_ctx(skb, &c);
+	int got = port_ctx(skb, &c, DIR_EGRESS);
 
 	if (got == CTX_NOT_IPV4)
-		count_other(skb);
+		count_other(skb, c.key);
 	if (got != CTX_OK)
 		return TC_ACT_OK;
 
@@ -534,7 +598,7 @@ int port_egress(struct __sk_buff *skb)
 	__u32 r_mark = c.cc->ecn_enabled == ECN_BPF ? bpf_get_prandom_u32() : 0;
 	__u32 in = skb->ingress_ifindex, slot = 0;
 	if (in) {
-		__u32 *s = bpf_map_lookup_elem(&ifslot, &in);
+		__u32 *s = PORT_LOOKUP(ifslot, c.key, &in);
 		if (s)
 			slot = *s & (MAX_SLOTS - 1);
 	}
@@ -674,17 +738,17 @@ unlock:
 	bpf_spin_unlock(&c.nl->lock);
 
 	if (ev)
-		emit(ev, now, c.tc, slot, c.pc->port_slot, ev_bytes, c.n);
+		emit(ev, now, c.tc, slot, c.pc->port_slot, ev_bytes, c.n, c.key);
 	if (ev2)
-		emit(ev2, now, c.tc, slot, c.pc->port_slot, ev2_bytes, c.n);
+		emit(ev2, now, c.tc, slot, c.pc->port_slot, ev2_bytes, c.n, c.key);
 	if (dropped) {
-		count_flow_drop(skb, c.tc, dropped);
+		count_flow_drop(skb, c.tc, dropped, c.key);
 		return TC_ACT_SHOT;
 	}
 	if (trim) {
 		if (trim_packet(skb, c.cc, &uh)) {
 			__sync_fetch_and_add(&c.st->trim_errors, 1);
-			count_flow_drop(skb, c.tc, DROP_TAIL);
+			count_flow_drop(skb, c.tc, DROP_TAIL, c.key);
 			return TC_ACT_SHOT;
 		}
 		/* Send the short packet through this port's egress again. The kernel took
@@ -713,7 +777,7 @@ int port_departure(struct __sk_buff *skb)
 {
 	struct port_ctx c;
 
-	if (port_ctx(skb, &c) != CTX_OK)
+	if (port_ctx(skb, &c, DIR_DEPARTURE) != CTX_OK)
 		return TC_ACT_UNSPEC;
 	__u64 now = bpf_ktime_get_ns();
 	__u64 len = skb->len;
@@ -795,9 +859,9 @@ int port_departure(struct __sk_buff *skb)
 unlock:
 	bpf_spin_unlock(&c.nl->lock);
 	if (ev)
-		emit(ev, now, c.tc, slot, c.pc->port_slot, ev_bytes, c.n);
+		emit(ev, now, c.tc, slot, c.pc->port_slot, ev_bytes, c.n, c.key);
 	if (ev2)
-		emit(ev2, now, c.tc, slot, c.pc->port_slot, ev2_bytes, c.n);
+		emit(ev2, now, c.tc, slot, c.pc->port_slot, ev2_bytes, c.n, c.key);
 	return TC_ACT_UNSPEC;
 }
 
