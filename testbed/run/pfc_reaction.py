@@ -26,6 +26,8 @@ import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from agents.timebase import Dilation
+
 #: A gate change later than this (fabric ns) after the latest frame to its port is not
 #: that frame's doing.
 MATCH_WINDOW_NS = 50_000
@@ -84,7 +86,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(round(q * (len(ordered) - 1)))))]
 
 
-def summarize(pauses: Sequence[Reaction], dilation: int) -> dict | None:
+def summarize(pauses: Sequence[Reaction], timebase: Dilation) -> dict | None:
     """The pause reactions' count, median and p99, fabric and wall (None: no pause)."""
     if not pauses:
         return None
@@ -92,7 +94,8 @@ def summarize(pauses: Sequence[Reaction], dilation: int) -> dict | None:
     med, p99 = percentile(total, 0.5), percentile(total, 0.99)
     return {"pauses": len(pauses), "median_fabric_ns": int(med), "p99_fabric_ns": int(p99),
             "max_fabric_ns": int(max(total)),
-            "median_wall_ns": int(med * dilation), "p99_wall_ns": int(p99 * dilation),
+            "median_wall_ns": timebase.to_wall_ns(int(med)),
+            "p99_wall_ns": timebase.to_wall_ns(int(p99)),
             "detect_median_fabric_ns": int(percentile([r.detect_ns for r in pauses], 0.5)),
             "apply_median_fabric_ns": int(percentile([r.apply_ns for r in pauses], 0.5))}
 

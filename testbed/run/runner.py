@@ -942,7 +942,7 @@ def pfc_loop(run: Run) -> dict | None:
     events = {k: run.store.events(k) for k in ("pfc_xoff", "pfc_paused")}
     roles = {node.name: node.role for node in run.plan.nodes}
     return summarize(reactions(events["pfc_xoff"], events["pfc_paused"], roles, "pause"),
-                     run.plan.timebase.factor)
+                     run.plan.timebase)
 
 
 class _PartRun(Exception):

@@ -757,6 +757,7 @@ def test_a_stop_during_a_blocked_batch_takes_its_unsent_packets_back():
     assert batch.pending == 0                       # cleared: no message buffer held
 
 
+@needs_fast
 def test_unsend_takes_back_exactly_what_poll_send_counted():
     t = _Twins(mtu=256)
     t.post("write_imm", 256 * 3 + 100, 1)

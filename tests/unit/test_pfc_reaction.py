@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from agents.timebase import Dilation
 from testbed.run.pfc_reaction import MATCH_WINDOW_NS, loop_note, reactions, summarize
 
 ROLES = {"leaf1": "switch", "h1": "host", "h2": "host", "spine1": "switch"}
@@ -40,14 +41,14 @@ def test_refreshes_unmatched_and_frameless_changes_are_not_reactions() -> None:
 def test_the_summary_gives_fabric_and_wall_times_and_the_note_only_past_the_plan() -> None:
     frames = [xoff(i * 10_000, "h1", crossed=200) for i in range(100)]
     changes = [paused(i * 10_000 + (300 if i < 98 else 9_800), "h1") for i in range(100)]
-    s = summarize(reactions(frames, changes, ROLES, "pause"), dilation=1000)
+    s = summarize(reactions(frames, changes, ROLES, "pause"), Dilation(1000))
     assert s is not None
     assert s["pauses"] == 100
     assert s["median_fabric_ns"] == 500 and s["median_wall_ns"] == 500_000
     assert s["max_fabric_ns"] == 10_000
     assert s["p99_fabric_ns"] == 10_000 and s["p99_wall_ns"] == 10_000_000
     assert s["detect_median_fabric_ns"] == 200
-    assert summarize([], 1000) is None
+    assert summarize([], Dilation(1000)) is None
     assert loop_note(s, assumed_wall_ns=20_000_000) is None
     note = loop_note(s, assumed_wall_ns=2_000_000)
     assert note is not None
