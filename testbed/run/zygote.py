@@ -105,7 +105,7 @@ class Zygote:
         the caller goes on; the first spawn waits for them."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [sys.executable, "-m", ZYGOTE_MODULE, "--sock-fd", str(theirs.fileno()),
-                "--parent-pid", str(os.getpid()), "--lab", lab, *modules]
+                "--parent-pid", str(os.getpid()), f"--lab={lab}", *modules]
         log: IO[bytes] | int = subprocess.DEVNULL
         try:
             if log_path is not None:
@@ -367,7 +367,7 @@ class ZygoteProcess:
         self.send_signal(signal.SIGKILL)
 
     def communicate(self, input: str | None = None,    # noqa: A002 (Popen's name)
-                    timeout: float | None = None) -> tuple[str | None, str | None]:
+                    timeout: float | None = None) -> tuple[Any, Any]:
         """Read stdout and stderr to their end and wait for the exit, as Popen does: on
         TimeoutExpired what was read is kept for the next call."""
         if input:
@@ -408,3 +408,37 @@ class ZygoteProcess:
             return None
         data = b"".join(self._chunks[stream.fileno()]).decode(self._encoding, "replace")
         return data.replace("\r\n", "\n").replace("\r", "\n")   # universal newlines
+
+
+def start_run_zygote(lab: str, modules: list[str], log_path: Path | None
+                     ) -> tuple[Zygote | None, str]:
+    """A run's zygote, unless TESTBED_ZYGOTE=0: (the zygote or None, a note for the run
+    if it was wanted and could not start)."""
+    if not zygote_enabled():
+        return None, ""
+    try:
+        return Zygote.start(lab, modules, log_path), ""
+    except OSError as exc:
+        return None, (f"agent start-up: the zygote could not start ({exc}); every agent was "
+                      "started with exec (`python -m` in its namespace, as with "
+                      "TESTBED_ZYGOTE=0) - a start-up mechanism only: the fabric and what the "
+                      "agents do are the same")
+
+
+def agent_start_record(wanted: bool, zygote: Zygote | None, counts: dict) -> dict:
+    """timings.json's `agent_start` (docs/run-format.md): how the run's `python -m`
+    agents were started; `wanted`: the zygote was asked for (TESTBED_ZYGOTE), `counts`:
+    procs.zygote_counts."""
+    requested = "zygote" if wanted else "exec"
+    forked, executed = counts.get("forked", 0), counts.get("executed", 0)
+    if zygote is None or (forked == 0 and executed > 0):
+        path = "exec"
+    elif executed:
+        path = "zygote+exec"
+    else:
+        path = "zygote"
+    ready_s = None
+    if zygote is not None and zygote.ready_mono_ns:
+        ready_s = round((zygote.ready_mono_ns - zygote.started_mono_ns) / 1e9, 6)
+    return {"requested": requested, "path": path, "forked": forked, "executed": executed,
+            "fallback": counts.get("fallback") or None, "zygote_ready_s": ready_s}
