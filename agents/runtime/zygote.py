@@ -332,10 +332,11 @@ class Zygote:
         set_parent_death_signal(signal.SIGTERM)
         if os.getppid() != zygote:
             return 1            # the zygote died before we got here: nobody waits for us
-        netns = str(msg["netns"])
-        enter_netns(netns)
-        if not msg.get("keep_mounts"):
-            remount_like_ip_netns_exec(netns)
+        netns = str(msg.get("netns") or "")
+        if netns:       # "" stays where the zygote is (tests; nothing of a lab uses it)
+            enter_netns(netns)
+            if not msg.get("keep_mounts"):
+                remount_like_ip_netns_exec(netns)
         random.seed()
         module = str(msg["module"])
         sys.argv = [module, *[str(a) for a in msg["argv"]]]
