@@ -73,6 +73,7 @@ MS_REC = 16384
 MS_SLAVE = 1 << 19
 MNT_DETACH = 2
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 NETNS_RUN_DIR = "/var/run/netns"
 NETNS_ETC_DIR = "/etc/netns"
 
@@ -337,6 +338,12 @@ class Zygote:
             enter_netns(netns)
             if not msg.get("keep_mounts"):
                 remount_like_ip_netns_exec(netns)
+        # its /proc/PID/cmdline stays the zygote's: its name (ps -o comm, top, the
+        # memory bench) says which agent it is, e.g. "pfc", "roce client"
+        args = [str(a) for a in msg["argv"]]
+        mode = args[0] if args and not args[0].startswith("-") else ""
+        title = f"{str(msg['module']).removeprefix('agents.')} {mode}".strip()
+        _libc.prctl(PR_SET_NAME, title.encode()[:15], 0, 0, 0)
         random.seed()
         module = str(msg["module"])
         sys.argv = [module, *[str(a) for a in msg["argv"]]]
