@@ -122,11 +122,19 @@ def kib(path: str, key: str) -> int | None:
 
 
 def kind_of(pid: int) -> str:
-    """'roce client', 'pfc', 'udp', ... from the command line: `-m agents.NAME [MODE]`."""
+    """'roce client', 'pfc', 'udp', ... from the command line: `-m agents.NAME [MODE]`;
+    a child of the run's zygote (its command line is the zygote's) by the name the zygote
+    gave it (/proc/PID/comm: 'pfc', 'roce client'), the zygote itself as 'zygote'."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return "?"
+    if "agents.runtime.zygote" in argv:
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            return "?"
+        return "zygote" if comm.startswith("python") else comm
     if "-m" in argv:
         i = argv.index("-m")
         module = argv[i + 1] if i + 1 < len(argv) else "?"

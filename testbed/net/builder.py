@@ -47,6 +47,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from testbed.net import datapath, namespaces, netem, portprog, rxe, steering, tunnel
 from testbed.net.batch import (
@@ -492,12 +493,24 @@ def _add_routes(scope: Scope, batches: dict[str, NetlinkBatch],
     return routes
 
 
+def _is_lab_zygote(pid: int, lab: str) -> bool:
+    """Whether `pid` runs the zygote of `lab` (agents/runtime/zygote.py): it lives in the
+    initial namespace, so its command line, not its namespace, says it is ours."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"agents.runtime.zygote" in argv and f"--lab={lab}".encode() in argv
+
+
 def _stop_processes(state: LabState) -> None:
     inodes = {namespaces.inode(ns) for ns in state.netns} - {None}
     for proc in state.processes:
-        # Only a pid that is still the process we started, in one of our namespaces.
+        # Only a pid that is still the process we started, in one of our namespaces
+        # (the run's zygote: in the initial one, known by its command line).
         if (process_start_time(proc.pid) == proc.start_time
-                and namespaces.pid_netns_inode(proc.pid) in inodes):
+                and (namespaces.pid_netns_inode(proc.pid) in inodes
+                     or (proc.name == "zygote" and _is_lab_zygote(proc.pid, state.lab)))):
             try:
                 os.kill(proc.pid, signal.SIGTERM)
             except ProcessLookupError:

@@ -62,7 +62,7 @@ from testbed.run.fabric_agents import (
 from testbed.run.fidelity import base_rtt_shortfall_ns
 from testbed.run.pfc_reaction import loop_note, reactions, summarize
 from testbed.run.pinning import pin_paths
-from testbed.run.procs import AgentProcess, socket_path, start_agent
+from testbed.run.procs import AgentProcess, socket_path, start_agent, use_zygote, zygote_counts
 from testbed.run.rundir import create_run_dir, machine_metadata
 from testbed.run.summary import build_summary
 from testbed.run.timeline import FabricApplier, Timeline, start_timeline
@@ -82,6 +82,7 @@ from testbed.run.workload import (
     workload_span_ns,
     workload_work_wall_s,
 )
+from testbed.run.zygote import Zygote, agent_start_record, start_run_zygote, zygote_enabled
 from testbed.units import format_size
 from testbed.workloads.base import AgentFiles, AgentSpec, FlowRecord, RunView, WorkloadKind
 from testbed.workloads.registry import REGISTRY
@@ -214,6 +215,7 @@ class Run:
     clock: dict | None = None            # a part run's measured clock offset (clocksync)
     clock_server: ClockServer | None = None   # the reference VM's, while the run lasts
     timings: RunTimings = field(default_factory=RunTimings)   # timings.json
+    zygote: Zygote | None = None         # the agents' fork server (testbed/run/zygote.py)
 
     @property
     def agents_dir(self) -> Path:
@@ -260,6 +262,7 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
         try:
             if options.part is not None:
                 serve_clock(run)
+            start_zygote(run)
             with timings.phase("up"):
                 bring_up(run)
             if options.part is not None:
@@ -288,7 +291,10 @@ def run_config(loaded: LoadedConfig, plan: Plan, options: RunOptions) -> RunResu
                 except (sqlite3.Error, OSError):
                     pass    # the disk full: the watch named it; stopping comes first
             with timings.phase("stop_agents"):
-                stop_agents(run)
+                try:
+                    stop_agents(run)
+                finally:
+                    stop_zygote(run)
                 if run.clock_server is not None:
                     run.clock_server.stop()
             with timings.phase("results"):
@@ -462,6 +468,32 @@ def missing_delay_note(short_ns: int, why: str) -> str:
     return (f"link propagation and FEC delay are not emulated ({why}), so the longest "
             f"host-to-host base RTT is short by {short_ns / 1e3:.2f} us fabric; PHY frame loss "
             "is applied by the BPF port program")
+
+
+def start_zygote(run: Run) -> None:
+    """The run's zygote, started before `up` so that its imports (the PFC agent's, the
+    rxe_cc agent's and every workload agent module's) overlap the bring-up; the run's
+    `python -m` agents fork from it (procs.start_process). TESTBED_ZYGOTE=0: none."""
+    modules = (["agents.pfc"] if has_pfc(run.plan) else []) + (
+        ["agents.rxe_cc"] if rxe_cc_hosts(run.plan) else [])
+    modules += sorted({s.module for s in run.specs} - set(modules))
+    run.zygote, note = start_run_zygote(run.plan.lab, modules, run.agents_dir / "zygote.log")
+    if note:
+        run.notes.add(note)
+    run.timings.agent_start = agent_start_record(zygote_enabled(), run.zygote,
+                                                 {"fallback": note})
+    if run.zygote is not None:
+        use_zygote(run.plan.lab, run.zygote, run.notes.add)
+
+
+def stop_zygote(run: Run) -> None:
+    """After the agents: how they were started (timings.json), then the zygote exits."""
+    if run.zygote is None:
+        return
+    run.timings.agent_start = agent_start_record(True, run.zygote,
+                                                 zygote_counts(run.plan.lab))
+    use_zygote(run.plan.lab, None)
+    run.zygote.close()
 
 
 def bring_up(run: Run) -> None:

@@ -50,6 +50,8 @@ class RunTimings:
     intervals: list[Interval] = field(default_factory=list)
     up_steps: dict[str, float] = field(default_factory=dict)
     planned_workload_wall_s: float = 0.0      # the span from t0 to the senders' end, x D
+    # how the `python -m` agents were started (testbed/run/zygote.py agent_start_record)
+    agent_start: dict = field(default_factory=dict)
 
     def add(self, phase: str, start_mono_ns: int, end_mono_ns: int) -> None:
         if phase not in PHASES:
@@ -79,6 +81,7 @@ class RunTimings:
                 "seconds": {k: round(v, 6) for k, v in secs.items()},
                 "up_steps": self.up_steps,
                 "planned_workload_wall_s": round(self.planned_workload_wall_s, 6),
+                "agent_start": self.agent_start,
                 "fixed_cost_s": round(sum(v for k, v in secs.items()
                                           if k in FIXED_COST_PHASES), 6)}
 

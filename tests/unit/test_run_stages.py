@@ -312,3 +312,20 @@ def test_a_slow_pfc_loop_is_named_only_when_a_lossless_invariant_failed(tmp_path
     measure_pfc_loop(run)
     assert [n for n in run.notes.items if "emulated PFC loop answered XOFFs" in n]
     run.store.close()
+
+
+def test_every_timings_json_key_is_documented_in_run_format() -> None:
+    """docs/run-format.md's timings.json section names every top-level key and every
+    `agent_start` field the run writes."""
+    from testbed.run.timings import RunTimings
+    from testbed.run.zygote import agent_start_record
+    from tests.conftest import REPO
+
+    doc = (REPO / "docs" / "run-format.md").read_text()
+    section = doc.split("## timings.json", 1)[1].split("\n## ", 1)[0]
+    timings = RunTimings(agent_start=agent_start_record(True, None, {}))
+    out = timings.to_dict()
+    for key in out:
+        assert f'"{key}"' in section, f"timings.json key {key} missing from run-format.md"
+    for key in out["agent_start"]:
+        assert f"`{key}`" in section, f"agent_start.{key} missing from run-format.md"
