@@ -151,7 +151,7 @@ def load_streams(path: str, parse: Callable[[list[str]], Namespace],
             if getattr(first.args, key) != getattr(args, key):
                 raise StreamsError(
                     f"{where}.argv: --{key.replace('_', '-')} {getattr(args, key)} differs "
-                    f"from stream {first.name!r}'s ({getattr(first.args, key)}) on the same "
+                    f"from stream {first.name!r} ({getattr(first.args, key)}) on the same "
                     f"UDP port {args.roce_port}: one socket sends with one TOS; give this "
                     "stream another --roce-port")
         out.append(spec)

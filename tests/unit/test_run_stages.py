@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.config import load_config
+from testbed.config import load_config, load_config_text
 from testbed.plan import compile_plan
 from testbed.results.store import Store
 from testbed.run.procs import AgentProcess
@@ -58,10 +58,15 @@ def _proc(name: str, code: str) -> AgentProcess:
 
 def test_waiting_for_ready_agents_names_those_that_exit_or_never_get_ready(
         tmp_path: Path, monkeypatch) -> None:
-    loaded = load_config(REPO / "configs" / "examples" / "dcqcn-on.yaml")
+    # RoCE into three hosts: three responders (one per receiving host) the run waits for
+    text = (REPO / "configs" / "examples" / "dcqcn-on.yaml").read_text()
+    loaded = load_config_text(text.split("workload:")[0] + (
+        "workload:\n  traffic:\n    - {name: all, kind: roce_all_to_all, hosts: [h1, h2, h3], "
+        "duration: 1ms}\n"), "three.yaml")
     plan = compile_plan(loaded)
     specs = expand_workload(loaded.fabric, plan)
-    servers = [s for s in specs if s.role == "receiver"][:3]
+    servers = [s for s in specs if s.role == "receiver"]
+    assert len(servers) == 3
     (tmp_path / "agents").mkdir()
     store = Store(tmp_path / "c.sqlite", create=True)
     run = Run(loaded=loaded, plan=plan, options=RunOptions(say=lambda _m: None),
