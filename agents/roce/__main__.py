@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from agents.rdma import options
 from agents.rdma.transport import Stopped
@@ -52,18 +53,14 @@ from agents.roce.perftest import (
     TestError,
     run_client,
 )
-from agents.roce.responder import (
-    StreamsError,
-    StreamSpec,
-    load_streams,
-    run_server,
-    stream_parser,
-)
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.output import report_counters
 from agents.wire.roce import ROCE_UDP_PORT
+
+if TYPE_CHECKING:
+    from agents.roce.responder import StreamSpec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +151,7 @@ def _server_streams(parser: argparse.ArgumentParser,
                     args: argparse.Namespace) -> list[StreamSpec] | None:
     """The --streams file's streams, checked (exit 2 naming the file and stream); None
     for a server of the command line's one test."""
+    from agents.roce.responder import StreamsError, load_streams, stream_parser
     if args.streams and args.test:
         parser.error("with --streams, each stream names its test in the file; give no "
                      "test on the command line")
@@ -201,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.role == "client":
             counters, rc = run_client(args, life, live)
         else:
+            # the server's module only where it runs: a client never holds it
+            from agents.roce.responder import run_server
             counters, rc = run_server(args, life, live, streams)
     except (TestError, OSError) as e:
         print(f"agents.roce {args.role}: {e}", file=sys.stderr)

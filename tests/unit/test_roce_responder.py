@@ -211,3 +211,13 @@ def test_each_streams_live_counters_are_stored_under_its_own_name(tmp_path, monk
     assert ("inc-h1-h8-srv", "recv.bytes") in keys and ("inc-h2-h8-srv", "recv.bytes") in keys
     assert ("roce-responder-h8", "responder.streams_running") in keys
     assert not any(p == "roce-responder-h8" and c.startswith("recv.") for p, c in keys)
+
+
+def test_a_roce_client_process_holds_neither_the_servers_module_nor_difflib():
+    # 128 hosts run 127 clients: every module one imports is paid 127 times
+    # (bench/agent_memory.py); difflib (~0.35 MB) only names a mistyped cc parameter
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, agents.roce.__main__; print(sorted(m for m in "
+         "sys.modules if m in ('difflib', 'agents.roce.responder')))"],
+        cwd=REPO, capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "[]"
