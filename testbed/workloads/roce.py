@@ -114,7 +114,8 @@ class RoceTraffic(RdmaCcEntry):
                       "digits and _, unique in the workload; agents and results carry it")
     kind: RoceKindName = Field(
         description="roce_incast: senders to one receiver; roce_all_to_all: every ordered pair "
-                    "of hosts; roce_pairs: the pairs listed; one client and server per stream")
+                    "of hosts; roce_pairs: the pairs listed; one client per stream, one "
+                    "responder per receiving host")
     senders: list[str] | None = Field(None, description="roce_incast: sending hosts")
     receiver: str | None = Field(None, description="roce_incast: the receiving host")
     hosts: list[str] | None = Field(None, description="roce_all_to_all: hosts (default all)")
