@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mmap
 import os
 import random
@@ -79,6 +80,20 @@ PROCESS_OPTIONS = ("--bind", "--port", "--dilation", "--spin-ns", "--connect-tim
 SOCKET_OPTIONS = ("dscp", "cnp_dscp", "sndbuf_bytes")
 #: Server QPNs start here (a client's QPs are numbered apart, from a random base).
 FIRST_QPN = 0x200
+#: Receive buffer a one-stream server's socket had; a shared socket gets it per stream.
+STREAM_RCVBUF_BYTES = 4 << 20
+MAX_RCVBUF_BYTES = 512 << 20
+#: CFS gives a process weight 1024 / 1.25^nice: a nice step is a factor of 1.25.
+CFS_NICE_STEP = 1.25
+
+
+def responder_nice(streams: int) -> int:
+    """The nice value that gives one process the CPU weight of `streams` processes of nice
+    0 (-log_1.25(streams), at most -20): what the per-stream servers had between them
+    on a loaded machine, where the kernel shares the CPU out per process."""
+    if streams <= 1:
+        return 0
+    return max(-20, -round(math.log(streams) / math.log(CFS_NICE_STEP)))
 
 WAITING, RUNNING, FINISHING, VERIFYING, DONE = ("waiting", "running", "finishing",
                                                 "verifying", "done")
@@ -214,6 +229,9 @@ class Responder:
         self.endpoints: dict[int, Endpoint] = {}
         self.pending: list[_Pending] = []
         self.next_qpn = FIRST_QPN
+        self.per_port = {p: sum(1 for s in streams if s.args.roce_port == p)
+                         for p in {s.args.roce_port for s in streams}}
+        self.nice = self._raise_priority(len(streams))
         # every stream's subnets: a connection from elsewhere is refused before its hello
         subnets = [n for s in streams for n in (s.args.peer_subnet or [None])]
         self.any_subnets = None if None in subnets else [str(n) for n in subnets]
@@ -222,6 +240,22 @@ class Responder:
             live.stream_phase = lambda: {s.name or "": s.state for s in self.streams}
         else:       # the flat snapshot a one-stream server always served
             live.bindings = self.streams[0].bindings
+
+    @staticmethod
+    def _raise_priority(streams: int) -> dict:
+        """Ask for the CPU share the streams' own servers had (responder_nice): on a
+        machine loaded by other agents the kernel shares the CPU out per process, and
+        one process serving 127 streams would get 1/127 of what they had, fall behind
+        and drop in its socket. Needs CAP_SYS_NICE (a run's agents are root); without
+        it the result says so."""
+        want = responder_nice(streams)
+        if want == 0:
+            return {"asked": 0, "set": True}
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, want)
+        except OSError as e:
+            return {"asked": want, "set": False, "reason": e.strerror}
+        return {"asked": want, "set": True}
 
     # -- the loop
 
@@ -351,8 +385,10 @@ class Responder:
                 raise TestError(f"UDP port {args.roce_port} is bound on {ep.local_ip}, but "
                                 f"this client reached {local_ip} (give --bind)")
             return ep
+        # a socket shared by n streams buffers what their n sockets did
+        rcvbuf = min(MAX_RCVBUF_BYTES, STREAM_RCVBUF_BYTES * self.per_port.get(args.roce_port, 1))
         ep = Endpoint(local_ip, args.roce_port, dscp=args.dscp, cnp_dscp=args.cnp_dscp,
-                      should_stop=self.life.should_stop,
+                      should_stop=self.life.should_stop, rcvbuf_bytes=rcvbuf,
                       sndbuf_bytes=args.sndbuf_bytes or None, count_overflow=True)
         self.endpoints[args.roce_port] = ep
         self.engine.add(ep)
@@ -541,7 +577,7 @@ class Responder:
             "malformed": _sum_malformed(eps), "endpoints": [ep.counters() for ep in eps],
             "rx_socket_drops": sum(ep.overflow_drops for ep in eps),
             "engine": {"steps": self.engine.steps, "waits": self.engine.waits},
-            **self.live.refusals()}
+            "nice": self.nice, **self.live.refusals()}
         per = {s.name: self._stream_counters(s) for s in self.streams}
         bad = [c for c in per.values() if c.get("verified") is False or c.get("error")]
         rc = 1 if bad else 0

@@ -520,8 +520,9 @@ class RoceKind(WorkloadKind):
             socket_drops = min(budget.get(spec.dst, 0), short)
             budget[spec.dst] = budget.get(spec.dst, 0) - socket_drops
             # out-of-order arrivals follow every loss until go-back-N resends: only with
-            # nothing lost on the flow are they the emulator reordering
-            reordered = 0 if any(drops.values()) or socket_drops else ooo
+            # nothing lost on the flow are they the emulator reordering (a loss in the
+            # host's socket, whose count is not per stream, is a loss too)
+            reordered = 0 if any(drops.values()) or short else ooo
             a = stream_account(spec, sent=sent, received=received, drops=drops,
                                reordered=reordered, complete=bool(res and srv_res))
             a["socket_drops"] = socket_drops

@@ -303,3 +303,10 @@ def test_packets_a_links_netem_dropped_or_holds_are_a_counted_place():
     [v] = _finish(_monitor(), last=last, streams=streams)["violations"]
     assert (v["invariant"], v["amount"]) == ("conservation", 1)
     assert "on the wire from leaf2:swp4" in v["detail"]
+
+
+def test_a_roce_stream_short_of_packets_is_not_judged_for_reordering():
+    # its losses were in the receiving host's socket, counted for the host (RcvbufErrors)
+    # but not for this stream: the out-of-order arrivals that follow are go-back-N's
+    streams = stream_accounts(PLAN, _roce_agents(), _roce_results(105, 100, ooo=9), [])
+    assert (streams[0]["socket_drops"], streams[0]["reordered"]) == (0, 0)

@@ -221,3 +221,25 @@ def test_a_roce_client_process_holds_neither_the_servers_module_nor_difflib():
          "sys.modules if m in ('difflib', 'agents.roce.responder')))"],
         cwd=REPO, capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "[]"
+
+
+def test_the_responder_asks_for_the_cpu_weight_of_its_streams_servers():
+    from agents.roce.responder import responder_nice
+    # CFS: weight 1024 / 1.25^nice; one stream is one server's weight
+    assert [responder_nice(n) for n in (1, 2, 3, 31, 127, 10_000)] == [0, -3, -5, -15, -20, -20]
+    assert 1.25 ** -responder_nice(31) == pytest.approx(31, rel=0.15)
+
+
+def test_a_last_line_longer_than_the_pipe_survives_a_sigterm_while_it_waits():
+    # a responder done before the run reads its ~0.5 MB line blocks on the full pipe;
+    # the run's SIGTERM then came in the middle of print(), which dropped the rest
+    code = ("import signal\nsignal.signal(signal.SIGTERM, lambda *a: None)\n"
+            "from agents.runtime.output import report_counters\n"
+            "report_counters({'pad': 'x' * 500000})\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)               # blocked on the pipe by now
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert len(json.loads(out)["pad"]) == 500000
