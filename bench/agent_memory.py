@@ -23,8 +23,9 @@ Scenarios:
   fabric) with the duration cut to `--duration` (default 2ms fabric: ~4 s wall at D 2000);
 - `hosts`: a leaf-spine fabric of `--hosts` N hosts (16 per leaf, 2 leaves below 32 hosts,
   2 spines up to 2 leaves, else 4) running an N-1:1 RoCE incast (PFC, DCQCN) for
-  `--duration`. N = 16 takes about a minute here. N = 128 starts 394 agents (127 clients,
-  127 servers, 140 PFC agents) and needs a few GB of free memory and several minutes on
+  `--duration`. N = 16 takes about a minute here. N = 128 starts 137 agent processes (127
+  clients, one RoCE responder on the receiving host serving all 127 streams, 9 PFC
+  processes serving the 140 nodes) and needs a few GB of free memory and a few minutes on
   2 CPUs (the run itself will say it could not keep up: memory, not fidelity, is measured);
 - `allreduce`: a leaf-spine of `--hosts` N hosts, 8 per leaf (N/8 leaves, 4 spines above
   16 hosts), PFC on, one all-reduce (`--algorithm`, default rhd) of `--size` over all N

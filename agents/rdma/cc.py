@@ -25,7 +25,6 @@ is a field of `DcqcnParams` / `DctcpParams`.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
@@ -499,6 +498,8 @@ def with_overrides(params: DcqcnParams | DctcpParams,
             problems.append(f"{name} is a {'DCTCP' if dcqcn else 'DCQCN'} parameter, not a "
                             f"{kind} one")
         else:
+            import difflib  # only to name a typo: ~0.35 MB an agent would hold
+
             close = difflib.get_close_matches(name, tunable, n=1)
             problems.append(f"unknown {kind} parameter {name!r}"
                             + (f" (did you mean {close[0]!r}?)" if close else ""))

@@ -4,11 +4,14 @@ Synopsis (rates and durations in FABRIC units; `--dilation D` converts them
 through `agents.timebase.Dilation`)::
 
     python -m agents.roce server {write_bw,write_lat,send_bw} [--bind IP] [--port 18515]
-        [--verify] [common options]
+        [--verify] [--peer-subnet CIDR] [common options]
+    python -m agents.roce server --streams FILE [--bind IP] [--port 18515] [--dilation D]
+        [--spin-ns NS] [--connect-timeout-s S] [--control-sock PATH] [--ready-file FILE]
+        [--out FILE]
     python -m agents.roce client {write_bw,write_lat,send_bw} --server IP [--port 18515]
         [--bind IP] [--size BYTES] [--qps N] [--iters N | --duration-ns FABRIC_NS]
         [--tx-depth 128] [--buffer-bytes 67108864] [--seed 1] [--verify]
-        [--start-at-mono-ns MONO_NS] [common options]
+        [--start-at-mono-ns MONO_NS] [--stream NAME] [common options]
     common: [--mtu 4096] [--cc {dcqcn,dctcp,none}] [--cc-preset NAME] [--cc-params JSON]
         [--line-rate-bps FABRIC_BPS] [--dscp 26] [--cnp-dscp 48] [--cnp-interval-ns NS]
         [--window-packets 128] [--ack-every 16] [--ack-req-every 64] [--timeout-ns NS]
@@ -17,9 +20,12 @@ through `agents.timebase.Dilation`)::
         [--ready-file FILE] [--out FILE] [--wall] [--connect-timeout-s 10]
 
 The server serves one test from one client and exits, as perftest does; the
-client's size / iterations / QP count / MTU govern. Output: a perftest-like
-table on stderr (fabric units; `--wall` adds wall units) and ONE JSON line of
-counters on stdout at exit (also written to `--out`): per QP (keyed by QPN)
+client's size / iterations / QP count / MTU govern. With --streams it serves every
+stream the file lists, in one process (`agents.roce.responder`: each stream with its
+own QPs, verification and counters; each client names its stream with --stream), and
+exits once all are done; its JSON holds each stream's counters under `streams`.
+Output: a perftest-like table on stderr (fabric units; `--wall` adds wall units)
+and ONE JSON line of counters on stdout at exit (also written to `--out`): per QP (keyed by QPN)
 the requester's and responder's counters (packets and bytes sent and
 received, retransmissions, NAKs sent / received, timeouts, out-of-order drops,
 duplicates, CE-marked packets, CNPs sent / received, final rc_bps / rt_bps),
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from agents.rdma import options
 from agents.rdma.transport import Stopped
@@ -45,7 +52,6 @@ from agents.roce.perftest import (
     Live,
     TestError,
     run_client,
-    run_server,
 )
 from agents.runtime import argtypes
 from agents.runtime.control import serve_snapshots
@@ -54,10 +60,12 @@ from agents.runtime.output import report_counters
 from agents.runtime.start import add_start_arguments
 from agents.wire.roce import ROCE_UDP_PORT
 
+if TYPE_CHECKING:
+    from agents.roce.responder import StreamSpec
+
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("test", choices=TESTS, help="the perftest-style test to run")
     common.add_argument("--bind", metavar="IP", help="local address (default: the one the "
                         "route to the peer uses)")
     common.add_argument("--port", type=argtypes.port, default=DEFAULT_CONTROL_PORT,
@@ -88,7 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "durations are in fabric units; --dilation converts them.")
     sub = parser.add_subparsers(dest="role", required=True)
 
-    p = sub.add_parser("server", parents=[common], help="serve one test and exit")
+    p = sub.add_parser("server", parents=[common],
+                       help="serve one test (or, with --streams, every stream of a file) "
+                            "and exit")
+    p.add_argument("test", choices=TESTS, nargs="?",
+                   help="the perftest-style test to serve (without --streams)")
+    p.add_argument("--streams", metavar="FILE",
+                   help="serve every stream FILE lists, in this one process: JSON "
+                        '{"streams": [{"name": NAME, "argv": [TEST, server options...]}]} '
+                        "(docs/roce.md, 'One responder per host'); a client names its "
+                        "stream with --stream")
     p.add_argument("--verify", action="store_true",
                    help="check the received data against the client's pattern (the client "
                         "can ask for it too)")
@@ -100,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--roce-port", type=argtypes.port, default=ROCE_UDP_PORT, help=argparse.SUPPRESS)
 
     p = sub.add_parser("client", parents=[common], help="run a test against a server")
+    p.add_argument("test", choices=TESTS, help="the perftest-style test to run")
+    p.add_argument("--stream", metavar="NAME",
+                   help="the stream this client is, to a server of several (--streams)")
     p.add_argument("--server", required=True, metavar="IP")
     p.add_argument("--size", type=argtypes.nonneg_int, default=65536, metavar="BYTES",
                    help="message size (default %(default)s)")
@@ -129,6 +149,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _server_streams(parser: argparse.ArgumentParser,
+                    args: argparse.Namespace) -> list[StreamSpec] | None:
+    """The --streams file's streams, checked (exit 2 naming the file and stream); None
+    for a server of the command line's one test."""
+    from agents.roce.responder import StreamsError, load_streams, stream_parser
+    if args.streams and args.test:
+        parser.error("with --streams, each stream names its test in the file; give no "
+                     "test on the command line")
+    if not args.streams:
+        if not args.test:
+            parser.error("server: name the test (write_bw, write_lat, send_bw), or give "
+                         "--streams FILE")
+        return None
+    try:
+        streams = load_streams(args.streams, stream_parser(parser), args)
+    except StreamsError as e:
+        parser.error(str(e))
+    for spec in streams:
+        try:
+            options.check(spec.args)
+        except options.OptionError as e:
+            parser.error(f"{args.streams}: stream {spec.name}: {e}")
+    return streams
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -142,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                          "it once per QP, or not at all")
         if args.sport is not None and len(set(args.sport)) != len(args.sport):
             parser.error("--sport: every QP needs its own source port")
+    streams = _server_streams(parser, args) if args.role == "server" else None
     try:
         options.check(args)
     except options.OptionError as e:
@@ -155,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.role == "client":
             counters, rc = run_client(args, life, live)
         else:
-            counters, rc = run_server(args, life, live)
+            # the server's module only where it runs: a client never holds it
+            from agents.roce.responder import run_server
+            counters, rc = run_server(args, life, live, streams)
     except (TestError, OSError) as e:
         print(f"agents.roce {args.role}: {e}", file=sys.stderr)
         counters, rc = {"role": args.role, "test": args.test, "error": str(e),

@@ -37,7 +37,7 @@ import socket
 import sys
 import time
 from argparse import Namespace
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from agents.rdma.options import (
@@ -50,7 +50,6 @@ from agents.rdma.options import (
 )
 from agents.rdma.qp import MemoryRegion, RcQp, WcStatus
 from agents.rdma.transport import CNP_DSCP, Binding, Endpoint, Engine, Stopped, rxe_sport
-from agents.roce.hello import check_hello
 from agents.runtime.framing import WIRE_OVERHEAD_BYTES
 from agents.runtime.lifecycle import Lifecycle
 from agents.runtime.messages import MAX_MESSAGE_BYTES, BadMessage, decode_message
@@ -226,6 +225,10 @@ class Live:
         self.phase = "setup"
         #: set-up connections refused (server), per reason; docs/roce.md "The set-up channel"
         self.setup_refused: dict[str, int] = {}
+        #: a server of several streams (--streams): each stream's name and its QPs, and
+        #: where each stream is (agents.roce.responder); None: one stream, the flat form
+        self.streams: list[tuple[str, list[Binding]]] | None = None
+        self.stream_phase: Callable[[], dict[str, str]] = dict
 
     def refuse(self, reason: str, detail: str, peer: str) -> None:
         """Count and log one refused set-up connection; the server goes on serving."""
@@ -241,12 +244,34 @@ class Live:
                 "setup_refused_total": sum(self.setup_refused.values())}
 
     def snapshot(self) -> dict:
+        if self.streams is not None:
+            return self._streams_snapshot()
         qps = [b.counters() for b in list(self.bindings)]
         return {"role": self.role, "test": self.test, "phase": self.phase,
                 **self.refusals(),
                 "qps": {str(c["qpn"]): c for c in qps},
                 "endpoints": [ep.counters() for ep in list(self.endpoints)],
                 **flat_counters(self.role, qps)}
+
+
+    def _streams_snapshot(self) -> dict:
+        """A server of several streams: its own numbers (mode "responder") and, under
+        `streams`, each stream's as a one-stream server's (mode "recv"), which the run's
+        collector stores under the stream's name (testbed/run/collector.py)."""
+        assert self.streams is not None
+        phases = self.stream_phase()
+        eps = list(self.endpoints)
+        streams = []
+        for name, bindings in list(self.streams):
+            qps = [b.counters() for b in list(bindings)]
+            streams.append({"name": name, "phase": phases.get(name), **flat_counters(
+                "server", qps)})
+        return {"role": self.role, "phase": self.phase, "mode": "responder",
+                **self.refusals(), "streams": streams,
+                "streams_running": sum(1 for p in phases.values() if p == "running"),
+                "streams_done": sum(1 for p in phases.values() if p == "done"),
+                "rx_socket_drops": sum(ep.overflow_drops for ep in eps),
+                "endpoints": [ep.counters() for ep in eps]}
 
 
 # Summed over a side's QPs into top-level numbers, which a run's collector stores as
@@ -433,6 +458,7 @@ def run_client(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]
         hello = {
             "version": PROTOCOL_VERSION, "test": test, "size": size, "iters": iters,
             "slots": slots, "seed": args.seed, "mtu": args.mtu, "verify": args.verify,
+            **({"stream": args.stream} if args.stream else {}),
             "qps": [{"qpn": qpn, "psn": psns[i], "sport": ep.port,
                      "rkey": back_rkeys[i], "va": address(back[i]),
                      "length": len(back[i])} for i, (qpn, ep) in enumerate(qp_eps)],
@@ -674,20 +700,19 @@ def _client_lat(args: Namespace, life: Lifecycle, engine: Engine, b: Binding, bu
 # --- server -----------------------------------------------------------------------------
 
 
-def _listen(args: Namespace) -> socket.socket:
+def _listen(args: Namespace, backlog: int = 1) -> socket.socket:
+    """The set-up socket, listening. The UDP port is bound per stream at its set-up (on
+    the address its client reaches); port 0 (one stream alone) asks for a free one now,
+    which the ready file then names."""
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     lsock.bind((args.bind or "", args.port))
-    lsock.listen(1)
-    # the UDP port is bound per test (on the address the client reaches): say which one
-    # will be used; port 0 asks for free ones, which the ready file then names
+    lsock.listen(backlog)
     if args.roce_port == 0:
         probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         probe.bind((args.bind or "", 0))
         args.roce_port = probe.getsockname()[1]
         probe.close()
-    mark_ready(args.ready_file, {"port": lsock.getsockname()[1], "roce_port": args.roce_port,
-                             "pid": os.getpid()})
     return lsock
 
 
@@ -701,168 +726,6 @@ def peer_allowed(peer_ip: str, subnets: list[str] | None) -> bool:
     except ValueError:
         return False
     return any(ip in ipaddress.ip_network(n, strict=False) for n in subnets)
-
-
-def _accept(lsock: socket.socket, life: Lifecycle) -> socket.socket:
-    while True:
-        if life.should_stop():
-            lsock.close()
-            raise Stopped()
-        ready, _, _ = select.select([lsock], [], [], 0.05)
-        if ready:
-            try:
-                conn, _ = lsock.accept()
-            except OSError:
-                continue        # the peer went before we took it (ECONNABORTED)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return conn
-
-
-def _take_hello(args: Namespace, life: Lifecycle, live: Live,
-                lsock: socket.socket) -> tuple[ControlChannel, dict]:
-    """The first set-up connection with a well-formed hello from an allowed peer.
-
-    Anything else (a peer outside --peer-subnet, silence, a closed connection, a line
-    that is not a bounded JSON object, a hello with a missing, mistyped or
-    out-of-range field) is answered `{"ok": false, "error": ...}` when it can be,
-    logged on stderr, counted in `setup_refused` and closed; the server goes on
-    waiting for a real client."""
-    while True:
-        conn = _accept(lsock, life)
-        try:
-            peer = conn.getpeername()[0]
-        except OSError:
-            conn.close()
-            continue
-        ctl = ControlChannel(conn)
-        try:
-            if not peer_allowed(peer, args.peer_subnet):
-                raise BadMessage("peer", f"{peer} is outside --peer-subnet "
-                                 f"{', '.join(args.peer_subnet)}")
-            try:
-                hello = ctl.recv(life, args.connect_timeout_s)
-            except ControlRefused as e:
-                raise BadMessage(e.reason, str(e)) from None
-            except TestError as e:
-                raise BadMessage("closed" if ctl.closed else "silent", str(e)) from None
-            check_hello(hello, args.test, PROTOCOL_VERSION)
-            return ctl, hello
-        except Stopped:
-            ctl.close()
-            lsock.close()
-            raise
-        except BadMessage as e:
-            live.refuse(e.reason, str(e), peer)
-            ctl.send({"ok": False, "error": str(e)})
-            ctl.close()
-
-
-def run_server(args: Namespace, life: Lifecycle, live: Live) -> tuple[dict, int]:
-    dilation = Dilation(args.dilation)
-    cc = cc_settings(args)
-    params = cc_params(args, cc)
-    lsock = _listen(args)
-    try:
-        ctl, hello = _take_hello(args, life, live, lsock)
-    except Stopped:
-        lsock.close()
-        return {"role": "server", "test": args.test, "stopped_by": life.stop_reason,
-                "verified": None, "qps": {}, "malformed": {}, **live.refusals()}, 0
-    conn = ctl.sock
-    ep = None
-    try:
-        clock = FabricClock(dilation)
-        local_ip = args.bind or conn.getsockname()[0]
-        peer_ip = conn.getpeername()[0]
-        ep = Endpoint(local_ip, args.roce_port, dscp=args.dscp, cnp_dscp=args.cnp_dscp,
-                      should_stop=life.should_stop,
-                      sndbuf_bytes=args.sndbuf_bytes or None)
-        live.endpoints = [ep]
-        size, slots, seed = int(hello["size"]), int(hello["slots"]), int(hello["seed"])
-        mtu = int(hello["mtu"])
-        test = args.test
-        verify = bool(hello.get("verify")) or args.verify
-        attrs = qp_attrs(args, mtu)
-        rng = random.Random()
-        engine = Engine(clock, dilation, spin_ns=args.spin_ns)
-        mems: list[mmap.mmap] = []
-        rq_bufs: list[list[memoryview]] = []
-        bindings: list[Binding] = []
-        reply = []
-        for i, c in enumerate(hello["qps"]):
-            qpn = 0x200 + i
-            psn = rng.randrange(0, PSN_MASK + 1)
-            rkey = rng.randrange(1, 1 << 32)
-            mem = region(slots * size if test != "send_bw" else 1)
-            mems.append(mem)
-            mr = MemoryRegion(memoryview(mem), address(mem), rkey)
-            ctx = icrc_context(local_ip, peer_ip, ep.port, int(c["sport"]))
-            qp = RcQp(qpn, int(c["qpn"]), ctx, attrs,
-                      make_rate_controller(args, cc, clock.now_ns()),
-                      np=make_np(args, cc[0], params), mrs={rkey: mr}, clock=clock,
-                      sq_psn=psn, rq_psn=int(c["psn"]))
-            bindings.append(ep.attach(qp, (peer_ip, int(c["sport"]))))
-            if test == "send_bw":
-                depth = max(1, min(MAX_RECV_DEPTH, args.buffer_bytes // max(size, 1)))
-                one = max(size, 1)
-                ring = memoryview(region(depth * one))
-                rbufs = [ring[k * one:(k + 1) * one] for k in range(depth)]
-                for k, rb in enumerate(rbufs):
-                    qp.responder.post_recv(k, rb)
-                rq_bufs.append(rbufs)
-            reply.append({"qpn": qpn, "psn": psn, "rkey": rkey, "va": mr.va,
-                          "length": mr.length})
-        engine.add(ep)
-        live.bindings = bindings
-        # everything slow (patterns, buffers) happens before the client is told to go.
-        # send_bw checks each SEND as it lands, so it needs the patterns now; write_bw
-        # checks its regions once the client is done, drawing the pattern a chunk at a
-        # time then (_verify_writes): no copy of every slot held through the run.
-        expected = ([pattern(seed + i, slots * size) for i in range(len(bindings))]
-                    if verify and test == "send_bw" else None)
-        ctl.send({"ok": True, "qps": reply, "udp_port": ep.port})
-        live.phase = "running"
-        serving = _Serving(test, bindings, hello["qps"], rq_bufs, slots, size, seed, verify,
-                           expected)
-        result = _serve(life, engine, ctl, serving)
-        if result.get("done_msg") is not None:
-            done_msg = result.pop("done_msg")
-            if verify and test == "write_bw":
-                result.update(_verify_writes(mems, done_msg.get("messages", []), slots, size,
-                                             seed, expected))
-            elif verify and test == "write_lat":
-                result.update(_verify_writes(mems, [min(1, m) for m in
-                                                    done_msg.get("messages", [])], 1, size,
-                                             seed))
-            ctl.send({"verified": result.get("verified"),
-                      "first_mismatch": result.get("first_mismatch")})
-        else:
-            result.pop("done_msg", None)
-        live.phase = "done"
-        error = next((b.qp.requester.error or b.qp.responder.error for b in bindings
-                      if b.qp.requester.error or b.qp.responder.error), None)
-        counters = {
-            "role": "server", "test": test, "client": peer_ip, "local_ip": local_ip,
-            "size": size, "slots": slots, "mtu": mtu, "dilation": dilation.factor,
-            **cc_record(args, cc, params), "line_rate_bps": args.line_rate_bps,
-            "dscp": args.dscp, "cnp_dscp": args.cnp_dscp,
-            "verified": result.pop("verified", None),
-            "first_mismatch": result.pop("first_mismatch", None), **result,
-            "qps": {str(b.qp.qpn): b.counters() for b in bindings},
-            "malformed": dict(ep.malformed), "endpoints": [ep.counters()],
-            "fast_path": _fast_path([ep]),
-            "qp_attrs": attrs.to_dict(), "window_packets": attrs.window_packets,
-            "engine": {"steps": engine.steps, "waits": engine.waits},
-            "stopped_by": life.stop_reason or "done", "error": error,
-            **live.refusals(),
-        }
-        rc = 0 if counters["verified"] is not False and error is None else 1
-        return counters, rc
-    finally:
-        ctl.close()
-        lsock.close()
-        if ep is not None:
-            ep.close()
 
 
 class _Serving:
@@ -928,20 +791,6 @@ class _Serving:
             r.post_write(self.lat_seen[i], self.lat_view, int(c["va"]), int(c["rkey"]))
         r.completions.clear()
 
-    def client_finished(self, ctl: ControlChannel, engine: Engine, life: Lifecycle) -> bool:
-        """True once the client said done (after our last ACKs and write-backs went out)
-        or went away."""
-        msg = ctl.poll()
-        if msg is not None and msg.get("done"):
-            self.done_msg = msg
-            engine.run(lambda: all(b.qp.requester.idle for b in self.bindings),
-                       stop=life.should_stop)
-            return True
-        if ctl.closed:
-            life.stop("client_gone")
-            return True
-        return False
-
     def result(self, dilation: Dilation, wall_ns: int) -> dict:
         responders = [b.qp.responder for b in self.bindings]
         nbytes = sum(rs.payload_bytes_received for rs in responders)
@@ -953,42 +802,23 @@ class _Serving:
                 **_rates(dilation, nbytes, msgs, pkts, wall_ns)}
 
 
-def _serve(life: Lifecycle, engine: Engine, ctl: ControlChannel, serving: _Serving) -> dict:
-    """Run the server side until the client says done (or goes away, or a stop)."""
-    steps = 0
-    start = time.monotonic_ns()
-    try:
-        while True:
-            busy = engine.step()
-            steps += 1
-            serving.step()
-            if ((not busy or steps % CONTROL_CHECK_STEPS == 0)
-                    and serving.client_finished(ctl, engine, life)):
-                break
-            if life.should_stop():
-                break
-            if not busy:
-                engine.extra_fds = [ctl]
-                engine.wait()
-    except Stopped:
-        pass
-    return serving.result(engine.dilation, time.monotonic_ns() - start)
-
-
-def _verify_writes(mems: list[mmap.mmap], messages: list[int], slots: int, size: int,
-                   seed: int, expected: list[bytearray] | None = None) -> dict:
-    """Each QP's region must hold the client's pattern in every slot it wrote. Without
-    `expected` the pattern is drawn as `pattern` draws it, 64 KiB at a time, and compared
-    chunk by chunk: the same bytes, never the whole of it in memory at once."""
+def _verify_writes_steps(mems: list[mmap.mmap], messages: list[int], slots: int, size: int,
+                        seed: int, out: dict,
+                        expected: list[bytearray] | None = None) -> Iterator[None]:
+    """Check that each QP's region holds the client's pattern in every slot it wrote,
+    yielding after each 64 KiB (a responder serving other streams steps it between
+    engine steps); the verdict goes into `out` ("verified", "first_mismatch"). Without
+    `expected` the pattern is drawn as `pattern` draws it, 64 KiB at a time, and
+    compared chunk by chunk: the same bytes, never the whole of it in memory at once."""
     for i, mem in enumerate(mems):
         n = min(int(messages[i]) if i < len(messages) else 0, slots) * size
         if n == 0:
             continue
         got = memoryview(mem)
+        bad = None
         if expected is not None:
             bad = first_mismatch(got[:n], memoryview(expected[i])[:n])
         else:
-            bad = None
             rng = random.Random(seed + i)
             for off in range(0, n, PATTERN_CHUNK):
                 want = rng.randbytes(min(PATTERN_CHUNK, slots * size - off))[:n - off]
@@ -996,10 +826,21 @@ def _verify_writes(mems: list[mmap.mmap], messages: list[int], slots: int, size:
                 if at is not None:
                     bad = off + at
                     break
+                yield
         if bad is not None:
-            return {"verified": False, "first_mismatch": {"qp": i, "offset": bad}}
-    return {"verified": True, "first_mismatch": None}
+            out.update(verified=False, first_mismatch={"qp": i, "offset": bad})
+            return
+    out.update(verified=True, first_mismatch=None)
+
+
+def _verify_writes(mems: list[mmap.mmap], messages: list[int], slots: int, size: int,
+                   seed: int, expected: list[bytearray] | None = None) -> dict:
+    """`_verify_writes_steps` at once: {"verified", "first_mismatch"}."""
+    out: dict = {}
+    for _ in _verify_writes_steps(mems, messages, slots, size, seed, out, expected):
+        pass
+    return out
 
 
 __all__ = ["CNP_DSCP", "DEFAULT_CONTROL_PORT", "TESTS", "Live", "TestError", "latency_stats",
-           "pattern", "run_client", "run_server", "slots_for"]
+           "pattern", "run_client", "slots_for"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -47,6 +48,21 @@ def write_counters(path: str | None, counters: dict) -> None:
 
 
 def report_counters(counters: dict, out: str | None = None) -> None:
-    """The agent's last word: `counters` on stdout (one line) and in `out` if given."""
+    """The agent's last word: `counters` on stdout (one line) and in `out` if given.
+
+    The line goes out with os.write until all of it is written: a line longer than the
+    pipe (a RoCE responder of 127 streams writes ~0.5 MB) blocks until the run reads it,
+    and a SIGTERM that came meanwhile made print() drop the rest of the line silently
+    (the agent then exited 0 with its JSON cut at a multiple of the pipe's 64 KiB)."""
     write_counters(out, counters)
-    print(json.dumps(counters, sort_keys=True, separators=(",", ":")), flush=True)
+    line = json.dumps(counters, sort_keys=True, separators=(",", ":")) + "\n"
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):   # not a file (a test's capture)
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        return
+    data = memoryview(line.encode())
+    while data:
+        data = data[os.write(fd, data):]      # EINTR is retried (PEP 475)

@@ -70,6 +70,14 @@ def read_agent_samples(agent: AgentEndpoint,
     mode = snap.get("mode", "agent")
     out = [Sample(agent.node, agent.name, -1, f"{mode}.{k}", float(v))
            for k, v in snap.items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    # One process serving several streams (a host's RoCE responder): each stream's
+    # counters under the stream's own name, as if it were an agent of its own.
+    for sub in snap.get("streams", []):
+        if isinstance(sub, dict) and isinstance(sub.get("name"), str):
+            sub_mode = sub.get("mode", mode)
+            out += [Sample(agent.node, sub["name"], -1, f"{sub_mode}.{k}", float(v))
+                    for k, v in sub.items()
+                    if isinstance(v, int | float) and not isinstance(v, bool)]
     # Per (port, class) rows: counters of the node's own ports (PFC), stored
     # under the same (node, port, tclass) as the kernel's class counters.
     for row in snap.get("ports", []):

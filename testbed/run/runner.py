@@ -881,10 +881,12 @@ def stop_agents(run: Run) -> None:
     for _spec, proc in run.agents:
         proc.request_stop()
     for spec, proc in run.agents:
-        proc.stop()
+        # result() reads the agent's stdout while it winds down (and stops it if it does
+        # not): waiting first without reading hung an agent whose last line is over a
+        # pipe's 64 KiB (a RoCE responder of 127 streams) until it was killed mid-line
         try:
             run.results[spec.name] = proc.result(timeout_s=wall_timeout_s(5))
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             run.notes.add(f"agent {spec.name} on {spec.node}: {exc}")
     run.notes.extend(stop_captures(run.captures, run.run_dir))
     if run.fabric_procs:

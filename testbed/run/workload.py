@@ -99,6 +99,8 @@ def expand_workload(fabric: Fabric, plan: Plan) -> list[AgentSpec]:
     specs: list[AgentSpec] = []
     for k, entry in enumerate(fabric.workload.traffic):
         specs += REGISTRY.of(entry.kind).expand(entry, k, ctx)
+    for kind in dict.fromkeys(REGISTRY.of(e.kind) for e in fabric.workload.traffic):
+        specs = kind.combine(specs, ctx)
     return specs
 
 

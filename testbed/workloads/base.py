@@ -8,9 +8,10 @@ testbed needs to know about it:
   stream `Shape` (incast, all-to-all, explicit pairs);
 - its whole-fabric config checks (`check`), beyond what the model validates;
 - how an entry expands into agents (`expand`: one `AgentSpec` per process, argv in
-  fabric units), how long its schedule is (`span_ns`), how long its senders may take to
-  set up before the run gives the common start without them (`startup_wall_s`) and
-  which of them the run waits for (`waits_ready`, `files_argv`);
+  fabric units; `combine`, once all entries are expanded, for a process that serves
+  several entries' streams), how long its schedule is (`span_ns`), how long its senders
+  may take to set up before the run gives the common start without them
+  (`startup_wall_s`) and which of them the run waits for (`waits_ready`, `files_argv`);
 - how its agents' results become result rows (`result_rows`, with `result_fields`
   documenting every column), per-stream packet accounts for the conservation invariant
   (`stream_accounts`), and its own fidelity notes (`fidelity_notes`).
@@ -355,6 +356,12 @@ class WorkloadKind(ABC):
     @abstractmethod
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
         """The agents of entry number `index` of the workload (receivers first)."""
+
+    def combine(self, specs: list[AgentSpec], ctx: ExpandContext) -> list[AgentSpec]:
+        """The run's agents once every entry is expanded, with this kind's own recast where
+        one process serves several entries' streams (the RoCE kind's one responder per
+        receiving host); other kinds' agents stay as and where they are. Default: as is."""
+        return specs
 
     def offered_load(self, entry: TrafficEntry, ctx: LoadContext) -> list[StreamLoad]:
         """The streams the entry offers the fabric, for `dilation: auto`. By default

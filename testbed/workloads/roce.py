@@ -1,15 +1,22 @@
 """RoCE streams (`python -m agents.roce`): perftest-style RDMA WRITE or SEND over the
 user-space RoCEv2 RC transport, with DCQCN or DCTCP.
 
-An entry becomes one server on the destination and one client on the source per stream,
-because a perftest-style server serves exactly one client. The streams into one host
-are numbered n = 0, 1, ... over all RoCE entries in config order; server n of a host
-listens for set-up on TCP ROCE_SETUP_PORT + n (18515, perftest's, for the first) and
-takes RDMA traffic on UDP ROCE_UDP_PORT + n (4791, RoCEv2's, for the first), skipping
-UDP 4793, Ultra Ethernet's port, which the uet kind owns: servers 2, 3, ... take 4794,
-4795, ... The
-clients' QPs send from rxe-style source ports 0xC000 | hash(QPN). The kind's listening
-ports are `ports` below, which the registry keeps apart from every other kind's.
+Each stream is one client on its source; every stream into a host, over all RoCE
+entries, is served by ONE responder process on that host (`python -m agents.roce server
+--streams FILE`, agents/roce/responder.py), as an RNIC serves every QP of its host: a
+perftest-style server per stream put 127 processes on the receiving host of a 127:1
+incast. `expand` gives a per-stream server stub (`-srv` name, its options); `combine`
+folds a host's stubs into its responder, whose streams file lists them by those names.
+The responder listens for set-up on TCP ROCE_SETUP_PORT (18515, perftest's) and each
+client names its stream there (--stream). Streams whose data and CNPs carry the same
+DSCPs share one UDP socket, on ROCE_UDP_PORT (4791, RoCEv2's); a socket has one TOS, so
+the n-th other DSCP pair on a host gets UDP 4791 + n, skipping 4793, Ultra Ethernet's
+port, which the uet kind owns. The clients' QPs send from rxe-style source ports
+0xC000 | hash(QPN). The kind's listening ports are `ports` below, which the registry
+keeps apart from every other kind's.
+
+Results stay one row per stream: the responder's JSON holds each stream's counters
+under `streams`, by its stub's name (`stream_results`).
 
 A RoCE entry's in-flight window (`window: auto`, the default) is computed from the
 fabric by `roce_window_packets`; docs/roce.md, "In-flight window", gives the formula and
@@ -69,8 +76,11 @@ RoceKindName = Literal["roce_incast", "roce_all_to_all", "roce_pairs"]
 ROCE_SETUP_PORT = 18515     # TCP, perftest's default port
 ROCE_UDP_PORT = 4791        # RoCEv2
 UET_UDP_PORT = 4793         # Ultra Ethernet's: RoCE servers skip it (the uet kind's)
-# Servers per host: set-up ports 18515 .. 19999, RoCE ports 4791, 4792, 4794 .. 6276.
+# UDP sockets per host (one per DSCP pair): RoCE ports 4791, 4792, 4794 .. 6276.
 ROCE_MAX_STREAMS_PER_HOST = 1485
+# The file a host's responder reads its streams from (AgentSpec.inputs).
+ROCE_STREAMS_FILE = "streams.json"
+
 # Bytes of message slots per QP at most (at least one message): what a server verifies.
 # A stream gets what it can have in flight twice over (ROCE_SLOTS_PER_POSTED slots per
 # message it keeps posted: roce_buffer_bytes), up to this.
@@ -90,8 +100,9 @@ RETH_BYTES, BTH_ICRC_BYTES = 16, 12 + 4
 class RoceTraffic(RdmaCcEntry):
     """RDMA WRITE or SEND streams over the user-space RoCEv2 RC transport (agents/roce).
 
-    Each (source, destination) stream is one perftest-style client on the source
-    and its own server on the destination; `qps` queue pairs per stream. Start
+    Each (source, destination) stream is one perftest-style client on the source,
+    served by the destination's one RoCE responder process; `qps` queue pairs per
+    stream. Start
     and duration are fabric time: a client posts messages for `duration`, then
     waits for the outstanding ones; or it posts exactly `messages` per QP. `cc`
     is the sender's rate controller and the receiver's CNP policy (DCQCN by
@@ -103,7 +114,8 @@ class RoceTraffic(RdmaCcEntry):
                       "digits and _, unique in the workload; agents and results carry it")
     kind: RoceKindName = Field(
         description="roce_incast: senders to one receiver; roce_all_to_all: every ordered pair "
-                    "of hosts; roce_pairs: the pairs listed; one client and server per stream")
+                    "of hosts; roce_pairs: the pairs listed; one client per stream, one "
+                    "responder per receiving host")
     senders: list[str] | None = Field(None, description="roce_incast: sending hosts")
     receiver: str | None = Field(None, description="roce_incast: the receiving host")
     hosts: list[str] | None = Field(None, description="roce_all_to_all: hosts (default all)")
@@ -177,12 +189,46 @@ def roce_buffer_bytes(size_bytes: int, tx_depth: int) -> int:
     return max(size_bytes, min(want, ROCE_BUFFER_BYTES))
 
 
-def roce_ports(n: int) -> tuple[int, int]:
-    """(TCP set-up port, UDP RoCE port) of the n-th RoCE server on a host."""
+def roce_udp_port(n: int) -> int:
+    """The UDP port of the n-th RoCE socket on a host (one per DSCP pair its streams use)."""
     if not 0 <= n < ROCE_MAX_STREAMS_PER_HOST:
-        raise ValueError(f"RoCE stream {n} into one host: at most {ROCE_MAX_STREAMS_PER_HOST}")
+        raise ValueError(f"RoCE socket {n} on one host: at most {ROCE_MAX_STREAMS_PER_HOST}")
     udp = ROCE_UDP_PORT + n
-    return ROCE_SETUP_PORT + n, udp + 1 if udp >= UET_UDP_PORT else udp
+    return udp + 1 if udp >= UET_UDP_PORT else udp
+
+
+def responder_name(host: str) -> str:
+    """The agent name of `host`'s RoCE responder."""
+    return f"roce-responder-{host}"
+
+
+def is_responder(spec: AgentSpec) -> bool:
+    """A host's RoCE responder (after `combine`), not a per-stream stub."""
+    return spec.role == "receiver" and any(n == ROCE_STREAMS_FILE for n, _ in spec.inputs)
+
+
+def responder_streams(spec: AgentSpec) -> list[dict]:
+    """The streams a responder serves: [{"name", "argv"}] as its streams file lists them."""
+    text = next(t for n, t in spec.inputs if n == ROCE_STREAMS_FILE)
+    return list(json.loads(text)["streams"])
+
+
+def stream_results(specs: Sequence[AgentSpec], results: Results) -> dict[str, dict]:
+    """Each stream's server-side result, by stream (its stub's name, f"{client}-srv"):
+    the part of its host responder's JSON under `streams` ({} where it has none)."""
+    out: dict[str, dict] = {}
+    for spec in specs:
+        if is_responder(spec):
+            res = (results.get(spec.name) or {}).get("streams") or {}
+            for st in responder_streams(spec):
+                out[st["name"]] = res.get(st["name"]) or {}
+    return out
+
+
+def stream_dports(specs: Sequence[AgentSpec]) -> dict[str, int]:
+    """Each stream's UDP destination port (its responder socket's), by stream name."""
+    return {st["name"]: int(arg_of(st["argv"], "--roce-port") or ROCE_UDP_PORT)
+            for spec in specs if is_responder(spec) for st in responder_streams(spec)}
 
 
 def _qp_sum(res: dict, side: str, key: str) -> int:
@@ -195,10 +241,11 @@ class RoceKind(WorkloadKind):
     model: ClassVar = RoceTraffic
     agent_module: ClassVar = "agents.roce"
     doc: ClassVar = ("perftest-style RDMA WRITE or SEND streams over the user-space RoCEv2 "
-                     "RC transport (agents/roce), with DCQCN or DCTCP: one server and one "
-                     "client per stream, `qps` queue pairs each.")
+                     "RC transport (agents/roce), with DCQCN or DCTCP: one client per "
+                     "stream, `qps` queue pairs each, and one responder process per "
+                     "receiving host serving all its streams.")
     ports: ClassVar = {
-        "tcp": range(ROCE_SETUP_PORT, ROCE_SETUP_PORT + ROCE_MAX_STREAMS_PER_HOST),
+        "tcp": range(ROCE_SETUP_PORT, ROCE_SETUP_PORT + 1),
         "udp": (range(ROCE_UDP_PORT, UET_UDP_PORT),
                 range(UET_UDP_PORT + 1, ROCE_UDP_PORT + ROCE_MAX_STREAMS_PER_HOST + 1))}
     example: ClassVar = {"name": "writes", "kind": "roce_pairs", "pairs": [["h1", "h4"]],
@@ -250,20 +297,19 @@ class RoceKind(WorkloadKind):
         yield from _check_via(entry, loc, pairs, ctx)
 
     def expand(self, entry: TrafficEntry, index: int, ctx: ExpandContext) -> list[AgentSpec]:
-        """A server (receiver) and a client (sender) per stream; servers come first."""
+        """A server stub (receiver) and a client (sender) per stream; stubs come first.
+        A stub's argv is its stream's server options (test first); `combine` folds each
+        host's stubs into its one responder."""
         assert isinstance(entry, RoceTraffic)
         t = entry
-        per_host = ctx.state("roce")   # destination host -> RoCE streams into it so far
-        d = str(ctx.dilation)
         cc = ["--cc", t.cc] + (["--cc-preset", t.preset] if t.preset else [])
         overrides = t.cc_overrides()       # DcqcnParams / DctcpParams names, absolute values
         if overrides:
             cc += ["--cc-params", json.dumps(overrides, sort_keys=True, separators=(",", ":"))]
         cnp = ctx.cnp_dscp
         common = ["--mtu", str(ctx.roce_mtu_bytes), "--dscp", str(ctx.dscp(t.tclass)), *cc,
-                  *(["--cnp-dscp", str(cnp)] if cnp is not None else []),
-                  "--dilation", d, "--connect-timeout-s", str(ROCE_CONNECT_TIMEOUT_S),
-                  "--spin-ns", str(ROCE_SPIN_NS)]
+                  *(["--cnp-dscp", str(cnp)] if cnp is not None else [])]
+        process = _process_argv(ctx)
         verify = ["--verify"] if t.verify else []
         cnp_interval = ([] if t.cnp_interval_ns is None or t.cc == "none"
                         else ["--cnp-interval-ns", str(t.cnp_interval_ns)])
@@ -281,17 +327,13 @@ class RoceKind(WorkloadKind):
             # empties between messages; no more, so the tail after `duration` stays short.
             depth = max(2, -(-window // per_message) + 1)
             buffer_bytes = roce_buffer_bytes(t.size_bytes, depth)
-            n = per_host.get(dst, 0)
-            per_host[dst] = n + 1
-            tcp_port, udp_port = roce_ports(n)
             name = f"{t.name}-{src}-{dst}"
             servers.append(AgentSpec(
                 name=f"{name}-srv", node=dst, role="receiver", traffic=t.name, kind=t.kind,
                 src=src, dst=dst, module=self.agent_module,
                 # only its own client may set up (the client binds its NIC's address)
-                argv=["server", t.test, "--bind", ctx.address(dst), "--port", str(tcp_port),
-                      "--peer-subnet", str(ipaddress.ip_network(ctx.address(src))),
-                      "--roce-port", str(udp_port), *verify, *cnp_interval, "--line-rate-bps",
+                argv=[t.test, "--peer-subnet", str(ipaddress.ip_network(ctx.address(src))),
+                      *verify, *cnp_interval, "--line-rate-bps",
                       str(ctx.line_rate_bps(dst)), "--window-packets", str(window), *common]))
             stop = (["--iters", str(t.messages)] if t.messages is not None
                     else ["--duration-ns", str(t.duration_ns)])
@@ -299,13 +341,51 @@ class RoceKind(WorkloadKind):
                 name=name, node=src, role="sender", traffic=t.name, kind=t.kind,
                 start_ns=t.start_ns, duration_ns=t.duration_ns or 0, src=src, dst=dst,
                 module=self.agent_module,
-                argv=["client", t.test, "--server", ctx.address(dst), "--port", str(tcp_port),
+                argv=["client", t.test, "--server", ctx.address(dst),
+                      "--port", str(ROCE_SETUP_PORT), "--stream", f"{name}-srv",
                       "--bind", ctx.address(src), "--size", str(t.size_bytes),
                       "--qps", str(t.qps), *stop,
                       "--tx-depth", str(depth), "--buffer-bytes", str(buffer_bytes),
                       "--seed", str(1 + 16 * j), *verify, "--line-rate-bps", str(line_bps),
-                      "--window-packets", str(window), *common], via=tuple(t.via or ())))
+                      "--window-packets", str(window), *common, *process],
+                via=tuple(t.via or ())))
         return servers + clients
+
+    def combine(self, specs: list[AgentSpec], ctx: ExpandContext) -> list[AgentSpec]:
+        """One responder per receiving host, in place of its streams' server stubs (over
+        every RoCE entry), at the first stub's place. Its streams file lists each stub's
+        name and options, with the UDP port of its socket: one per DSCP pair on the host,
+        in order of first use (a socket sends with one TOS)."""
+        stubs = [s for s in specs if s.role == "receiver" and s.kind in self.shapes
+                 and not is_responder(s)]
+        by_host: dict[str, list[AgentSpec]] = {}
+        for s in stubs:
+            by_host.setdefault(s.node, []).append(s)
+        responders = {}
+        for host, group in by_host.items():
+            sockets: dict[tuple, int] = {}
+            listed = []
+            for s in group:
+                key = (arg_of(s.argv, "--dscp"), arg_of(s.argv, "--cnp-dscp"))
+                n = sockets.setdefault(key, len(sockets))
+                listed.append({"name": s.name, "argv": [*s.argv, "--roce-port",
+                                                        str(roce_udp_port(n))]})
+            responders[host] = AgentSpec(
+                name=responder_name(host), node=host, role="receiver",
+                traffic=group[0].traffic, kind=group[0].kind, dst=host,
+                module=self.agent_module,
+                argv=["server", "--bind", ctx.address(host), "--port", str(ROCE_SETUP_PORT),
+                      *_process_argv(ctx)],
+                inputs=((ROCE_STREAMS_FILE,
+                         json.dumps({"streams": listed}, indent=1) + "\n"),))
+        out: list[AgentSpec] = []
+        for s in specs:
+            if s.role == "receiver" and s.node in responders and s in stubs:
+                if s is by_host[s.node][0]:
+                    out.append(responders[s.node])
+            else:
+                out.append(s)
+        return out
 
     def span_ns(self, entry: TrafficEntry, ctx: ExpandContext | None) -> int:
         """An entry that posts a number of messages has no schedule: it counts from its
@@ -329,16 +409,15 @@ class RoceKind(WorkloadKind):
 
     def path_pins(self, specs: Sequence[AgentSpec]) -> list[PathPin]:
         """A pin per client of an entry with `via`: one source port per QP (each QP has
-        a UDP socket of its own), to its own server's RoCE port."""
-        servers = {(s.traffic, s.src, s.dst): s for s in specs if s.role == "receiver"}
+        a UDP socket of its own), to its stream's RoCE port on the responder."""
+        dports = stream_dports(specs)
         pins = []
         for spec in specs:
             if spec.role != "sender" or not spec.via:
                 continue
-            srv = servers.get((spec.traffic, spec.src, spec.dst))
-            dport = arg_of(srv.argv, "--roce-port") if srv else None
+            dport = dports.get(f"{spec.name}-srv", ROCE_UDP_PORT)
             pins.append(PathPin(sender=spec.name, traffic=spec.traffic, src=spec.src,
-                                dst=spec.dst, dport=int(dport or ROCE_UDP_PORT),
+                                dst=spec.dst, dport=dport,
                                 count=int(arg_of(spec.argv, "--qps") or 1), via=spec.via))
         return pins
 
@@ -354,20 +433,21 @@ class RoceKind(WorkloadKind):
         return spec.role == "receiver"     # a server must listen before its client sets up
 
     def files_argv(self, spec: AgentSpec, files: AgentFiles) -> list[str]:
-        return ["--ready-file", str(files.ready), "--out", str(files.out)]
+        streams = files.inputs.get(ROCE_STREAMS_FILE)
+        return (["--ready-file", str(files.ready), "--out", str(files.out)]
+                + (["--streams", str(streams)] if streams is not None else []))
 
     def result_rows(self, specs: Sequence[AgentSpec], results: Results,
                     view: RunView) -> list[ResultRow]:
         """One row per stream (client + its server), in fabric units (result_fields)."""
-        servers = {(s.traffic, s.src, s.dst): results.get(s.name) for s in specs
-                   if s.role == "receiver"}
+        servers = stream_results(specs, results)
         via_of = {p.traffic: list(p.via) for p in self.path_pins(specs)}
         rows = []
         for spec in specs:
             if spec.role != "sender":
                 continue
             c = results.get(spec.name) or {}
-            srv = servers.get((spec.traffic, spec.src, spec.dst)) or {}
+            srv = servers.get(f"{spec.name}-srv") or {}
             fabric_ns = float(c.get("elapsed_fabric_ns") or 0)
             start_us = (spec.start_ns + (c.get("start_late_fabric_ns") or 0)) / 1e3
             tx_packets = _qp_sum(c, "requester", "packets_sent")
@@ -412,16 +492,19 @@ class RoceKind(WorkloadKind):
 
     def stream_accounts(self, specs: Sequence[AgentSpec], results: Results,
                         flow_drops: Sequence[dict], view: RunView) -> list[dict]:
-        servers = {(s.traffic, s.src, s.dst): s for s in specs if s.role == "receiver"}
+        servers = stream_results(specs, results)
+        dports = stream_dports(specs)
+        # what each responder's sockets dropped full (SO_RXQ_OVFL) is not known by
+        # stream: it is shared out over the streams into the host that miss packets
+        budget = {s.node: int((results.get(s.name) or {}).get("rx_socket_drops") or 0)
+                  for s in specs if is_responder(s)}
         out = []
         for spec in specs:
             if spec.role != "sender":
                 continue
             res = results.get(spec.name) or {}
-            srv = servers.get((spec.traffic, spec.src, spec.dst))
-            srv_res = (results.get(srv.name) if srv else None) or {}
-            dport = int(arg_of(srv.argv, "--roce-port") or ROCE_UDP_PORT) if srv else (
-                ROCE_UDP_PORT)
+            srv_res = servers.get(f"{spec.name}-srv") or {}
+            dport = dports.get(f"{spec.name}-srv", ROCE_UDP_PORT)
             qps = (res.get("qps") or {}).values()
             sent = sum(int(q.get("requester", {}).get("packets_sent", 0)) for q in qps)
             sports = {int(q["sport"]) for q in qps if "sport" in q}
@@ -433,11 +516,18 @@ class RoceKind(WorkloadKind):
             drops = flow_drops_of(flow_drops, view.addresses(spec.src), view.address(spec.dst),
                                   dport, sports or None)
             drops["injected"] = injected
+            short = max(0, sent - received - sum(drops.values()))
+            socket_drops = min(budget.get(spec.dst, 0), short)
+            budget[spec.dst] = budget.get(spec.dst, 0) - socket_drops
             # out-of-order arrivals follow every loss until go-back-N resends: only with
-            # nothing lost on the flow are they the emulator reordering
-            reordered = 0 if any(drops.values()) else ooo
-            out.append(stream_account(spec, sent=sent, received=received, drops=drops,
-                                      reordered=reordered, complete=bool(res and srv_res)))
+            # nothing lost on the flow are they the emulator reordering (a loss in the
+            # host's socket, whose count is not per stream, is a loss too)
+            reordered = 0 if any(drops.values()) or short else ooo
+            a = stream_account(spec, sent=sent, received=received, drops=drops,
+                               reordered=reordered, complete=bool(res and srv_res))
+            a["socket_drops"] = socket_drops
+            a["lost_counted"] = a["lost_counted"] or socket_drops > 0
+            out.append(a)
         return out
 
     def fidelity_notes(self, specs: Sequence[AgentSpec], results: Results,
@@ -445,9 +535,13 @@ class RoceKind(WorkloadKind):
         """Where RoCE streams did not run as configured: a client set up after the common
         start, an error, data that did not verify, ACK timeouts without a drop."""
         notes = []
+        servers = stream_results(specs, results)
         for spec in specs:
             res = results.get(spec.name) or {}
             who = self.describe(spec)
+            if is_responder(spec):
+                notes += _responder_notes(spec, res, servers)
+                continue
             if res.get("error"):
                 notes.append(f"{who} on {spec.node}: {res['error']}")
             if spec.role != "sender":
@@ -461,7 +555,7 @@ class RoceKind(WorkloadKind):
                 notes.append(f"{who} on {spec.node} finished set-up {late / 1e6:.0f} ms (wall) "
                              f"after its start time, so it started "
                              f"{view.dilation.to_fabric_ns(late) / 1e3:.1f} us fabric late")
-            for side, r in (("client", res), ("server", _server_result(specs, results, spec))):
+            for side, r in (("client", res), ("server", servers.get(f"{spec.name}-srv") or {})):
                 fp = r.get("fast_path") or {}
                 if fp.get("on") is False and not _chose_python(fp):
                     notes.append(f"{who}: the {side} ran the pure-Python packet path, not the "
@@ -498,13 +592,28 @@ def _chose_python(fast_path: dict) -> bool:
     return reason.startswith("turned off")
 
 
-def _server_result(specs: Sequence[AgentSpec], results: Results, client: AgentSpec) -> dict:
-    """The results of the server `client` talks to ({} if none)."""
-    for s in specs:
-        if s.role == "receiver" and (s.traffic, s.src, s.dst) == (
-                client.traffic, client.src, client.dst):
-            return results.get(s.name) or {}
-    return {}
+def _process_argv(ctx: ExpandContext) -> list[str]:
+    """The options every RoCE agent process takes alike (the responder's are its own)."""
+    return ["--dilation", str(ctx.dilation), "--connect-timeout-s",
+            str(ROCE_CONNECT_TIMEOUT_S), "--spin-ns", str(ROCE_SPIN_NS)]
+
+
+def _responder_notes(spec: AgentSpec, res: dict, servers: Mapping[str, dict]) -> list[str]:
+    """A responder's error, each of its streams' errors (named as the stream's server),
+    and datagrams its sockets dropped because it fell behind."""
+    notes = []
+    if res.get("error") and not res.get("streams"):
+        notes.append(f"RoCE server {spec.name} on {spec.node}: {res['error']}")
+    for st in responder_streams(spec):
+        err = (servers.get(st["name"]) or {}).get("error")
+        if err:
+            notes.append(f"RoCE server {st['name']} on {spec.node}: {err}")
+    dropped = int(res.get("rx_socket_drops") or 0)
+    if dropped:
+        notes.append(f"RoCE server {spec.name} on {spec.node}: its receive socket dropped "
+                     f"{dropped} datagrams, full (SO_RXQ_OVFL): the responder fell behind "
+                     "its streams; go-back-N resent them")
+    return notes
 
 
 def _check_schedule_and_cc(t: RoceTraffic, loc: tuple,

@@ -192,10 +192,10 @@ def test_a_killed_traffic_agent_is_named_and_the_run_goes_on(tmp_path, who):
 
 
 def test_a_killed_roce_agent_is_named(tmp_path):
-    result, fault, _said = _run(tmp_path, signal_agent("pair-h1-h3-srv", signal.SIGKILL), ROCE)
+    result, fault, _said = _run(tmp_path, signal_agent("roce-responder-h3", signal.SIGKILL), ROCE)
     faults = _faults(result)
     assert ("agent_exited", "continued") in [(f["fault"], f["action"]) for f in faults]
-    assert any(f["who"] == "pair-h1-h3-srv" for f in faults)
+    assert any(f["who"] == "roce-responder-h3" for f in faults)
     _detection_ms(result, fault, "agent_exited")
     _every_sample_before(result.run_dir, fault).close()
     _nothing_left(result, fault)

@@ -7,6 +7,7 @@ tests/integration/test_invariants.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from testbed.plan.model import Plan
@@ -221,19 +222,23 @@ def test_a_multi_homed_senders_datagrams_count_from_any_of_its_addresses():
 
 
 def _roce_agents():
-    srv = AgentSpec(name="w-h1-h8-srv", node="h8", role="receiver", traffic="w",
-                    kind="roce_incast", module="agents.roce", src="h1", dst="h8",
-                    argv=["server", "write_bw", "--roce-port", "4791"])
+    # h8's one responder, serving stream w-h1-h8 (testbed/workloads/roce.py combine)
+    streams = {"streams": [{"name": "w-h1-h8-srv", "argv": ["write_bw", "--roce-port", "4791"]}]}
+    srv = AgentSpec(name="roce-responder-h8", node="h8", role="receiver", traffic="w",
+                    kind="roce_incast", module="agents.roce", dst="h8",
+                    argv=["server", "--port", "18515"],
+                    inputs=(("streams.json", json.dumps(streams)),))
     cli = AgentSpec(name="w-h1-h8", node="h1", role="sender", traffic="w",
                     kind="roce_incast", module="agents.roce", src="h1", dst="h8",
                     argv=["client", "write_bw"])
     return [(srv, None), (cli, None)]
 
 
-def _roce_results(sent: int, received: int, ooo: int) -> dict:
+def _roce_results(sent: int, received: int, ooo: int, socket_drops: int = 0) -> dict:
     return {"w-h1-h8": {"qps": {"17": {"sport": 49170, "requester": {"packets_sent": sent}}}},
-            "w-h1-h8-srv": {"qps": {"18": {"responder": {"packets_received": received,
-                                                         "ooo_drops": ooo}}}}}
+            "roce-responder-h8": {"rx_socket_drops": socket_drops, "streams": {
+                "w-h1-h8-srv": {"qps": {"18": {"responder": {"packets_received": received,
+                                                             "ooo_drops": ooo}}}}}}}
 
 
 def test_roce_out_of_order_arrivals_are_reordering_only_with_nothing_lost():
@@ -247,6 +252,19 @@ def test_roce_out_of_order_arrivals_are_reordering_only_with_nothing_lost():
     streams = stream_accounts(PLAN, _roce_agents(), _roce_results(103, 100, ooo=12), drop)
     assert streams[0]["fabric_drops"] == 3 and streams[0]["reordered"] == 0
     assert not _finish(_monitor(), streams=streams)["violations"]
+
+
+def test_a_roce_responders_socket_drops_are_the_counted_place_of_what_it_missed():
+    # the responder fell behind: its socket dropped 5 datagrams full (SO_RXQ_OVFL)
+    streams = stream_accounts(PLAN, _roce_agents(), _roce_results(105, 100, ooo=9, socket_drops=5),
+                              [])
+    assert (streams[0]["socket_drops"], streams[0]["reordered"]) == (5, 0)
+    assert not _finish(_monitor(), streams=streams)["violations"]
+    # fewer than it missed: the rest has no counted place
+    streams = stream_accounts(PLAN, _roce_agents(), _roce_results(105, 100, ooo=9, socket_drops=2),
+                              [])
+    [v] = _finish(_monitor(), streams=streams)["violations"]
+    assert (v["invariant"], v["amount"]) == ("conservation", 3)
 
 
 def test_what_the_fabric_agents_do_as_they_stop_is_not_judged():
@@ -285,3 +303,10 @@ def test_packets_a_links_netem_dropped_or_holds_are_a_counted_place():
     [v] = _finish(_monitor(), last=last, streams=streams)["violations"]
     assert (v["invariant"], v["amount"]) == ("conservation", 1)
     assert "on the wire from leaf2:swp4" in v["detail"]
+
+
+def test_a_roce_stream_short_of_packets_is_not_judged_for_reordering():
+    # its losses were in the receiving host's socket, counted for the host (RcvbufErrors)
+    # but not for this stream: the out-of-order arrivals that follow are go-back-N's
+    streams = stream_accounts(PLAN, _roce_agents(), _roce_results(105, 100, ooo=9), [])
+    assert (streams[0]["socket_drops"], streams[0]["reordered"]) == (0, 0)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.config import load_config
+from testbed.config import load_config, load_config_text
 from testbed.plan import compile_plan
 from testbed.results.store import Store
 from testbed.run.procs import AgentProcess
@@ -58,10 +58,15 @@ def _proc(name: str, code: str) -> AgentProcess:
 
 def test_waiting_for_ready_agents_names_those_that_exit_or_never_get_ready(
         tmp_path: Path, monkeypatch) -> None:
-    loaded = load_config(REPO / "configs" / "examples" / "dcqcn-on.yaml")
+    # RoCE into three hosts: three responders (one per receiving host) the run waits for
+    text = (REPO / "configs" / "examples" / "dcqcn-on.yaml").read_text()
+    loaded = load_config_text(text.split("workload:")[0] + (
+        "workload:\n  traffic:\n    - {name: all, kind: roce_all_to_all, hosts: [h1, h2, h3], "
+        "duration: 1ms}\n"), "three.yaml")
     plan = compile_plan(loaded)
     specs = expand_workload(loaded.fabric, plan)
-    servers = [s for s in specs if s.role == "receiver"][:3]
+    servers = [s for s in specs if s.role == "receiver"]
+    assert len(servers) == 3
     (tmp_path / "agents").mkdir()
     store = Store(tmp_path / "c.sqlite", create=True)
     run = Run(loaded=loaded, plan=plan, options=RunOptions(say=lambda _m: None),
@@ -118,6 +123,38 @@ def test_agents_are_stopped_together_so_each_has_the_whole_grace_period(
     assert sorted(run.results) == sorted(s.name for s in specs)
     assert time.monotonic() - t0 < 5.5         # in parallel: ~2 s, not 3 x 2 s
     assert not [n for n in run.notes.items if "without counters" in n]
+
+
+def test_an_agents_last_line_longer_than_a_pipe_still_arrives_whole(tmp_path: Path) -> None:
+    """A RoCE responder serving 127 streams prints ~0.5 MB of counters as it stops: the
+    run must read them while the agent writes, not wait for an exit that the full pipe
+    blocks (the line came cut at 64 KiB, after the agent was killed)."""
+    loaded = load_config(REPO / "configs" / "examples" / "dcqcn-on.yaml")
+    plan = compile_plan(loaded)
+    specs = expand_workload(loaded.fabric, plan)[:1]
+    (tmp_path / "agents").mkdir()
+    store = Store(tmp_path / "c.sqlite", create=True)
+    run = Run(loaded=loaded, plan=plan, options=RunOptions(say=lambda _m: None),
+              run_dir=tmp_path, store=store, notes=Notes(store, lambda: 0), probe={},
+              specs=specs, period_ns=1, drain_ns=1, span_ns=1)
+    big = ("import json, signal, sys, time\n"
+           "def bye(*_):\n"
+           "    print(json.dumps({'pad': 'x' * 500000})); sys.exit(0)\n"
+           "signal.signal(signal.SIGTERM, bye)\n"
+           "print('up', flush=True)\n"
+           "time.sleep(60)\n")
+    run.agents = [(s, _proc(s.name, big)) for s in specs]
+    for _, proc in run.agents:
+        assert proc.popen.stdout.readline().strip() == "up"
+    t0 = time.monotonic()
+    try:
+        stop_agents(run)
+    finally:
+        for _, proc in run.agents:
+            proc.stop()
+    store.close()
+    assert len(run.results[specs[0].name]["pad"]) == 500000
+    assert time.monotonic() - t0 < 4          # not the 5 s grace, then a kill
 
 
 # --- fixed cost: the start margin, late senders, the drain, stopping, timings ----------

@@ -29,7 +29,9 @@ from testbed.workloads.roce import (
     ROCE_SETUP_PORT,
     ROCE_UDP_PORT,
     RoceTraffic,
-    roce_ports,
+    is_responder,
+    responder_streams,
+    roce_udp_port,
 )
 from testbed.workloads.udp import UdpTraffic
 from tests.conftest import REPO
@@ -65,6 +67,28 @@ def _opt(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
+def _stream_argv(responder, k: int = 0) -> list[str]:
+    """Stream k of a host's responder as a one-stream server's argv (its options, then
+    the process's)."""
+    return ["server", *responder_streams(responder)[k]["argv"], *responder.argv[1:]]
+
+
+def _argv(spec) -> list[str]:
+    """What one agent of the spec parses: a responder's first stream as a server's."""
+    return _stream_argv(spec) if is_responder(spec) else spec.argv
+
+
+def _responder_results(specs, results: dict) -> dict:
+    """`results` with each stream's server result (keyed <client>-srv) moved where a
+    host's responder writes it: under `streams` in the responder's JSON."""
+    out = dict(results)
+    for s in specs:
+        if is_responder(s):
+            out[s.name] = {"streams": {st["name"]: out.pop(st["name"])
+                                       for st in responder_streams(s) if st["name"] in out}}
+    return out
+
+
 INCAST = "    - {name: inc, kind: roce_incast, senders: [h1, h2, h5], receiver: h8, duration: 1ms}"
 
 
@@ -88,30 +112,36 @@ def test_udp_and_roce_entries_live_side_by_side():
     assert workload_span_ns(loaded.fabric) == 2_100_000
 
 
-def test_incast_expands_to_one_server_per_stream_on_distinct_ports():
+def test_incast_expands_to_one_responder_on_the_receiving_host_serving_every_stream():
     loaded, plan = _load(INCAST)
     specs = expand_workload(loaded.fabric, plan)
     servers = [s for s in specs if s.role == "receiver"]
     clients = [s for s in specs if s.role == "sender"]
-    # servers come first so they listen before their clients set up
+    # the responder comes first so it listens before the clients set up
     assert specs == servers + clients
-    assert [s.name for s in servers] == ["inc-h1-h8-srv", "inc-h2-h8-srv", "inc-h5-h8-srv"]
+    (responder,) = servers
+    assert (responder.name, responder.node, responder.dst) == ("roce-responder-h8", "h8", "h8")
+    streams = responder_streams(responder)
+    assert [st["name"] for st in streams] == ["inc-h1-h8-srv", "inc-h2-h8-srv", "inc-h5-h8-srv"]
     assert [s.name for s in clients] == ["inc-h1-h8", "inc-h2-h8", "inc-h5-h8"]
-    assert {s.node for s in servers} == {"h8"}
     assert [s.node for s in clients] == ["h1", "h2", "h5"]
-    assert [(int(_opt(s.argv, "--port")), int(_opt(s.argv, "--roce-port"))) for s in servers] == [
-        (ROCE_SETUP_PORT, 4791), (ROCE_SETUP_PORT + 1, 4792), (ROCE_SETUP_PORT + 2, 4794)]
+    # one set-up port; every stream on RoCEv2's UDP port, one socket
+    assert int(_opt(responder.argv, "--port")) == ROCE_SETUP_PORT
+    assert [int(_opt(st["argv"], "--roce-port")) for st in streams] == [ROCE_UDP_PORT] * 3
     h8 = plan.node("h8").interfaces[0].address.split("/")[0]
-    for server, client in zip(servers, clients, strict=True):
-        assert client.module == server.module == "agents.roce"
+    assert _opt(responder.argv, "--bind") == h8
+    parser = roce_main.build_parser()
+    for k, (st, client) in enumerate(zip(streams, clients, strict=True)):
+        assert client.module == responder.module == "agents.roce"
         assert _opt(client.argv, "--server") == h8
-        assert _opt(client.argv, "--port") == _opt(server.argv, "--port")
+        assert _opt(client.argv, "--port") == str(ROCE_SETUP_PORT)
+        assert _opt(client.argv, "--stream") == st["name"]
         assert _opt(client.argv, "--bind") == plan.node(client.src).interfaces[0].address.split(
             "/")[0]
-        assert (client.src, client.dst, server.src, server.dst) == (
-            client.node, "h8", client.node, "h8")
-        # the server takes set-up connections from its own client only
-        assert _opt(server.argv, "--peer-subnet") == _opt(client.argv, "--bind") + "/32"
+        assert (client.src, client.dst) == (client.node, "h8")
+        # each stream takes set-up connections from its own client only
+        assert _opt(st["argv"], "--peer-subnet") == _opt(client.argv, "--bind") + "/32"
+        assert parser.parse_args(_stream_argv(responder, k)).test == "write_bw"
 
 
 def test_argv_carries_the_config_in_fabric_units_and_parses():
@@ -121,7 +151,7 @@ def test_argv_carries_the_config_in_fabric_units_and_parses():
     server, client = expand_workload(loaded.fabric, plan)
     parser = roce_main.build_parser()
     c = parser.parse_args(client.argv)
-    s = parser.parse_args(server.argv)
+    s = parser.parse_args(_argv(server))
     assert (c.role, c.test, s.role, s.test) == ("client", "send_bw", "server", "send_bw")
     assert c.size == 1_000_000 and c.qps == 2 and c.duration_ns == 500_000
     assert c.cc == s.cc == "dcqcn" and c.cc_preset == s.cc_preset == "paper"
@@ -179,35 +209,41 @@ def test_cc_none_passes_no_preset_and_verify_is_asked_by_both_sides():
     loaded, plan = _load("    - {name: n, kind: roce_pairs, pairs: [[h1, h2]], duration: 1ms, "
                          "cc: none}")
     server, client = expand_workload(loaded.fabric, plan)
-    for spec in (server, client):
-        assert _opt(spec.argv, "--cc") == "none"
-        assert "--cc-preset" not in spec.argv and "--cnp-interval-ns" not in spec.argv
-        assert "--verify" in spec.argv
+    for argv in (_argv(server), client.argv):
+        assert _opt(argv, "--cc") == "none"
+        assert "--cc-preset" not in argv and "--cnp-interval-ns" not in argv
+        assert "--verify" in argv
 
 
-def test_streams_into_one_host_are_numbered_across_entries():
+def test_one_responder_per_host_serves_every_entrys_streams_a_socket_per_dscp():
     loaded, plan = _load(
         "    - {name: a, kind: roce_pairs, pairs: [[h1, h8], [h2, h3]], duration: 1ms}\n"
-        "    - {name: b, kind: roce_all_to_all, hosts: [h3, h8], duration: 1ms}")
-    ports = {}
-    for s in expand_workload(loaded.fabric, plan):
-        if s.role == "receiver":
-            ports.setdefault(s.node, []).append(int(_opt(s.argv, "--roce-port")))
-    assert ports == {"h8": [4791, 4792], "h3": [4791, 4792]}
-    clients = [s for s in expand_workload(loaded.fabric, plan) if s.role == "sender"]
+        "    - {name: b, kind: roce_all_to_all, hosts: [h3, h8], duration: 1ms}\n"
+        "    - {name: c, kind: roce_pairs, pairs: [[h4, h8]], duration: 1ms, tclass: default, "
+        "cc: none}")
+    specs = expand_workload(loaded.fabric, plan)
+    ports = {s.node: [(st["name"], int(_opt(st["argv"], "--roce-port")))
+                      for st in responder_streams(s)] for s in specs if s.role == "receiver"}
+    # a stream of another class (another DSCP) gets the host's next socket
+    assert ports == {"h8": [("a-h1-h8-srv", 4791), ("b-h3-h8-srv", 4791),
+                            ("c-h4-h8-srv", 4792)],
+                     "h3": [("a-h2-h3-srv", 4791), ("b-h8-h3-srv", 4791)]}
+    # the responders stand where their first stream's server would have (entry a's)
+    assert [s.name for s in specs][:2] == ["roce-responder-h8", "roce-responder-h3"]
+    clients = [s for s in specs if s.role == "sender" and s.traffic != "c"]
     assert [(s.src, s.dst) for s in clients] == [("h1", "h8"), ("h2", "h3"), ("h3", "h8"),
                                                   ("h8", "h3")]
 
 
 def test_roce_ports_stay_below_the_udp_agents_ports():
-    assert roce_ports(0) == (18515, 4791)
-    assert roce_ports(ROCE_MAX_STREAMS_PER_HOST - 1)[1] < 6400      # the flows kind's first
+    assert roce_udp_port(0) == 4791
+    assert roce_udp_port(ROCE_MAX_STREAMS_PER_HOST - 1) < 6400      # the flows kind's first
     with pytest.raises(ValueError):
-        roce_ports(20000 - 18515)
+        roce_udp_port(20000 - 18515)
 
 
 def test_roce_servers_skip_ultra_ethernets_port_4793():
-    udp = [roce_ports(n)[1] for n in range(ROCE_MAX_STREAMS_PER_HOST)]
+    udp = [roce_udp_port(n) for n in range(ROCE_MAX_STREAMS_PER_HOST)]
     assert udp[:3] == [4791, 4792, 4794]
     assert 4793 not in udp and len(set(udp)) == len(udp)
     claimed = [p for r in ROCE.ports["udp"] for p in r]
@@ -258,7 +294,7 @@ def test_auto_window_on_the_default_fabric_is_652_packets():
     assert roce_window_packets(100 * 10**9, longest_round_trip_ns(plan, 3), 4096) == 652
     parser = roce_main.build_parser()
     for spec in expand_workload(loaded.fabric, plan):
-        args = parser.parse_args(spec.argv)
+        args = parser.parse_args(_argv(spec))
         assert args.window_packets == 652, spec.name
         if spec.role == "sender":   # a full window posted, and one 64 KiB message more
             assert args.tx_depth == 652 // 16 + 1 + 1 == 42
@@ -315,7 +351,7 @@ def test_a_given_window_goes_to_both_agents():
                          "window: 4096, size: 4096}")
     server, client = expand_workload(loaded.fabric, plan)
     parser = roce_main.build_parser()
-    assert parser.parse_args(server.argv).window_packets == 4096
+    assert parser.parse_args(_argv(server)).window_packets == 4096
     c = parser.parse_args(client.argv)
     assert (c.window_packets, c.tx_depth) == (4096, 4097)
 
@@ -347,25 +383,25 @@ def test_cc_params_reach_both_agents_and_apply_as_absolute_values_on_the_scaled_
     parser = roce_main.build_parser()
     want = {"rai_bps": 7_000_000, "alpha_timer_ns": 2_000, "byte_counter_bytes": 1_000_000,
             "rate_decrease_interval_ns": None, "np_mode": "timer", "g": 0.0625}
-    for spec in (server, client):
-        args = parser.parse_args(spec.argv)
+    for argv in (_argv(server), client.argv):
+        args = parser.parse_args(argv)
         assert args.cc_params == want
         p = cc_params(args, cc_settings(args))
         # hpcc-ns3 is per 25G: R_HAI 50 -> 200 Mb/s on the 100G NIC, R_AI as given
         assert (p.rai_bps, p.rhai_bps, p.alpha_timer_ns, p.g) == (7e6, 200e6, 2_000, 0.0625)
         assert p.rate_decrease_interval_ns is None and p.byte_counter_bytes == 1_000_000
-    np_ = make_np(parser.parse_args(server.argv), "dcqcn", p)
+    np_ = make_np(parser.parse_args(_argv(server)), "dcqcn", p)
     assert (np_.cnp_interval_ns, np_.mode) == (0, "timer")
     # no cc_params: no --cc-params, the agents run the preset as it is
     loaded, plan = _load(INCAST)
-    assert all("--cc-params" not in s.argv for s in expand_workload(loaded.fabric, plan))
+    assert all("--cc-params" not in _argv(s) for s in expand_workload(loaded.fabric, plan))
 
 
 def test_cnp_interval_keeps_the_presets_np_mode():
     loaded, plan = _load("    - {name: t, kind: roce_pairs, pairs: [[h1, h6]], duration: 1ms, "
                          "cc_preset: ns3-rdma, cnp_interval: 80us}")
     server, _ = expand_workload(loaded.fabric, plan)
-    args = roce_main.build_parser().parse_args(server.argv)
+    args = roce_main.build_parser().parse_args(_argv(server))
     np_ = make_np(args, "dcqcn", cc_params(args, cc_settings(args)))
     assert (np_.cnp_interval_ns, np_.mode) == (80_000, "timer")     # ns3-rdma's mode
 
@@ -489,7 +525,8 @@ def test_one_result_row_per_stream_from_client_and_server(tmp_path):
               "bw_fabric_bps": (4 << 20) * 8 / 400e-6, "verified": True, "error": None,
               "qps": {"770": _qp(770)}}
     server = {"role": "server", "verified": True, "error": None, "qps": {"512": _qp(512)}}
-    results = {s.name: (server if s.role == "receiver" else client) for s in specs}
+    results = _responder_results(specs, {n: r for s in specs if s.role == "sender"
+                                         for n, r in ((s.name, client), (f"{s.name}-srv", server))})
     store = Store(tmp_path / "c.sqlite", create=True)
     for row in ROCE.result_rows(specs, results, run_view(plan, tmp_path, 0)):
         store.add_result(row.traffic, row.kind, row.fields)
@@ -527,6 +564,7 @@ def test_fidelity_names_late_clients_bad_data_and_timeouts(tmp_path):
                "inc-h2-h8": {"verified": True, "qps": {"1": _qp(1, timeouts=0)}},
                "inc-h5-h8": {"verified": True, "qps": {"1": _qp(1, timeouts=3)}},
                "inc-h1-h8-srv": {"error": "remote_access_error"}}
+    results = _responder_results(specs, results)
     notes = ROCE.fidelity_notes(specs, results, run_view(plan, tmp_path / "agents", t0))
     text = "\n".join(notes)
     assert "RoCE server inc-h1-h8-srv on h8: remote_access_error" in text
@@ -559,7 +597,7 @@ def test_via_is_carried_by_the_pinned_entrys_clients_only():
     assert (pin.sender, pin.src, pin.dst, pin.count, pin.via) == (
         clients["a"].name, "h1", "h5", 2, ("spine1",))
     server = next(s for s in specs if s.role == "receiver" and s.traffic == "a")
-    assert pin.dport == int(_opt(server.argv, "--roce-port"))
+    assert pin.dport == int(_opt(_argv(server), "--roce-port"))
 
 
 def test_pinned_client_argv_gives_each_qp_its_port_and_parses():
@@ -696,9 +734,11 @@ def test_rows_and_notes_say_which_packet_path_ran(tmp_path):
     for s in specs:
         if s.role == "sender":
             ready_file(tmp_path / "agents", s).touch()
-    results = {s.name: {"verified": True, "qps": {"1": _qp(1, timeouts=0)},
-                        "fast_path": chosen} for s in specs}
+    results = {n: {"verified": True, "qps": {"1": _qp(1, timeouts=0)},
+                   "fast_path": chosen} for s in specs if s.role == "sender"
+               for n in (s.name, f"{s.name}-srv")}
     results["inc-h1-h8-srv"]["fast_path"] = missing
+    results = _responder_results(specs, results)
     rows = {r.fields["src"]: r.fields for r in ROCE.result_rows(
         specs, results, run_view(plan, tmp_path / "agents", t0))}
     assert rows["h1"]["packet_path"] == "python" and rows["h2"]["packet_path"] == "python"
