@@ -91,19 +91,25 @@ def test_waiting_for_ready_agents_names_those_that_exit_or_never_get_ready(
            "(code 3)" in notes[1]
 
 
+
+def _dcqcn_run(tmp_path: Path, agents: int) -> Run:
+    """A Run of the dcqcn-on example with its first `agents` workload specs."""
+    loaded = load_config(REPO / "configs" / "examples" / "dcqcn-on.yaml")
+    plan = compile_plan(loaded)
+    (tmp_path / "agents").mkdir()
+    store = Store(tmp_path / "c.sqlite", create=True)
+    return Run(loaded=loaded, plan=plan, options=RunOptions(say=lambda _m: None),
+               run_dir=tmp_path, store=store, notes=Notes(store, lambda: 0), probe={},
+               specs=expand_workload(loaded.fabric, plan)[:agents], period_ns=1, drain_ns=1,
+               span_ns=1)
+
 def test_agents_are_stopped_together_so_each_has_the_whole_grace_period(
         tmp_path: Path) -> None:
     """Three agents that each need 2 s after SIGTERM to write their counters: stopped one
     after the other with a 5 s grace each, the last would be asked only after the others
     had gone; asked together, all three finish and report."""
-    loaded = load_config(REPO / "configs" / "examples" / "dcqcn-on.yaml")
-    plan = compile_plan(loaded)
-    specs = expand_workload(loaded.fabric, plan)[:3]
-    (tmp_path / "agents").mkdir()
-    store = Store(tmp_path / "c.sqlite", create=True)
-    run = Run(loaded=loaded, plan=plan, options=RunOptions(say=lambda _m: None),
-              run_dir=tmp_path, store=store, notes=Notes(store, lambda: 0), probe={},
-              specs=specs, period_ns=1, drain_ns=1, span_ns=1)
+    run = _dcqcn_run(tmp_path, 3)
+    specs, store = run.specs, run.store
     slow_exit = ("import json, signal, sys, time\n"
                  "def bye(*_):\n"
                  "    time.sleep(2); print(json.dumps({'t': time.monotonic()})); sys.exit(0)\n"
@@ -129,14 +135,8 @@ def test_an_agents_last_line_longer_than_a_pipe_still_arrives_whole(tmp_path: Pa
     """A RoCE responder serving 127 streams prints ~0.5 MB of counters as it stops: the
     run must read them while the agent writes, not wait for an exit that the full pipe
     blocks (the line came cut at 64 KiB, after the agent was killed)."""
-    loaded = load_config(REPO / "configs" / "examples" / "dcqcn-on.yaml")
-    plan = compile_plan(loaded)
-    specs = expand_workload(loaded.fabric, plan)[:1]
-    (tmp_path / "agents").mkdir()
-    store = Store(tmp_path / "c.sqlite", create=True)
-    run = Run(loaded=loaded, plan=plan, options=RunOptions(say=lambda _m: None),
-              run_dir=tmp_path, store=store, notes=Notes(store, lambda: 0), probe={},
-              specs=specs, period_ns=1, drain_ns=1, span_ns=1)
+    run = _dcqcn_run(tmp_path, 1)
+    specs, store = run.specs, run.store
     big = ("import json, signal, sys, time\n"
            "def bye(*_):\n"
            "    print(json.dumps({'pad': 'x' * 500000})); sys.exit(0)\n"
