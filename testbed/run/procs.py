@@ -141,6 +141,10 @@ def _from_zygote(lab: str, netns: str, argv: list[str], name: str, stdout: Any,
     target = module_of(argv)
     if z is None or target is None:
         return None
+    if z.zygote.modules is not None and target[0] not in z.zygote.modules:
+        # not one of the run's agents (a helper a test or hook starts during the run):
+        # exec, so that it does not end with the zygote when the run's agents are done
+        return None
     if z.fallback:
         z.executed += 1
         return None

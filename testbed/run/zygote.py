@@ -80,6 +80,8 @@ class Zygote:
     def __init__(self, popen: subprocess.Popen, sock: socket.socket, lab: str) -> None:
         self.popen = popen
         self.lab = lab
+        # the run's agent modules: only they are forked from it (procs._from_zygote)
+        self.modules: frozenset[str] | None = None
         self._sock = sock
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -120,7 +122,9 @@ class Zygote:
             theirs.close()
             if not isinstance(log, int):
                 log.close()
-        return cls(popen, ours, lab)
+        zygote = cls(popen, ours, lab)
+        zygote.modules = frozenset(modules)
+        return zygote
 
     # --- messages ------------------------------------------------------------------
 

@@ -141,11 +141,13 @@ def test_a_non_members_packets_and_an_unknown_job_are_dropped_and_counted(tmp_pa
     def inject(plan: Plan) -> None:
         (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
         to = f"{_address(plan, 'leaf1', 'h1')}:11000"     # where the members send
+        # spread over 0.2 s: all of it lands while the job runs (the run starts its
+        # senders as soon as they are armed, so the whole job takes well under 1 s)
         injector.append(start_process(plan.lab, plan.node("h3").netns, [
             sys.executable, "-m", "tests.integration.ina_inject",
             "--wait-file", str(run_dir / "agents" / "ina-agg-leaf1.ready"), "--to", to,
             "--job", "1", "--unknown-job", "99", "--sender", "0", "--count", str(forged),
-            "--unknown-count", str(unknown), "--spread-s", "1.0"], "ina-inject"))
+            "--unknown-count", str(unknown), "--spread-s", "0.2"], "ina-inject"))
 
     try:
         # the tree as given in config, its root on the spine the topology would not pick

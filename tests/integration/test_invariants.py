@@ -70,7 +70,9 @@ def _run(tmp_path, pfc: bool = True, on_up=None, on_sample=None) -> dict:
 
 
 def _pids_in(netns: str, *words: str) -> list[int]:
-    """Processes inside a lab namespace whose command line has every word."""
+    """Processes inside a lab namespace whose command line has every word, or whose name
+    does (an agent forked from the run's zygote keeps the zygote's command line and is
+    named `udp recv` for `python -m agents.udp recv`: agents/runtime/zygote.py)."""
     ino = os.stat(f"/var/run/netns/{netns}").st_ino
     out = []
     for entry in os.listdir("/proc"):
@@ -80,9 +82,11 @@ def _pids_in(netns: str, *words: str) -> list[int]:
             if os.stat(f"/proc/{entry}/ns/net").st_ino != ino:
                 continue
             argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            name = open(f"/proc/{entry}/comm", "rb").read().split()
         except OSError:
             continue
-        if all(w.encode() in argv for w in words):
+        if (all(w.encode() in argv for w in words)
+                or all(w.removeprefix("agents.").encode() in name for w in words)):
             out.append(int(entry))
     return out
 

@@ -157,6 +157,10 @@ def test_sigint_stops_cleanly_and_reports_interrupted(tmp_path):
     leftovers = subprocess.run(["pgrep", "-f", f"agents.udp.*{run_dir.name}"],
                                capture_output=True, text=True).stdout.split()
     assert leftovers == []
+    # agents forked from the run's zygote carry the zygote's command line (--lab=LAB)
+    forked = subprocess.run(["pgrep", "-f", f"agents.runtime.zygote .*--lab={lab} "],
+                            capture_output=True, text=True).stdout.split()
+    assert forked == []
     report = run_dir / "report.html"
     if report.exists():
         assert "interrupted" in report.read_text().lower()
@@ -186,6 +190,10 @@ def test_sigkilled_run_is_cleaned_by_down_and_its_data_survives(tmp_path):
     leftovers = subprocess.run(["pgrep", "-f", f"agents.udp.*{run_dir.name}"],
                                capture_output=True, text=True).stdout.split()
     assert leftovers == []
+    # agents forked from the run's zygote carry the zygote's command line (--lab=LAB)
+    forked = subprocess.run(["pgrep", "-f", f"agents.runtime.zygote .*--lab={lab} "],
+                            capture_output=True, text=True).stdout.split()
+    assert forked == []
     store = Store(run_dir / "counters.sqlite")
     assert store.counters()
     assert len(store.sample_times()) >= 3
